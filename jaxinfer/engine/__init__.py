@@ -1,0 +1,1 @@
+"""Generation engine: jitted steps and the host loop that drives them."""

@@ -1,0 +1,1 @@
+"""Checkpoint loaders: GGUF, Hugging Face safetensors directories and Orbax."""

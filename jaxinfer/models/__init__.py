@@ -1,0 +1,1 @@
+"""Model families: one file per family plus shared layers."""
