@@ -1,0 +1,190 @@
+"""The Llama family (Llama 1-3, SmolLM, Qwen2 with q/k/v bias) as plain functions over pytrees.
+
+weights = {"embed": [V, D], "layers": {... stacked on a leading L axis ...},
+           "final_norm": [D], "lm_head": [D, V] (untied models only)}
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import cache as kv
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.layers import WeightSpec, apply_rope, attention, dot, gated_mlp, rms_norm, rope_inv_freq, silu
+
+
+def weight_specs(cfg: ModelConfig) -> dict:
+    """The one declaration of every weight: shape, logical axes, initialisation."""
+    L, D, N, K, H, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
+                           cfg.head_dim, cfg.d_ff, cfg.vocab_size)
+    layer = {
+        "attn_norm": WeightSpec((L, D), ("layers", "embed"), "ones"),
+        "wq": WeightSpec((L, D, N, H), ("layers", "embed", "q_heads", "head_dim")),
+        "wk": WeightSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+        "wv": WeightSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+        "wo": WeightSpec((L, N, H, D), ("layers", "q_heads", "head_dim", "embed")),
+        "mlp_norm": WeightSpec((L, D), ("layers", "embed"), "ones"),
+        "w_gate": WeightSpec((L, D, F), ("layers", "embed", "mlp")),
+        "w_up": WeightSpec((L, D, F), ("layers", "embed", "mlp")),
+        "w_down": WeightSpec((L, F, D), ("layers", "mlp", "embed")),
+    }
+    if cfg.qkv_bias:
+        layer["bq"] = WeightSpec((L, N, H), ("layers", "q_heads", "head_dim"), "zeros")
+        layer["bk"] = WeightSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
+        layer["bv"] = WeightSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
+    specs = {
+        "embed": WeightSpec((V, D), ("vocab", "embed")),
+        "layers": layer,
+        "final_norm": WeightSpec((D,), ("embed",), "ones"),
+    }
+    if not cfg.tie_embeddings:
+        specs["lm_head"] = WeightSpec((D, V), ("embed", "vocab"))
+    return specs
+
+
+def embed(weights, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return jnp.take(weights["embed"], tokens, axis=0).astype(cfg.jnp_dtype)  # [B, T, D]
+
+
+def unembed(weights, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final norm and output projection to float32 logits [B, T, V]."""
+    x = rms_norm(x, weights["final_norm"], cfg.norm_eps)
+    if cfg.tie_embeddings:
+        return dot("BTD,VD->BTV", x, weights["embed"]).astype(jnp.float32)
+    return dot("BTD,DV->BTV", x, weights["lm_head"]).astype(jnp.float32)
+
+
+def forward(
+    weights: dict,
+    tokens: jax.Array,  # i32[B, T]
+    start: jax.Array,  # i32[B] position of tokens[:, 0]
+    cache: kv.KVCache | None,
+    *,
+    cfg: ModelConfig,
+    read_cache: bool = True,  # False when every row starts at 0: skip reading an empty cache
+) -> tuple[jax.Array, kv.KVCache | None]:  # hidden [B, T, D] before the final norm, cache
+    B, T = tokens.shape
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
+    inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope))
+    scale = cfg.head_dim**-0.5
+    use_cache = cache is not None and read_cache
+
+    def layer(x, xs):
+        w, k_cache, v_cache = xs
+        with jax.named_scope("attention"):
+            h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
+            q = dot("BTD,DNH->BTNH", h, w["wq"])
+            k = dot("BTD,DKH->BTKH", h, w["wk"])
+            v = dot("BTD,DKH->BTKH", h, w["wv"])
+            if cfg.qkv_bias:
+                q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
+            o = attention(q, k, v, start, k_cache, v_cache, scale=scale)
+            x = x + dot("BTNH,NHD->BTD", o, w["wo"])
+        with jax.named_scope("mlp"):
+            h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
+            x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
+        return x, (k, v)
+
+    x = embed(weights, tokens, cfg)
+    xs = (weights["layers"], cache.k if use_cache else None, cache.v if use_cache else None)
+    x, (k_new, v_new) = jax.lax.scan(layer, x, xs)
+    if cache is not None:
+        cache = kv.write(cache, k_new, v_new, start)
+    return x, cache
+
+
+# Where each weight lives in the two external formats: our path -> (HF name, GGUF name,
+# transpose). Torch Linear weights are [out, in]; ours put the contracted axis first.
+CHECKPOINT_NAMES = {
+    ("embed",): ("model.embed_tokens.weight", "token_embd.weight", False),
+    ("final_norm",): ("model.norm.weight", "output_norm.weight", False),
+    ("lm_head",): ("lm_head.weight", "output.weight", True),
+    ("layers", "attn_norm"): ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight", False),
+    ("layers", "wq"): ("model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight", True),
+    ("layers", "wk"): ("model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight", True),
+    ("layers", "wv"): ("model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight", True),
+    ("layers", "wo"): ("model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight", True),
+    ("layers", "bq"): ("model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias", False),
+    ("layers", "bk"): ("model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias", False),
+    ("layers", "bv"): ("model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias", False),
+    ("layers", "mlp_norm"): ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight", False),
+    ("layers", "w_gate"): ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight", True),
+    ("layers", "w_up"): ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight", True),
+    ("layers", "w_down"): ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight", True),
+}
+
+# GGUF architectures of this family whose converter permuted Q/K rows into llama.cpp's
+# interleaved rotary layout (Qwen2 uses the NeoX layout and was left alone).
+GGUF_PERMUTED_QK = frozenset({"llama", "mistral"})
+GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2"})
+HF_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+
+
+def config_from_gguf(meta: dict, tensor_names, *, dtype: str) -> ModelConfig:
+    from jaxinfer.config import Family, RopeConfig, RopeKind
+
+    arch = meta["general.architecture"]
+    g = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    n_heads = int(g("attention.head_count"))
+    d_model = int(g("embedding_length"))
+    rope = RopeConfig(theta=float(g("rope.freq_base", 10000.0)))
+    if g("rope.scaling.type") == "linear":
+        rope = RopeConfig(theta=rope.theta, kind=RopeKind.LINEAR, factor=float(g("rope.scaling.factor")))
+    return ModelConfig(
+        family=Family.LLAMA,
+        vocab_size=len(meta["tokenizer.ggml.tokens"]),
+        d_model=d_model,
+        n_layers=int(g("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(g("attention.head_count_kv", n_heads)),
+        head_dim=int(g("attention.key_length", d_model // n_heads)),
+        d_ff=int(g("feed_forward_length")),
+        norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope=rope,
+        max_position=int(g("context_length", 2048)),
+        tie_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        dtype=dtype,
+        name=str(meta.get("general.name", arch)),
+    )
+
+
+def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
+    from jaxinfer.config import Family, RopeConfig, RopeKind
+
+    n_heads = hf["num_attention_heads"]
+    rope = RopeConfig(theta=float(hf.get("rope_theta", 10000.0)))
+    rs = hf.get("rope_scaling") or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        rope = RopeConfig(theta=rope.theta, kind=RopeKind.LINEAR, factor=float(rs["factor"]))
+    elif kind == "llama3":
+        rope = RopeConfig(
+            theta=rope.theta, kind=RopeKind.LLAMA3, factor=float(rs["factor"]),
+            low_freq_factor=float(rs["low_freq_factor"]), high_freq_factor=float(rs["high_freq_factor"]),
+            original_max_position=int(rs["original_max_position_embeddings"]),
+        )
+    elif kind not in (None, "default"):
+        from jaxinfer.errors import CheckpointError
+
+        raise CheckpointError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+    return ModelConfig(
+        family=Family.LLAMA,
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        d_ff=hf["intermediate_size"],
+        norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        rope=rope,
+        max_position=int(hf.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=bool(hf.get("attention_bias", False)) or "Qwen2ForCausalLM" in hf.get("architectures", []),
+        dtype=dtype,
+        name=hf.get("_name_or_path", "") or hf.get("model_type", ""),
+    )

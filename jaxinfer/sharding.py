@@ -1,0 +1,64 @@
+"""Sharding by logical axes: one rules table maps logical axis names to mesh axes.
+
+The mesh is always passed in explicitly. ``spec_for`` refuses a rules table that maps two
+dimensions of one array to the same mesh axis, and silently replicates a dimension the
+mesh axis does not divide (small models on big meshes), which keeps every config loadable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxinfer.models.layers import is_spec
+
+# Megatron-style tensor parallelism over "model", batch over "data".
+DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
+    ("batch", "data"),
+    ("vocab", "model"),
+    ("q_heads", "model"),
+    ("kv_heads", "model"),
+    ("mlp", "model"),
+    ("embed", None),
+    ("head_dim", None),
+    ("layers", None),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    rules: tuple[tuple[str, str | None], ...] = DEFAULT_RULES
+
+    def mesh_axis(self, logical: str | None) -> str | None:
+        return dict(self.rules).get(logical) if logical else None
+
+
+def spec_for(shape, axes, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> PartitionSpec:
+    used: set[str] = set()
+    out = []
+    for dim, name in zip(shape, axes):
+        m = rules.mesh_axis(name)
+        if m is not None and m in used:
+            raise ValueError(f"logical axes {axes} map mesh axis {m!r} twice")
+        if m is not None and (m not in mesh.shape or dim % mesh.shape[m]):
+            m = None  # not divisible (or not in this mesh): replicate this dimension
+        if m is not None:
+            used.add(m)
+        out.append(m)
+    return PartitionSpec(*out)
+
+
+def weight_shardings(specs, mesh: Mesh, rules: ShardingRules = ShardingRules()):
+    """NamedSharding for every declared weight, from its logical axes."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, spec_for(s.shape, s.axes, mesh, rules)), specs, is_leaf=is_spec)
+
+
+def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    model = model or len(devices) // data
+    if data * model != len(devices):
+        raise ValueError(f"mesh {data=} x {model=} needs {data * model} devices, have {len(devices)}")
+    return Mesh(np.array(devices).reshape(data, model), ("data", "model"))
