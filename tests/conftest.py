@@ -25,3 +25,11 @@ def require_reference():
     """Skip unless the independent reference (torch + transformers) is installed."""
     pytest.importorskip("torch")
     return pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_gguf):
+    """The real SmolLM2 loaded once for the whole session (float32, CPU)."""
+    from jaxinfer import LLM
+
+    return LLM(str(smollm2_gguf), max_model_len=1024, progress=False)

@@ -1,0 +1,178 @@
+"""Load any supported checkpoint into (ModelConfig, weights pytree, Tokenizer).
+
+A path may be a ``.gguf`` file, a Hugging Face directory (``config.json`` + safetensors) or
+an Orbax directory written by ``jaxinfer convert``. Weights are laid out per the family's one
+declaration (``weight_specs``): the per-layer tensors of the source are stacked on the
+leading ``layers`` axis, cast once to the target dtype and put on device (optionally with
+a sharding derived from the logical axes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import CheckpointError
+from jaxinfer.models.layers import is_spec, spec_dtype
+from jaxinfer.models.registry import family_module
+
+
+@dataclasses.dataclass
+class Loaded:
+    cfg: ModelConfig
+    weights: dict
+    tokenizer: object  # jaxinfer.tokenizer.Tokenizer
+    source: str  # "gguf" | "hf" | "orbax"
+
+
+def detect_format(path: Path) -> str:
+    if path.is_file():
+        if path.suffix == ".gguf" or _has_gguf_magic(path):
+            return "gguf"
+        raise CheckpointError(f"{path}: not a GGUF file (expected a .gguf file or a directory)")
+    if path.is_dir():
+        if (path / "jaxinfer.json").is_file():
+            return "orbax"
+        if (path / "config.json").is_file():
+            return "hf"
+        raise CheckpointError(
+            f"{path}: a directory with neither config.json (Hugging Face) nor jaxinfer.json "
+            "(Orbax checkpoint written by `jaxinfer convert`)"
+        )
+    raise CheckpointError(f"{path}: no such file or directory")
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def assemble(
+    specs: dict,
+    cfg: ModelConfig,
+    names: dict,
+    fetch: Callable[[str, bool], np.ndarray | None],  # (name, transpose) -> array or None
+    which: int,  # 0: HF names, 1: GGUF names
+    fix: Callable[[tuple, int, np.ndarray], np.ndarray] = lambda path, i, a: a,
+    shardings=None,
+) -> dict:
+    """Build the weights pytree from per-tensor reads, one stacked array per declaration."""
+
+    def build(path, spec):
+        key = tuple(p.key for p in path)
+        entry = names.get(key)
+        if entry is None:
+            raise CheckpointError(f"no checkpoint name is known for weight {'/'.join(key)}")
+        name, transpose = entry[which], entry[2]
+        dt = spec_dtype(spec, cfg)
+        if key[0] == "layers":
+            out = np.empty(spec.shape, dt)
+            for i in range(cfg.n_layers):
+                out[i] = _fit(fix(key, i, _need(fetch(name.format(i=i), transpose), name.format(i=i))), spec.shape[1:], name.format(i=i))
+        else:
+            out = _fit(_need(fetch(name, transpose), name), spec.shape, name).astype(dt)
+        sharding = _lookup(shardings, key)
+        return jax.device_put(out, sharding) if sharding is not None else jax.device_put(out)
+
+    return jax.tree_util.tree_map_with_path(build, specs, is_leaf=is_spec)
+
+
+def _lookup(tree, key):
+    for k in key:
+        if tree is None:
+            return None
+        tree = tree.get(k) if isinstance(tree, dict) else None
+    return tree
+
+
+def _need(a, name):
+    if a is None:
+        raise CheckpointError(f"checkpoint has no tensor {name!r}")
+    return a
+
+
+def _fit(a: np.ndarray, shape, name) -> np.ndarray:
+    if a.size != int(np.prod(shape)):
+        raise CheckpointError(f"tensor {name!r} has shape {a.shape}, cannot fit declared {tuple(shape)}")
+    return a.reshape(shape)
+
+
+# ----------------------------------------------------------------------------- GGUF
+def load_gguf(path: Path, *, dtype: str, shardings_fn=None) -> Loaded:
+    from jaxinfer.loaders.gguf import GGUFCheckpoint, unpermute_llama_qk
+    from jaxinfer.tokenizer import tokenizer_from_gguf
+
+    ck = GGUFCheckpoint(path)
+    arch = ck.architecture
+    mod = _family_for_gguf_arch(arch, path)
+    cfg = mod.config_from_gguf(ck.metadata, ck.tensors, dtype=dtype)
+    specs = mod.weight_specs(cfg)
+    permuted = arch in getattr(mod, "GGUF_PERMUTED_QK", ())
+
+    def fetch(name, transpose):
+        if name not in ck.tensors:
+            return None
+        a = ck.load(name)
+        if permuted and (name.endswith("attn_q.weight") or name.endswith("attn_k.weight")):
+            heads = cfg.n_heads if "attn_q" in name else cfg.n_kv_heads
+            a = unpermute_llama_qk(a, heads)
+        return a.T if transpose else a
+
+    shardings = shardings_fn(specs, cfg) if shardings_fn else None
+    weights = assemble(specs, cfg, mod.CHECKPOINT_NAMES, fetch, 1, shardings=shardings)
+    tok = tokenizer_from_gguf(ck.metadata)
+    return Loaded(cfg, weights, tok, "gguf")
+
+
+def _family_for_gguf_arch(arch: str, path):
+    from jaxinfer.config import Family
+
+    for fam in Family:
+        try:
+            mod = family_module(fam)
+        except (ImportError, KeyError):
+            continue
+        if arch in getattr(mod, "GGUF_ARCHITECTURES", ()):
+            return mod
+    raise CheckpointError(
+        f"{path}: unsupported architecture {arch!r} (supported: {', '.join(sorted(supported_gguf_architectures()))})"
+    )
+
+
+def supported_gguf_architectures() -> set[str]:
+    from jaxinfer.config import Family
+
+    out = set()
+    for fam in Family:
+        try:
+            out |= set(getattr(family_module(fam), "GGUF_ARCHITECTURES", ()))
+        except (ImportError, KeyError):
+            pass
+    return out
+
+
+def load(path, *, dtype: str, shardings_fn=None) -> Loaded:
+    path = Path(path)
+    fmt = detect_format(path)
+    if fmt == "gguf":
+        return load_gguf(path, dtype=dtype, shardings_fn=shardings_fn)
+    if fmt == "hf":
+        from jaxinfer.loaders.hf import load_hf
+
+        return load_hf(path, dtype=dtype, shardings_fn=shardings_fn)
+    from jaxinfer.loaders.orbax_io import load_orbax
+
+    return load_orbax(path, dtype=dtype, shardings_fn=shardings_fn)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable JSON ({e})") from None
