@@ -156,8 +156,9 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     from jaxinfer.config import Family, RopeConfig, RopeKind
 
     n_heads = hf["num_attention_heads"]
-    rope = RopeConfig(theta=float(hf.get("rope_theta", 10000.0)))
-    rs = hf.get("rope_scaling") or {}
+    # transformers >= 5 writes rope_parameters (theta inside); older configs rope_theta + rope_scaling
+    rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    rope = RopeConfig(theta=float(hf.get("rope_theta", rs.get("rope_theta", 10000.0))))
     kind = rs.get("rope_type", rs.get("type"))
     if kind == "linear":
         rope = RopeConfig(theta=rope.theta, kind=RopeKind.LINEAR, factor=float(rs["factor"]))
