@@ -33,3 +33,20 @@ def smollm2_llm(smollm2_gguf):
     from jaxinfer import LLM
 
     return LLM(str(smollm2_gguf), max_model_len=1024, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory, smollm2_gguf):
+    """A tiny random Llama GGUF carrying SmolLM2's real tokenizer."""
+    from tests.tiny_gguf import write_tiny_llama
+
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
+    write_tiny_llama(path, smollm2_gguf, layers=2, d=64, heads=4, kv_heads=2, ff=128, context=512)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_gguf):
+    from jaxinfer import LLM
+
+    return LLM(str(tiny_gguf), progress=False, max_num_seqs=8)
