@@ -1,8 +1,11 @@
 """Dense KV cache: fixed-shape buffers, updated in place and donated to every jitted step.
 
-Entry ``s`` of a row holds the keys and values of position ``s``. Calls write their new
-tokens at each row's own start position with one scatter after the layer scan, so the
-cache is never copied: the jitted steps donate it and XLA aliases input to output.
+Entry ``s`` of a row holds the keys and values of position ``s``. Each layer writes its new
+tokens at each row's own positions with one scatter and then attends over the cache, so the
+cache is never copied: the jitted steps donate it and XLA aliases input to output. The
+layout, one buffer per layer (keys [B, K, H, S], values [B, K, S, H]), lets attention read a layer's cache in place
+(slicing one stacked [L, ...] buffer copied it: 90 ms of a 500 ms step) and batch over
+(B, K) without transposing it.
 """
 
 from __future__ import annotations
@@ -18,32 +21,43 @@ from jaxinfer.config import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, K, H]
-    v: jax.Array  # [L, B, S, K, H]
+    k: list[jax.Array]  # L x [B, K, H, S]  keys transposed: see models.layers.attention
+    v: list[jax.Array]  # L x [B, K, S, H]
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.v[0].shape[2]
 
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(a.nbytes for a in self.k + self.v)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    K, H = cfg.n_kv_heads, cfg.head_dim
     dt = jnp.dtype(dtype or cfg.dtype)
-    return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+    return KVCache([jnp.zeros((batch, K, H, max_len), dt) for _ in range(cfg.n_layers)],
+                   [jnp.zeros((batch, K, max_len, H), dt) for _ in range(cfg.n_layers)])
 
 
-def write(cache: KVCache, k_new: jax.Array, v_new: jax.Array, start: jax.Array) -> KVCache:
-    """Write [L, B, T, K, H] new keys/values at each row's start position (i32[B])."""
+def write_layer(cache: KVCache, layer: int, k_new: jax.Array, v_new: jax.Array, start: jax.Array) -> KVCache:
+    """Write one layer's new keys/values [B, T, K, H] at positions start[b] + t.
 
-    def put(c, n):  # c [L, B, S, K, H], n [L, B, T, K, H]
-        row = lambda cb, nb, s: jax.lax.dynamic_update_slice(cb, nb.astype(cb.dtype), (0, s, 0, 0))
-        return jax.vmap(row, in_axes=(1, 1, 0), out_axes=1)(c, n, start)
+    One scatter with explicit (row, position) indices into the donated buffer; XLA CPU
+    lowers a vmapped dynamic_update_slice to a scatter ~500x slower than this. Positions past
+    the cache end are dropped (only padding tokens of a right-padded prefill reach them).
+    """
+    B, T = k_new.shape[:2]
+    rows = jnp.arange(B)[:, None]
+    pos = start[:, None] + jnp.arange(T)[None, :]  # i32[B, T]
 
-    return KVCache(put(cache.k, k_new), put(cache.v, v_new))
+    def put(cs, n, index):  # the indexed dims (B, T) lead the update: n is [B, T, K, H]
+        cs = list(cs)
+        cs[layer] = cs[layer].at[index].set(n.astype(cs[layer].dtype), mode="drop")
+        return cs
+
+    slc = slice(None)
+    return KVCache(put(cache.k, k_new, (rows, slc, slc, pos)), put(cache.v, v_new, (rows, slc, pos)))

@@ -119,7 +119,7 @@ def test_sharded_bfloat16_checkpoint(tmp_path):
     sd = model.state_dict()
     np.testing.assert_array_equal(np.asarray(loaded.weights["embed"]),
                                   sd["model.embed_tokens.weight"].float().numpy())
-    np.testing.assert_array_equal(np.asarray(loaded.weights["layers"]["w_down"][1]),
+    np.testing.assert_array_equal(np.asarray(loaded.weights["layers"][1]["w_down"]),
                                   sd["model.layers.1.mlp.down_proj.weight"].float().numpy().T)
     # Reference: the saved bf16 weights read back by transformers in float32 (model.float()
     # would also carry the rotary inv_freq buffer through bfloat16).

@@ -31,8 +31,9 @@ CONFIGS = {
 def _setup(cfg):
     w = init_weights(llama.weight_specs(cfg), cfg, jax.random.key(0), scale=0.2)
     if cfg.qkv_bias:  # biases are zeros by default; make them matter
-        for b in ("bq", "bk", "bv"):
-            w["layers"][b] = 0.3 * jax.random.normal(jax.random.key(1), w["layers"][b].shape)
+        for i, layer in enumerate(w["layers"]):
+            for b in ("bq", "bk", "bv"):
+                layer[b] = 0.3 * jax.random.normal(jax.random.key(i), layer[b].shape)
     return w
 
 

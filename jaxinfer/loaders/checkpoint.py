@@ -2,9 +2,9 @@
 
 A path may be a ``.gguf`` file, a Hugging Face directory (``config.json`` + safetensors) or
 an Orbax directory written by ``jaxinfer convert``. Weights are laid out per the family's one
-declaration (``weight_specs``): the per-layer tensors of the source are stacked on the
-leading ``layers`` axis, cast once to the target dtype and put on device (optionally with
-a sharding derived from the logical axes).
+declaration (``weight_specs``): each tensor is read, reshaped to its declared shape, cast
+once to the target dtype and put on device (optionally with a sharding derived from the
+logical axes).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
-from jaxinfer.models.layers import is_spec, spec_dtype
+from jaxinfer.models.layers import is_spec, spec_dtype, weight_key
 from jaxinfer.models.registry import family_module
 
 
@@ -59,36 +59,21 @@ def assemble(
     names: dict,
     fetch: Callable[[str, bool], np.ndarray | None],  # (name, transpose) -> array or None
     which: int,  # 0: HF names, 1: GGUF names
-    fix: Callable[[tuple, int, np.ndarray], np.ndarray] = lambda path, i, a: a,
-    shardings=None,
+    shardings=None,  # same tree as specs, NamedSharding leaves
 ) -> dict:
-    """Build the weights pytree from per-tensor reads, one stacked array per declaration."""
-
-    def build(path, spec):
-        key = tuple(p.key for p in path)
+    """Build the weights pytree from per-tensor reads, one array per declaration."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+    shard_leaves = jax.tree.leaves(shardings) if shardings is not None else [None] * len(leaves)
+    out = []
+    for (path, spec), sharding in zip(leaves, shard_leaves):
+        key, layer = weight_key(path)
         entry = names.get(key)
         if entry is None:
             raise CheckpointError(f"no checkpoint name is known for weight {'/'.join(key)}")
-        name, transpose = entry[which], entry[2]
-        dt = spec_dtype(spec, cfg)
-        if key[0] == "layers":
-            out = np.empty(spec.shape, dt)
-            for i in range(cfg.n_layers):
-                out[i] = _fit(fix(key, i, _need(fetch(name.format(i=i), transpose), name.format(i=i))), spec.shape[1:], name.format(i=i))
-        else:
-            out = _fit(_need(fetch(name, transpose), name), spec.shape, name).astype(dt)
-        sharding = _lookup(shardings, key)
-        return jax.device_put(out, sharding) if sharding is not None else jax.device_put(out)
-
-    return jax.tree_util.tree_map_with_path(build, specs, is_leaf=is_spec)
-
-
-def _lookup(tree, key):
-    for k in key:
-        if tree is None:
-            return None
-        tree = tree.get(k) if isinstance(tree, dict) else None
-    return tree
+        name = entry[which].format(i=layer)
+        a = _fit(_need(fetch(name, entry[2]), name), spec.shape, name).astype(spec_dtype(spec, cfg))
+        out.append(jax.device_put(a, sharding) if sharding is not None else jax.device_put(a))
+    return jax.tree.unflatten(treedef, out)
 
 
 def _need(a, name):

@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.checkpoint import Loaded, assemble, read_json
-from jaxinfer.models.layers import is_spec
+from jaxinfer.models.layers import is_spec, weight_key
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -178,17 +178,15 @@ def _merges_to(shape: tuple[int, ...], declared: tuple[int, ...]) -> bool:
 
 
 def _declared_shapes(specs, cfg, names: dict) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> our per-tensor shape (per layer for stacked weights)."""
+    """HF tensor name -> our declared shape."""
     import jax
 
     out = {}
 
     def visit(path, spec):
-        key = tuple(p.key for p in path)
+        key, layer = weight_key(path)
         if key in names:
-            shape = spec.shape[1:] if key[0] == "layers" else spec.shape
-            for i in range(cfg.n_layers if key[0] == "layers" else 1):
-                out[names[key][0].format(i=i)] = shape
+            out[names[key][0].format(i=layer)] = spec.shape
 
     jax.tree_util.tree_map_with_path(visit, specs, is_leaf=is_spec)
     return out

@@ -236,12 +236,12 @@ def load_orbax(path, *, dtype: str | None, shardings_fn=None) -> Loaded:
     shardings = shardings_fn(specs, cfg) if shardings_fn else None
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
-    def target(p, spec):
-        key = tuple(k.key for k in p)
-        sharding = _lookup(shardings, key) or default
-        return jax.ShapeDtypeStruct(spec.shape, spec_dtype(spec, cfg), sharding=sharding)
-
-    abstract = jax.tree_util.tree_map_with_path(target, specs, is_leaf=is_spec)
+    if shardings is None:
+        shardings = jax.tree.map(lambda _: default, specs, is_leaf=is_spec)
+    abstract = jax.tree.map(
+        lambda spec, sharding: jax.ShapeDtypeStruct(spec.shape, spec_dtype(spec, cfg), sharding=sharding),
+        specs, shardings, is_leaf=is_spec,
+    )
     wdir = path / WEIGHTS_DIR
     if not wdir.is_dir():
         raise CheckpointError(f"{path}: no {WEIGHTS_DIR}/ directory")
@@ -270,14 +270,6 @@ def _check_saved(saved, abstract, wdir: Path) -> None:
             f"{wdir}: weights do not match the config in {META_FILE}: {'; '.join(problems[:4])}"
             + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
         )
-
-
-def _lookup(tree, key):
-    for k in key:
-        if not isinstance(tree, dict):
-            return None
-        tree = tree.get(k)
-    return tree
 
 
 def _load_tokenizer(path: Path, kind: str | None):

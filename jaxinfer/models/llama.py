@@ -1,7 +1,7 @@
 """The Llama family (Llama 1-3, SmolLM, Qwen2 with q/k/v bias) as plain functions over pytrees.
 
-weights = {"embed": [V, D], "layers": {... stacked on a leading L axis ...},
-           "final_norm": [D], "lm_head": [D, V] (untied models only)}
+weights = {"embed": [V, D], "layers": [one dict per layer], "final_norm": [D],
+           "lm_head": [D, V] (untied models only)}
 """
 
 from __future__ import annotations
@@ -16,26 +16,25 @@ from jaxinfer.models.layers import WeightSpec, apply_rope, attention, dot, gated
 
 def weight_specs(cfg: ModelConfig) -> dict:
     """The one declaration of every weight: shape, logical axes, initialisation."""
-    L, D, N, K, H, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
-                           cfg.head_dim, cfg.d_ff, cfg.vocab_size)
+    D, N, K, H, F, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
     layer = {
-        "attn_norm": WeightSpec((L, D), ("layers", "embed"), "ones"),
-        "wq": WeightSpec((L, D, N, H), ("layers", "embed", "q_heads", "head_dim")),
-        "wk": WeightSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
-        "wv": WeightSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
-        "wo": WeightSpec((L, N, H, D), ("layers", "q_heads", "head_dim", "embed")),
-        "mlp_norm": WeightSpec((L, D), ("layers", "embed"), "ones"),
-        "w_gate": WeightSpec((L, D, F), ("layers", "embed", "mlp")),
-        "w_up": WeightSpec((L, D, F), ("layers", "embed", "mlp")),
-        "w_down": WeightSpec((L, F, D), ("layers", "mlp", "embed")),
+        "attn_norm": WeightSpec((D,), ("embed",), "ones"),
+        "wq": WeightSpec((D, N, H), ("embed", "q_heads", "head_dim")),
+        "wk": WeightSpec((D, K, H), ("embed", "kv_heads", "head_dim")),
+        "wv": WeightSpec((D, K, H), ("embed", "kv_heads", "head_dim")),
+        "wo": WeightSpec((N, H, D), ("q_heads", "head_dim", "embed")),
+        "mlp_norm": WeightSpec((D,), ("embed",), "ones"),
+        "w_gate": WeightSpec((D, F), ("embed", "mlp")),
+        "w_up": WeightSpec((D, F), ("embed", "mlp")),
+        "w_down": WeightSpec((F, D), ("mlp", "embed")),
     }
     if cfg.qkv_bias:
-        layer["bq"] = WeightSpec((L, N, H), ("layers", "q_heads", "head_dim"), "zeros")
-        layer["bk"] = WeightSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
-        layer["bv"] = WeightSpec((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
+        layer["bq"] = WeightSpec((N, H), ("q_heads", "head_dim"), "zeros")
+        layer["bk"] = WeightSpec((K, H), ("kv_heads", "head_dim"), "zeros")
+        layer["bv"] = WeightSpec((K, H), ("kv_heads", "head_dim"), "zeros")
     specs = {
         "embed": WeightSpec((V, D), ("vocab", "embed")),
-        "layers": layer,
+        "layers": [layer] * cfg.n_layers,
         "final_norm": WeightSpec((D,), ("embed",), "ones"),
     }
     if not cfg.tie_embeddings:
@@ -62,17 +61,17 @@ def forward(
     cache: kv.KVCache | None,
     *,
     cfg: ModelConfig,
-    read_cache: bool = True,  # False when every row starts at 0: skip reading an empty cache
+    read_cache: bool = True,  # False when every row starts at 0: attend over the new tokens only
 ) -> tuple[jax.Array, kv.KVCache | None]:  # hidden [B, T, D] before the final norm, cache
+    """The decoder over T new tokens per row. With a cache, each layer first writes its new
+    keys/values at their positions, then attends over the cache (everything <= its position)."""
     B, T = tokens.shape
-    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # i32[B, T]
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope))
     scale = cfg.head_dim**-0.5
-    use_cache = cache is not None and read_cache
-
-    def layer(x, xs):
-        w, k_cache, v_cache = xs
-        with jax.named_scope("attention"):
+    x = embed(weights, tokens, cfg)
+    for i, w in enumerate(weights["layers"]):
+        with jax.named_scope(f"layer{i}/attention"):
             h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
             q = dot("BTD,DNH->BTNH", h, w["wq"])
             k = dot("BTD,DKH->BTKH", h, w["wk"])
@@ -81,18 +80,17 @@ def forward(
                 q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
-            o = attention(q, k, v, start, k_cache, v_cache, scale=scale)
+            if cache is not None:
+                cache = kv.write_layer(cache, i, k, v, start)
+            if cache is not None and read_cache:
+                keys, values, kpos = cache.k[i], cache.v[i], jnp.arange(cache.max_len)
+            else:  # fresh prompts: the new tokens are all there is to attend to
+                keys, values, kpos = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions[0]
+            o = attention(q, keys, values, positions, kpos, scale=scale)
             x = x + dot("BTNH,NHD->BTD", o, w["wo"])
-        with jax.named_scope("mlp"):
+        with jax.named_scope(f"layer{i}/mlp"):
             h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
             x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
-        return x, (k, v)
-
-    x = embed(weights, tokens, cfg)
-    xs = (weights["layers"], cache.k if use_cache else None, cache.v if use_cache else None)
-    x, (k_new, v_new) = jax.lax.scan(layer, x, xs)
-    if cache is not None:
-        cache = kv.write(cache, k_new, v_new, start)
     return x, cache
 
 
