@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Sequence
 
@@ -64,51 +65,52 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Generate for one prompt or many. A prompt is a str, a list of token ids, or a dict
-        with "prompt" or "prompt_token_ids"."""
+        with "prompt" or "prompt_token_ids". Outputs come back in prompt order."""
         items = _normalize_prompts(prompts)
         params = _normalize_params(sampling_params, len(items))
-        texts, ids = [], []
-        for i, p in enumerate(items):
-            t, toks = self._tokenize(p, i)
-            texts.append(t)
-            ids.append(toks)
-        return self._run(texts, ids, params, use_tqdm)
+        reqs = [(str(i), *self.encode_prompt(p, i), sp) for i, (p, sp) in enumerate(zip(items, params))]
+        return self._run_all(reqs, use_tqdm)
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for i, conv in enumerate(convs):
-            _check_conversation(conv, i)
-            prompts.append(self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt))
-        # the template writes the special tokens itself: do not add BOS a second time
-        params = _normalize_params(sampling_params, len(prompts))
-        ids = [self.tokenizer.encode(p, add_special_tokens=not _starts_with_bos(self.tokenizer, p)) for p in prompts]
-        for i, t in enumerate(ids):
-            self._check_len(t, i)
-        return self._run(prompts, ids, params, use_tqdm)
+        params = _normalize_params(sampling_params, len(convs))
+        reqs = [(str(i), *self.encode_chat(c, i, add_generation_prompt=add_generation_prompt), sp)
+                for i, (c, sp) in enumerate(zip(convs, params))]
+        return self._run_all(reqs, use_tqdm)
 
-    def _tokenize(self, p, i):
+    def encode_prompt(self, p, i: int | str = 0) -> tuple[str | None, list[int]]:
+        """(text, token ids) of one prompt, validated; raises InvalidRequest naming prompt i."""
         if isinstance(p, str):
-            toks = self.tokenizer.encode(p)
-            text = p
+            text, toks = p, self.tokenizer.encode(p)
         elif isinstance(p, dict):
             if "prompt_token_ids" in p:
                 toks, text = list(p["prompt_token_ids"]), p.get("prompt")
-            elif "prompt" in p:
+            elif "prompt" in p and isinstance(p["prompt"], str):
                 text = p["prompt"]
                 toks = self.tokenizer.encode(text)
             else:
-                raise InvalidRequest(f"prompt {i}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        else:
+                raise InvalidRequest(f"prompt {i}: a dict prompt needs 'prompt' (str) or 'prompt_token_ids'")
+        elif isinstance(p, (list, tuple)):
             toks, text = list(p), None
+        else:
+            raise InvalidRequest(f"prompt {i} must be a str, a list of token ids or a dict, got {type(p).__name__}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.cfg.vocab_size for t in toks):
             raise InvalidRequest(f"prompt {i}: token ids must be ints in [0, {self.cfg.vocab_size})")
-        self._check_len(toks, i)
+        self.check_prompt_len(toks, i)
         return text, toks
 
-    def _check_len(self, toks, i):
+    def encode_chat(self, conv, i: int | str = 0, *, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """(rendered text, token ids) of one conversation through the chat template."""
+        _check_conversation(conv, i)
+        text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+        # the template writes the special tokens itself: do not add BOS a second time
+        toks = self.tokenizer.encode(text, add_special_tokens=not _starts_with_bos(self.tokenizer, text))
+        self.check_prompt_len(toks, i)
+        return text, toks
+
+    def check_prompt_len(self, toks, i: int | str = 0) -> None:
         if not toks:
             raise InvalidRequest(f"prompt {i} is empty (0 tokens)")
         if len(toks) >= self.max_model_len:
@@ -117,51 +119,74 @@ class LLM:
                 "which must leave room for at least one generated token"
             )
 
-    def _run(self, texts, ids, params, use_tqdm) -> list[RequestOutput]:
-        arrival = time.perf_counter()
-        rows_of: list[list[Row]] = []
-        rows: list[Row] = []
-        base = self._request_counter
-        self._request_counter += len(ids)
-        for i, (toks, p) in enumerate(zip(ids, params)):
-            mine = []
-            for j in range(p.n):
-                sp = _sample_params(p, j, default_seed_for(self.seed, base + i))
-                cap = self.max_model_len - len(toks)
-                if sp.max_tokens > cap:
-                    sp = dataclasses.replace(sp, max_tokens=cap, min_tokens=min(sp.min_tokens, cap))
-                row = Row(prompt_ids=toks, params=sp, request_index=(base + i) * 1024 + j,
-                          checker=StopChecker(sp, self.tokenizer.eos_ids),
-                          detok=self.tokenizer.detokenizer(skip_special_tokens=sp.skip_special_tokens),
-                          max_new=sp.max_tokens, logprobs=[] if sp.logprobs is not None else None)
-                mine.append(row)
-                rows.append(row)
-            rows_of.append(mine)
-        bar = _progress(len(rows), self.progress if use_tqdm is None else use_tqdm)
+    def _run_all(self, reqs, use_tqdm) -> list[RequestOutput]:
+        bar = _progress(sum(sp.n for *_, sp in reqs), self.progress if use_tqdm is None else use_tqdm)
+        outs = {}
         try:
-            self.engine.run(rows, on_row_done=lambda r: bar.update(1))
+            for out in self.generate_stream(reqs, window=len(reqs), on_sequence_done=lambda: bar.update(1)):
+                outs[out.request_id] = out
         finally:
             bar.close()
-        outs = []
-        for i, (text, toks, p, mine) in enumerate(zip(texts, ids, params, rows_of)):
-            plp = self.engine.prompt_logprobs(toks, p.prompt_logprobs) if p.prompt_logprobs is not None else None
-            comps = [
-                CompletionOutput(
-                    index=j, text=r.checker.output_text, token_ids=list(r.token_ids),
-                    cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
-                    logprobs=r.logprobs, finish_reason=r.checker.finish_reason, stop_reason=r.checker.stop_reason,
-                )
-                for j, r in enumerate(mine)
-            ]
-            first = min(r.first_token_time for r in mine)
-            metrics = RequestMetrics(
-                arrival_time=arrival, first_scheduled_time=min(r.scheduled_time for r in mine),
-                first_token_time=first, last_token_time=max(r.last_token_time for r in mine),
-                finished_time=max(r.finished_time for r in mine),
-                num_generated_tokens=sum(len(r.token_ids) for r in mine),
+        return [outs[rid] for rid, *_ in reqs]
+
+    def generate_stream(self, requests, *, window: int | None = None, on_sequence_done=None):
+        """Yield a RequestOutput as soon as each request finishes (completion order).
+
+        requests: an iterable of (request_id, prompt_text_or_None, prompt_token_ids,
+        SamplingParams), already validated (``encode_prompt``/``encode_chat``). It is consumed
+        lazily, ``window`` requests at a time (default 4 x max_num_seqs), so a stream of any
+        length runs in bounded memory.
+        """
+        window = window or 4 * self.engine.max_num_seqs
+        it = iter(requests)
+        while chunk := list(itertools.islice(it, window)):
+            arrival = time.perf_counter()
+            rows = []
+            for rid, text, toks, p in chunk:
+                req = _Pending(rid, text, toks, p, arrival, remaining=p.n)
+                index = self._request_counter
+                self._request_counter += 1
+                for j in range(p.n):
+                    row = self._make_row(toks, _sample_params(p, j, default_seed_for(self.seed, index)), index * 1024 + j)
+                    row.owner = req
+                    req.rows.append(row)
+                    rows.append(row)
+            for row in self.engine.run(rows):
+                if on_sequence_done is not None:
+                    on_sequence_done()
+                req = row.owner
+                req.remaining -= 1
+                if req.remaining == 0:
+                    yield self._output(req)
+
+    def _make_row(self, toks, sp: SamplingParams, request_index: int) -> Row:
+        cap = self.max_model_len - len(toks)
+        if sp.max_tokens > cap:  # generation stops at the context end with finish_reason "length"
+            sp = dataclasses.replace(sp, max_tokens=cap, min_tokens=min(sp.min_tokens, cap))
+        return Row(prompt_ids=toks, params=sp, request_index=request_index,
+                   checker=StopChecker(sp, self.tokenizer.eos_ids),
+                   detok=self.tokenizer.detokenizer(skip_special_tokens=sp.skip_special_tokens),
+                   max_new=sp.max_tokens, logprobs=[] if sp.logprobs is not None else None)
+
+    def _output(self, req: "_Pending") -> RequestOutput:
+        p, rows = req.params, req.rows
+        plp = self.engine.prompt_logprobs(req.prompt_ids, p.prompt_logprobs) if p.prompt_logprobs is not None else None
+        comps = [
+            CompletionOutput(
+                index=j, text=r.checker.output_text, token_ids=list(r.token_ids),
+                cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
+                logprobs=r.logprobs, finish_reason=r.checker.finish_reason, stop_reason=r.checker.stop_reason,
             )
-            outs.append(RequestOutput(str(base + i), text, toks, plp, comps, True, metrics))
-        return outs
+            for j, r in enumerate(rows)
+        ]
+        metrics = RequestMetrics(
+            arrival_time=req.arrival, first_scheduled_time=min(r.scheduled_time for r in rows),
+            first_token_time=min(r.first_token_time for r in rows),
+            last_token_time=max(r.last_token_time for r in rows),
+            finished_time=max(r.finished_time for r in rows),
+            num_generated_tokens=sum(len(r.token_ids) for r in rows),
+        )
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, plp, comps, True, metrics)
 
     # ------------------------------------------------------------------ reports
     def memory_report(self) -> dict:
@@ -175,6 +200,19 @@ class LLM:
             "dtype": self.cfg.dtype,
             "num_params": self.cfg.num_params(),
         }
+
+
+@dataclasses.dataclass(eq=False)
+class _Pending:
+    """A request in flight: its rows (one per sample) and how many are still running."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    rows: list = dataclasses.field(default_factory=list)
+    remaining: int = 0
 
 
 def _sample_params(p: SamplingParams, j: int, request_seed: int) -> SamplingParams:

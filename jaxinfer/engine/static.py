@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Callable, Sequence
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,7 @@ class Row:
     last_token_time: float | None = None
     finished_time: float | None = None
     scheduled_time: float | None = None
+    owner: object = None  # the caller's handle for the request this row samples
 
 
 def _logits_at(mod, weights, h, index, cfg):  # h [B, T, D], index i32[B] -> f32[B, V]
@@ -124,12 +125,13 @@ class StaticEngine:
         self.last_cache_bytes = 0
 
     # ------------------------------------------------------------------ host loop
-    def run(self, rows: list[Row], on_row_done: Callable[[Row], None] = lambda r: None) -> None:
+    def run(self, rows: list[Row]) -> Iterator[Row]:
+        """Run rows in length-sorted batches; yields each row as soon as it finishes."""
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].prompt_ids))
         for s in range(0, len(order), self.max_num_seqs):
-            self._run_batch([rows[i] for i in order[s : s + self.max_num_seqs]], on_row_done)
+            yield from self._run_batch([rows[i] for i in order[s : s + self.max_num_seqs]])
 
-    def _run_batch(self, rows: list[Row], on_row_done) -> None:
+    def _run_batch(self, rows: list[Row]) -> Iterator[Row]:
         cfg, n = self.cfg, len(rows)
         B = bucket(n, BATCH_BUCKETS)
         lens = np.array([len(r.prompt_ids) for r in rows] + [1] * (B - n), np.int32)
@@ -173,13 +175,13 @@ class StaticEngine:
             for b in list(live):
                 if self._consume(rows[b], int(host_toks[b]), host_lp, b, now):
                     live.discard(b)
-                    on_row_done(rows[b])
+                    yield rows[b]
             if not live or nxt is None:
                 break
             toks, lp, cache, state = nxt
         for b in live:  # cannot happen unless max_new was 0; keep every row finished
             rows[b].finished_time = time.perf_counter()
-            on_row_done(rows[b])
+            yield rows[b]
 
     def _consume(self, r: Row, tok: int, host_lp, b: int, now: float) -> bool:
         """Feed one token to a row; True when the row finished."""
