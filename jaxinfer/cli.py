@@ -42,13 +42,39 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(g)
     g.add_argument("--json", action="store_true", help="print one JSON object")
 
-    b = sub.add_parser("batch", help="generate for every prompt of a file, results to JSONL")
-    b.add_argument("input", help="text file, one prompt per line")
-    b.add_argument("-o", "--output", required=True, help="JSONL output file")
+    b = sub.add_parser(
+        "batch", help="answer every request of a file into a JSONL file, resumably",
+        description="INPUT.jsonl: OpenAI Batch API request lines, answered in OpenAI's batch output format. "
+                    "Any other INPUT: one prompt per line (quick mode). Results are appended as requests "
+                    "finish; rerunning the same command after a crash or preemption answers only what is left.")
+    b.add_argument("input", help="OpenAI batch .jsonl file, or a text file with one prompt per line")
+    b.add_argument("-o", "--output", required=True, help="JSONL output file (appended to and resumed)")
     _add_model(b)
-    _add_sampling(b)
     b.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
-    b.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    s = b.add_argument_group("sampling defaults", "for requests that do not set them "
+                             "(otherwise OpenAI's defaults; quick mode: greedy, 64 tokens)")
+    s.add_argument("--max-tokens", type=int, default=None)
+    s.add_argument("--temperature", type=float, default=None)
+    s.add_argument("--top-p", type=float, default=None)
+    s.add_argument("--top-k", type=int, default=None)
+    s.add_argument("--min-p", type=float, default=None)
+    s.add_argument("--seed", type=int, default=None)
+    b.add_argument("--format", choices=["auto", "openai", "prompts"], default="auto",
+                   help="input format (auto: openai for .jsonl/.json files, prompts otherwise)")
+    b.add_argument("--order", choices=["completion", "input"], default=None,
+                   help="order of the finished file (default: completion for .jsonl, input for quick mode)")
+    b.add_argument("--raw", action="store_true", help="quick mode: do not apply the chat template")
+    b.add_argument("--metrics-out", default=None, help="write counts, throughput and latency percentiles as JSON")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--grace-period", type=float, default=20.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 20)")
+    d = b.add_argument_group("multi-host (jax.distributed)", "each process answers its share of the input "
+                             "and writes OUTPUT.part-I-of-N; process 0 merges them into OUTPUT")
+    d.add_argument("--distributed", action="store_true",
+                   help="join a jax.distributed job, detected from the environment (Cloud TPU pods, SLURM, ...)")
+    d.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
+    d.add_argument("--num-processes", type=int, default=None)
+    d.add_argument("--process-id", type=int, default=None)
 
     sub.add_parser("models", help="list registered models and what is cached")
     f = sub.add_parser("fetch", help="download and verify a registered model")
@@ -95,18 +121,39 @@ def cmd_generate(a) -> int:
 
 
 def cmd_batch(a) -> int:
-    from jaxinfer import LLM
-    from jaxinfer.batch import read_prompts, run_quick
-    from pathlib import Path
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.batch import check_input, init_distributed, input_format, run_batch
 
-    read_prompts(Path(a.input))  # fail on a bad input file before loading the model
-    sp = _sampling(a)
-    llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs)
-    t0 = time.perf_counter()
-    s = run_quick(llm, a.input, a.output, sp, raw=a.raw)
-    wall = time.perf_counter() - t0
-    print(f"{s['requests']} requests, {s['input_tokens']} input and {s['output_tokens']} output tokens "
-          f"in {wall:.1f} s ({s['output_tokens'] / wall:.1f} output tok/s) -> {a.output}", file=sys.stderr)
+    check_input(a.input)  # fail on a bad input file before loading the model
+    fmt = input_format(a.input) if a.format == "auto" else a.format
+    given = {k: v for k, v in (("max_tokens", a.max_tokens), ("temperature", a.temperature), ("top_p", a.top_p),
+                               ("top_k", a.top_k), ("min_p", a.min_p), ("seed", a.seed)) if v is not None}
+    quick = SamplingParams(**{"max_tokens": 64, "temperature": 0.0, **given}) if fmt == "prompts" else None
+    if fmt == "openai":  # check the defaults as a request would be checked
+        SamplingParams(**given)
+    me, count = 0, 1
+    if a.distributed or a.coordinator_address or a.num_processes or a.process_id is not None:
+        me, count = init_distributed(a.coordinator_address, a.num_processes, a.process_id)
+    s = run_batch(
+        lambda: LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs),
+        a.input, a.output, input_format_=fmt, order=a.order, defaults=given, sampling_params=quick,
+        raw=a.raw, model_name=a.model if "/" not in a.model and not a.model.endswith(".gguf") else None,
+        metrics_out=a.metrics_out, progress=not a.no_progress, grace_period=a.grace_period,
+        process_index=me, process_count=count,
+    )
+    who = f"process {me} of {count}: " if count > 1 else ""
+    r, run, wall = s.result, s.run, max(s.wall_s, 1e-9)
+    print(f"{who}{r.answered} of {s.total} requests answered ({r.ok} ok, {r.failed} failed), {r.input_tokens} input "
+          f"and {r.output_tokens} output tokens -> {a.output}", file=sys.stderr)
+    print(f"{who}this run: {run.answered} requests ({s.before} answered before), {run.output_tokens} output tokens "
+          f"in {wall:.1f} s: {run.output_tokens / wall:.1f} output tok/s, {run.answered / wall:.2f} req/s",
+          file=sys.stderr)
+    if s.interrupted is not None:
+        import signal
+
+        print(f"jaxinfer: stopped by {signal.Signals(s.interrupted).name} with {s.total - r.answered} requests "
+              "left; run the same command again to resume", file=sys.stderr)
+        return 128 + s.interrupted
     return 0
 
 
