@@ -1,0 +1,23 @@
+"""Pallas kernels for LLM inference, each beside a pure-JAX reference of the same signature.
+
+One small package per op:
+
+  flash_attention   prefill attention: causal, GQA/MQA, sliding window, logit soft-cap,
+                    per-row query offsets and key lengths (chunked prefill).
+  paged_attention   ragged paged decode attention: one query token per sequence, keys and
+                    values read from a page pool through each sequence's page table.
+  quant_matmul      int8 x int8 -> int32 matmul with per-token and per-channel scales, and
+                    weight-only int8 / packed-int4 matmuls that dequantize inside the kernel.
+
+Each package exports, for its op ``op``:
+  ``op``            dispatch: the Pallas kernel on TPU/GPU (or anywhere with
+                    ``interpret=True``), the reference elsewhere; decided at call time.
+  ``op_kernel``     the Pallas kernel (Mosaic on TPU, Triton on GPU; on CPU it needs
+                    ``interpret=True`` and runs the TPU variant).
+  ``op_reference``  the pure-JAX reference, same signature (static options are ignored).
+  ``BlockSizes``    frozen dataclass of the kernel's tile sizes.
+
+This package imports nothing from ``jaxinfer``. Shape letters: B batch, T query tokens,
+S key/value length, N query heads, K kv heads, G = N // K, H head dim, P pages, M rows,
+I contracted (input) size, O output size.
+"""

@@ -1,0 +1,79 @@
+"""What every kernel package shares: platform choice at call time, and small shape helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+# A finite "minus infinity" for masked logits: exp(MASK - m) underflows to 0 without the
+# inf - inf = NaN that -inf gives on rows whose every key so far was masked.
+MASK_VALUE = -1e30
+
+# Pallas lowerings by the platform that compiles them. CPU has none: there the kernels only
+# run in interpret mode, which interprets the TPU variant (its grid/BlockSpec program is the
+# one that the interpreter models most closely).
+KERNEL_PLATFORMS = ("tpu", "gpu")
+
+
+def platform() -> str:
+    """The default backend now ("cpu", "gpu" or "tpu"); read at call (trace) time."""
+    p = jax.default_backend()
+    return "gpu" if p in ("cuda", "rocm") else p
+
+
+def kernel_target() -> str:
+    """Which kernel variant to build: the platform's own, or "tpu" for interpret mode on CPU."""
+    p = platform()
+    return p if p in KERNEL_PLATFORMS else "tpu"
+
+
+def use_kernel(interpret: bool) -> bool:
+    """Dispatch rule shared by every op: the kernel where it compiles or when interpreting."""
+    return interpret or platform() in KERNEL_PLATFORMS
+
+
+def pick_variant(variants: Mapping[str, Callable], name: str) -> Callable:
+    """The kernel variant for this platform (``variants`` maps target -> builder)."""
+    target = kernel_target()
+    if target not in variants:
+        raise NotImplementedError(f"{name} has no Pallas lowering for {target=}; "
+                                  f"it has {sorted(variants)}")
+    return variants[target]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return cdiv(a, b) * b
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def sublane(dtype) -> int:
+    """Rows per TPU tile for dtype: second-minor block dims must be a multiple of this."""
+    return {4: 8, 2: 16, 1: 32}[jnp.dtype(dtype).itemsize]
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    """x zero-padded (or ``value``-padded) at the end of ``axis`` up to ``size``."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def check(cond: bool, msg: str) -> None:
+    """Input validation shared by kernels and references: a ValueError naming the values."""
+    if not cond:
+        raise ValueError(msg)

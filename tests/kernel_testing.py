@@ -1,0 +1,101 @@
+"""What the kernel tests share: the one tolerance table, an independent numpy attention,
+and builders of NaN-poisoned inputs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Kernel (interpret mode) vs reference, per output dtype:
+#   |out - ref| <= atol * max(1, rms(ref)) + rtol * |ref|
+# atol scales with the reference's RMS so a 256-term dot (outputs ~5) and a softmax average
+# (outputs ~1) are held to the same relative standard; elements near zero by cancellation
+# are judged against the size of the whole output, not their own. float32 differs only in
+# summation order; bfloat16 also rounds the softmax weights (or dequantized weights) to
+# bfloat16 before the second matmul, as a real kernel does, and rounds the output.
+TOLERANCES = {
+    jnp.dtype(jnp.float32): dict(atol=5e-6, rtol=2e-6),
+    jnp.dtype(jnp.bfloat16): dict(atol=2e-2, rtol=2e-2),
+}
+
+
+def assert_close(out, ref, dtype=None):
+    dtype = jnp.dtype(dtype or out.dtype)
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, out.dtype, ref.shape, ref.dtype)
+    a, b = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(a).all(), "NaN/inf in the kernel output"
+    tol = TOLERANCES[dtype]
+    rms = float(np.sqrt(np.mean(np.square(b)))) if b.size else 0.0
+    np.testing.assert_allclose(a, b, rtol=tol["rtol"], atol=tol["atol"] * max(1.0, rms))
+
+
+def dense_attention_np(q, k, v, qpos, kv_len, *, scale, causal=True, window=None, softcap=None):
+    """Plain softmax attention in float64, one (row, head, query) at a time.
+
+    q [B, T, N, H], k/v [B, S, K, H], qpos [B, T], kv_len [B]. Keys/values at or past
+    kv_len are not even looked at (they may be NaN)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    G = N // K
+    out = np.zeros((B, T, N, H))
+    for b in range(B):
+        for t in range(T):
+            p = int(qpos[b, t])
+            keys = [s for s in range(int(kv_len[b]))
+                    if (not causal or s <= p) and (window is None or p - s < window)]
+            if not keys:
+                continue
+            for n in range(N):
+                logits = np.array([q[b, t, n] @ k[b, s, n // G] for s in keys]) * scale
+                if softcap is not None:
+                    logits = softcap * np.tanh(logits / softcap)
+                w = np.exp(logits - logits.max())
+                w /= w.sum()
+                out[b, t, n] = sum(wi * v[b, s, n // G] for wi, s in zip(w, keys))
+    return out
+
+
+def paged_pool(rng, lengths, *, K, H, page_size, pages_per_seq, spare_pages=3, dtype=jnp.float32):
+    """A page pool [K, P, page_size, H] holding each sequence's tokens on shuffled pages.
+
+    Every slot that is not a live token is NaN: spare pages, the unused tail of each last
+    page, and the NaN page that page-table entries past a sequence's pages point to. Also
+    returns the contiguous keys/values [B, S, K, H] (S = pages_per_seq * page_size, NaN past
+    each length) for the dense reference."""
+    B = len(lengths)
+    used = sum(-(-int(n) // page_size) for n in lengths)
+    P = used + spare_pages + 1
+    order = rng.permutation(P)
+    nan_page = int(order[-1])
+    kp = np.full((K, P, page_size, H), np.nan, np.float32)
+    vp = kp.copy()
+    table = np.full((B, pages_per_seq), nan_page, np.int32)
+    S = pages_per_seq * page_size
+    kd = np.full((B, S, K, H), np.nan, np.float32)
+    vd = kd.copy()
+    c = 0
+    for b, n in enumerate(lengths):
+        n = int(n)
+        kd[b, :n] = rng.normal(size=(n, K, H))
+        vd[b, :n] = rng.normal(size=(n, K, H))
+        for j in range(-(-n // page_size)):
+            page = int(order[c])
+            c += 1
+            table[b, j] = page
+            live = min(page_size, n - j * page_size)
+            kp[:, page, :live] = kd[b, j * page_size: j * page_size + live].transpose(1, 0, 2)
+            vp[:, page, :live] = vd[b, j * page_size: j * page_size + live].transpose(1, 0, 2)
+    cast = lambda a: jnp.asarray(a, dtype)
+    # Round through the dtype so the dense numpy reference sees the same numbers.
+    kd, vd = np.asarray(cast(kd), np.float32), np.asarray(cast(vd), np.float32)
+    return cast(kp), cast(vp), jnp.asarray(table), kd, vd
+
+
+def run_interpreted(fn, *args):
+    """jit(fn)(*args), compiled without LLVM's optimisation passes: an interpret-mode kernel
+    is a large while loop that runs once on tiny inputs, and compiling it dominates its
+    test (this halves that)."""
+    lowered = jax.jit(fn).lower(*args)
+    return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})(*args)
