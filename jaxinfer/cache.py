@@ -35,6 +35,13 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k + self.v)
 
+    def write_layer(self, layer: int, k_new, v_new, start) -> "KVCache":
+        return write_layer(self, layer, k_new, v_new, start)
+
+    def read_layer(self, layer: int):
+        """(keys [B, K, H, S], values [B, K, S, H], kpos i32[S]) of one layer."""
+        return self.k[layer], self.v[layer], jnp.arange(self.max_len)
+
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     K, H = cfg.n_kv_heads, cfg.head_dim
@@ -61,3 +68,69 @@ def write_layer(cache: KVCache, layer: int, k_new: jax.Array, v_new: jax.Array, 
 
     slc = slice(None)
     return KVCache(put(cache.k, k_new, (rows, slc, slc, pos)), put(cache.v, v_new, (rows, slc, pos)))
+
+
+# ----------------------------------------------------------------------------- paged
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedKVCache:
+    """A page pool per layer plus the page tables of the rows in this call.
+
+    Row b's position p lives in page ``page_table[b, p // page_size]`` at offset
+    ``p % page_size``. The pools are donated to every step; the page table is small and
+    comes from the host allocator each call (its width is bucketed by the longest row).
+    """
+
+    k: list[jax.Array]  # L x [P, K, H, page_size]  keys transposed, as in KVCache
+    v: list[jax.Array]  # L x [P, K, page_size, H]
+    page_table: jax.Array  # i32[B, n] pages of each row; unused entries are page 0 (scratch)
+
+    @property
+    def page_size(self) -> int:
+        return self.v[0].shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.v[0].shape[0]
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k + self.v)
+
+    def with_page_table(self, page_table) -> "PagedKVCache":
+        return PagedKVCache(self.k, self.v, page_table)
+
+    def write_layer(self, layer: int, k_new, v_new, start) -> "PagedKVCache":
+        """Scatter one layer's new keys/values [B, T, K, H] into the rows' pages."""
+        B, T = k_new.shape[:2]
+        ps, n = self.page_size, self.page_table.shape[1]
+        pos = start[:, None] + jnp.arange(T)[None, :]  # i32[B, T]
+        slot = pos // ps
+        # positions past the table (padding of a right-padded chunk) go to the scratch page
+        page = jnp.where(slot < n, jnp.take_along_axis(self.page_table, jnp.minimum(slot, n - 1), axis=1), 0)
+        off = pos % ps
+        s = slice(None)
+        k, v = list(self.k), list(self.v)
+        k[layer] = k[layer].at[page, s, s, off].set(k_new.astype(k[layer].dtype))
+        v[layer] = v[layer].at[page, s, off].set(v_new.astype(v[layer].dtype))
+        return PagedKVCache(k, v, self.page_table)
+
+    def read_layer(self, layer: int):
+        """Gather the rows' pages into dense views (keys [B, K, H, n*ps], values
+        [B, K, n*ps, H], kpos); only the n page-table columns of this call are read."""
+        B, n = self.page_table.shape
+        kp = self.k[layer][self.page_table]  # [B, n, K, H, ps]
+        vp = self.v[layer][self.page_table]  # [B, n, K, ps, H]
+        K, H, ps = kp.shape[2], kp.shape[3], kp.shape[4]
+        keys = kp.transpose(0, 2, 3, 1, 4).reshape(B, K, H, n * ps)
+        values = vp.transpose(0, 2, 1, 3, 4).reshape(B, K, n * ps, H)
+        return keys, values, jnp.arange(n * ps)
+
+
+def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> PagedKVCache:
+    K, H = cfg.n_kv_heads, cfg.head_dim
+    dt = jnp.dtype(dtype or cfg.dtype)
+    return PagedKVCache(
+        [jnp.zeros((num_pages, K, H, page_size), dt) for _ in range(cfg.n_layers)],
+        [jnp.zeros((num_pages, K, page_size, H), dt) for _ in range(cfg.n_layers)],
+        jnp.zeros((1, 1), jnp.int32),
+    )

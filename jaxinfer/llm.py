@@ -15,6 +15,7 @@ from typing import Sequence
 
 from jaxinfer import registry
 from jaxinfer.config import default_dtype
+from jaxinfer.engine.paged import EngineConfig, PagedEngine, Scheduling
 from jaxinfer.engine.static import Row, StaticEngine
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.loaders import checkpoint
@@ -30,11 +31,17 @@ class LLM:
     model: a registry name (see ``jaxinfer models``) or a path to a .gguf file, a Hugging Face
     directory or an Orbax checkpoint. dtype: None picks float32 on CPU and bfloat16 on TPU/GPU.
     max_model_len: the longest prompt + output allowed (default: the checkpoint's context).
+    engine: "paged" (continuous batching over a paged KV cache, the default) or "static"
+    (length-sorted static batches over a dense cache). The remaining options tune the paged
+    engine (see ``jaxinfer.engine.paged.EngineConfig``).
     """
 
     def __init__(self, model: str = registry.DEFAULT_MODEL, *, dtype: str | None = None,
                  max_model_len: int | None = None, seed: int = 0, max_num_seqs: int = 64,
-                 progress: bool = True):
+                 progress: bool = True, engine: str = "paged", page_size: int = 16,
+                 num_pages: int | None = None, kv_cache_bytes: int = 2 << 30,
+                 prefill_chunk: int = 512, enable_prefix_caching: bool = True,
+                 scheduling: str = "fcfs"):
         dtype = dtype or default_dtype()
         if dtype == "auto":
             dtype = default_dtype()
@@ -54,8 +61,21 @@ class LLM:
         self.max_model_len = max_model_len
         self.seed = seed
         self.progress = progress
-        self.engine = StaticEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
-                                   max_num_seqs=max_num_seqs, seed=seed)
+        if engine == "static":
+            self.engine = StaticEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
+                                       max_num_seqs=max_num_seqs, seed=seed)
+        elif engine == "paged":
+            try:
+                sched = Scheduling(scheduling)
+            except ValueError:
+                raise InvalidRequest(f"scheduling must be 'fcfs' or 'spf', got {scheduling!r}") from None
+            ecfg = EngineConfig(max_num_seqs=max_num_seqs, page_size=page_size, num_pages=num_pages,
+                                kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk,
+                                prefix_caching=enable_prefix_caching, scheduling=sched)
+            self.engine = PagedEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
+                                      config=ecfg, seed=seed)
+        else:
+            raise InvalidRequest(f"engine must be 'paged' or 'static', got {engine!r}")
         self._request_counter = 0
 
     def get_tokenizer(self):
@@ -138,26 +158,28 @@ class LLM:
         length runs in bounded memory.
         """
         window = window or 4 * self.engine.max_num_seqs
-        it = iter(requests)
-        while chunk := list(itertools.islice(it, window)):
-            arrival = time.perf_counter()
-            rows = []
-            for rid, text, toks, p in chunk:
-                req = _Pending(rid, text, toks, p, arrival, remaining=p.n)
-                index = self._request_counter
-                self._request_counter += 1
-                for j in range(p.n):
-                    row = self._make_row(toks, _sample_params(p, j, default_seed_for(self.seed, index)), index * 1024 + j)
-                    row.owner = req
-                    req.rows.append(row)
-                    rows.append(row)
-            for row in self.engine.run(rows):
-                if on_sequence_done is not None:
-                    on_sequence_done()
-                req = row.owner
-                req.remaining -= 1
-                if req.remaining == 0:
-                    yield self._output(req)
+
+        def rows():
+            it = iter(requests)
+            while chunk := list(itertools.islice(it, window)):
+                arrival = time.perf_counter()
+                for rid, text, toks, p in chunk:
+                    req = _Pending(rid, text, toks, p, arrival, remaining=p.n)
+                    index = self._request_counter
+                    self._request_counter += 1
+                    for j in range(p.n):
+                        row = self._make_row(toks, _sample_params(p, j, default_seed_for(self.seed, index)), index * 1024 + j)
+                        row.owner = req
+                        req.rows.append(row)
+                    yield from req.rows
+
+        for row in self.engine.run(rows()):
+            if on_sequence_done is not None:
+                on_sequence_done()
+            req = row.owner
+            req.remaining -= 1
+            if req.remaining == 0:
+                yield self._output(req)
 
     def _make_row(self, toks, sp: SamplingParams, request_index: int) -> Row:
         cap = self.max_model_len - len(toks)

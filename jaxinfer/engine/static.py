@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 from typing import Iterator, Sequence
 
@@ -59,6 +60,7 @@ class Row:
     finished_time: float | None = None
     scheduled_time: float | None = None
     owner: object = None  # the caller's handle for the request this row samples
+    token_times: list[float] = dataclasses.field(default_factory=list)  # when each token arrived
 
 
 def _logits_at(mod, weights, h, index, cfg):  # h [B, T, D], index i32[B] -> f32[B, V]
@@ -125,11 +127,17 @@ class StaticEngine:
         self.last_cache_bytes = 0
 
     # ------------------------------------------------------------------ host loop
-    def run(self, rows: list[Row]) -> Iterator[Row]:
-        """Run rows in length-sorted batches; yields each row as soon as it finishes."""
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i].prompt_ids))
-        for s in range(0, len(order), self.max_num_seqs):
-            yield from self._run_batch([rows[i] for i in order[s : s + self.max_num_seqs]])
+    def run(self, rows) -> Iterator[Row]:
+        """Run rows (an iterable, read a window at a time) in length-sorted batches; yields
+        each row as soon as it finishes."""
+        it = iter(rows)
+        while window := list(itertools.islice(it, 4 * self.max_num_seqs)):
+            window.sort(key=lambda r: len(r.prompt_ids))
+            for s in range(0, len(window), self.max_num_seqs):
+                yield from self._run_batch(window[s : s + self.max_num_seqs])
+
+    def validate(self, row: Row) -> None:
+        """Every row fits a dense cache: nothing to check beyond max_model_len."""
 
     def _run_batch(self, rows: list[Row]) -> Iterator[Row]:
         cfg, n = self.cfg, len(rows)
@@ -188,6 +196,7 @@ class StaticEngine:
         if r.first_token_time is None:
             r.first_token_time = now
         r.last_token_time = now
+        r.token_times.append(now)
         r.token_ids.append(tok)
         if host_lp is not None and r.params.logprobs is not None:
             chosen, rank, top_ids, top_lps = (a[b] for a in host_lp)

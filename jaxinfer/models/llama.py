@@ -58,7 +58,7 @@ def forward(
     weights: dict,
     tokens: jax.Array,  # i32[B, T]
     start: jax.Array,  # i32[B] position of tokens[:, 0]
-    cache: kv.KVCache | None,
+    cache,  # kv.KVCache | kv.PagedKVCache | None
     *,
     cfg: ModelConfig,
     read_cache: bool = True,  # False when every row starts at 0: attend over the new tokens only
@@ -81,9 +81,9 @@ def forward(
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
             if cache is not None:
-                cache = kv.write_layer(cache, i, k, v, start)
+                cache = cache.write_layer(i, k, v, start)
             if cache is not None and read_cache:
-                keys, values, kpos = cache.k[i], cache.v[i], jnp.arange(cache.max_len)
+                keys, values, kpos = cache.read_layer(i)
             else:  # fresh prompts: the new tokens are all there is to attend to
                 keys, values, kpos = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions[0]
             o = attention(q, keys, values, positions, kpos, scale=scale)

@@ -1,0 +1,392 @@
+"""Continuous batching over a paged KV cache, with chunked prefill and prefix caching.
+
+The engine is shaped like JetStream's:
+
+* ``prefill``: computes the keys/values of one chunk of a prompt into its pages (bucketed
+  chunk length). Prefill never samples: it covers every token but the last.
+* ``insert``: places a sequence into a decode slot (its sampling row on device).
+* ``generate``: one step for every slot; its input is each sequence's last token, so the
+  first generated token comes from the first decode step after the prefill. The page
+  pools and the sampling state are donated to every step.
+
+The scheduler runs on the host. Each iteration it admits waiting sequences (FCFS, or
+shortest prompt first) while slots and pages allow, spends at most ``prefill_chunk`` prompt
+tokens on prefill, then runs one decode step for every running sequence, so a long prompt
+never stalls running decodes for more than one chunk. When a running sequence needs a page
+and none is free, the most recently admitted sequence is preempted: its pages are released
+and it is recomputed later from its prompt plus what it had generated, with the same seeds,
+so its tokens do not change. The next decode step is dispatched before the host reads the
+current one's tokens, so detokenizing and stop checks overlap device work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import time
+from collections import deque
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import cache as kv
+from jaxinfer import sampling as smp
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.pages import ROOT_HASH, SCRATCH_PAGE, PageAllocator
+from jaxinfer.engine.static import Row, StaticEngine, len_bucket
+from jaxinfer.errors import InvalidRequest
+from jaxinfer.models.registry import family_module
+
+STOP_ID_WIDTH = 16  # per-row stop ids masked before min_tokens (EOS ids + stop_token_ids)
+BATCH_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
+
+
+class Scheduling(str, enum.Enum):
+    FCFS = "fcfs"
+    SHORTEST_PROMPT_FIRST = "spf"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 64  # decode slots
+    page_size: int = 16
+    num_pages: int | None = None  # None: from kv_cache_bytes
+    kv_cache_bytes: int = 2 << 30  # page pool budget when num_pages is None
+    prefill_chunk: int = 512  # prompt tokens per scheduler iteration (per-step token budget)
+    prefix_caching: bool = True
+    scheduling: Scheduling = Scheduling.FCFS
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise InvalidRequest(f"page_size must be a power of two, got {self.page_size}")
+        if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):
+            raise InvalidRequest(f"prefill_chunk must be a power of two >= 16, got {self.prefill_chunk}")
+        if self.max_num_seqs < 1:
+            raise InvalidRequest(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+class SeqState(str, enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclasses.dataclass(eq=False)
+class Seq:
+    row: Row
+    arrival: int  # admission order key (FCFS)
+    state: SeqState = SeqState.WAITING
+    slot: int = -1
+    pages: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0  # tokens whose keys/values are in the pages
+    registered: int = 0  # leading full pages named in the prefix cache
+    chain: bytes = ROOT_HASH  # hash chain after the registered pages
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.row.prompt_ids + self.row.token_ids
+
+
+# ----------------------------------------------------------------------------- device steps
+def prefill_step(weights, tokens, start, k_pages, v_pages, page_table, *, cfg):
+    """Keys/values of one chunk (tokens i32[1, T] at positions start + t) into its pages."""
+    mod = family_module(cfg.family)
+    cache = kv.PagedKVCache(k_pages, v_pages, page_table)
+    _, cache = mod.forward(weights, tokens, start, cache, cfg=cfg)
+    return cache.k, cache.v
+
+
+def decode_step(weights, tokens, positions, page_table, k_pages, v_pages, state, step,
+                stop_ids, min_tokens, *, cfg, num_logprobs):
+    """One token for the first B slots: tokens i32[B] at positions i32[B]."""
+    mod = family_module(cfg.family)
+    B = tokens.shape[0]
+    cache = kv.PagedKVCache(k_pages, v_pages, page_table)
+    h, cache = mod.forward(weights, tokens[:, None], positions, cache, cfg=cfg)
+    logits = mod.unembed(weights, h, cfg)[:, 0]
+    sub = jax.tree.map(lambda a: a[:B], state)
+    masked = smp.mask_tokens_before_min(logits, stop_ids, step, min_tokens)
+    new = smp.sample(masked, sub, step)
+    sub = smp.update_counts(sub, new)
+    state = jax.tree.map(lambda a, s: a.at[:B].set(s), state, sub)
+    lp = None
+    if num_logprobs >= 0:
+        chosen, top_ids, top_lp = smp.logprobs_of(logits, new, num_logprobs)
+        picked = jnp.take_along_axis(logits, new[:, None], axis=1)
+        lp = (chosen, 1 + jnp.sum(logits > picked, axis=-1), top_ids, top_lp)
+    return new, lp, cache.k, cache.v, state
+
+
+def insert_step(state, slot, row):
+    """Place one sequence's sampling row (batch 1) into decode slot ``slot``."""
+    return jax.tree.map(lambda a, r: a.at[slot].set(r[0]), state, row)
+
+
+# ----------------------------------------------------------------------------- engine
+class PagedEngine:
+    """Continuous-batching engine over one model; ``run`` yields rows as they finish."""
+
+    def __init__(self, cfg: ModelConfig, weights, tokenizer, *, max_model_len: int,
+                 config: EngineConfig = EngineConfig(), seed: int = 0):
+        self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
+        self.max_model_len = max_model_len
+        self.config = config
+        self.seed = seed
+        self.max_num_seqs = config.max_num_seqs
+        ps = config.page_size
+        self.pages_per_seq = -(-max_model_len // ps)
+        # enough for every slot at full length (plus room for cached prefixes), within budget
+        num_pages = config.num_pages or max(2, min(
+            config.kv_cache_bytes // (cfg.kv_bytes_per_token() * ps),
+            2 * config.max_num_seqs * self.pages_per_seq + 1))
+        self.allocator = PageAllocator(num_pages, ps, prefix_caching=config.prefix_caching)
+        cache = kv.init_paged_cache(cfg, num_pages, ps)
+        self.k_pages, self.v_pages = cache.k, cache.v
+        self.state = smp.make_sampling_state([], [], cfg.vocab_size, default_seed=seed, batch_size=config.max_num_seqs)
+        # one partial per engine, so each engine's jit caches (and compile counts) are its own
+        self._prefill = jax.jit(functools.partial(prefill_step), static_argnames=("cfg",),
+                                donate_argnames=("k_pages", "v_pages"))
+        self._decode = jax.jit(functools.partial(decode_step), static_argnames=("cfg", "num_logprobs"),
+                               donate_argnames=("k_pages", "v_pages", "state"))
+        self._insert = jax.jit(functools.partial(insert_step), donate_argnames=("state",))
+        self._dense = StaticEngine(cfg, weights, tokenizer, max_model_len=max_model_len, seed=seed)
+        B = config.max_num_seqs
+        self._stop_ids = np.full((B, STOP_ID_WIDTH), -1, np.int32)
+        self._min_tokens = np.zeros(B, np.int32)
+        self._slots: list[Seq | None] = [None] * B
+        self._waiting: deque[Seq] = deque()
+        self._arrivals = 0
+        self.stats = {"preemptions": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0, "decode_steps": 0}
+
+    # ------------------------------------------------------------------ reports
+    @property
+    def last_cache_bytes(self) -> int:
+        return sum(a.nbytes for a in self.k_pages + self.v_pages)
+
+    def num_compilations(self) -> int:
+        """Executables compiled so far by the engine's jitted steps."""
+        return sum(f._cache_size() for f in (self._prefill, self._decode, self._insert))
+
+    def prompt_logprobs(self, ids, num_top):
+        return self._dense.prompt_logprobs(ids, num_top)
+
+    # ------------------------------------------------------------------ admission
+    def validate(self, row: Row) -> None:
+        """Raise InvalidRequest if the row can never run on this engine."""
+        n = len(row.prompt_ids) + row.max_new
+        need = -(-n // self.allocator.page_size)
+        if need > self.allocator.num_pages - 1:
+            raise InvalidRequest(
+                f"a sequence of {n} tokens needs {need} KV pages but the pool has only "
+                f"{self.allocator.num_pages - 1}; raise num_pages/kv_cache_bytes or lower max_tokens"
+            )
+        ids = tuple(row.params.stop_token_ids) + (() if row.params.ignore_eos else tuple(self.tokenizer.eos_ids))
+        if row.params.min_tokens and len(ids) > STOP_ID_WIDTH:
+            raise InvalidRequest(f"min_tokens supports at most {STOP_ID_WIDTH - len(self.tokenizer.eos_ids)} stop_token_ids")
+
+    def _admit(self) -> None:
+        ps = self.allocator.page_size
+        while self._waiting:
+            slot = next((i for i, s in enumerate(self._slots) if s is None), None)
+            if slot is None:
+                return
+            if self.config.scheduling == Scheduling.SHORTEST_PROMPT_FIRST:
+                seq = min(self._waiting, key=lambda s: (len(s.tokens), s.arrival))
+            else:
+                seq = self._waiting[0]
+            toks = seq.tokens
+            cached, chain = self.allocator.lookup_prefix(toks)
+            need = -(-len(toks) // ps) - len(cached)
+            if need > self.allocator.num_free:
+                self.allocator.release(cached)
+                return  # wait for pages to free up (FCFS: nobody jumps the queue)
+            self._waiting.remove(seq)
+            seq.pages = cached + self.allocator.allocate(need)
+            seq.computed = len(cached) * ps
+            seq.registered = len(cached)
+            seq.chain = chain
+            self.stats["cached_prompt_tokens"] += len(cached) * ps
+            seq.slot = slot
+            self._slots[slot] = seq
+            seq.state = SeqState.PREFILL if seq.computed < len(toks) - 1 else SeqState.DECODE
+            if seq.row.scheduled_time is None:
+                seq.row.scheduled_time = time.perf_counter()
+            self._insert_row(seq)
+
+    def _insert_row(self, seq: Seq) -> None:
+        row, p = seq.row, seq.row.params
+        new = smp.make_sampling_state([p], [row.prompt_ids], self.cfg.vocab_size, default_seed=self.seed,
+                                      request_indices=[row.request_index])
+        if row.token_ids:  # recomputing after preemption: penalties must see what was generated
+            counts = np.bincount(row.token_ids, minlength=self.cfg.vocab_size).astype(np.int32)[None]
+            new = dataclasses.replace(new, output_counts=jnp.asarray(counts))
+        self.state = self._insert(self.state, jnp.int32(seq.slot), new)
+        stop, mins = smp.min_tokens_inputs([p], self.tokenizer.eos_ids)
+        self._stop_ids[seq.slot] = -1
+        self._stop_ids[seq.slot, : min(stop.shape[1], STOP_ID_WIDTH)] = stop[0, :STOP_ID_WIDTH]
+        self._min_tokens[seq.slot] = mins[0]
+
+    def _release(self, seq: Seq) -> None:
+        self.allocator.release(seq.pages)
+        seq.pages = []
+        if seq.slot >= 0:
+            self._slots[seq.slot] = None
+        seq.slot = -1
+
+    def _preempt(self, victim: Seq) -> None:
+        """Give up a running sequence's pages; it is recomputed later (same tokens)."""
+        self._release(victim)
+        victim.state = SeqState.WAITING
+        victim.computed = victim.registered = 0
+        victim.chain = ROOT_HASH
+        victim.preemptions += 1
+        self.stats["preemptions"] += 1
+        self._waiting.appendleft(victim)
+
+    def _register_full_pages(self, seq: Seq) -> None:
+        ps = self.allocator.page_size
+        toks = seq.tokens
+        while (seq.registered + 1) * ps <= seq.computed:
+            i = seq.registered
+            seq.chain = self.allocator.register_full_page(seq.pages[i], seq.chain, toks[i * ps : (i + 1) * ps])
+            seq.registered += 1
+
+    # ------------------------------------------------------------------ prefill
+    def _run_prefill(self) -> None:
+        budget = self.config.prefill_chunk
+        for seq in sorted((s for s in self._slots if s is not None and s.state == SeqState.PREFILL),
+                          key=lambda s: s.arrival):
+            if budget <= 0:
+                break
+            toks = seq.tokens
+            target = len(toks) - 1  # the last token is the first decode step's input
+            n = min(target - seq.computed, budget)
+            T = min(len_bucket(n), self.config.prefill_chunk)
+            chunk = np.full((1, T), self.tokenizer.pad_id, np.int32)
+            chunk[0, :n] = toks[seq.computed : seq.computed + n]
+            width = len_bucket_pages(-(-(seq.computed + T) // self.allocator.page_size), self.pages_per_seq)
+            table = np.zeros((1, width), np.int32)
+            table[0, : min(len(seq.pages), width)] = seq.pages[:width]
+            self.k_pages, self.v_pages = self._prefill(
+                self.weights, jnp.asarray(chunk), jnp.asarray([seq.computed], jnp.int32),
+                self.k_pages, self.v_pages, jnp.asarray(table), cfg=self.cfg)
+            seq.computed += n
+            budget -= n
+            self.stats["prefill_tokens"] += n
+            self._register_full_pages(seq)
+            if seq.computed >= target:
+                seq.state = SeqState.DECODE
+
+    # ------------------------------------------------------------------ decode
+    def _ensure_decode_pages(self) -> None:
+        """Every decoding sequence needs a page for the position it writes this step."""
+        ps = self.allocator.page_size
+        for seq in sorted((s for s in self._slots if s is not None and s.state == SeqState.DECODE),
+                          key=lambda s: s.arrival):
+            if seq.slot < 0 or seq.state != SeqState.DECODE:
+                continue  # preempted below while making room for an earlier sequence
+            pos = len(seq.tokens) - 1
+            while pos // ps >= len(seq.pages):
+                if self.allocator.num_free == 0:
+                    victims = [s for s in self._slots if s is not None]
+                    victim = max(victims, key=lambda s: s.arrival)
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                    continue
+                seq.pages += self.allocator.allocate(1)
+
+    def _dispatch_decode(self):
+        active = [s for s in self._slots if s is not None and s.state == SeqState.DECODE]
+        if not active:
+            return None
+        B = _bucket(max(s.slot for s in active) + 1, BATCH_BUCKETS, self.max_num_seqs)
+        width = len_bucket_pages(max(len(s.pages) for s in active), self.pages_per_seq)
+        tokens = np.zeros(B, np.int32)
+        positions = np.zeros(B, np.int32)
+        steps = np.zeros(B, np.int32)
+        table = np.full((B, width), SCRATCH_PAGE, np.int32)
+        for s in active:
+            toks = s.tokens
+            tokens[s.slot] = toks[-1]
+            positions[s.slot] = len(toks) - 1
+            steps[s.slot] = len(s.row.token_ids)
+            table[s.slot, : len(s.pages)] = s.pages
+        want_lp = [s.row.params.logprobs for s in active if s.row.params.logprobs is not None]
+        num_lp = -1 if not want_lp else 0 if max(want_lp) == 0 else 5 if max(want_lp) <= 5 else 20
+        new, lp, self.k_pages, self.v_pages, self.state = self._decode(
+            self.weights, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(table),
+            self.k_pages, self.v_pages, self.state, jnp.asarray(steps),
+            jnp.asarray(self._stop_ids[:B]), jnp.asarray(self._min_tokens[:B]),
+            cfg=self.cfg, num_logprobs=num_lp)
+        self.stats["decode_steps"] += 1
+        return active, new, lp
+
+    # ------------------------------------------------------------------ main loop
+    def run(self, rows) -> Iterator[Row]:
+        """Run rows (an iterable, consumed as slots free up); yield each row as it finishes."""
+        incoming = iter(rows)
+        exhausted = False
+        while True:
+            # keep the queue topped up without reading the whole input
+            while not exhausted and len(self._waiting) < 2 * self.max_num_seqs:
+                row = next(incoming, None)
+                if row is None:
+                    exhausted = True
+                    break
+                self.validate(row)
+                self._waiting.append(Seq(row, self._arrivals))
+                self._arrivals += 1
+            self._admit()
+            self._run_prefill()
+            self._ensure_decode_pages()
+            out = self._dispatch_decode()
+            if out is None:
+                if exhausted and not self._waiting and all(s is None for s in self._slots):
+                    return
+                continue  # only prefill work this iteration
+            yield from self._consume(*out)
+
+    def _consume(self, active, new, lp) -> Iterator[Row]:
+        toks = np.asarray(new)
+        host_lp = jax.device_get(lp) if lp is not None else None
+        now = time.perf_counter()
+        for seq in active:
+            if seq.slot < 0:  # preempted after dispatch: this step's token is recomputed later
+                continue
+            r = seq.row
+            b = seq.slot
+            tok = int(toks[b])
+            seq.computed = len(seq.tokens)  # the input token's keys/values are now in place
+            self._register_full_pages(seq)
+            if r.first_token_time is None:
+                r.first_token_time = now
+            r.last_token_time = now
+            r.token_times.append(now)
+            r.token_ids.append(tok)
+            if host_lp is not None and r.params.logprobs is not None:
+                chosen, rank, top_ids, top_lps = (a[b] for a in host_lp)
+                r.cumulative_logprob += float(chosen)
+                r.logprobs.append(self._dense._position_logprobs(
+                    tok, float(chosen), int(rank), top_ids[: r.params.logprobs], top_lps))
+            r.checker.update(tok, r.detok.add(tok))
+            if r.checker.finished:
+                r.finished_time = now
+                self._release(seq)
+                yield r
+
+
+def len_bucket_pages(n: int, cap: int) -> int:
+    """Page-table width: powers of two from 4, capped at the per-sequence maximum."""
+    return min(max(4, 1 << (max(n, 1) - 1).bit_length()), max(cap, n))
+
+
+def _bucket(n: int, buckets, cap: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return min(b, cap)
+    return cap

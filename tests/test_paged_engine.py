@@ -1,0 +1,208 @@
+"""Continuous batching over the paged KV cache: same tokens as generating alone, paged
+attention equal to dense with poisoned pages, a leak-free allocator, safe prefix sharing,
+waiting and preemption when pages run out, and a counted number of compilations."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer import cache as kv
+from jaxinfer.config import Family, ModelConfig
+from jaxinfer.engine.pages import PageAllocator
+from jaxinfer.errors import InvalidRequest
+from jaxinfer.models import llama
+from jaxinfer.models.layers import init_weights
+
+CFG = ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8, d_ff=64)
+
+
+# ----------------------------------------------------------------------------- paged attention
+def test_paged_forward_equals_dense_with_poisoned_pages():
+    w = init_weights(llama.weight_specs(CFG), CFG, jax.random.key(0), scale=0.2)
+    ps, P = 4, 24
+    lens = [5, 11, 2]
+    B, T = 3, 3  # decode-like chunk of 3 tokens after each row's prefix
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, CFG.vocab_size, n + T) for n in lens]
+    pool = kv.init_paged_cache(CFG, P, ps)
+    pool = kv.PagedKVCache([jnp.full_like(a, jnp.nan) for a in pool.k], [jnp.full_like(a, jnp.nan) for a in pool.v], pool.page_table)
+    perm = rng.permutation(np.arange(1, P))  # scattered, non-contiguous pages
+    need = [-(-(n + T) // ps) for n in lens]
+    table = np.zeros((B, max(need) + 1), np.int32)  # one extra column of scratch entries
+    off = 0
+    for b, k in enumerate(need):
+        table[b, :k] = perm[off : off + k]
+        off += k
+    fwd = jax.jit(llama.forward, static_argnames=("cfg", "read_cache"))
+    # prefill each row's prefix through the pages (right-padded to the longest)
+    L = max(lens)
+    toks = np.zeros((B, L), np.int32)
+    for b, s in enumerate(seqs):
+        toks[b, : lens[b]] = s[: lens[b]]
+    cache = pool.with_page_table(jnp.asarray(table))
+    _, cache = fwd(w, jnp.asarray(toks), jnp.zeros(B, jnp.int32), cache, cfg=CFG)
+    # then T tokens per row at each row's own position, reading the (NaN-poisoned) pool
+    chunk = np.stack([s[n : n + T] for s, n in zip(seqs, lens)])
+    h, _ = fwd(w, jnp.asarray(chunk), jnp.asarray(lens, jnp.int32), cache, cfg=CFG)
+    got = np.asarray(llama.unembed(w, h, CFG))
+    for b, (s, n) in enumerate(zip(seqs, lens)):
+        hd, _ = fwd(w, jnp.asarray(s[None]), jnp.zeros(1, jnp.int32), None, cfg=CFG)
+        ref = np.asarray(llama.unembed(w, hd, CFG))[0, n : n + T]
+        assert np.isfinite(got[b]).all()
+        np.testing.assert_allclose(got[b], ref, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- allocator
+ops = st.lists(st.tuples(st.sampled_from(["admit", "grow", "finish", "preempt", "cancel"]),
+                         st.integers(0, 7), st.integers(1, 40)), max_size=80)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_allocator_never_leaks(program):
+    ps = 4
+    alloc = PageAllocator(24, ps)
+    prefixes = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9, 9], [7] * 13]
+    running: list[dict] = []
+    for op, which, n in program:
+        if op == "admit":
+            toks = prefixes[which % 3] + [which] * (n % 7)
+            cached, chain = alloc.lookup_prefix(toks)
+            need = -(-len(toks) // ps) - len(cached)
+            try:
+                pages = cached + alloc.allocate(need)
+            except MemoryError:
+                alloc.release(cached)
+                continue
+            seq = {"toks": toks, "pages": pages, "reg": len(cached), "chain": chain}
+            while (seq["reg"] + 1) * ps <= len(toks):  # prefill done: name the full pages
+                i = seq["reg"]
+                seq["chain"] = alloc.register_full_page(pages[i], seq["chain"], toks[i * ps : (i + 1) * ps])
+                seq["reg"] += 1
+            running.append(seq)
+        elif running:
+            seq = running[which % len(running)]
+            if op == "grow":
+                try:
+                    seq["pages"] += alloc.allocate(1)
+                except MemoryError:
+                    pass
+            else:  # finish, preempt and cancel all give every reference back
+                alloc.release(seq["pages"])
+                running.remove(seq)
+        alloc.check_invariants()
+    for seq in running:
+        alloc.release(seq["pages"])
+    alloc.check_invariants()
+    assert alloc.num_free == alloc.num_pages - 1  # every page free (or evictable) again
+
+
+def test_prefix_lookup_shares_and_evicts_lru():
+    alloc = PageAllocator(6, 4)
+    toks = list(range(13))
+    p = alloc.allocate(4)
+    chain = b"jaxinfer-prefix-root"
+    for i in range(3):
+        chain = alloc.register_full_page(p[i], chain, toks[4 * i : 4 * i + 4])
+    cached, _ = alloc.lookup_prefix(toks)
+    assert cached == p[:3] and alloc.refcount(p[0]) == 2
+    alloc.release(cached)
+    alloc.release(p)
+    assert alloc.num_free == 5
+    fresh = alloc.allocate(2)  # one never-cached page, then the LRU cached one
+    assert p[0] in fresh or p[3] in fresh
+    alloc.check_invariants()
+
+
+# ----------------------------------------------------------------------------- engine
+PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog and keeps running far away",
+           "1 2 3", "A longer prompt about the history of printing presses in Europe during the fifteenth century and later",
+           "x", "Once upon a time", "def f(x): return x * 2", "Rivers carved the valleys where towns grew"]
+
+
+@pytest.fixture(scope="module")
+def static_llm(tiny_gguf):
+    return LLM(str(tiny_gguf), progress=False, max_num_seqs=8, engine="static")
+
+
+def _paged(tiny_gguf, **kw):
+    kw.setdefault("max_num_seqs", 3)
+    return LLM(str(tiny_gguf), progress=False, **kw)
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _alone(static_llm, prompts, sps):
+    return [_ids(static_llm.generate([p], sp, use_tqdm=False))[0] for p, sp in zip(prompts, sps)]
+
+
+def test_continuous_batching_same_tokens_as_alone(tiny_gguf, static_llm):
+    # 3 slots, 8 requests of different lengths: requests arrive while others decode
+    sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 3, 14, 5, 7, 2, 11, 6)]
+    llm = _paged(tiny_gguf, page_size=4, prefill_chunk=16)
+    got = _ids(llm.generate(PROMPTS, sps, use_tqdm=False))
+    assert got == _alone(static_llm, PROMPTS, sps)
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages - 1  # nothing leaked
+
+
+def test_seeded_sampling_unchanged_by_batching(tiny_gguf, static_llm):
+    sps = [SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=8, ignore_eos=True) for i in range(8)]
+    got = _ids(_paged(tiny_gguf, page_size=4).generate(PROMPTS, sps, use_tqdm=False))
+    assert got == _alone(static_llm, PROMPTS, sps)
+
+
+def test_chunked_prefill_of_a_long_prompt(tiny_gguf, static_llm):
+    long = " ".join(["word"] * 150)  # > 2 chunks of 64
+    sps = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 3
+    prompts = [long, "short one", long + " tail"]
+    llm = _paged(tiny_gguf, prefill_chunk=64, page_size=8)
+    assert _ids(llm.generate(prompts, sps, use_tqdm=False)) == _alone(static_llm, prompts, sps)
+
+
+def test_prefix_cache_on_and_off_agree(tiny_gguf):
+    system = "You are a careful assistant. " * 12
+    prompts = [system + q for q in ("What is 2+2?", "Name a color.", "Say hi.", "Count to three.")]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    on = _paged(tiny_gguf, page_size=8, max_num_seqs=2)
+    got_on = _ids(on.generate(prompts, sp, use_tqdm=False))
+    got_on2 = _ids(on.generate(prompts, sp, use_tqdm=False))  # now the whole prefix is cached
+    off = _paged(tiny_gguf, page_size=8, max_num_seqs=2, enable_prefix_caching=False)
+    assert got_on == got_on2 == _ids(off.generate(prompts, sp, use_tqdm=False))
+    assert on.engine.stats["cached_prompt_tokens"] > 4 * 8 * 5
+    assert off.engine.stats["cached_prompt_tokens"] == 0
+
+
+def test_out_of_pages_waits_and_preempts_without_changing_tokens(tiny_gguf, static_llm):
+    sps = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 6
+    prompts = PROMPTS[:6]
+    # 11 usable pages of 4 tokens: not every sequence fits at once, and growing ones collide
+    llm = _paged(tiny_gguf, page_size=4, num_pages=12, max_num_seqs=4, enable_prefix_caching=False)
+    got = _ids(llm.generate(prompts, sps, use_tqdm=False))
+    assert got == _alone(static_llm, prompts, sps)
+    assert llm.engine.stats["preemptions"] > 0
+    assert llm.engine.allocator.num_free == 11
+
+
+def test_request_that_can_never_fit_gets_a_clear_error(tiny_gguf):
+    llm = _paged(tiny_gguf, page_size=4, num_pages=5)
+    with pytest.raises(InvalidRequest, match="needs .* KV pages but the pool has only 4"):
+        llm.generate("Hello", SamplingParams(max_tokens=40), use_tqdm=False)
+
+
+def test_compilations_are_counted_and_bounded(tiny_gguf):
+    llm = _paged(tiny_gguf, page_size=8, max_num_seqs=4, prefill_chunk=32)
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    llm.generate(PROMPTS, sp, use_tqdm=False)
+    first = llm.engine.num_compilations()
+    llm.generate(PROMPTS, sp, use_tqdm=False)
+    assert llm.engine.num_compilations() == first  # a warm engine compiles nothing more
+    # prefill: chunk buckets {16, 32} x table widths {4}; decode: batch {4} x widths {4}; insert: 1
+    assert first <= 6, first
