@@ -1,0 +1,333 @@
+"""Quantized weights as a pytree, and the int8 KV-cache helpers.
+
+A ``QuantArray`` stands in for a float weight anywhere the model multiplies by it: the one
+matmul helper (``models.layers.dot``) calls ``w.einsum(eq, x)``, so model code does not
+branch on the scheme. Three schemes:
+
+  int8  weight-only, one scale per output channel. Activations stay float.
+  int4  weight-only, one scale per (group of ``group`` contracted rows, output channel),
+        two values per byte.
+  w8a8  int8 weights and int8 activations quantized per token at run time; the matmul is
+        XLA's native int8 x int8 -> int32 dot (on XLA CPU ~10x float32 at batch 256).
+        SmoothQuant-style smoothing moves activation outliers into the weights: with
+        calibration maxima a_j of input channel j and weight row maxima w_j,
+        s_j = a_j**alpha / w_j**(1 - alpha); the weights are stored as diag(s) W and the
+        activations multiplied by 1/s (``smooth``) before they are quantized.
+
+Storage is a matrix [I, O]: the weight's contracted axes flattened (in the weight's order)
+into I, its other axes into O, so every scheme is one 2-D matmul and the layout is the one
+the Pallas kernels in ``pallas_kernels.quant_matmul`` take (same int4 byte format; a test
+holds the two packings equal). ``shape`` and ``contract`` keep the float weight's shape.
+
+Floor: imports only jax, numpy and jaxinfer.errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.errors import InvalidRequest
+
+
+class QuantScheme(str, enum.Enum):
+    INT8 = "int8"
+    INT4 = "int4"
+    W8A8 = "w8a8"
+
+
+def parse_scheme(name: str | QuantScheme | None) -> QuantScheme | None:
+    """"int8" / "int4" / "w8a8" (or None: no quantization) -> QuantScheme."""
+    if name is None or isinstance(name, QuantScheme):
+        return name
+    try:
+        return QuantScheme(name)
+    except ValueError:
+        choices = ", ".join(repr(s.value) for s in QuantScheme)
+        raise InvalidRequest(f"quantize={name!r} is not a quantization scheme; use one of {choices}") from None
+
+
+# ----------------------------------------------------------------------------- int math
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 per row (over the last axis): x [..., I] -> (int8[..., I], f32[...])."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.clip(jnp.round(xf / scale[..., None]), -127, 127).astype(jnp.int8), scale
+
+
+def pack_int4(values: jax.Array, group: int) -> jax.Array:
+    """int8[I, O] in [-8, 7] -> int8[I/2, O]: in each group of ``group`` rows, byte i holds
+    row i (low nibble) and row i + group/2 (high nibble)."""
+    I, O = values.shape
+    v = values.astype(jnp.int32).reshape(I // group, 2, group // 2, O)
+    packed = (v[:, 0] & 0xF) | ((v[:, 1] & 0xF) << 4)
+    return jnp.where(packed > 127, packed - 256, packed).astype(jnp.int8).reshape(I // 2, O)
+
+
+def unpack_int4(packed: jax.Array, group: int) -> jax.Array:
+    """int8[I/2, O] -> int8[I, O]; inverse of pack_int4."""
+    half, O = packed.shape
+    b = packed.astype(jnp.int32).reshape(2 * half // group, group // 2, O)
+    low = jax.lax.shift_right_arithmetic(jax.lax.shift_left(b, 28), 28)
+    high = jax.lax.shift_right_arithmetic(b, 4)
+    return jnp.concatenate([low, high], axis=1).reshape(2 * half, O).astype(jnp.int8)
+
+
+def _per_column_int8(w2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    amax = jnp.max(jnp.abs(w2), axis=0)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.clip(jnp.round(w2 / scale), -127, 127).astype(jnp.int8), scale
+
+
+_MATMUL = (((1,), (0,)), ((), ()))
+
+
+# ----------------------------------------------------------------------------- QuantArray
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantArray:
+    """A quantized weight. Pass it wherever the float weight went into ``layers.dot``."""
+
+    values: jax.Array  # int8[I, O]; int4: int8[I/2, O], two values per byte
+    scale: jax.Array  # f32[O] per output channel; int4: f32[I/group, O]
+    smooth: jax.Array | None  # f32[I] (w8a8 with smoothing): x * smooth is what is quantized
+    shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # float weight's
+    contract: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # its contracted axes
+    scheme: QuantScheme = dataclasses.field(metadata={"static": True})
+    group: int = dataclasses.field(default=0, metadata={"static": True})  # int4 group size
+
+    @property
+    def free(self) -> tuple[int, ...]:
+        """The weight's axes that survive the matmul, in order."""
+        return tuple(a for a in range(len(self.shape)) if a not in self.contract)
+
+    @property
+    def in_size(self) -> int:
+        return math.prod(self.shape[a] for a in self.contract)
+
+    @property
+    def out_size(self) -> int:
+        return math.prod(self.shape[a] for a in self.free)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in jax.tree.leaves(self))
+
+    # ------------------------------------------------------------------ float views
+    def dequantize_matrix(self, dtype=jnp.float32) -> jax.Array:
+        """The float weight as the [I, O] matrix (smoothing undone)."""
+        if self.scheme == QuantScheme.INT4:
+            w = unpack_int4(self.values, self.group).astype(jnp.float32)
+            w = w * jnp.repeat(self.scale, self.group, axis=0)
+        else:
+            w = self.values.astype(jnp.float32) * self.scale
+        if self.smooth is not None:
+            w = w * self.smooth[:, None]
+        return w.astype(dtype)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The float weight in its original shape."""
+        order = self.contract + self.free
+        w = self.dequantize_matrix(dtype).reshape([self.shape[a] for a in order])
+        return jnp.transpose(w, np.argsort(order))
+
+    def take(self, indices: jax.Array, dtype=jnp.float32) -> jax.Array:
+        """Dequantized output channels ``indices`` -> [*indices.shape, I]: the embedding
+        lookup of a quantized tied embedding [V, D] (contracted over D)."""
+        if len(self.free) != 1:
+            raise ValueError(f"take needs one output axis; this weight has {self.free=}")
+        flat = indices.reshape(-1)
+        cols = jnp.take(self.values, flat, axis=1)  # [I or I/2, n]
+        if self.scheme == QuantScheme.INT4:
+            w = unpack_int4(cols, self.group).astype(jnp.float32)
+            w = w * jnp.repeat(jnp.take(self.scale, flat, axis=1), self.group, axis=0)
+        else:
+            w = cols.astype(jnp.float32) * jnp.take(self.scale, flat)
+        if self.smooth is not None:
+            w = w * self.smooth[:, None]
+        return w.T.reshape(*indices.shape, self.in_size).astype(dtype)
+
+    # ------------------------------------------------------------------ matmul
+    def matmul(self, x: jax.Array) -> jax.Array:
+        """x [M, I] @ W [I, O] -> [M, O] in x.dtype, by this weight's scheme."""
+        if self.scheme == QuantScheme.W8A8:
+            xf = x.astype(jnp.float32)
+            if self.smooth is not None:
+                xf = xf * self.smooth
+            xq, xs = quantize_rows(xf)
+            acc = jax.lax.dot_general(xq, self.values, _MATMUL, preferred_element_type=jnp.int32)
+            y = acc.astype(jnp.float32) * xs[:, None] * self.scale
+        elif self.scheme == QuantScheme.INT4:
+            w = unpack_int4(self.values, self.group).astype(jnp.float32)
+            w = (w * jnp.repeat(self.scale, self.group, axis=0)).astype(x.dtype)
+            y = jax.lax.dot_general(x, w, _MATMUL, preferred_element_type=jnp.float32)
+        else:
+            y = jax.lax.dot_general(x, self.values.astype(x.dtype), _MATMUL,
+                                    preferred_element_type=jnp.float32)
+            y = y * self.scale
+        return y.astype(x.dtype)
+
+    def einsum(self, eq: str, x: jax.Array) -> jax.Array:
+        """``jnp.einsum(eq, x, w)`` with this as w, e.g. "BTD,DNH->BTNH", "BTNH,NHD->BTD",
+        "BTD,VD->BTV". The weight letters summed over must be exactly its contracted axes."""
+        xs, ws, out = _parse(eq)
+        if len(ws) != len(self.shape):
+            raise ValueError(f"{eq!r}: weight has {len(self.shape)} axes {self.shape}, not {len(ws)}")
+        summed = tuple(a for a, c in enumerate(ws) if c in xs and c not in out)
+        if summed != self.contract:
+            raise ValueError(f"{eq!r} sums weight axes {summed}, but this weight was quantized "
+                             f"contracting axes {self.contract}")
+        if any(c in xs for c in (ws[a] for a in self.free)):
+            raise ValueError(f"{eq!r}: batch axes shared by x and the weight are not supported")
+        c_letters = "".join(ws[a] for a in self.contract)
+        keep = "".join(c for c in xs if c not in c_letters)
+        for a, c in zip(self.contract, c_letters):
+            if x.shape[xs.index(c)] != self.shape[a]:
+                raise ValueError(f"{eq!r}: x axis {c!r} has {x.shape[xs.index(c)]}, weight {self.shape[a]}")
+        x2 = jnp.einsum(f"{xs}->{keep}{c_letters}", x) if xs != keep + c_letters else x
+        lead = x2.shape[: len(keep)]
+        y = self.matmul(x2.reshape(math.prod(lead), self.in_size))
+        y = y.reshape(*lead, *(self.shape[a] for a in self.free))
+        have = keep + "".join(ws[a] for a in self.free)
+        return y if have == out else jnp.einsum(f"{have}->{out}", y)
+
+
+def _parse(eq: str) -> tuple[str, str, str]:
+    eq = eq.replace(" ", "")
+    try:
+        lhs, out = eq.split("->")
+        xs, ws = lhs.split(",")
+    except ValueError:
+        raise ValueError(f"{eq!r} is not an einsum of the form 'x,w->out'") from None
+    return xs, ws, out
+
+
+# ----------------------------------------------------------------------------- quantizers
+# The loaders quantize weight by weight; each quantizer is one jitted computation (per
+# shape) rather than a dozen eagerly dispatched ops.
+def _axes(shape: tuple[int, ...], contract_axes) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(contract, free) axes of a weight, each in order; checks contract_axes."""
+    given = tuple(int(a) for a in contract_axes)
+    contract = tuple(sorted({a % len(shape) for a in given})) if shape else ()
+    if not contract or len(contract) != len(given) or len(contract) == len(shape):
+        raise InvalidRequest(f"contract_axes={given} must name some, not all, "
+                             f"distinct axes of a weight of shape {shape}")
+    return contract, tuple(a for a in range(len(shape)) if a not in contract)
+
+
+def _as_matrix(w: jax.Array, contract: tuple[int, ...], free: tuple[int, ...]) -> jax.Array:
+    """w -> f32[I, O] with the contracted axes first."""
+    I, O = math.prod(w.shape[a] for a in contract), math.prod(w.shape[a] for a in free)
+    return jnp.transpose(w.astype(jnp.float32), contract + free).reshape(I, O)
+
+
+@functools.partial(jax.jit, static_argnames=("contract", "free"))
+def _int8_matrix(w, contract, free):
+    return _per_column_int8(_as_matrix(w, contract, free))
+
+
+@functools.partial(jax.jit, static_argnames=("contract", "free", "group"))
+def _int4_matrix(w, contract, free, group):
+    w2 = _as_matrix(w, contract, free)
+    I, O = w2.shape
+    g = w2.reshape(I // group, group, O)
+    amax = jnp.max(jnp.abs(g), axis=1)  # [I/group, O]
+    scale = jnp.where(amax > 0, amax / 7.0, 1.0)
+    q = jnp.clip(jnp.round(g / scale[:, None]), -8, 7).astype(jnp.int8).reshape(I, O)
+    return pack_int4(q, group), scale
+
+
+@functools.partial(jax.jit, static_argnames=("contract", "free", "alpha"))
+def _w8a8_matrix(w, act_absmax, contract, free, alpha):
+    w2 = _as_matrix(w, contract, free)
+    wmax = jnp.max(jnp.abs(w2), axis=1)
+    s = jnp.maximum(act_absmax, 1e-5) ** alpha / jnp.maximum(wmax, 1e-5) ** (1.0 - alpha)
+    s = jnp.clip(s, 1e-4, 1e4)
+    values, scale = _per_column_int8(w2 * s[:, None])
+    return values, scale, 1.0 / s
+
+
+def quantize_int8(w: jax.Array, contract_axes) -> QuantArray:
+    """Weight-only int8, symmetric, one scale per output channel."""
+    contract, free = _axes(tuple(w.shape), contract_axes)
+    values, scale = _int8_matrix(w, contract, free)
+    return QuantArray(values, scale, None, tuple(w.shape), contract, QuantScheme.INT8)
+
+
+def quantize_int4(w: jax.Array, contract_axes, group: int = 128) -> QuantArray:
+    """Weight-only int4, symmetric, one scale per (group of contracted rows, output channel)."""
+    contract, free = _axes(tuple(w.shape), contract_axes)
+    I = math.prod(w.shape[a] for a in contract)
+    if group <= 0 or group % 2:
+        raise InvalidRequest(f"int4 {group=} must be a positive even number")
+    if I % group:
+        raise InvalidRequest(
+            f"int4 needs the contracted size {I} (axes {contract} of a weight of shape "
+            f"{tuple(w.shape)}) to divide into groups of {group}; pick a group size that "
+            f"divides {I}, or use int8")
+    values, scale = _int4_matrix(w, contract, free, group)
+    return QuantArray(values, scale, None, tuple(w.shape), contract, QuantScheme.INT4, group)
+
+
+def quantize_w8a8(w: jax.Array, contract_axes, act_absmax: jax.Array | None = None, *,
+                  alpha: float = 0.5) -> QuantArray:
+    """int8 weights for a dynamic-int8-activation matmul. ``act_absmax``: the largest |x|
+    seen on each contracted input channel over a calibration set (shape of the contracted
+    axes, or flat [I]); None skips smoothing. ``alpha`` moves that much of the activations'
+    range into the weights (SmoothQuant's migration strength)."""
+    contract, free = _axes(tuple(w.shape), contract_axes)
+    if act_absmax is None:
+        values, scale = _int8_matrix(w, contract, free)
+        return QuantArray(values, scale, None, tuple(w.shape), contract, QuantScheme.W8A8)
+    I = math.prod(w.shape[a] for a in contract)
+    a = jnp.asarray(act_absmax, jnp.float32).reshape(-1)
+    if a.shape[0] != I:
+        raise InvalidRequest(f"act_absmax has {a.shape[0]} channels; the weight contracts "
+                             f"{I} (axes {contract} of {tuple(w.shape)})")
+    if not 0.0 <= alpha <= 1.0:
+        raise InvalidRequest(f"{alpha=} must lie in [0, 1]")
+    values, scale, smooth = _w8a8_matrix(w, a, contract, free, float(alpha))
+    return QuantArray(values, scale, smooth, tuple(w.shape), contract, QuantScheme.W8A8)
+
+
+def quantize(w: jax.Array, contract_axes, scheme: QuantScheme | str, *, group: int = 128,
+             act_absmax: jax.Array | None = None, alpha: float = 0.5) -> QuantArray:
+    """One entry point for every scheme (what a loader calls per weight)."""
+    scheme = parse_scheme(scheme)
+    if scheme == QuantScheme.INT8:
+        return quantize_int8(w, contract_axes)
+    if scheme == QuantScheme.INT4:
+        return quantize_int4(w, contract_axes, group)
+    return quantize_w8a8(w, contract_axes, act_absmax, alpha=alpha)
+
+
+def channel_absmax(x: jax.Array, n_contract: int = 1) -> jax.Array:
+    """Calibration statistic for quantize_w8a8: max |x| over every axis but the trailing
+    ``n_contract`` (the contracted ones, e.g. D of "BTD" or N, H of "BTNH"). Combine batches
+    with jnp.maximum."""
+    axes = tuple(range(x.ndim - n_contract))
+    return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes)
+
+
+# ----------------------------------------------------------------------------- KV cache
+def quantize_kv(x: jax.Array, axis: int = -1, scale_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """int8 keys or values with one scale per (token, head): the max over the head-dim
+    ``axis`` maps to 127. x [..., H, ...] -> (int8 same shape, scale with ``axis`` dropped)."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=axis, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(scale_dtype)
+    q = jnp.clip(jnp.round(xf / scale.astype(jnp.float32)), -127, 127).astype(jnp.int8)
+    return q, jnp.squeeze(scale, axis)
+
+
+def dequantize_kv(q: jax.Array, scale: jax.Array, dtype=jnp.float32, axis: int = -1) -> jax.Array:
+    """Inverse of quantize_kv: q * scale (scale broadcast back along ``axis``)."""
+    s = jnp.expand_dims(scale.astype(jnp.float32), axis)
+    return (q.astype(jnp.float32) * s).astype(dtype)
