@@ -52,7 +52,7 @@ from jaxinfer import openai_format as oai
 from jaxinfer.errors import InvalidRequest, JaxinferError
 from jaxinfer.sampling import SamplingParams
 
-FSYNC_EVERY = 16
+FSYNC_EVERY = 32
 FSYNC_SECONDS = 1.0
 GRACE_PERIOD = 20.0  # seconds in-flight requests get after SIGTERM (preemption notices give ~30)
 QUICK_MAX_TOKENS = 64
