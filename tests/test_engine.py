@@ -111,20 +111,33 @@ def test_max_tokens_capped_by_max_model_len(tiny_llm):
 
 
 def test_decode_step_donates_the_cache(tiny_llm):
-    eng = tiny_llm.engine
-    cfg = tiny_llm.cfg
-    B = 2
+    eng = tiny_llm.engine  # the paged engine: pools, sampling state and token buffer donated
+    B = 8
+    k_old, v_old, state_old, last_old = eng.k_pages, eng.v_pages, eng.state, eng._last_tokens
+    out = eng._decode(tiny_llm.weights, jnp.zeros(B, jnp.int32), jnp.zeros(B, bool), last_old,
+                      jnp.zeros(B, jnp.int32), jnp.zeros((B, 4), jnp.int32), k_old, v_old, state_old,
+                      jnp.zeros(B, jnp.int32), jnp.full((B, 16), -1, jnp.int32), jnp.zeros(B, jnp.int32),
+                      cfg=tiny_llm.cfg, num_logprobs=-1)
+    jax.block_until_ready(out)
+    assert all(a.is_deleted() for a in k_old + v_old)  # the page pools were donated
+    assert state_old.output_counts.is_deleted() and last_old.is_deleted()
+    _, _, eng.k_pages, eng.v_pages, eng.state, eng._last_tokens = out
+    assert not any(a.is_deleted() for a in eng.k_pages + eng.v_pages)
+
+
+def test_static_decode_step_donates_the_cache(tiny_gguf):
+    from jaxinfer import LLM
+
+    llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=2, engine="static")
+    eng, cfg, B = llm.engine, llm.cfg, 2
     cache = kv.init_cache(cfg, B, 16)
     params = [SamplingParams(temperature=0)] * B
     state = smp.make_sampling_state(params, [[1], [2]], cfg.vocab_size, default_seed=0, batch_size=B)
     stop_ids, min_tokens = (jnp.asarray(a) for a in smp.min_tokens_inputs(params, [2], batch_size=B))
-    toks = jnp.asarray([3, 4], jnp.int32)
-    out = eng._decode(tiny_llm.weights, toks, jnp.asarray([1, 1], jnp.int32), jnp.ones(B, jnp.int32),
+    out = eng._decode(llm.weights, jnp.asarray([3, 4], jnp.int32), jnp.asarray([1, 1], jnp.int32), jnp.ones(B, jnp.int32),
                       cache, state, stop_ids, min_tokens, cfg=cfg, num_logprobs=-1)
     jax.block_until_ready(out)
-    assert all(a.is_deleted() for a in cache.k + cache.v)  # the buffers were donated
-    assert state.output_counts.is_deleted()
-    assert not any(a.is_deleted() for a in out[2].k + out[2].v)
+    assert all(a.is_deleted() for a in cache.k + cache.v) and state.output_counts.is_deleted()
 
 
 def test_memory_report(tiny_llm):

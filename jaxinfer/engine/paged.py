@@ -84,6 +84,7 @@ class Seq:
     computed: int = 0  # tokens whose keys/values are in the pages
     registered: int = 0  # leading full pages named in the prefix cache
     chain: bytes = ROOT_HASH  # hash chain after the registered pages
+    inflight: int = 0  # tokens sampled on device that the host has not read yet (0 or 1)
     preemptions: int = 0
 
     @property
@@ -100,11 +101,14 @@ def prefill_step(weights, tokens, start, k_pages, v_pages, page_table, *, cfg):
     return cache.k, cache.v
 
 
-def decode_step(weights, tokens, positions, page_table, k_pages, v_pages, state, step,
-                stop_ids, min_tokens, *, cfg, num_logprobs):
-    """One token for the first B slots: tokens i32[B] at positions i32[B]."""
+def decode_step(weights, tokens, use_prev, last_tokens, positions, page_table, k_pages, v_pages,
+                state, step, stop_ids, min_tokens, *, cfg, num_logprobs):
+    """One token for the first B slots at positions i32[B]. A row's input is its host token
+    (tokens i32[B]) or, where use_prev, the token the previous step sampled for it (still
+    on device: the host has not read it yet). last_tokens i32[max_num_seqs] keeps them."""
     mod = family_module(cfg.family)
     B = tokens.shape[0]
+    tokens = jnp.where(use_prev, last_tokens[:B], tokens)
     cache = kv.PagedKVCache(k_pages, v_pages, page_table)
     h, cache = mod.forward(weights, tokens[:, None], positions, cache, cfg=cfg)
     logits = mod.unembed(weights, h, cfg)[:, 0]
@@ -118,7 +122,7 @@ def decode_step(weights, tokens, positions, page_table, k_pages, v_pages, state,
         chosen, top_ids, top_lp = smp.logprobs_of(logits, new, num_logprobs)
         picked = jnp.take_along_axis(logits, new[:, None], axis=1)
         lp = (chosen, 1 + jnp.sum(logits > picked, axis=-1), top_ids, top_lp)
-    return new, lp, cache.k, cache.v, state
+    return new, lp, cache.k, cache.v, state, last_tokens.at[:B].set(new)
 
 
 def insert_step(state, slot, row):
@@ -151,10 +155,11 @@ class PagedEngine:
         self._prefill = jax.jit(functools.partial(prefill_step), static_argnames=("cfg",),
                                 donate_argnames=("k_pages", "v_pages"))
         self._decode = jax.jit(functools.partial(decode_step), static_argnames=("cfg", "num_logprobs"),
-                               donate_argnames=("k_pages", "v_pages", "state"))
+                               donate_argnames=("k_pages", "v_pages", "state", "last_tokens"))
         self._insert = jax.jit(functools.partial(insert_step), donate_argnames=("state",))
         self._dense = StaticEngine(cfg, weights, tokenizer, max_model_len=max_model_len, seed=seed)
         B = config.max_num_seqs
+        self._last_tokens = jnp.zeros(B, jnp.int32)
         self._stop_ids = np.full((B, STOP_ID_WIDTH), -1, np.int32)
         self._min_tokens = np.zeros(B, np.int32)
         self._slots: list[Seq | None] = [None] * B
@@ -241,7 +246,7 @@ class PagedEngine:
         """Give up a running sequence's pages; it is recomputed later (same tokens)."""
         self._release(victim)
         victim.state = SeqState.WAITING
-        victim.computed = victim.registered = 0
+        victim.computed = victim.registered = victim.inflight = 0
         victim.chain = ROOT_HASH
         victim.preemptions += 1
         self.stats["preemptions"] += 1
@@ -289,7 +294,7 @@ class PagedEngine:
                           key=lambda s: s.arrival):
             if seq.slot < 0 or seq.state != SeqState.DECODE:
                 continue  # preempted below while making room for an earlier sequence
-            pos = len(seq.tokens) - 1
+            pos = len(seq.tokens) - 1 + seq.inflight
             while pos // ps >= len(seq.pages):
                 if self.allocator.num_free == 0:
                     victims = [s for s in self._slots if s is not None]
@@ -307,19 +312,23 @@ class PagedEngine:
         B = _bucket(max(s.slot for s in active) + 1, BATCH_BUCKETS, self.max_num_seqs)
         width = len_bucket_pages(max(len(s.pages) for s in active), self.pages_per_seq)
         tokens = np.zeros(B, np.int32)
+        use_prev = np.zeros(B, np.bool_)
         positions = np.zeros(B, np.int32)
         steps = np.zeros(B, np.int32)
         table = np.full((B, width), SCRATCH_PAGE, np.int32)
         for s in active:
             toks = s.tokens
             tokens[s.slot] = toks[-1]
-            positions[s.slot] = len(toks) - 1
-            steps[s.slot] = len(s.row.token_ids)
+            use_prev[s.slot] = s.inflight > 0
+            positions[s.slot] = len(toks) - 1 + s.inflight
+            steps[s.slot] = len(s.row.token_ids) + s.inflight
             table[s.slot, : len(s.pages)] = s.pages
+            s.inflight += 1
         want_lp = [s.row.params.logprobs for s in active if s.row.params.logprobs is not None]
         num_lp = -1 if not want_lp else 0 if max(want_lp) == 0 else 5 if max(want_lp) <= 5 else 20
-        new, lp, self.k_pages, self.v_pages, self.state = self._decode(
-            self.weights, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(table),
+        new, lp, self.k_pages, self.v_pages, self.state, self._last_tokens = self._decode(
+            self.weights, jnp.asarray(tokens), jnp.asarray(use_prev), self._last_tokens,
+            jnp.asarray(positions), jnp.asarray(table),
             self.k_pages, self.v_pages, self.state, jnp.asarray(steps),
             jnp.asarray(self._stop_ids[:B]), jnp.asarray(self._min_tokens[:B]),
             cfg=self.cfg, num_logprobs=num_lp)
@@ -331,6 +340,7 @@ class PagedEngine:
         """Run rows (an iterable, consumed as slots free up); yield each row as it finishes."""
         incoming = iter(rows)
         exhausted = False
+        inflight = None
         while True:
             # keep the queue topped up without reading the whole input
             while not exhausted and len(self._waiting) < 2 * self.max_num_seqs:
@@ -344,20 +354,23 @@ class PagedEngine:
             self._admit()
             self._run_prefill()
             self._ensure_decode_pages()
+            # dispatch this step before reading the last one: the host's detokenizing and stop
+            # checks run while the device computes (a row that just finished costs one step)
             out = self._dispatch_decode()
-            if out is None:
-                if exhausted and not self._waiting and all(s is None for s in self._slots):
-                    return
-                continue  # only prefill work this iteration
-            yield from self._consume(*out)
+            if inflight is not None:
+                yield from self._consume(*inflight)
+            inflight = out
+            if out is None and exhausted and not self._waiting and all(s is None for s in self._slots):
+                return
 
     def _consume(self, active, new, lp) -> Iterator[Row]:
         toks = np.asarray(new)
         host_lp = jax.device_get(lp) if lp is not None else None
         now = time.perf_counter()
         for seq in active:
-            if seq.slot < 0:  # preempted after dispatch: this step's token is recomputed later
-                continue
+            if seq.slot < 0 or seq.row.checker.finished:
+                continue  # preempted (recomputed later) or finished after this step was sent
+            seq.inflight -= 1
             r = seq.row
             b = seq.slot
             tok = int(toks[b])
