@@ -198,10 +198,9 @@ def parse_request(custom_id: str, obj: dict, line: int, defaults: Mapping[str, A
         "logprobs": top_logprobs,
     }
     if kw["min_tokens"] > max_tokens:
-        if max_tokens_set:
-            raise RequestError(f"{where}min_tokens ({kw['min_tokens']}) must be <= max_tokens ({max_tokens})",
-                               param="min_tokens")
-        kw["max_tokens"] = kw["min_tokens"]
+        which = "" if max_tokens_set else ", the default"
+        raise RequestError(f"{where}min_tokens ({kw['min_tokens']}) must be <= max_tokens ({max_tokens}{which})",
+                           param="min_tokens")
     try:
         params = SamplingParams(**kw)
     except InvalidRequest as e:  # every field is checked above; this is a second net
