@@ -55,3 +55,67 @@ def make_workload(spec: WorkloadSpec, tokenizer) -> list[BenchRequest]:
             body = prefix + body
         out.append(BenchRequest(body, rng.randint(*spec.output_len)))
     return out
+
+
+def run_bench(llm, spec: WorkloadSpec, *, warmup: bool = True, ttft_slo: float | None = None,
+              tpot_slo: float | None = None, peaks: dict | None = None) -> dict:
+    """Run a workload through an LLM (every request arrives at once, greedy, EOS ignored) and
+    summarize latencies, throughput, goodput, MFU and MBU, and compilations."""
+    import time
+
+    import jax
+
+    from jaxinfer import metrics
+    from jaxinfer.registry import home
+    from jaxinfer.sampling import SamplingParams
+
+    reqs = make_workload(spec, llm.tokenizer)
+    eng = llm.engine
+    compiled_warmup = 0
+    if warmup and hasattr(eng, "warmup"):
+        compiled_warmup = eng.warmup(max_prompt_len=max(len(r.prompt_ids) for r in reqs),
+                                     max_len=max(len(r.prompt_ids) + r.max_tokens for r in reqs))
+    before = eng.num_compilations() if hasattr(eng, "num_compilations") else 0
+    prompts = [{"prompt_token_ids": r.prompt_ids} for r in reqs]
+    sps = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    timings = [metrics.RequestTiming(o.metrics.arrival_time, o.metrics.first_scheduled_time,
+                                     o.metrics.token_times, len(o.prompt_token_ids),
+                                     len(o.outputs[0].token_ids)) for o in outs]
+    cfg = llm.cfg
+    weights_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.weights))
+    kv_tok = cfg.kv_bytes_per_token()
+    # decode steps read the weights once and each running sequence's context
+    steps = getattr(eng, "stats", {}).get("decode_steps") or max(t.output_tokens for t in timings)
+    kv_read = sum(kv_tok * (t.prompt_tokens * t.output_tokens + t.output_tokens * (t.output_tokens - 1) / 2)
+                  for t in timings)
+    mean_ctx = sum(t.prompt_tokens + t.output_tokens / 2 for t in timings) / len(timings)
+    peaks = peaks or metrics.measure_peaks(home() / f"peaks-{cfg.dtype}.json", cfg.dtype)
+    out = metrics.summarize(
+        timings, wall, ttft_slo=ttft_slo, tpot_slo=tpot_slo,
+        model_flops_per_token=metrics.model_flops_per_token(cfg.num_params(), cfg.n_layers, cfg.n_heads * cfg.head_dim, mean_ctx),
+        decode_bytes=steps * weights_bytes + kv_read, peaks=peaks)
+    after = eng.num_compilations() if hasattr(eng, "num_compilations") else 0
+    out["compilations"] = {"warmup": compiled_warmup, "during_run": after - before, "total": after}
+    out["engine"] = dict(getattr(eng, "stats", {}))
+    out["workload"] = dataclasses.asdict(spec)
+    out["peaks"] = peaks
+    return out
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"requests {s['requests']}  wall {s['wall_s']:.2f} s  input {s['input_tok_s']:.1f} tok/s  "
+             f"output {s['output_tok_s']:.1f} tok/s  goodput {s['goodput_output_tok_s']:.1f} tok/s "
+             f"({s['slo']['met']}/{s['requests']} met SLO)"]
+    for k in ("queue_s", "ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        v = s[k]
+        fmt = lambda x: "   n/a" if x is None else f"{x * 1e3:8.1f}"  # noqa: E731
+        lines.append(f"  {k[:-2]:<6} ms  p50 {fmt(v['p50'])}  p90 {fmt(v['p90'])}  p99 {fmt(v['p99'])}")
+    if "mfu" in s:
+        lines.append(f"  MFU {100 * s['mfu']:.1f}%  MBU {100 * s.get('mbu', 0):.1f}%  "
+                     f"(peaks {s['peaks']['flops'] / 1e9:.0f} GFLOP/s, {s['peaks']['bytes_s'] / 1e9:.1f} GB/s)")
+    c = s["compilations"]
+    lines.append(f"  compilations: {c['warmup']} in warm-up, {c['during_run']} during the run, {c['total']} total")
+    return "\n".join(lines)

@@ -30,6 +30,22 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
 
 
+def _add_engine(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-seqs", type=int, default=64, help="decode slots")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per scheduler step")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--scheduling", choices=["fcfs", "spf"], default="fcfs")
+    p.add_argument("--engine", choices=["paged", "static"], default="paged")
+
+
+def _engine_kwargs(a) -> dict:
+    return dict(max_num_seqs=a.max_num_seqs, page_size=a.page_size, num_pages=a.num_pages,
+                prefill_chunk=a.prefill_chunk, enable_prefix_caching=not a.no_prefix_caching,
+                scheduling=a.scheduling, engine=a.engine)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="jaxinfer", description="JAX/XLA inference for open LLMs")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -75,6 +91,25 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
     d.add_argument("--num-processes", type=int, default=None)
     d.add_argument("--process-id", type=int, default=None)
+
+    be = sub.add_parser("bench", help="run a reproducible synthetic workload and report serving metrics")
+    _add_model(be)
+    _add_engine(be)
+    be.add_argument("--num-requests", type=int, default=128)
+    be.add_argument("--prompt-len", type=int, nargs=2, default=(25, 250), metavar=("MIN", "MAX"))
+    be.add_argument("--output-len", type=int, nargs=2, default=(64, 64), metavar=("MIN", "MAX"))
+    be.add_argument("--shared-prefix-len", type=int, default=0)
+    be.add_argument("--shared-prefix-share", type=float, default=0.0)
+    be.add_argument("--seed", type=int, default=0)
+    be.add_argument("--ttft-slo", type=float, default=None, help="seconds, for goodput")
+    be.add_argument("--tpot-slo", type=float, default=None, help="seconds, for goodput")
+    be.add_argument("--no-warmup", action="store_true")
+    be.add_argument("--json", default=None, help="write the summary here")
+
+    w = sub.add_parser("warmup", help="precompile the engine's buckets (kept in the persistent cache)")
+    _add_model(w)
+    _add_engine(w)
+    w.add_argument("--max-prompt-len", type=int, default=None)
 
     sub.add_parser("models", help="list registered models and what is cached")
     f = sub.add_parser("fetch", help="download and verify a registered model")
@@ -157,6 +192,32 @@ def cmd_batch(a) -> int:
     return 0
 
 
+def cmd_bench(a) -> int:
+    from jaxinfer import LLM
+    from jaxinfer.bench import WorkloadSpec, format_summary, run_bench
+
+    spec = WorkloadSpec(a.num_requests, tuple(a.prompt_len), tuple(a.output_len), a.shared_prefix_len,
+                        a.shared_prefix_share, a.seed)
+    llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len or max(1024, a.prompt_len[1] + a.shared_prefix_len + a.output_len[1]),
+              **_engine_kwargs(a))
+    s = run_bench(llm, spec, warmup=not a.no_warmup, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo)
+    print(format_summary(s))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(s, f, indent=1)
+    return 0
+
+
+def cmd_warmup(a) -> int:
+    from jaxinfer import LLM
+
+    llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, **_engine_kwargs(a))
+    t0 = time.perf_counter()
+    n = llm.engine.warmup(max_prompt_len=a.max_prompt_len) if hasattr(llm.engine, "warmup") else 0
+    print(f"compiled {n} executables in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
 def cmd_models(a) -> int:
     from jaxinfer import registry
 
@@ -185,7 +246,8 @@ def main(argv=None) -> int:
 
     a = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "batch": cmd_batch, "models": cmd_models, "fetch": cmd_fetch,
+        return {"generate": cmd_generate, "batch": cmd_batch, "bench": cmd_bench, "warmup": cmd_warmup,
+                "models": cmd_models, "fetch": cmd_fetch,
                 "convert": cmd_convert}[a.cmd](a)
     except JaxinferError as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)

@@ -59,6 +59,7 @@ class LLM:
                 f"max_model_len must be in [2, {self.cfg.max_position}] (the model's context), got {max_model_len}"
             )
         self.max_model_len = max_model_len
+        _enable_compilation_cache()
         self.seed = seed
         self.progress = progress
         if engine == "static":
@@ -207,6 +208,7 @@ class LLM:
             last_token_time=max(r.last_token_time for r in rows),
             finished_time=max(r.finished_time for r in rows),
             num_generated_tokens=sum(len(r.token_ids) for r in rows),
+            token_times=tuple(rows[0].token_times),
         )
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, plp, comps, True, metrics)
 
@@ -235,6 +237,16 @@ class _Pending:
     arrival: float
     rows: list = dataclasses.field(default_factory=list)
     remaining: int = 0
+
+
+def _enable_compilation_cache() -> None:
+    """JAX's persistent compilation cache, on by default under $JAXINFER_HOME/xla-cache
+    (a directory the user configured for JAX is left alone)."""
+    import jax
+
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(registry.home() / "xla-cache"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def _sample_params(p: SamplingParams, j: int, request_seed: int) -> SamplingParams:

@@ -38,6 +38,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generated_tokens: int = 0
+    token_times: tuple[float, ...] = ()  # when each token of the first sample reached the host
 
     @property
     def time_in_queue(self) -> float | None:

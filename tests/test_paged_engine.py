@@ -206,3 +206,15 @@ def test_compilations_are_counted_and_bounded(tiny_gguf):
     assert llm.engine.num_compilations() == first  # a warm engine compiles nothing more
     # prefill: chunk buckets {16, 32} x table widths {4}; decode: batch {4} x widths {4}; insert: 1
     assert first <= 6, first
+
+
+def test_warmup_leaves_nothing_to_compile(tiny_gguf):
+    from jaxinfer.bench import WorkloadSpec, run_bench
+
+    llm = _paged(tiny_gguf, page_size=8, max_num_seqs=4, prefill_chunk=32)
+    spec = WorkloadSpec(num_requests=10, prompt_len=(5, 60), output_len=(3, 6), seed=1)
+    s = run_bench(llm, spec, peaks={"flops": 1e11, "bytes_s": 1e10}, ttft_slo=60.0)
+    assert s["compilations"]["during_run"] == 0 and s["compilations"]["warmup"] > 0
+    assert s["requests"] == 10 and s["output_tokens"] == sum(t for t in [s["output_tokens"]])
+    assert s["ttft_s"]["p50"] <= s["e2e_s"]["p50"] and 0 < s["mfu"] < 1
+    assert s["goodput_requests_s"] <= s["requests_s"]

@@ -176,6 +176,37 @@ class PagedEngine:
         """Executables compiled so far by the engine's jitted steps."""
         return sum(f._cache_size() for f in (self._prefill, self._decode, self._insert))
 
+    def warmup(self, max_prompt_len: int | None = None, max_len: int | None = None) -> int:
+        """Compile every bucket a workload up to these lengths can hit; returns the number
+        of executables compiled. Runs the steps on scratch pages (page 0 only)."""
+        max_len = min(max_len or self.max_model_len, self.max_model_len)
+        max_prompt = min(max_prompt_len or max_len, max_len)
+        ps, before = self.allocator.page_size, self.num_compilations()
+        chunk = self.config.prefill_chunk
+        shapes = set()
+        for n in range(2, max_prompt + 1):  # every prompt length, chunk by chunk, no cache hits
+            for computed in range(0, n - 1, chunk):
+                T = min(len_bucket(min(n - 1 - computed, chunk)), chunk)
+                shapes.add((T, len_bucket_pages(-(-n // ps), self.pages_per_seq)))
+        for T, width in sorted(shapes):
+            self.k_pages, self.v_pages = self._prefill(
+                self.weights, jnp.zeros((1, T), jnp.int32), jnp.asarray([0], jnp.int32),
+                self.k_pages, self.v_pages, jnp.zeros((1, width), jnp.int32), cfg=self.cfg)
+        widths = sorted({len_bucket_pages(n, self.pages_per_seq) for n in range(1, -(-max_len // ps) + 1)})
+        batches = sorted({_bucket(n, BATCH_BUCKETS, self.max_num_seqs) for n in range(1, self.max_num_seqs + 1)})
+        for B in batches:
+            for width in widths:
+                out = self._decode(
+                    self.weights, jnp.zeros(B, jnp.int32), jnp.zeros(B, bool), self._last_tokens,
+                    jnp.zeros(B, jnp.int32), jnp.zeros((B, width), jnp.int32), self.k_pages, self.v_pages,
+                    self.state, jnp.zeros(B, jnp.int32), jnp.asarray(self._stop_ids[:B]),
+                    jnp.asarray(self._min_tokens[:B]), cfg=self.cfg, num_logprobs=-1)
+                _, _, self.k_pages, self.v_pages, self.state, self._last_tokens = out
+        dummy = smp.make_sampling_state([], [], self.cfg.vocab_size, default_seed=0, batch_size=1)
+        self.state = self._insert(self.state, jnp.int32(0), dummy)  # slot 0 is idle during warm-up
+        jax.block_until_ready(self.k_pages)
+        return self.num_compilations() - before
+
     def prompt_logprobs(self, ids, num_top):
         return self._dense.prompt_logprobs(ids, num_top)
 
@@ -273,9 +304,11 @@ class PagedEngine:
             T = min(len_bucket(n), self.config.prefill_chunk)
             chunk = np.full((1, T), self.tokenizer.pad_id, np.int32)
             chunk[0, :n] = toks[seq.computed : seq.computed + n]
-            width = len_bucket_pages(-(-(seq.computed + T) // self.allocator.page_size), self.pages_per_seq)
+            # the table width follows the sequence's own page count (not the chunk's padded
+            # end, whose overhang goes to the scratch page), so prompt length alone fixes shapes
+            width = len_bucket_pages(len(seq.pages), self.pages_per_seq)
             table = np.zeros((1, width), np.int32)
-            table[0, : min(len(seq.pages), width)] = seq.pages[:width]
+            table[0, : len(seq.pages)] = seq.pages
             self.k_pages, self.v_pages = self._prefill(
                 self.weights, jnp.asarray(chunk), jnp.asarray([seq.computed], jnp.int32),
                 self.k_pages, self.v_pages, jnp.asarray(table), cfg=self.cfg)
