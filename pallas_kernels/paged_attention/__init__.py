@@ -1,7 +1,8 @@
 """Ragged paged decode attention: one new token per sequence over its cached pages.
 
-Layout: q [B, N, H]; a page pool per layer k_pages, v_pages [K, P, page_size, H] (kv head
-major, so one page of one head is a contiguous [page_size, H] tile); page_table
+Layout: q [B, N, H]; a page pool per layer, page-major as the allocator hands pages out:
+v_pages [P, K, page_size, H] and k_pages the same, or [P, K, H, page_size] with
+keys_transposed=True (jaxinfer's paged cache stores keys so, for XLA CPU); page_table
 i32[B, pages_per_seq] lists each sequence's pages in order; lengths i32[B] counts its
 cached tokens, the new one included (its query sits at position lengths[b] - 1). Query head
 n uses kv head n // (N // K). Page-table entries past a sequence's last page are ignored.
@@ -32,18 +33,30 @@ __all__ = [
 
 def paged_attention(
     q: jax.Array,  # [B, N, H]
-    k_pages: jax.Array,  # [K, P, page_size, H]
-    v_pages: jax.Array,  # [K, P, page_size, H]
+    k_pages: jax.Array,  # [P, K, page_size, H] ([P, K, H, page_size] if keys_transposed)
+    v_pages: jax.Array,  # [P, K, page_size, H]
     page_table: jax.Array,  # i32[B, pages_per_seq]
     lengths: jax.Array,  # i32[B]
     *,
     scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    keys_transposed: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [B, N, H]
     """Dispatch: the Pallas kernel on TPU/GPU or with interpret=True, else the reference."""
     fn = paged_attention_kernel if use_kernel(interpret) else paged_attention_reference
-    return fn(q, k_pages, v_pages, page_table, lengths, scale=scale, window=window,
-              softcap=softcap, block_sizes=block_sizes, interpret=interpret)
+    return fn(
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        lengths,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        keys_transposed=keys_transposed,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )

@@ -11,9 +11,9 @@ from pallas_kernels._common import check
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """pages_per_block: pages folded into one step of the online softmax (clipped to the
-    pages per sequence). On TPU each is its own pipelined DMA, so several pages are in
-    flight at once; on GPU (Triton) pages_per_block * page_size must be a power of 2."""
+    """pages_per_block: pages handled per grid step (TPU) or loop step (GPU), clipped to the
+    pages per sequence. On TPU each is its own pipelined DMA, so that many page copies are
+    in flight at once."""
 
     pages_per_block: int = 8
 
@@ -21,25 +21,36 @@ class BlockSizes:
         check(self.pages_per_block > 0, f"pages_per_block={self.pages_per_block} must be positive")
 
 
-def validate(q, k_pages, v_pages, page_table, lengths, *, scale, window, softcap):
+def validate(q, k_pages, v_pages, page_table, lengths, *, scale, window, softcap, keys_transposed):
     """Checks shapes and options; returns the scale to use."""
     check(q.ndim == 3, f"q must be [B, N, H]; got {q.shape=}")
-    check(k_pages.ndim == 4, f"k_pages must be [K, P, page_size, H]; got {k_pages.shape=}")
-    check(v_pages.shape == k_pages.shape, f"{v_pages.shape=} must equal {k_pages.shape=}")
+    check(v_pages.ndim == 4, f"v_pages must be [P, K, page_size, H]; got {v_pages.shape=}")
     B, N, H = q.shape
-    K, Hk = k_pages.shape[0], k_pages.shape[3]
-    check(Hk == H, f"head dim differs: {q.shape=} {k_pages.shape=}")
+    P, K, page_size, Hv = v_pages.shape
+    want = (P, K, H, page_size) if keys_transposed else (P, K, page_size, H)
+    check(
+        k_pages.shape == want,
+        f"k_pages must be {'[P, K, H, page_size]' if keys_transposed else '[P, K, page_size, H]'}"
+        f"={want} to match {v_pages.shape=} and {q.shape=}; got {k_pages.shape}",
+    )
+    check(Hv == H, f"head dim differs: {q.shape=} {v_pages.shape=}")
     check(N % K == 0, f"query heads {N=} must be a multiple of kv heads {K=}")
-    check(q.dtype == k_pages.dtype == v_pages.dtype,
-          f"dtypes differ: {q.dtype=} {k_pages.dtype=} {v_pages.dtype=}")
+    check(
+        q.dtype == k_pages.dtype == v_pages.dtype,
+        f"dtypes differ: {q.dtype=} {k_pages.dtype=} {v_pages.dtype=}",
+    )
     check(jnp.issubdtype(q.dtype, jnp.floating), f"{q.dtype=} must be floating point")
-    check(page_table.ndim == 2 and page_table.shape[0] == B,
-          f"page_table must be [B={B}, pages_per_seq]; got {page_table.shape}")
+    check(
+        page_table.ndim == 2 and page_table.shape[0] == B,
+        f"page_table must be [B={B}, pages_per_seq]; got {page_table.shape}",
+    )
     check(lengths.shape == (B,), f"lengths must be [B]={B}; got {lengths.shape}")
     for name, a in (("page_table", page_table), ("lengths", lengths)):
         check(jnp.issubdtype(a.dtype, jnp.integer), f"{name} must be integer; got {a.dtype}")
-    check(window is None or (isinstance(window, int) and window >= 1),
-          f"{window=} must be None or a positive int")
+    check(
+        window is None or (isinstance(window, int) and window >= 1),
+        f"{window=} must be None or a positive int",
+    )
     check(softcap is None or softcap > 0, f"{softcap=} must be None or positive")
     return H**-0.5 if scale is None else float(scale)
 
