@@ -38,8 +38,9 @@ def pick_variant(variants: Mapping[str, Callable], name: str) -> Callable:
     """The kernel variant for this platform (``variants`` maps target -> builder)."""
     target = kernel_target()
     if target not in variants:
-        raise NotImplementedError(f"{name} has no Pallas lowering for {target=}; "
-                                  f"it has {sorted(variants)}")
+        raise NotImplementedError(
+            f"{name} has no Pallas lowering for {target=}; it has {sorted(variants)}"
+        )
     return variants[target]
 
 

@@ -44,5 +44,16 @@ def flash_attention(
 ) -> jax.Array:  # [B, T, N, H]
     """Dispatch: the Pallas kernel on TPU/GPU or with interpret=True, else the reference."""
     fn = flash_attention_kernel if use_kernel(interpret) else flash_attention_reference
-    return fn(q, k, v, q_start, kv_len, scale=scale, causal=causal, window=window,
-              softcap=softcap, block_sizes=block_sizes, interpret=interpret)
+    return fn(
+        q,
+        k,
+        v,
+        q_start,
+        kv_len,
+        scale=scale,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )

@@ -42,8 +42,10 @@ def validate(q, k, v, q_start, kv_len, *, scale, causal, window, softcap):
     check(N % K == 0, f"query heads {N=} must be a multiple of kv heads {K=}")
     check(q.dtype == k.dtype == v.dtype, f"dtypes differ: {q.dtype=} {k.dtype=} {v.dtype=}")
     check(jnp.issubdtype(q.dtype, jnp.floating), f"{q.dtype=} must be floating point")
-    check(window is None or (isinstance(window, int) and window >= 1),
-          f"{window=} must be None or a positive int")
+    check(
+        window is None or (isinstance(window, int) and window >= 1),
+        f"{window=} must be None or a positive int",
+    )
     check(softcap is None or softcap > 0, f"{softcap=} must be None or positive")
     check(isinstance(causal, bool), f"{causal=} must be a bool")
     q_start = jnp.zeros((B,), jnp.int32) if q_start is None else q_start

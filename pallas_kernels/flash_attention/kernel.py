@@ -46,8 +46,9 @@ def _online_softmax_step(s, mask, v, m_prev, l_prev, acc_prev):
     p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
     alpha = jnp.exp(m_prev - m_new)
     l_new = alpha * l_prev + p.sum(axis=1, keepdims=True)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)
+    pv = lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
     return m_new, l_new, alpha * acc_prev + pv
 
 
@@ -64,12 +65,30 @@ def _finish(l, acc):
 
 
 # ----------------------------------------------------------------------------- TPU (Mosaic)
-def _tpu_kernel(qs_ref, kl_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *,
-                scale, causal, window, softcap, G, bq, bk):
+def _tpu_kernel(
+    qs_ref,
+    kl_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    m_ref,
+    l_ref,
+    acc_ref,
+    *,
+    scale,
+    causal,
+    window,
+    softcap,
+    G,
+    bq,
+    bk,
+):
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     q0, kv_len = qs_ref[b] + i * bq, kl_ref[b]
-    first, last, any_visible = kv_block_range(q0, q0 + bq - 1, kv_len, bk,
-                                              causal=causal, window=window)
+    first, last, any_visible = kv_block_range(
+        q0, q0 + bq - 1, kv_len, bk, causal=causal, window=window
+    )
     R, H = G * bq, q_ref.shape[-1]
 
     @pl.when(j == 0)
@@ -97,13 +116,26 @@ def _tpu_kernel(qs_ref, kl_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_re
         o_ref[...] = _finish(l_ref[...], acc_ref[...]).reshape(G, bq, H).astype(o_ref.dtype)
 
 
-def flash_attention_tpu(q, k, v, q_start=None, kv_len=None, *, scale=None, causal=True,
-                        window=None, softcap=None, block_sizes=None, interpret=False):
+def flash_attention_tpu(
+    q,
+    k,
+    v,
+    q_start=None,
+    kv_len=None,
+    *,
+    scale=None,
+    causal=True,
+    window=None,
+    softcap=None,
+    block_sizes=None,
+    interpret=False,
+):
     """The Mosaic variant (also what interpret mode runs on CPU); see flash_attention_kernel."""
     from jax.experimental.pallas import tpu as pltpu
 
-    q_start, kv_len, scale = validate(q, k, v, q_start, kv_len, scale=scale, causal=causal,
-                                      window=window, softcap=softcap)
+    q_start, kv_len, scale = validate(
+        q, k, v, q_start, kv_len, scale=scale, causal=causal, window=window, softcap=softcap
+    )
     bs = block_sizes or BlockSizes()
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -119,14 +151,16 @@ def flash_attention_tpu(q, k, v, q_start=None, kv_len=None, *, scale=None, causa
 
     def kv_map(b, h, i, j, qs_ref, kl_ref):
         q0 = qs_ref[b] + i * bq
-        first, last, _ = kv_block_range(q0, q0 + bq - 1, kl_ref[b], bk,
-                                        causal=causal, window=window)
+        first, last, _ = kv_block_range(
+            q0, q0 + bq - 1, kl_ref[b], bk, causal=causal, window=window
+        )
         return b, h, jnp.minimum(jnp.maximum(j, first), last), 0
 
     q_spec = pl.BlockSpec((None, None, G, bq, H), lambda b, h, i, j, *_: (b, h, 0, i, 0))
     kv_spec = pl.BlockSpec((None, None, bk, H), kv_map)
-    kernel = functools.partial(_tpu_kernel, scale=scale, causal=causal, window=window,
-                               softcap=softcap, G=G, bq=bq, bk=bk)
+    kernel = functools.partial(
+        _tpu_kernel, scale=scale, causal=causal, window=window, softcap=softcap, G=G, bq=bq, bk=bk
+    )
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
@@ -135,12 +169,15 @@ def flash_attention_tpu(q, k, v, q_start=None, kv_len=None, *, scale=None, causa
             grid=(B, K, Tp // bq, Sp // bk),
             in_specs=[q_spec, kv_spec, kv_spec],
             out_specs=q_spec,
-            scratch_shapes=[pltpu.VMEM((G * bq, 1), jnp.float32),
-                            pltpu.VMEM((G * bq, 1), jnp.float32),
-                            pltpu.VMEM((G * bq, H), jnp.float32)],
+            scratch_shapes=[
+                pltpu.VMEM((G * bq, 1), jnp.float32),
+                pltpu.VMEM((G * bq, 1), jnp.float32),
+                pltpu.VMEM((G * bq, H), jnp.float32),
+            ],
         ),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+        ),
         interpret=interpret,
         name="flash_attention_tpu",
     )(q_start, kv_len, qt, kt, vt)
@@ -148,12 +185,14 @@ def flash_attention_tpu(q, k, v, q_start=None, kv_len=None, *, scale=None, causa
 
 
 # ----------------------------------------------------------------------------- GPU (Triton)
-def _gpu_kernel(qs_ref, kl_ref, q_ref, k_ref, v_ref, o_ref, *,
-                scale, causal, window, softcap, bq, bk):
+def _gpu_kernel(
+    qs_ref, kl_ref, q_ref, k_ref, v_ref, o_ref, *, scale, causal, window, softcap, bq, bk
+):
     i = pl.program_id(2)
     q0, kv_len = qs_ref[0] + i * bq, kl_ref[0]
-    first, last, any_visible = kv_block_range(q0, q0 + bq - 1, kv_len, bk,
-                                              causal=causal, window=window)
+    first, last, any_visible = kv_block_range(
+        q0, q0 + bq - 1, kv_len, bk, causal=causal, window=window
+    )
     q = q_ref[...]  # [bq, H]
     H = q.shape[-1]
 
@@ -167,20 +206,36 @@ def _gpu_kernel(qs_ref, kl_ref, q_ref, k_ref, v_ref, o_ref, *,
         v = jnp.where(live, v_ref[ks, :], jnp.zeros((), v_ref.dtype))
         return _online_softmax_step(s, mask, v, *carry)
 
-    init = (jnp.full((bq, 1), MASK_VALUE, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
-            jnp.zeros((bq, H), jnp.float32))
+    init = (
+        jnp.full((bq, 1), MASK_VALUE, jnp.float32),
+        jnp.zeros((bq, 1), jnp.float32),
+        jnp.zeros((bq, H), jnp.float32),
+    )
     stop = jnp.where(any_visible, last + 1, first)
     _, l, acc = lax.fori_loop(first, stop, body, init)
     o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
 
 
-def flash_attention_gpu(q, k, v, q_start=None, kv_len=None, *, scale=None, causal=True,
-                        window=None, softcap=None, block_sizes=None, interpret=False):
+def flash_attention_gpu(
+    q,
+    k,
+    v,
+    q_start=None,
+    kv_len=None,
+    *,
+    scale=None,
+    causal=True,
+    window=None,
+    softcap=None,
+    block_sizes=None,
+    interpret=False,
+):
     """The Triton variant; see flash_attention_kernel."""
     from jax.experimental.pallas import triton as plgpu
 
-    q_start, kv_len, scale = validate(q, k, v, q_start, kv_len, scale=scale, causal=causal,
-                                      window=window, softcap=softcap)
+    q_start, kv_len, scale = validate(
+        q, k, v, q_start, kv_len, scale=scale, causal=causal, window=window, softcap=softcap
+    )
     bs = block_sizes or BlockSizes()
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -193,8 +248,9 @@ def flash_attention_gpu(q, k, v, q_start=None, kv_len=None, *, scale=None, causa
     qp = pad_axis(pad_axis(q, 1, Tp), 3, Hp)
     kp = pad_axis(pad_axis(k, 1, Sp), 3, Hp)
     vp = pad_axis(pad_axis(v, 1, Sp), 3, Hp)
-    kernel = functools.partial(_gpu_kernel, scale=scale, causal=causal, window=window,
-                               softcap=softcap, bq=bq, bk=bk)
+    kernel = functools.partial(
+        _gpu_kernel, scale=scale, causal=causal, window=window, softcap=softcap, bq=bq, bk=bk
+    )
     q_spec = pl.BlockSpec((None, bq, None, Hp), lambda b, n, i: (b, i, n, 0))
     kv_spec = pl.BlockSpec((None, Sp, None, Hp), lambda b, n, i: (b, 0, n // G, 0))
     row_spec = pl.BlockSpec((1,), lambda b, n, i: (b,))
@@ -231,5 +287,16 @@ def flash_attention_kernel(
     """Pallas flash attention; same contract as flash_attention_reference. The variant is
     the platform's (Mosaic on TPU, Triton on GPU); on CPU pass interpret=True (TPU variant)."""
     fn = pick_variant(VARIANTS, "flash_attention")
-    return fn(q, k, v, q_start, kv_len, scale=scale, causal=causal, window=window,
-              softcap=softcap, block_sizes=block_sizes, interpret=interpret)
+    return fn(
+        q,
+        k,
+        v,
+        q_start,
+        kv_len,
+        scale=scale,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )

@@ -34,8 +34,9 @@ def flash_attention_reference(
     kv_len are never used, even if they hold NaN.
     """
     del block_sizes, interpret
-    q_start, kv_len, scale = validate(q, k, v, q_start, kv_len, scale=scale, causal=causal,
-                                      window=window, softcap=softcap)
+    q_start, kv_len, scale = validate(
+        q, k, v, q_start, kv_len, scale=scale, causal=causal, window=window, softcap=softcap
+    )
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K

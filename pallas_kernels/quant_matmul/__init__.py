@@ -57,8 +57,9 @@ def int8_matmul(
     """Dispatch: the Pallas kernel on TPU/GPU or with interpret=True, else the reference
     (XLA's native s8 x s8 -> s32 dot)."""
     fn = int8_matmul_kernel if use_kernel(interpret) else int8_matmul_reference
-    return fn(x, x_scale, w, w_scale, out_dtype=out_dtype, block_sizes=block_sizes,
-              interpret=interpret)
+    return fn(
+        x, x_scale, w, w_scale, out_dtype=out_dtype, block_sizes=block_sizes, interpret=interpret
+    )
 
 
 def weight_only_matmul(

@@ -28,8 +28,10 @@ class BlockSizes:
     block_k: int = 512
 
     def __post_init__(self):
-        check(min(self.block_m, self.block_n, self.block_k) > 0,
-              f"block sizes must be positive: {self}")
+        check(
+            min(self.block_m, self.block_n, self.block_k) > 0,
+            f"block sizes must be positive: {self}",
+        )
 
 
 # ----------------------------------------------------------------------------- int4 format
@@ -84,12 +86,18 @@ def validate_weight_only(x, w, w_scale) -> int:
     check(w.dtype == jnp.int8, f"{w.dtype=} must be int8 (int4 comes packed in int8 bytes)")
     I, (rows, O) = x.shape[1], w.shape
     if rows == I:  # int8, one scale per output channel
-        check(w_scale.shape == (O,), f"int8 weights [I, O] need w_scale [O]={O}; got {w_scale.shape}")
+        check(
+            w_scale.shape == (O,), f"int8 weights [I, O] need w_scale [O]={O}; got {w_scale.shape}"
+        )
         return 0
     check(2 * rows == I, f"w has {rows} rows: need I={I} (int8) or I/2 (packed int4)")
-    check(w_scale.ndim == 2 and w_scale.shape[1] == O and w_scale.shape[0] > 0
-          and I % w_scale.shape[0] == 0,
-          f"packed int4 weights need w_scale [I/group, O]; got {w_scale.shape} for {I=} {O=}")
+    check(
+        w_scale.ndim == 2
+        and w_scale.shape[1] == O
+        and w_scale.shape[0] > 0
+        and I % w_scale.shape[0] == 0,
+        f"packed int4 weights need w_scale [I/group, O]; got {w_scale.shape} for {I=} {O=}",
+    )
     group = I // w_scale.shape[0]
     check(group % 2 == 0, f"int4 {group=} must be even")
     return group

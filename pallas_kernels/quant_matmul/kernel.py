@@ -50,8 +50,10 @@ def _tile(dim: int, want: int, align: int, name: str, given: bool) -> int:
 
 def _gpu_tile(dim: int, want: int, name: str) -> int:
     b = min(want, dim)
-    check(is_pow2(b) and b >= 16 and dim % b == 0,
-          f"{name}={b} must be a power of 2 >= 16 dividing {dim} on GPU")
+    check(
+        is_pow2(b) and b >= 16 and dim % b == 0,
+        f"{name}={b} must be a power of 2 >= 16 dividing {dim} on GPU",
+    )
     return b
 
 
@@ -68,8 +70,9 @@ def _int8_tpu_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, acc_ref):
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.int32)
 
-    acc_ref[...] += lax.dot_general(x_ref[...], w_ref[...], _MATMUL,
-                                    preferred_element_type=jnp.int32)
+    acc_ref[...] += lax.dot_general(
+        x_ref[...], w_ref[...], _MATMUL, preferred_element_type=jnp.int32
+    )
 
     @pl.when(kk == pl.num_programs(2) - 1)
     def _write():
@@ -77,8 +80,9 @@ def _int8_tpu_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, acc_ref):
         o_ref[...] = out.astype(o_ref.dtype)
 
 
-def int8_matmul_tpu(x, x_scale, w, w_scale, *, out_dtype=jnp.float32, block_sizes=None,
-                    interpret=False):
+def int8_matmul_tpu(
+    x, x_scale, w, w_scale, *, out_dtype=jnp.float32, block_sizes=None, interpret=False
+):
     """The Mosaic variant (also what interpret mode runs on CPU); see int8_matmul_kernel."""
     from jax.experimental.pallas import tpu as pltpu
 
@@ -94,33 +98,42 @@ def int8_matmul_tpu(x, x_scale, w, w_scale, *, out_dtype=jnp.float32, block_size
         _int8_tpu_kernel,
         out_shape=jax.ShapeDtypeStruct((Mp, O), out_dtype),
         grid=(Mp // bm, O // bn, I // bk),
-        in_specs=[pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
-                  pl.BlockSpec((bm, 1), lambda i, j, kk: (i, 0)),
-                  pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)),
-                  pl.BlockSpec((1, bn), lambda i, j, kk: (0, j))],
+        in_specs=[
+            pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
+            pl.BlockSpec((bm, 1), lambda i, j, kk: (i, 0)),
+            pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)),
+            pl.BlockSpec((1, bn), lambda i, j, kk: (0, j)),
+        ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
         scratch_shapes=[pltpu.VMEM((bm, bn), jnp.int32)],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
+            dimension_semantics=("parallel", "parallel", "arbitrary")
+        ),
         interpret=interpret,
         name="int8_matmul_tpu",
-    )(pad_axis(x, 0, Mp), pad_axis(x_scale.astype(jnp.float32)[:, None], 0, Mp),
-      w, w_scale.astype(jnp.float32)[None, :])
+    )(
+        pad_axis(x, 0, Mp),
+        pad_axis(x_scale.astype(jnp.float32)[:, None], 0, Mp),
+        w,
+        w_scale.astype(jnp.float32)[None, :],
+    )
     return out[:M]
 
 
 def _int8_gpu_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, bk, nk):
     def body(kk, acc):
         ks = pl.ds(pl.multiple_of(kk * bk, bk), bk)
-        return acc + lax.dot_general(x_ref[:, ks], w_ref[ks, :], _MATMUL,
-                                     preferred_element_type=jnp.int32)
+        return acc + lax.dot_general(
+            x_ref[:, ks], w_ref[ks, :], _MATMUL, preferred_element_type=jnp.int32
+        )
 
     acc = lax.fori_loop(0, nk, body, jnp.zeros(o_ref.shape, jnp.int32))
     o_ref[...] = (acc.astype(jnp.float32) * xs_ref[...] * ws_ref[...]).astype(o_ref.dtype)
 
 
-def int8_matmul_gpu(x, x_scale, w, w_scale, *, out_dtype=jnp.float32, block_sizes=None,
-                    interpret=False):
+def int8_matmul_gpu(
+    x, x_scale, w, w_scale, *, out_dtype=jnp.float32, block_sizes=None, interpret=False
+):
     """The Triton variant; see int8_matmul_kernel."""
     from jax.experimental.pallas import triton as plgpu
 
@@ -134,16 +147,22 @@ def int8_matmul_gpu(x, x_scale, w, w_scale, *, out_dtype=jnp.float32, block_size
         functools.partial(_int8_gpu_kernel, bk=bk, nk=I // bk),
         out_shape=jax.ShapeDtypeStruct((Mp, O), out_dtype),
         grid=(Mp // bm, O // bn),
-        in_specs=[pl.BlockSpec((bm, I), lambda i, j: (i, 0)),
-                  pl.BlockSpec((bm, 1), lambda i, j: (i, 0)),
-                  pl.BlockSpec((I, bn), lambda i, j: (0, j)),
-                  pl.BlockSpec((1, bn), lambda i, j: (0, j))],
+        in_specs=[
+            pl.BlockSpec((bm, I), lambda i, j: (i, 0)),
+            pl.BlockSpec((bm, 1), lambda i, j: (i, 0)),
+            pl.BlockSpec((I, bn), lambda i, j: (0, j)),
+            pl.BlockSpec((1, bn), lambda i, j: (0, j)),
+        ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
         name="int8_matmul_gpu",
-    )(pad_axis(x, 0, Mp), pad_axis(x_scale.astype(jnp.float32)[:, None], 0, Mp),
-      w, w_scale.astype(jnp.float32)[None, :])
+    )(
+        pad_axis(x, 0, Mp),
+        pad_axis(x_scale.astype(jnp.float32)[:, None], 0, Mp),
+        w,
+        w_scale.astype(jnp.float32)[None, :],
+    )
     return out[:M]
 
 
@@ -179,7 +198,10 @@ def weight_only_matmul_tpu(x, w, w_scale, *, block_sizes=None, interpret=False):
     bs, given = block_sizes or BlockSizes(), block_sizes is not None
     (M, I), O = x.shape, w_scale.shape[-1]
     sub = sublane(x.dtype)
-    check(bs.block_m % sub == 0, f"block_m={bs.block_m} must be a multiple of {sub} for {x.dtype} on TPU")
+    check(
+        bs.block_m % sub == 0,
+        f"block_m={bs.block_m} must be a multiple of {sub} for {x.dtype} on TPU",
+    )
     bm = min(bs.block_m, round_up(M, sub))
     bn = _tile(O, bs.block_n, 128, "block_n", given)
     if group:
@@ -205,7 +227,8 @@ def weight_only_matmul_tpu(x, w, w_scale, *, block_sizes=None, interpret=False):
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
         scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
+            dimension_semantics=("parallel", "parallel", "arbitrary")
+        ),
         interpret=interpret,
         name="weight_only_matmul_tpu",
     )(pad_axis(x, 0, Mp), w_in, s_in)
@@ -222,17 +245,27 @@ def _wo_gpu_kernel(x_ref, w_ref, s_ref, o_ref, *, group, bk):
             s = s_ref[pl.ds(g, 1), :]  # [1, bn]
             x_lo = x_ref[:, pl.ds(pl.multiple_of(g * group, h), h)]
             x_hi = x_ref[:, pl.ds(pl.multiple_of(g * group + h, h), h)]
-            acc += lax.dot_general(x_lo, (low.astype(jnp.float32) * s).astype(dt), _MATMUL,
-                                   preferred_element_type=jnp.float32)
-            return acc + lax.dot_general(x_hi, (high.astype(jnp.float32) * s).astype(dt),
-                                         _MATMUL, preferred_element_type=jnp.float32)
+            acc += lax.dot_general(
+                x_lo,
+                (low.astype(jnp.float32) * s).astype(dt),
+                _MATMUL,
+                preferred_element_type=jnp.float32,
+            )
+            return acc + lax.dot_general(
+                x_hi,
+                (high.astype(jnp.float32) * s).astype(dt),
+                _MATMUL,
+                preferred_element_type=jnp.float32,
+            )
 
         steps = x_ref.shape[1] // group
     else:
+
         def body(kk, acc):
             ks = pl.ds(pl.multiple_of(kk * bk, bk), bk)
-            return acc + lax.dot_general(x_ref[:, ks], w_ref[ks, :].astype(dt), _MATMUL,
-                                         preferred_element_type=jnp.float32)
+            return acc + lax.dot_general(
+                x_ref[:, ks], w_ref[ks, :].astype(dt), _MATMUL, preferred_element_type=jnp.float32
+            )
 
         steps = x_ref.shape[1] // bk
     acc = lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
@@ -258,9 +291,11 @@ def weight_only_matmul_gpu(x, w, w_scale, *, block_sizes=None, interpret=False):
         functools.partial(_wo_gpu_kernel, group=group, bk=bk),
         out_shape=jax.ShapeDtypeStruct((Mp, O), x.dtype),
         grid=(Mp // bm, O // bn),
-        in_specs=[pl.BlockSpec((bm, I), lambda i, j: (i, 0)),
-                  pl.BlockSpec((w.shape[0], bn), lambda i, j: (0, j)),
-                  pl.BlockSpec((s_in.shape[0], bn), lambda i, j: (0, j))],
+        in_specs=[
+            pl.BlockSpec((bm, I), lambda i, j: (i, 0)),
+            pl.BlockSpec((w.shape[0], bn), lambda i, j: (0, j)),
+            pl.BlockSpec((s_in.shape[0], bn), lambda i, j: (0, j)),
+        ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
@@ -286,8 +321,9 @@ def int8_matmul_kernel(
 ) -> jax.Array:  # out_dtype[M, O]
     """Pallas int8 x int8 -> int32 matmul; same contract as int8_matmul_reference."""
     fn = pick_variant(INT8_VARIANTS, "int8_matmul")
-    return fn(x, x_scale, w, w_scale, out_dtype=out_dtype, block_sizes=block_sizes,
-              interpret=interpret)
+    return fn(
+        x, x_scale, w, w_scale, out_dtype=out_dtype, block_sizes=block_sizes, interpret=interpret
+    )
 
 
 def weight_only_matmul_kernel(

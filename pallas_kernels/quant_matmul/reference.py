@@ -29,7 +29,9 @@ def int8_matmul_reference(
     del block_sizes, interpret
     validate_int8(x, x_scale, w, w_scale)
     acc = jax.lax.dot_general(x, w, _MATMUL, preferred_element_type=jnp.int32)
-    out = acc.astype(jnp.float32) * x_scale[:, None].astype(jnp.float32) * w_scale.astype(jnp.float32)
+    out = (
+        acc.astype(jnp.float32) * x_scale[:, None].astype(jnp.float32) * w_scale.astype(jnp.float32)
+    )
     return out.astype(out_dtype)
 
 
@@ -53,10 +55,13 @@ def weight_only_matmul_reference(
     del block_sizes, interpret
     group = validate_weight_only(x, w, w_scale)
     if group:
-        acc = jax.lax.dot_general(x, dequantize_weight(w, w_scale, group, x.dtype), _MATMUL,
-                                  preferred_element_type=jnp.float32)
+        acc = jax.lax.dot_general(
+            x,
+            dequantize_weight(w, w_scale, group, x.dtype),
+            _MATMUL,
+            preferred_element_type=jnp.float32,
+        )
     else:
-        acc = jax.lax.dot_general(x, w.astype(x.dtype), _MATMUL,
-                                  preferred_element_type=jnp.float32)
+        acc = jax.lax.dot_general(x, w.astype(x.dtype), _MATMUL, preferred_element_type=jnp.float32)
         acc = acc * w_scale.astype(jnp.float32)
     return acc.astype(x.dtype)
