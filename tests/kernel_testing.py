@@ -3,6 +3,8 @@ and builders of NaN-poisoned inputs."""
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +24,12 @@ TOLERANCES = {
 
 def assert_close(out, ref, dtype=None):
     dtype = jnp.dtype(dtype or out.dtype)
-    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, out.dtype, ref.shape, ref.dtype)
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (
+        out.shape,
+        out.dtype,
+        ref.shape,
+        ref.dtype,
+    )
     a, b = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert np.isfinite(a).all(), "NaN/inf in the kernel output"
     tol = TOLERANCES[dtype]
@@ -43,8 +50,11 @@ def dense_attention_np(q, k, v, qpos, kv_len, *, scale, causal=True, window=None
     for b in range(B):
         for t in range(T):
             p = int(qpos[b, t])
-            keys = [s for s in range(int(kv_len[b]))
-                    if (not causal or s <= p) and (window is None or p - s < window)]
+            keys = [
+                s
+                for s in range(int(kv_len[b]))
+                if (not causal or s <= p) and (window is None or p - s < window)
+            ]
             if not keys:
                 continue
             for n in range(N):
@@ -57,8 +67,20 @@ def dense_attention_np(q, k, v, qpos, kv_len, *, scale, causal=True, window=None
     return out
 
 
-def paged_pool(rng, lengths, *, K, H, page_size, pages_per_seq, spare_pages=3, dtype=jnp.float32):
-    """A page pool [K, P, page_size, H] holding each sequence's tokens on shuffled pages.
+def paged_pool(
+    rng,
+    lengths,
+    *,
+    K,
+    H,
+    page_size,
+    pages_per_seq,
+    spare_pages=3,
+    dtype=jnp.float32,
+    keys_transposed=False,
+):
+    """A page pool [P, K, page_size, H] holding each sequence's tokens on shuffled pages
+    (keys [P, K, H, page_size] if keys_transposed).
 
     Every slot that is not a live token is NaN: spare pages, the unused tail of each last
     page, and the NaN page that page-table entries past a sequence's pages point to. Also
@@ -69,7 +91,7 @@ def paged_pool(rng, lengths, *, K, H, page_size, pages_per_seq, spare_pages=3, d
     P = used + spare_pages + 1
     order = rng.permutation(P)
     nan_page = int(order[-1])
-    kp = np.full((K, P, page_size, H), np.nan, np.float32)
+    kp = np.full((P, K, page_size, H), np.nan, np.float32)
     vp = kp.copy()
     table = np.full((B, pages_per_seq), nan_page, np.int32)
     S = pages_per_seq * page_size
@@ -85,8 +107,10 @@ def paged_pool(rng, lengths, *, K, H, page_size, pages_per_seq, spare_pages=3, d
             c += 1
             table[b, j] = page
             live = min(page_size, n - j * page_size)
-            kp[:, page, :live] = kd[b, j * page_size: j * page_size + live].transpose(1, 0, 2)
-            vp[:, page, :live] = vd[b, j * page_size: j * page_size + live].transpose(1, 0, 2)
+            kp[page, :, :live] = kd[b, j * page_size : j * page_size + live].transpose(1, 0, 2)
+            vp[page, :, :live] = vd[b, j * page_size : j * page_size + live].transpose(1, 0, 2)
+    if keys_transposed:
+        kp = kp.transpose(0, 1, 3, 2)
     cast = lambda a: jnp.asarray(a, dtype)
     # Round through the dtype so the dense numpy reference sees the same numbers.
     kd, vd = np.asarray(cast(kd), np.float32), np.asarray(cast(vd), np.float32)
@@ -99,3 +123,12 @@ def run_interpreted(fn, *args):
     test (this halves that)."""
     lowered = jax.jit(fn).lower(*args)
     return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})(*args)
+
+
+def covering_grid(full: list[list], cycled: list[list]) -> list[tuple]:
+    """Every combination of the ``full`` axes, each paired with one combination of the
+    ``cycled`` axes, counted through in mixed radix: every value of every axis is covered
+    (and every cycled combination, when there are at least that many full ones) at a
+    fraction of the full product's cost."""
+    cycle = list(itertools.product(*cycled))
+    return [(*combo, *cycle[i % len(cycle)]) for i, combo in enumerate(itertools.product(*full))]

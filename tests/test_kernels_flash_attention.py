@@ -3,7 +3,6 @@ then both kernel variants (interpret mode) against the reference over a grid."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import jax
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import flash_attention as fa
-from tests.kernel_testing import assert_close, dense_attention_np, run_interpreted
+from tests.kernel_testing import assert_close, covering_grid, dense_attention_np, run_interpreted
 
 LN3 = math.log(3.0)
 
@@ -47,8 +46,9 @@ def test_reference_hand_offsets_lengths_and_nan():
     # One query at position 1 (a chunk starting at 1) over keys 0..2, key 2 is NaN garbage.
     q, k, v = _one_head([1.0], [0.0, LN3, np.nan], [4.0, 8.0, np.nan])
     q, k, v = (jnp.concatenate([a] * 3) for a in (q, k, v))  # three rows
-    out = fa.flash_attention_reference(q, k, v, jnp.array([1, 1, 1]), jnp.array([2, 1, 0]),
-                                       scale=1.0)
+    out = fa.flash_attention_reference(
+        q, k, v, jnp.array([1, 1, 1]), jnp.array([2, 1, 0]), scale=1.0
+    )
     np.testing.assert_allclose(np.asarray(out).ravel(), [7.0, 4.0, 0.0], rtol=1e-6)
 
 
@@ -73,8 +73,10 @@ def _inputs(rng, *, B=3, T=5, S=13, N=4, K=2, H=8, dtype=jnp.float32, q_start, k
     return q, k, v, jnp.asarray(q_start, jnp.int32), jnp.asarray(kv_len, jnp.int32)
 
 
-@pytest.mark.parametrize("opts", [dict(), dict(window=3), dict(softcap=2.0), dict(causal=False),
-                                  dict(window=4, softcap=1.5)])
+@pytest.mark.parametrize(
+    "opts",
+    [dict(), dict(window=3), dict(softcap=2.0), dict(causal=False), dict(window=4, softcap=1.5)],
+)
 def test_reference_matches_dense_numpy(opts):
     rng = np.random.default_rng(0)
     # A prefill from 0, a chunk at the end of its keys, a padded row with queries past kv_len.
@@ -89,8 +91,10 @@ def test_reference_matches_dense_numpy(opts):
 VARIANTS = {"tpu": fa.flash_attention_tpu, "gpu": fa.flash_attention_gpu}
 # Block sizes each variant accepts: TPU multiples of the sublane count (8 f32 / 16 bf16),
 # GPU powers of two >= 16.
-BLOCKS = {"tpu": [fa.BlockSizes(16, 16), fa.BlockSizes(16, 32)],
-          "gpu": [fa.BlockSizes(16, 16), fa.BlockSizes(16, 32)]}
+BLOCKS = {
+    "tpu": [fa.BlockSizes(16, 16), fa.BlockSizes(16, 32)],
+    "gpu": [fa.BlockSizes(16, 16), fa.BlockSizes(16, 32)],
+}
 
 
 def _case(variant, dtype, N, K, blocks, T, S, opts, seed=0):
@@ -99,11 +103,18 @@ def _case(variant, dtype, N, K, blocks, T, S, opts, seed=0):
     # past kv_len (no key at all when T = 1).
     q_start = [0, S - T, 0]
     kv_len = [T, S, max(T - 1, 0)]
-    q, k, v, qs, kl = _inputs(rng, T=T, S=S, N=N, K=K, H=16, dtype=dtype, q_start=q_start,
-                              kv_len=kv_len)
+    q, k, v, qs, kl = _inputs(
+        rng, T=T, S=S, N=N, K=K, H=16, dtype=dtype, q_start=q_start, kv_len=kv_len
+    )
     ref = jax.jit(lambda *a: fa.flash_attention_reference(*a, **opts))(q, k, v, qs, kl)
     out = run_interpreted(
-        lambda *a: VARIANTS[variant](*a, block_sizes=blocks, interpret=True, **opts), q, k, v, qs, kl)
+        lambda *a: VARIANTS[variant](*a, block_sizes=blocks, interpret=True, **opts),
+        q,
+        k,
+        v,
+        qs,
+        kl,
+    )
     assert_close(out, ref)
 
 
@@ -125,10 +136,18 @@ def test_kernel_matches_reference(variant, dtype, heads, b, T, S, opts):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("dtype,heads,b,TS,opts", list(itertools.product(
-    [jnp.float32, jnp.bfloat16], [(8, 8), (8, 4), (8, 2), (8, 1)], [0, 1],
-    [(1, 16), (16, 16), (19, 53)], [dict(), dict(window=6, softcap=5.0), dict(causal=False)])))
-def test_kernel_matches_reference_wide(variant, dtype, heads, b, TS, opts):
+@pytest.mark.parametrize(
+    "dtype,heads,TS,b,opts",
+    covering_grid(
+        [
+            [jnp.float32, jnp.bfloat16],
+            [(8, 8), (8, 4), (8, 2), (8, 1)],
+            [(1, 16), (16, 16), (19, 53)],
+        ],
+        [[0, 1], [dict(), dict(window=6, softcap=5.0), dict(causal=False), dict(window=1)]],
+    ),
+)
+def test_kernel_matches_reference_wide(variant, dtype, heads, TS, b, opts):
     _case(variant, dtype, *heads, BLOCKS[variant][b], *TS, opts)
 
 
@@ -143,8 +162,9 @@ def test_dispatch_picks_reference_on_cpu_and_kernel_when_interpreting(monkeypatc
 
 
 # ----------------------------------------------------------------------------- validation
-@pytest.mark.parametrize("fn", [fa.flash_attention_reference, fa.flash_attention_tpu,
-                                fa.flash_attention_gpu])
+@pytest.mark.parametrize(
+    "fn", [fa.flash_attention_reference, fa.flash_attention_tpu, fa.flash_attention_gpu]
+)
 def test_bad_inputs_have_clear_messages(fn):
     q, k = jnp.zeros((1, 2, 3, 8)), jnp.zeros((1, 4, 2, 8))
     with pytest.raises(ValueError, match=r"N=3 must be a multiple of kv heads K=2"):

@@ -4,7 +4,6 @@ mode) against the reference over a grid. Every pool slot that is not a live toke
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import jax
@@ -13,16 +12,22 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_attention as pa
-from tests.kernel_testing import assert_close, dense_attention_np, paged_pool, run_interpreted
+from tests.kernel_testing import (
+    assert_close,
+    covering_grid,
+    dense_attention_np,
+    paged_pool,
+    run_interpreted,
+)
 
 
 # ----------------------------------------------------------------------------- hand-worked
 def _hand_pool():
-    """One kv head, H = 1, page_size 2, three tokens on pages [2, 0] (page 1 is NaN).
+    """Pool [P=3, K=1, page_size=2, H=1]: three tokens on pages [2, 0] (page 1 is NaN).
     Keys 0, 0, ln 2 and values 2, 4, 8: a query of 1 weighs them 1 : 1 : 2."""
-    k = np.full((1, 3, 2, 1), np.nan, np.float32)
+    k = np.full((3, 1, 2, 1), np.nan, np.float32)
     v = k.copy()
-    k[0, 2, :, 0], v[0, 2, :, 0] = [0.0, 0.0], [2.0, 4.0]  # tokens 0, 1
+    k[2, 0, :, 0], v[2, 0, :, 0] = [0.0, 0.0], [2.0, 4.0]  # tokens 0, 1
     k[0, 0, 0, 0], v[0, 0, 0, 0] = math.log(2.0), 8.0  # token 2; slot 1 stays NaN
     return jnp.asarray(k), jnp.asarray(v), jnp.array([[2, 0]], jnp.int32)
 
@@ -47,6 +52,12 @@ def test_reference_hand_window_softcap_empty():
     np.testing.assert_allclose(np.asarray(capped).ravel(), [(6 + 8 * e) / (2 + e)], rtol=1e-6)
     empty = pa.paged_attention_reference(q, k, v, table, jnp.array([0]), scale=1.0)
     np.testing.assert_array_equal(np.asarray(empty), 0.0)
+    # Keys stored transposed [P, K, H, page_size] give the same answer.
+    kt = k.transpose(0, 1, 3, 2)
+    out = pa.paged_attention_reference(
+        q, kt, v, table, jnp.array([3]), scale=1.0, keys_transposed=True
+    )
+    np.testing.assert_allclose(np.asarray(out).ravel(), [22 / 4], rtol=1e-6)
 
 
 def test_reference_hand_gqa_heads_share_pages():
@@ -57,17 +68,30 @@ def test_reference_hand_gqa_heads_share_pages():
 
 
 # ----------------------------------------------------------------------------- vs numpy
-@pytest.mark.parametrize("opts", [dict(), dict(window=5), dict(softcap=2.0)])
+@pytest.mark.parametrize(
+    "opts", [dict(), dict(window=5), dict(softcap=2.0), dict(keys_transposed=True)]
+)
 def test_reference_matches_dense_numpy(opts):
     rng = np.random.default_rng(0)
     lengths = [1, 8, 13, 0, 24]
-    kp, vp, table, kd, vd = paged_pool(rng, lengths, K=2, H=8, page_size=8, pages_per_seq=3)
+    kp, vp, table, kd, vd = paged_pool(
+        rng,
+        lengths,
+        K=2,
+        H=8,
+        page_size=8,
+        pages_per_seq=3,
+        keys_transposed=opts.get("keys_transposed", False),
+    )
     q = jnp.asarray(rng.normal(size=(len(lengths), 4, 8)), jnp.float32)
     out = jax.jit(lambda *a: pa.paged_attention_reference(*a, **opts))(
-        q, kp, vp, table, jnp.array(lengths))
+        q, kp, vp, table, jnp.array(lengths)
+    )
     qpos = np.array(lengths)[:, None] - 1
-    want = dense_attention_np(np.asarray(q)[:, None], kd, vd, qpos, np.array(lengths),
-                              scale=8**-0.5, **opts)[:, 0]
+    dense_opts = {k: v for k, v in opts.items() if k != "keys_transposed"}
+    want = dense_attention_np(
+        np.asarray(q)[:, None], kd, vd, qpos, np.array(lengths), scale=8**-0.5, **dense_opts
+    )[:, 0]
     np.testing.assert_allclose(np.asarray(out), want, atol=2e-6, rtol=2e-6)
 
 
@@ -78,15 +102,28 @@ VARIANTS = {"tpu": pa.paged_attention_tpu, "gpu": pa.paged_attention_gpu}
 def _case(variant, dtype, N, K, page_size, ppb, lengths, pages_per_seq, opts, seed=0):
     rng = np.random.default_rng(seed)
     H = 16
-    kp, vp, table, _, _ = paged_pool(rng, lengths, K=K, H=H, page_size=page_size,
-                                     pages_per_seq=pages_per_seq, dtype=dtype)
+    kp, vp, table, _, _ = paged_pool(
+        rng,
+        lengths,
+        K=K,
+        H=H,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        dtype=dtype,
+        keys_transposed=opts.get("keys_transposed", False),
+    )
     q = jnp.asarray(rng.normal(size=(len(lengths), N, H)), dtype)
     lengths = jnp.asarray(lengths, jnp.int32)
     ref = jax.jit(lambda *a: pa.paged_attention_reference(*a, **opts))(q, kp, vp, table, lengths)
     blocks = pa.BlockSizes(ppb)
     out = run_interpreted(
         lambda *a: VARIANTS[variant](*a, block_sizes=blocks, interpret=True, **opts),
-        q, kp, vp, table, lengths)
+        q,
+        kp,
+        vp,
+        table,
+        lengths,
+    )
     assert_close(out, ref)
 
 
@@ -94,9 +131,17 @@ def _case(variant, dtype, N, K, page_size, ppb, lengths, pages_per_seq, opts, se
 DEFAULT_GRID = [
     # dtype, (N, K), page_size, pages_per_block, lengths, pages_per_seq, opts
     (jnp.float32, (4, 4), 16, 1, [1, 16, 37], 3, dict()),
-    (jnp.float32, (4, 2), 16, 2, [23, 0, 64], 4, dict(window=20)),
+    (jnp.float32, (4, 2), 16, 2, [23, 0, 64], 4, dict(window=20, keys_transposed=True)),
     (jnp.bfloat16, (8, 2), 16, 2, [1, 33, 48], 3, dict(softcap=4.0)),
-    (jnp.bfloat16, (8, 1), 32, 4, [5, 70, 96], 3, dict(window=40, softcap=3.0)),
+    (
+        jnp.bfloat16,
+        (8, 1),
+        32,
+        4,
+        [5, 70, 96],
+        3,
+        dict(window=40, softcap=3.0, keys_transposed=True),
+    ),
 ]
 
 
@@ -108,9 +153,21 @@ def test_kernel_matches_reference(variant, dtype, heads, ps, ppb, lengths, pps, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("dtype,heads,ps,ppb,opts", list(itertools.product(
-    [jnp.float32, jnp.bfloat16], [(8, 8), (8, 4), (8, 2), (8, 1)], [16, 32], [1, 2, 4],
-    [dict(), dict(window=19, softcap=5.0)])))
+@pytest.mark.parametrize(
+    "dtype,heads,ps,ppb,opts",
+    covering_grid(
+        [[jnp.float32, jnp.bfloat16], [(8, 8), (8, 4), (8, 2), (8, 1)], [16, 32]],
+        [
+            [1, 2, 4],
+            [
+                dict(),
+                dict(window=19, softcap=5.0, keys_transposed=True),
+                dict(keys_transposed=True),
+                dict(window=1),
+            ],
+        ],
+    ),
+)
 def test_kernel_matches_reference_wide(variant, dtype, heads, ps, ppb, opts):
     pps = 5
     lengths = [1, ps - 1, ps, ps + 1, 3 * ps + 7, pps * ps, 0]
@@ -121,18 +178,28 @@ def test_dispatch_picks_reference_on_cpu_and_kernel_when_interpreting(monkeypatc
     calls = []
     monkeypatch.setattr(pa, "paged_attention_reference", lambda *a, **k: calls.append("ref"))
     monkeypatch.setattr(pa, "paged_attention_kernel", lambda *a, **k: calls.append("kernel"))
-    args = (jnp.zeros((1, 1, 8)), jnp.zeros((1, 2, 8, 8)), jnp.zeros((1, 2, 8, 8)),
-            jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32))
+    args = (
+        jnp.zeros((1, 1, 8)),
+        jnp.zeros((2, 1, 8, 8)),
+        jnp.zeros((2, 1, 8, 8)),
+        jnp.zeros((1, 2), jnp.int32),
+        jnp.ones((1,), jnp.int32),
+    )
     pa.paged_attention(*args)
     pa.paged_attention(*args, interpret=True)
     assert calls == ["ref", "kernel"]
 
 
 # ----------------------------------------------------------------------------- validation
-@pytest.mark.parametrize("fn", [pa.paged_attention_reference, pa.paged_attention_tpu,
-                                pa.paged_attention_gpu])
+@pytest.mark.parametrize(
+    "fn", [pa.paged_attention_reference, pa.paged_attention_tpu, pa.paged_attention_gpu]
+)
 def test_bad_inputs_have_clear_messages(fn):
-    pool, table, lengths = jnp.zeros((2, 4, 16, 8)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
+    pool, table, lengths = (
+        jnp.zeros((4, 2, 16, 8)),
+        jnp.zeros((1, 2), jnp.int32),
+        jnp.ones((1,), jnp.int32),
+    )
     with pytest.raises(ValueError, match=r"N=3 must be a multiple of kv heads K=2"):
         fn(jnp.zeros((1, 3, 8)), pool, pool, table, lengths)
     q = jnp.zeros((1, 4, 8))
@@ -142,12 +209,18 @@ def test_bad_inputs_have_clear_messages(fn):
         fn(q, pool, pool, table, jnp.ones((1,)))
     with pytest.raises(ValueError, match=r"softcap=0"):
         fn(q, pool, pool, table, lengths, softcap=0)
+    with pytest.raises(ValueError, match=r"k_pages must be \[P, K, H, page_size\]=\(4, 2, 8, 16\)"):
+        fn(q, pool, pool, table, lengths, keys_transposed=True)
 
 
 def test_kernel_page_size_messages():
-    q, table, lengths = jnp.zeros((1, 4, 8)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
-    pool = jnp.zeros((2, 4, 12, 8), jnp.float32)
+    q, table, lengths = (
+        jnp.zeros((1, 4, 8)),
+        jnp.zeros((1, 2), jnp.int32),
+        jnp.ones((1,), jnp.int32),
+    )
+    pool = jnp.zeros((4, 2, 12, 8), jnp.float32)
     with pytest.raises(ValueError, match=r"page_size=12 must be a multiple of 8"):
         pa.paged_attention_tpu(q, pool, pool, table, lengths, interpret=True)
-    with pytest.raises(ValueError, match=r"page_size=12 must be a power of 2 on GPU"):
+    with pytest.raises(ValueError, match=r"page_size=12 must be a power of 2 >= 16 on GPU"):
         pa.paged_attention_gpu(q, pool, pool, table, lengths, interpret=True)

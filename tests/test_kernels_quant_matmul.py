@@ -4,15 +4,13 @@ the references over a grid."""
 
 from __future__ import annotations
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import quant_matmul as qm
-from tests.kernel_testing import TOLERANCES, assert_close, run_interpreted
+from tests.kernel_testing import TOLERANCES, assert_close, covering_grid, run_interpreted
 
 
 # ----------------------------------------------------------------------------- int4 format
@@ -51,7 +49,9 @@ def test_int8_reference_by_hand():
 def test_weight_only_references_by_hand():
     x = jnp.array([[1.0, 2.0]], jnp.float32)
     w, ws = jnp.array([[1, 2], [3, 4]], jnp.int8), jnp.array([0.5, 0.25])
-    np.testing.assert_array_equal(np.asarray(qm.weight_only_matmul_reference(x, w, ws)), [[3.5, 2.5]])
+    np.testing.assert_array_equal(
+        np.asarray(qm.weight_only_matmul_reference(x, w, ws)), [[3.5, 2.5]]
+    )
     # int4, one group of 2 rows: values [[1, -8], [7, 2]], group scales [[0.5, 2.0]].
     packed = qm.pack_int4(jnp.array([[1, -8], [7, 2]], jnp.int8), 2)
     out = qm.weight_only_matmul_reference(x, packed, jnp.array([[0.5, 2.0]]))
@@ -80,8 +80,10 @@ def test_references_match_exact_numpy():
 INT8 = {"tpu": qm.int8_matmul_tpu, "gpu": qm.int8_matmul_gpu}
 WEIGHT_ONLY = {"tpu": qm.weight_only_matmul_tpu, "gpu": qm.weight_only_matmul_gpu}
 # (block_m, block_n, block_k) each variant accepts for I = 256, O = 256 or 384.
-BLOCKS = {"tpu": [qm.BlockSizes(32, 128, 128), qm.BlockSizes(32, 128, 256)],
-          "gpu": [qm.BlockSizes(16, 64, 64), qm.BlockSizes(32, 128, 128)]}
+BLOCKS = {
+    "tpu": [qm.BlockSizes(32, 128, 128), qm.BlockSizes(32, 128, 256)],
+    "gpu": [qm.BlockSizes(16, 64, 64), qm.BlockSizes(32, 128, 128)],
+}
 
 
 def _int8_case(variant, M, O, b, out_dtype, seed=0):
@@ -91,9 +93,15 @@ def _int8_case(variant, M, O, b, out_dtype, seed=0):
     w = jnp.asarray(rng.integers(-127, 128, (I, O)), jnp.int8)
     ws = jnp.asarray(rng.uniform(1e-3, 1e-2, O), jnp.float32)
     ref = jax.jit(lambda *a: qm.int8_matmul_reference(*a, out_dtype=out_dtype))(x, xs, w, ws)
-    out = run_interpreted(lambda *a: INT8[variant](*a, out_dtype=out_dtype,
-                                                   block_sizes=BLOCKS[variant][b],
-                                                   interpret=True), x, xs, w, ws)
+    out = run_interpreted(
+        lambda *a: INT8[variant](
+            *a, out_dtype=out_dtype, block_sizes=BLOCKS[variant][b], interpret=True
+        ),
+        x,
+        xs,
+        w,
+        ws,
+    )
     assert_close(out, ref)
 
 
@@ -108,8 +116,12 @@ def _weight_only_case(variant, M, O, b, dtype, group, seed=0):
         w = jnp.asarray(rng.integers(-127, 128, (I, O)), jnp.int8)
         ws = jnp.asarray(rng.uniform(1e-3, 1e-2, O), jnp.float32)
     ref = jax.jit(qm.weight_only_matmul_reference)(x, w, ws)
-    out = run_interpreted(lambda *a: WEIGHT_ONLY[variant](*a, block_sizes=BLOCKS[variant][b],
-                                                          interpret=True), x, w, ws)
+    out = run_interpreted(
+        lambda *a: WEIGHT_ONLY[variant](*a, block_sizes=BLOCKS[variant][b], interpret=True),
+        x,
+        w,
+        ws,
+    )
     assert_close(out, ref)
 
 
@@ -120,26 +132,36 @@ def test_int8_kernel_matches_reference(variant, M, O, b, out_dtype):
 
 
 @pytest.mark.parametrize("variant", sorted(WEIGHT_ONLY))
-@pytest.mark.parametrize("M,O,b,dtype,group", [
-    (1, 256, 0, jnp.float32, 0), (19, 384, 1, jnp.bfloat16, 0),
-    (5, 256, 1, jnp.float32, 128), (40, 384, 0, jnp.bfloat16, 64)])
+@pytest.mark.parametrize(
+    "M,O,b,dtype,group",
+    [
+        (1, 256, 0, jnp.float32, 0),
+        (19, 384, 1, jnp.bfloat16, 0),
+        (5, 256, 1, jnp.float32, 128),
+        (40, 384, 0, jnp.bfloat16, 64),
+    ],
+)
 def test_weight_only_kernel_matches_reference(variant, M, O, b, dtype, group):
     _weight_only_case(variant, M, O, b, dtype, group)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(INT8))
-@pytest.mark.parametrize("M,O,b,out_dtype", list(itertools.product(
-    [1, 16, 33], [256, 384], [0, 1], [jnp.float32, jnp.bfloat16])))
-def test_int8_kernel_matches_reference_wide(variant, M, O, b, out_dtype):
+@pytest.mark.parametrize(
+    "M,out_dtype,O,b",
+    covering_grid([[1, 16, 33], [jnp.float32, jnp.bfloat16]], [[256, 384], [0, 1]]),
+)
+def test_int8_kernel_matches_reference_wide(variant, M, out_dtype, O, b):
     _int8_case(variant, M, O, b, out_dtype)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(WEIGHT_ONLY))
-@pytest.mark.parametrize("M,O,b,dtype,group", list(itertools.product(
-    [1, 16, 33], [256, 384], [0, 1], [jnp.float32, jnp.bfloat16], [0, 64, 128])))
-def test_weight_only_kernel_matches_reference_wide(variant, M, O, b, dtype, group):
+@pytest.mark.parametrize(
+    "dtype,group,M,O,b",
+    covering_grid([[jnp.float32, jnp.bfloat16], [0, 64, 128], [1, 16, 33]], [[256, 384], [0, 1]]),
+)
+def test_weight_only_kernel_matches_reference_wide(variant, dtype, group, M, O, b):
     _weight_only_case(variant, M, O, b, dtype, group)
 
 
@@ -168,18 +190,25 @@ def test_bad_inputs_have_clear_messages():
     w = jnp.zeros((256, 128), jnp.int8)
     with pytest.raises(ValueError, match=r"w_scale must be \[O\]=128"):
         qm.int8_matmul_reference(x.astype(jnp.int8), jnp.ones(2), w, jnp.ones(64))
-    with pytest.raises(ValueError, match=r"x.dtype=dtype\('float32'\) and w.dtype=dtype\('int8'\) must be int8"):
+    with pytest.raises(
+        ValueError, match=r"x.dtype=dtype\('float32'\) and w.dtype=dtype\('int8'\) must be int8"
+    ):
         qm.int8_matmul_reference(x, jnp.ones(2), w, jnp.ones(128))
     with pytest.raises(ValueError, match=r"need I=256 \(int8\) or I/2 \(packed int4\)"):
         qm.weight_only_matmul_reference(x, jnp.zeros((100, 128), jnp.int8), jnp.ones(128))
     with pytest.raises(ValueError, match=r"packed int4 weights need w_scale \[I/group, O\]"):
         qm.weight_only_matmul_reference(x, jnp.zeros((128, 128), jnp.int8), jnp.ones((3, 128)))
     with pytest.raises(ValueError, match=r"block_k=96 must divide 256"):
-        qm.weight_only_matmul_tpu(x, w, jnp.ones(128), block_sizes=qm.BlockSizes(8, 128, 96),
-                                  interpret=True)
-    with pytest.raises(ValueError, match=r"block_n=48 must be a power of 2 >= 16 dividing 128 on GPU"):
-        qm.weight_only_matmul_gpu(x, w, jnp.ones(128), block_sizes=qm.BlockSizes(16, 48, 64),
-                                  interpret=True)
+        qm.weight_only_matmul_tpu(
+            x, w, jnp.ones(128), block_sizes=qm.BlockSizes(8, 128, 96), interpret=True
+        )
+    with pytest.raises(
+        ValueError, match=r"block_n=48 must be a power of 2 >= 16 dividing 128 on GPU"
+    ):
+        qm.weight_only_matmul_gpu(
+            x, w, jnp.ones(128), block_sizes=qm.BlockSizes(16, 48, 64), interpret=True
+        )
     with pytest.raises(ValueError, match=r"int4 group=32 must be a multiple of 64 on TPU"):
-        qm.weight_only_matmul_tpu(x, jnp.zeros((128, 128), jnp.int8), jnp.ones((8, 128)),
-                                  interpret=True)
+        qm.weight_only_matmul_tpu(
+            x, jnp.zeros((128, 128), jnp.int8), jnp.ones((8, 128)), interpret=True
+        )
