@@ -43,14 +43,16 @@ class QuantScheme(str, enum.Enum):
 
 
 def parse_scheme(name: str | QuantScheme | None) -> QuantScheme | None:
-    """"int8" / "int4" / "w8a8" (or None: no quantization) -> QuantScheme."""
+    """ "int8" / "int4" / "w8a8" (or None: no quantization) -> QuantScheme."""
     if name is None or isinstance(name, QuantScheme):
         return name
     try:
         return QuantScheme(name)
     except ValueError:
         choices = ", ".join(repr(s.value) for s in QuantScheme)
-        raise InvalidRequest(f"quantize={name!r} is not a quantization scheme; use one of {choices}") from None
+        raise InvalidRequest(
+            f"quantize={name!r} is not a quantization scheme; use one of {choices}"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- int math
@@ -169,31 +171,43 @@ class QuantArray:
             w = (w * jnp.repeat(self.scale, self.group, axis=0)).astype(x.dtype)
             y = jax.lax.dot_general(x, w, _MATMUL, preferred_element_type=jnp.float32)
         else:
-            y = jax.lax.dot_general(x, self.values.astype(x.dtype), _MATMUL,
-                                    preferred_element_type=jnp.float32)
+            y = jax.lax.dot_general(
+                x, self.values.astype(x.dtype), _MATMUL, preferred_element_type=jnp.float32
+            )
             y = y * self.scale
         return y.astype(x.dtype)
 
-    def einsum(self, eq: str, x: jax.Array) -> jax.Array:
+    def einsum(self, eq: str, x: jax.Array, *, matmul=None) -> jax.Array:
         """``jnp.einsum(eq, x, w)`` with this as w, e.g. "BTD,DNH->BTNH", "BTNH,NHD->BTD",
-        "BTD,VD->BTV". The weight letters summed over must be exactly its contracted axes."""
+        "BTD,VD->BTV". The weight letters summed over must be exactly its contracted axes.
+
+        ``matmul(w, x2) -> y2`` replaces the 2-D product ([M, I] -> [M, O]; default
+        ``QuantArray.matmul``, plain XLA): the seam where a layer above plugs in the Pallas
+        kernels on TPU/GPU without this module importing them."""
         xs, ws, out = _parse(eq)
         if len(ws) != len(self.shape):
-            raise ValueError(f"{eq!r}: weight has {len(self.shape)} axes {self.shape}, not {len(ws)}")
+            raise ValueError(
+                f"{eq!r}: weight has {len(self.shape)} axes {self.shape}, not {len(ws)}"
+            )
         summed = tuple(a for a, c in enumerate(ws) if c in xs and c not in out)
         if summed != self.contract:
-            raise ValueError(f"{eq!r} sums weight axes {summed}, but this weight was quantized "
-                             f"contracting axes {self.contract}")
+            raise ValueError(
+                f"{eq!r} sums weight axes {summed}, but this weight was quantized "
+                f"contracting axes {self.contract}"
+            )
         if any(c in xs for c in (ws[a] for a in self.free)):
             raise ValueError(f"{eq!r}: batch axes shared by x and the weight are not supported")
         c_letters = "".join(ws[a] for a in self.contract)
         keep = "".join(c for c in xs if c not in c_letters)
         for a, c in zip(self.contract, c_letters):
             if x.shape[xs.index(c)] != self.shape[a]:
-                raise ValueError(f"{eq!r}: x axis {c!r} has {x.shape[xs.index(c)]}, weight {self.shape[a]}")
+                raise ValueError(
+                    f"{eq!r}: x axis {c!r} has {x.shape[xs.index(c)]}, weight {self.shape[a]}"
+                )
         x2 = jnp.einsum(f"{xs}->{keep}{c_letters}", x) if xs != keep + c_letters else x
         lead = x2.shape[: len(keep)]
-        y = self.matmul(x2.reshape(math.prod(lead), self.in_size))
+        x2 = x2.reshape(math.prod(lead), self.in_size)
+        y = self.matmul(x2) if matmul is None else matmul(self, x2)
         y = y.reshape(*lead, *(self.shape[a] for a in self.free))
         have = keep + "".join(ws[a] for a in self.free)
         return y if have == out else jnp.einsum(f"{have}->{out}", y)
@@ -217,8 +231,10 @@ def _axes(shape: tuple[int, ...], contract_axes) -> tuple[tuple[int, ...], tuple
     given = tuple(int(a) for a in contract_axes)
     contract = tuple(sorted({a % len(shape) for a in given})) if shape else ()
     if not contract or len(contract) != len(given) or len(contract) == len(shape):
-        raise InvalidRequest(f"contract_axes={given} must name some, not all, "
-                             f"distinct axes of a weight of shape {shape}")
+        raise InvalidRequest(
+            f"contract_axes={given} must name some, not all, "
+            f"distinct axes of a weight of shape {shape}"
+        )
     return contract, tuple(a for a in range(len(shape)) if a not in contract)
 
 
@@ -271,13 +287,15 @@ def quantize_int4(w: jax.Array, contract_axes, group: int = 128) -> QuantArray:
         raise InvalidRequest(
             f"int4 needs the contracted size {I} (axes {contract} of a weight of shape "
             f"{tuple(w.shape)}) to divide into groups of {group}; pick a group size that "
-            f"divides {I}, or use int8")
+            f"divides {I}, or use int8"
+        )
     values, scale = _int4_matrix(w, contract, free, group)
     return QuantArray(values, scale, None, tuple(w.shape), contract, QuantScheme.INT4, group)
 
 
-def quantize_w8a8(w: jax.Array, contract_axes, act_absmax: jax.Array | None = None, *,
-                  alpha: float = 0.5) -> QuantArray:
+def quantize_w8a8(
+    w: jax.Array, contract_axes, act_absmax: jax.Array | None = None, *, alpha: float = 0.5
+) -> QuantArray:
     """int8 weights for a dynamic-int8-activation matmul. ``act_absmax``: the largest |x|
     seen on each contracted input channel over a calibration set (shape of the contracted
     axes, or flat [I]); None skips smoothing. ``alpha`` moves that much of the activations'
@@ -289,16 +307,25 @@ def quantize_w8a8(w: jax.Array, contract_axes, act_absmax: jax.Array | None = No
     I = math.prod(w.shape[a] for a in contract)
     a = jnp.asarray(act_absmax, jnp.float32).reshape(-1)
     if a.shape[0] != I:
-        raise InvalidRequest(f"act_absmax has {a.shape[0]} channels; the weight contracts "
-                             f"{I} (axes {contract} of {tuple(w.shape)})")
+        raise InvalidRequest(
+            f"act_absmax has {a.shape[0]} channels; the weight contracts "
+            f"{I} (axes {contract} of {tuple(w.shape)})"
+        )
     if not 0.0 <= alpha <= 1.0:
         raise InvalidRequest(f"{alpha=} must lie in [0, 1]")
     values, scale, smooth = _w8a8_matrix(w, a, contract, free, float(alpha))
     return QuantArray(values, scale, smooth, tuple(w.shape), contract, QuantScheme.W8A8)
 
 
-def quantize(w: jax.Array, contract_axes, scheme: QuantScheme | str, *, group: int = 128,
-             act_absmax: jax.Array | None = None, alpha: float = 0.5) -> QuantArray:
+def quantize(
+    w: jax.Array,
+    contract_axes,
+    scheme: QuantScheme | str,
+    *,
+    group: int = 128,
+    act_absmax: jax.Array | None = None,
+    alpha: float = 0.5,
+) -> QuantArray:
     """One entry point for every scheme (what a loader calls per weight)."""
     scheme = parse_scheme(scheme)
     if scheme == QuantScheme.INT8:
@@ -317,7 +344,9 @@ def channel_absmax(x: jax.Array, n_contract: int = 1) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- KV cache
-def quantize_kv(x: jax.Array, axis: int = -1, scale_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+def quantize_kv(
+    x: jax.Array, axis: int = -1, scale_dtype=jnp.float32
+) -> tuple[jax.Array, jax.Array]:
     """int8 keys or values with one scale per (token, head): the max over the head-dim
     ``axis`` maps to 127. x [..., H, ...] -> (int8 same shape, scale with ``axis`` dropped)."""
     xf = x.astype(jnp.float32)

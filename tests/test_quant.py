@@ -41,7 +41,9 @@ def _weight(shape, seed=0):
 def test_int8_round_trip_within_half_a_step():
     w = _weight((256, 384))
     qa = quant.quantize_int8(w, (0,))
-    assert qa.values.dtype == jnp.int8 and qa.values.shape == (256, 384) and qa.scale.shape == (384,)
+    assert (
+        qa.values.dtype == jnp.int8 and qa.values.shape == (256, 384) and qa.scale.shape == (384,)
+    )
     err = np.abs(np.asarray(_deq(qa)) - np.asarray(w))
     assert (err <= np.asarray(qa.scale) / 2 * (1 + 1e-5)).all()
     # The largest weight of each column maps to +-127 exactly.
@@ -60,7 +62,9 @@ def test_int4_packing_is_exact_and_is_the_kernels_format():
     from pallas_kernels.quant_matmul import pack_int4, unpack_int4
 
     values = jnp.asarray(np.random.default_rng(0).integers(-8, 8, (256, 40)), jnp.int8)
-    ours = jax.jit(lambda v, g: (p := quant.pack_int4(v, g), quant.unpack_int4(p, g)), static_argnums=1)
+    ours = jax.jit(
+        lambda v, g: (p := quant.pack_int4(v, g), quant.unpack_int4(p, g)), static_argnums=1
+    )
     kernels = jax.jit(lambda v, g: (p := pack_int4(v, g), unpack_int4(p, g)), static_argnums=1)
     for group in (64, 128):
         (packed, back), (kpacked, kback) = ours(values, group), kernels(values, group)
@@ -92,7 +96,9 @@ def test_kv_round_trip_per_token_per_head():
     kt = x.transpose(0, 2, 3, 1)
     qt, st = quantize_kv(kt, axis=2)
     assert st.shape == (2, 4, 3)
-    np.testing.assert_array_equal(dequantize_kv(qt, st, axis=2), dequantize_kv(q, s).transpose(0, 2, 3, 1))
+    np.testing.assert_array_equal(
+        dequantize_kv(qt, st, axis=2), dequantize_kv(q, s).transpose(0, 2, 3, 1)
+    )
     # A zero token gets scale 1 and comes back zero; bfloat16 scales are allowed.
     z, zs = quantize_kv(jnp.zeros((1, 8)), scale_dtype=jnp.bfloat16)
     assert zs.dtype == jnp.bfloat16 and float(dequantize_kv(z, zs).max()) == 0.0
@@ -110,8 +116,10 @@ def test_einsum_matches_float(scheme, eq, shape, contract, xshape):
     deq = jnp.einsum(eq, x, _deq(qa))
     assert _rel(got, deq) < {QuantScheme.W8A8: 1e-2}.get(scheme, 1e-6)
     # Against the float weight: the scheme's whole error.
-    assert _rel(got, jnp.einsum(eq, x, w)) < {QuantScheme.INT8: 1e-2, QuantScheme.INT4: 0.12,
-                                              QuantScheme.W8A8: 2e-2}[scheme]
+    assert (
+        _rel(got, jnp.einsum(eq, x, w))
+        < {QuantScheme.INT8: 1e-2, QuantScheme.INT4: 0.12, QuantScheme.W8A8: 2e-2}[scheme]
+    )
 
 
 def test_einsum_bfloat16_activations_keep_their_dtype():
@@ -121,7 +129,9 @@ def test_einsum_bfloat16_activations_keep_their_dtype():
         qa = quant.quantize(w, (0,), scheme)
         y = jax.jit(lambda x, qa: qa.einsum("BTD,DF->BTF", x))(x, qa)
         assert y.dtype == jnp.bfloat16
-        assert _rel(y.astype(jnp.float32), jnp.einsum("BTD,DF->BTF", x.astype(jnp.float32), w)) < 0.12
+        assert (
+            _rel(y.astype(jnp.float32), jnp.einsum("BTD,DF->BTF", x.astype(jnp.float32), w)) < 0.12
+        )
 
 
 def test_model_dot_helper_takes_a_quant_array():
@@ -133,14 +143,42 @@ def test_model_dot_helper_takes_a_quant_array():
     np.testing.assert_allclose(dot("BTD,DF->BTF", x, qa), qa.einsum("BTD,DF->BTF", x))
 
 
+def test_einsum_matmul_seam_takes_the_pallas_kernels():
+    """What an ops layer would plug in on TPU/GPU: the kernels (here interpreted) on the
+    QuantArray's own [I, O] storage give what the XLA path gives."""
+    from pallas_kernels import quant_matmul as qm
+
+    def kernel_matmul(w, x2):
+        if w.scheme == QuantScheme.W8A8:
+            xq, xs = qm.quantize_rows(x2 * w.smooth)
+            return qm.int8_matmul(xq, xs, w.values, w.scale, interpret=True).astype(x2.dtype)
+        return qm.weight_only_matmul(x2, w.values, w.scale, interpret=True)
+
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 256)), jnp.float32)
+    for scheme in QuantScheme:
+        qa = quant.quantize(_weight((256, 256)), (0,), scheme, act_absmax=jnp.ones(256))
+        want = jax.jit(lambda x, qa: qa.einsum("BTD,DF->BTF", x))(x, qa)
+        got = jax.jit(lambda x, qa: qa.einsum("BTD,DF->BTF", x, matmul=kernel_matmul))(x, qa)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_take_is_the_embedding_lookup():
     emb = _weight((300, 256))  # [V, D], tied: contracted over D
     tokens = jnp.array([[0, 299, 7], [7, 5, 1]])
     for scheme in QuantScheme:
-        qa = quant.quantize(emb, (1,), scheme, group=64,
-                            act_absmax=jnp.linspace(0.5, 4.0, 256) if scheme == QuantScheme.W8A8 else None)
-        np.testing.assert_allclose(jax.jit(lambda qa, t: qa.take(t))(qa, tokens), jnp.take(_deq(qa), tokens, axis=0),
-                                   rtol=1e-6, atol=1e-7)
+        qa = quant.quantize(
+            emb,
+            (1,),
+            scheme,
+            group=64,
+            act_absmax=jnp.linspace(0.5, 4.0, 256) if scheme == QuantScheme.W8A8 else None,
+        )
+        np.testing.assert_allclose(
+            jax.jit(lambda qa, t: qa.take(t))(qa, tokens),
+            jnp.take(_deq(qa), tokens, axis=0),
+            rtol=1e-6,
+            atol=1e-7,
+        )
 
 
 def test_quant_array_is_a_pytree_with_static_layout():
@@ -176,7 +214,9 @@ def test_smoothing_tames_activation_outliers():
 
 def test_channel_absmax_keeps_the_contracted_axes():
     x = jnp.arange(2 * 3 * 4 * 5, dtype=jnp.float32).reshape(2, 3, 4, 5) - 60
-    np.testing.assert_array_equal(quant.channel_absmax(x, 2), np.abs(np.asarray(x)).max(axis=(0, 1)))
+    np.testing.assert_array_equal(
+        quant.channel_absmax(x, 2), np.abs(np.asarray(x)).max(axis=(0, 1))
+    )
     assert quant.channel_absmax(x).shape == (5,)
 
 
@@ -186,27 +226,39 @@ def test_w8a8_lowers_to_an_s8_s8_s32_dot():
     x = jnp.ones((4, 3, 256), jnp.float32)
     lowered = jax.jit(lambda x, qa: qa.einsum("BTD,DF->BTF", x)).lower(x, qa)
     dots = re.findall(r"stablehlo\.dot_general.*", lowered.as_text())
-    assert len(dots) == 1 and re.search(r"\(tensor<12x256xi8>, tensor<256x384xi8>\) -> tensor<12x384xi32>", dots[0]), dots
+    assert len(dots) == 1 and re.search(
+        r"\(tensor<12x256xi8>, tensor<256x384xi8>\) -> tensor<12x384xi32>", dots[0]
+    ), dots
     # And XLA CPU keeps it integer after optimisation: an s32 dot whose operands are s8
     # (inside whatever fusion XLA wraps it in), and no float copy of the weight anywhere.
     hlo = lowered.compile().as_text()
     types = dict(re.findall(r"(%[\w.-]+) = (\w+)\[", hlo))
-    int_dots = [operands for operands in re.findall(r"= s32\[12,384\]\{[^}]*\} dot\(([^)]*)\)", hlo)
-                if all(types.get(o.strip()) == "s8" for o in operands.split(","))]
+    int_dots = [
+        operands
+        for operands in re.findall(r"= s32\[12,384\]\{[^}]*\} dot\(([^)]*)\)", hlo)
+        if all(types.get(o.strip()) == "s8" for o in operands.split(","))
+    ]
     assert len(int_dots) == 1, hlo
     assert not re.search(r"f32\[256,384\]", hlo), "the int8 weight was converted to float"
 
 
 # ----------------------------------------------------------------------------- bad input
 def test_int4_groups_must_divide_the_contraction():
-    with pytest.raises(InvalidRequest, match=r"contracted size 576 .* groups of 128; pick a group size that divides 576, or use int8"):
+    with pytest.raises(
+        InvalidRequest,
+        match=r"contracted size 576 .* groups of 128; "
+        r"pick a group size that divides 576, or use int8",
+    ):
         quant.quantize_int4(_weight((576, 64)), (0,), group=128)
     with pytest.raises(InvalidRequest, match=r"group=3 must be a positive even number"):
         quant.quantize_int4(_weight((576, 64)), (0,), group=3)
 
 
 def test_bad_scheme_axes_and_einsum_messages():
-    with pytest.raises(InvalidRequest, match=r"quantize='fp8' is not a quantization scheme; use one of 'int8', 'int4', 'w8a8'"):
+    with pytest.raises(
+        InvalidRequest,
+        match=r"quantize='fp8' is not a quantization scheme; use one of 'int8', 'int4', 'w8a8'",
+    ):
         quant.parse_scheme("fp8")
     assert quant.parse_scheme("w8a8") == QuantScheme.W8A8 and quant.parse_scheme(None) is None
     with pytest.raises(InvalidRequest, match=r"must name some, not all"):
@@ -214,7 +266,10 @@ def test_bad_scheme_axes_and_einsum_messages():
     with pytest.raises(InvalidRequest, match=r"act_absmax has 3 channels; the weight contracts 4"):
         quant.quantize_w8a8(_weight((4, 5)), (0,), jnp.ones(3))
     qa = quant.quantize_int8(_weight((256, 384)), (0,))
-    with pytest.raises(ValueError, match=r"sums weight axes \(1,\), but this weight was quantized contracting axes \(0,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"sums weight axes \(1,\), but this weight was quantized contracting axes \(0,\)",
+    ):
         qa.einsum("BTF,DF->BTD", jnp.ones((1, 1, 384)))
     with pytest.raises(ValueError, match=r"x axis 'D' has 255, weight 256"):
         qa.einsum("BTD,DF->BTF", jnp.ones((1, 1, 255)))
