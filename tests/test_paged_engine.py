@@ -215,6 +215,6 @@ def test_warmup_leaves_nothing_to_compile(tiny_gguf):
     spec = WorkloadSpec(num_requests=10, prompt_len=(5, 60), output_len=(3, 6), seed=1)
     s = run_bench(llm, spec, peaks={"flops": 1e11, "bytes_s": 1e10}, ttft_slo=60.0)
     assert s["compilations"]["during_run"] == 0 and s["compilations"]["warmup"] > 0
-    assert s["requests"] == 10 and s["output_tokens"] == sum(t for t in [s["output_tokens"]])
+    assert s["requests"] == 10 and 30 <= s["output_tokens"] <= 60
     assert s["ttft_s"]["p50"] <= s["e2e_s"]["p50"] and 0 < s["mfu"] < 1
     assert s["goodput_requests_s"] <= s["requests_s"]
