@@ -36,7 +36,7 @@ from jaxinfer import cache as kv
 from jaxinfer import sampling as smp
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.pages import ROOT_HASH, SCRATCH_PAGE, PageAllocator
-from jaxinfer.engine.static import Row, StaticEngine, len_bucket
+from jaxinfer.engine.static import Row, StaticEngine, len_bucket, record_token
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.registry import family_module
 
@@ -409,19 +409,7 @@ class PagedEngine:
             tok = int(toks[b])
             seq.computed = len(seq.tokens)  # the input token's keys/values are now in place
             self._register_full_pages(seq)
-            if r.first_token_time is None:
-                r.first_token_time = now
-            r.last_token_time = now
-            r.token_times.append(now)
-            r.token_ids.append(tok)
-            if host_lp is not None and r.params.logprobs is not None:
-                chosen, rank, top_ids, top_lps = (a[b] for a in host_lp)
-                r.cumulative_logprob += float(chosen)
-                r.logprobs.append(self._dense._position_logprobs(
-                    tok, float(chosen), int(rank), top_ids[: r.params.logprobs], top_lps))
-            r.checker.update(tok, r.detok.add(tok))
-            if r.checker.finished:
-                r.finished_time = now
+            if record_token(r, tok, host_lp, b, now, self.tokenizer):
                 self._release(seq)
                 yield r
 

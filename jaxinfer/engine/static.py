@@ -181,7 +181,7 @@ class StaticEngine:
             host_lp = jax.device_get(lp) if want_lp else None
             now = time.perf_counter()
             for b in list(live):
-                if self._consume(rows[b], int(host_toks[b]), host_lp, b, now):
+                if record_token(rows[b], int(host_toks[b]), host_lp, b, now, self.tokenizer):
                     live.discard(b)
                     yield rows[b]
             if not live or nxt is None:
@@ -190,30 +190,6 @@ class StaticEngine:
         for b in live:  # cannot happen unless max_new was 0; keep every row finished
             rows[b].finished_time = time.perf_counter()
             yield rows[b]
-
-    def _consume(self, r: Row, tok: int, host_lp, b: int, now: float) -> bool:
-        """Feed one token to a row; True when the row finished."""
-        if r.first_token_time is None:
-            r.first_token_time = now
-        r.last_token_time = now
-        r.token_times.append(now)
-        r.token_ids.append(tok)
-        if host_lp is not None and r.params.logprobs is not None:
-            chosen, rank, top_ids, top_lps = (a[b] for a in host_lp)
-            r.cumulative_logprob += float(chosen)
-            r.logprobs.append(self._position_logprobs(tok, float(chosen), int(rank), top_ids[: r.params.logprobs], top_lps))
-        r.checker.update(tok, r.detok.add(tok))
-        if r.checker.finished:
-            r.finished_time = now
-            return True
-        return False
-
-    def _position_logprobs(self, tok, chosen, rank, top_ids, top_lps) -> dict[int, Logprob]:
-        piece = lambda t: self.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
-        entry = {tok: Logprob(chosen, rank, piece(tok))}
-        for i, (t, l) in enumerate(zip(top_ids, top_lps), 1):
-            entry.setdefault(int(t), Logprob(float(l), i, piece(int(t))))
-        return entry
 
     # ------------------------------------------------------------------ prompt logprobs
     def prompt_logprobs(self, ids: list[int], num_top: int) -> list[dict[int, Logprob] | None]:
@@ -225,5 +201,32 @@ class StaticEngine:
         )
         out: list[dict[int, Logprob] | None] = [None]  # the first token has no prefix
         for t in range(1, len(ids)):
-            out.append(self._position_logprobs(ids[t], float(chosen[t - 1]), int(ranks[t - 1]), top_ids[t - 1], top_lp[t - 1]))
+            out.append(position_logprobs(self.tokenizer, ids[t], float(chosen[t - 1]), int(ranks[t - 1]), top_ids[t - 1], top_lp[t - 1]))
         return out
+
+
+def record_token(r: Row, tok: int, host_lp, b: int, now: float, tokenizer) -> bool:
+    """Feed one sampled token (row b of a step's outputs) to a row; True when it finished."""
+    if r.first_token_time is None:
+        r.first_token_time = now
+    r.last_token_time = now
+    r.token_times.append(now)
+    r.token_ids.append(tok)
+    if host_lp is not None and r.params.logprobs is not None:
+        chosen, rank, top_ids, top_lps = (a[b] for a in host_lp)
+        r.cumulative_logprob += float(chosen)
+        r.logprobs.append(position_logprobs(tokenizer, tok, float(chosen), int(rank), top_ids[: r.params.logprobs], top_lps))
+    r.checker.update(tok, r.detok.add(tok))
+    if r.checker.finished:
+        r.finished_time = now
+        return True
+    return False
+
+
+def position_logprobs(tokenizer, tok, chosen, rank, top_ids, top_lps) -> dict[int, Logprob]:
+    """vLLM's per-position logprobs: the chosen token plus the top-n, each with its rank."""
+    piece = lambda t: tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    entry = {tok: Logprob(chosen, rank, piece(tok))}
+    for i, (t, l) in enumerate(zip(top_ids, top_lps), 1):
+        entry.setdefault(int(t), Logprob(float(l), i, piece(int(t))))
+    return entry
