@@ -156,7 +156,9 @@ class Latency:
         return h
 
 
-LATENCIES = ("ttft_s", "tpot_s", "e2e_s", "queue_s")
+# TTFT, TPOT (per request: mean gap after the first token), ITL (every gap between two tokens of
+# the first sample), end-to-end, and time in the engine's queue
+LATENCIES = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
 
 
 @dataclasses.dataclass
@@ -738,6 +740,8 @@ def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, su
             m = o.metrics
             for name, value in (("ttft_s", m.ttft), ("tpot_s", m.tpot), ("e2e_s", m.e2e), ("queue_s", m.time_in_queue)):
                 summary.latency[name].add(value)
+            for a, b in zip(m.token_times, m.token_times[1:]):
+                summary.latency["itl_s"].add(b - a)
         bar.update(1)
         now = time.perf_counter()
         if now - last_postfix[0] > 0.5:

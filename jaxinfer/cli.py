@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("input", help="OpenAI batch .jsonl file, or a text file with one prompt per line")
     b.add_argument("-o", "--output", required=True, help="JSONL output file (appended to and resumed)")
     _add_model(b)
-    b.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
+    _add_engine(b)
     s = b.add_argument_group("sampling defaults", "for requests that do not set them "
                              "(otherwise OpenAI's defaults; quick mode: greedy, 64 tokens)")
     s.add_argument("--max-tokens", type=int, default=None)
@@ -170,7 +170,7 @@ def cmd_batch(a) -> int:
     if a.distributed or a.coordinator_address or a.num_processes or a.process_id is not None:
         me, count = init_distributed(a.coordinator_address, a.num_processes, a.process_id)
     s = run_batch(
-        lambda: LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs),
+        lambda: LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, **_engine_kwargs(a)),
         a.input, a.output, input_format_=fmt, order=a.order, defaults=given, sampling_params=quick,
         raw=a.raw, model_name=a.model if "/" not in a.model and not a.model.endswith(".gguf") else None,
         metrics_out=a.metrics_out, progress=not a.no_progress, grace_period=a.grace_period,

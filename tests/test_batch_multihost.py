@@ -77,5 +77,8 @@ def test_two_processes_answer_what_one_does(tiny_llm, tiny_gguf, tmp_path, tmp_p
     assert m["processes"] == 2 and m["requests"]["total"] == len(lines)
     assert m["requests"]["ok"] == 16 and m["requests"]["failed"] == 3
     assert m["latency"]["ttft_s"]["count"] == 16
+    assert m["latency"]["itl_s"]["count"] == sum(  # one gap per token after the first
+        r["response"]["body"]["usage"]["completion_tokens"] - 1 for r in got.values()
+        if r["response"]["status_code"] == 200)
     assert m["output_tokens"] == sum(r["response"]["body"]["usage"]["completion_tokens"] for r in rows_two
                                      if r["error"] is None and r["response"]["status_code"] == 200)
