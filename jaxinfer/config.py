@@ -34,6 +34,11 @@ class RopeConfig:
     original_max_position: int = 8192  # llama3 only
 
 
+class AttentionKind(str, enum.Enum):
+    GLOBAL = "global"  # attends to every earlier position
+    LOCAL = "local"  # attends to the last ``sliding_window`` positions only (Gemma 2/3)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     family: Family
@@ -51,12 +56,42 @@ class ModelConfig:
     qkv_bias: bool = False
     dtype: str = "float32"  # weights and activations; attention softmax is always float32
     name: str = ""
+    # Attention variants (Gemma 2/3); the defaults are plain global causal attention.
+    layer_kinds: tuple[AttentionKind, ...] = ()  # one per layer; () means all GLOBAL
+    sliding_window: int | None = None  # W: a LOCAL layer's query at p sees keys p-W+1 .. p
+    rope_local: RopeConfig | None = None  # rotary of LOCAL layers (None: the same as ``rope``)
+    query_pre_attn_scalar: float | None = None  # scores scaled by this**-0.5 (None: head_dim)
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # output logits -> cap * tanh(logits / cap)
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"{self.n_heads=} must be a multiple of {self.n_kv_heads=}")
         if self.head_dim % 2:
             raise ValueError(f"{self.head_dim=} must be even for rotary embeddings")
+        if self.layer_kinds:
+            if len(self.layer_kinds) != self.n_layers:
+                raise ValueError(f"{len(self.layer_kinds)=} must equal {self.n_layers=}")
+            object.__setattr__(self, "layer_kinds", tuple(AttentionKind(k) for k in self.layer_kinds))
+            if AttentionKind.LOCAL in self.layer_kinds and not (self.sliding_window or 0) > 0:
+                raise ValueError(f"LOCAL layers need a positive sliding_window, got {self.sliding_window=}")
+
+    def layer_kind(self, layer: int) -> AttentionKind:
+        return self.layer_kinds[layer] if self.layer_kinds else AttentionKind.GLOBAL
+
+    def layer_window(self, layer: int) -> int | None:
+        """How many trailing positions layer ``layer`` attends to (None: all of them). A cache
+        may keep only this many positions of such a layer."""
+        return self.sliding_window if self.layer_kind(layer) == AttentionKind.LOCAL else None
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        if self.layer_kind(layer) == AttentionKind.LOCAL and self.rope_local is not None:
+            return self.rope_local
+        return self.rope
+
+    @property
+    def attn_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def jnp_dtype(self):
@@ -71,6 +106,16 @@ class ModelConfig:
     def kv_bytes_per_token(self, kv_dtype: str | None = None) -> int:
         itemsize = jnp.dtype(kv_dtype or self.dtype).itemsize
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize
+
+    def kv_bytes(self, seq_len: int, kv_dtype: str | None = None, *, windowed: bool = True) -> int:
+        """KV bytes one sequence of ``seq_len`` tokens needs when every layer keeps only the
+        positions it can still attend to (``windowed``), or every position (a dense cache)."""
+        per_layer_token = self.kv_bytes_per_token(kv_dtype) // self.n_layers
+        kept = 0
+        for i in range(self.n_layers):
+            w = self.layer_window(i) if windowed else None
+            kept += seq_len if w is None else min(seq_len, w)
+        return kept * per_layer_token
 
 
 def default_dtype() -> str:

@@ -99,6 +99,8 @@ def load_gguf(path: Path, *, dtype: str, shardings_fn=None) -> Loaded:
     cfg = mod.config_from_gguf(ck.metadata, ck.tensors, dtype=dtype)
     specs = mod.weight_specs(cfg)
     permuted = arch in getattr(mod, "GGUF_PERMUTED_QK", ())
+    # A family whose llama.cpp converter rewrote tensors says how to undo it (Gemma's norms).
+    undo = getattr(mod, "gguf_tensor", None)
 
     def fetch(name, transpose):
         if name not in ck.tensors:
@@ -107,6 +109,8 @@ def load_gguf(path: Path, *, dtype: str, shardings_fn=None) -> Loaded:
         if permuted and (name.endswith("attn_q.weight") or name.endswith("attn_k.weight")):
             heads = cfg.n_heads if "attn_q" in name else cfg.n_kv_heads
             a = unpermute_llama_qk(a, heads)
+        if undo is not None:
+            a = undo(name, a)
         return a.T if transpose else a
 
     shardings = shardings_fn(specs, cfg) if shardings_fn else None

@@ -81,11 +81,12 @@ def family_for(hf: dict, path):
     )
 
 
-def _check_supported(hf: dict, path) -> None:
+def _check_supported(hf: dict, path, mod) -> None:
     """Features of the family's HF configs that our forward pass does not implement."""
+    acts = getattr(mod, "HF_ACTIVATIONS", ("silu",))
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise CheckpointError(f"{path}: unsupported hidden_act {act!r} (supported: silu)")
+    if act not in acts:
+        raise CheckpointError(f"{path}: unsupported hidden_act {act!r} (supported: {', '.join(sorted(acts))})")
     if hf.get("mlp_bias"):
         raise CheckpointError(f"{path}: unsupported mlp_bias=true")
 
@@ -199,7 +200,7 @@ def load_hf(path, *, dtype: str, shardings_fn=None) -> Loaded:
     path = Path(path)
     hf = read_config(path)
     mod = family_for(hf, path)
-    _check_supported(hf, path)
+    _check_supported(hf, path, mod)
     try:
         cfg = mod.config_from_hf(hf, dtype=dtype)
     except KeyError as e:

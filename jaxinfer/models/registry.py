@@ -6,7 +6,7 @@ import importlib
 
 from jaxinfer.config import Family
 
-_MODULES = {Family.LLAMA: "jaxinfer.models.llama"}
+_MODULES = {Family.LLAMA: "jaxinfer.models.llama", Family.GEMMA3: "jaxinfer.models.gemma3"}
 
 
 def family_module(family: Family):

@@ -1,0 +1,381 @@
+"""Gemma 3 model on tiny random configs.
+
+Prefill and each decode step equal the full forward pass (which uses no cache), including
+sequences several windows long; each layer's receptive field follows its configured kind
+(LOCAL: the last W positions, GLOBAL: everything); configs from GGUF/HF metadata and the
+published presets. The reference tests build tiny random Gemma3ForCausalLM models with
+transformers (sliding window, soft-capping, linear rotary scaling on global layers, a query
+scale that is not head_dim) and load them through our HF loader: logits must agree.
+"""
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import cache as kv
+from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig, RopeKind
+from jaxinfer.models import gemma3
+from jaxinfer.models.layers import init_weights
+
+L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
+W = 4  # the tiny configs' sliding window
+
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "read_cache"))
+def _step(w, tokens, start, cache, *, cfg, read_cache=True):
+    """Logits [B, T, V] and the updated cache (one executable per shape: compiles dominate)."""
+    h, cache = gemma3.forward(w, tokens, start, cache, cfg=cfg, read_cache=read_cache)
+    return gemma3.unembed(w, h, cfg), cache
+
+BASE = ModelConfig(
+    family=Family.GEMMA3, vocab_size=97, d_model=48, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
+    d_ff=64, norm_eps=1e-6, rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=1e4),
+    layer_kinds=(L, G, L, G), sliding_window=W, query_pre_attn_scalar=12.0,
+)
+
+CONFIGS = {
+    "local_global": BASE,
+    "mqa_softcap_linear_rope_untied": dataclasses.replace(
+        BASE, n_kv_heads=1, rope=RopeConfig(theta=1e6, kind=RopeKind.LINEAR, factor=8.0),
+        attn_logit_softcap=2.0, final_logit_softcap=3.0, tie_embeddings=False),
+}
+
+
+def _setup(cfg, seed=0):
+    """Random weights; norms too (their zero init would hide a swapped or unused norm)."""
+    w = init_weights(gemma3.weight_specs(cfg), cfg, jax.random.key(seed), scale=0.2)
+    keys = iter(jax.random.split(jax.random.key(seed + 1), 64))
+    norms = lambda d: {k: 0.3 * jax.random.normal(next(keys), v.shape) if k.endswith("norm") else v
+                       for k, v in d.items()}
+    return {**norms(w), "layers": [norms(layer) for layer in w["layers"]]}
+
+
+def _full_logits(w, tokens, cfg):
+    return _step(w, tokens, jnp.zeros(tokens.shape[0], jnp.int32), None, cfg=cfg)[0]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prefill_and_decode_match_full_forward(name):
+    """Decoding runs to 14 positions, three and a half windows: local layers must stop
+    seeing the keys that left their window while global layers keep them."""
+    cfg = CONFIGS[name]
+    w = _setup(cfg)
+    B, T, P = 3, 14, 5
+    tokens = jax.random.randint(jax.random.key(2), (B, T), 0, cfg.vocab_size)
+    full = np.asarray(_full_logits(w, tokens, cfg))
+    assert np.abs(full).max() > 0.5  # not comparing near-zero numbers
+
+    cache = kv.init_cache(cfg, B, 16)
+    logits, cache = _step(w, tokens[:, :P], jnp.zeros(B, jnp.int32), cache, cfg=cfg, read_cache=False)
+    np.testing.assert_allclose(np.asarray(logits), full[:, :P], rtol=1e-5, atol=1e-5)
+    for t in range(P, T):
+        logits, cache = _step(w, tokens[:, t : t + 1], jnp.full(B, t, jnp.int32), cache, cfg=cfg)
+        np.testing.assert_allclose(np.asarray(logits)[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_prefill_and_ragged_decode_past_the_window():
+    cfg = BASE
+    w = _setup(cfg)
+    tokens = jax.random.randint(jax.random.key(3), (2, 14), 0, cfg.vocab_size)
+    full = np.asarray(_full_logits(w, tokens, cfg))
+    cache = kv.init_cache(cfg, 2, 16)
+    for c in range(4):  # chunks of 3 against a window of 4: each straddles a boundary differently
+        logits, cache = _step(w, tokens[:, 3 * c : 3 * c + 3], jnp.full(2, 3 * c, jnp.int32), cache, cfg=cfg)
+        np.testing.assert_allclose(np.asarray(logits), full[:, 3 * c : 3 * c + 3], rtol=1e-5, atol=1e-5)
+    # rows decode at their own positions: row 0 redoes position 10, row 1 goes on at 12
+    start = jnp.asarray([10, 12], jnp.int32)
+    logits, cache = _step(w, jnp.asarray([[tokens[0, 10]], [tokens[1, 12]]]), start, cache, cfg=cfg)
+    np.testing.assert_allclose(np.asarray(logits)[:, 0], full[[0, 1], [10, 12]], rtol=1e-5, atol=1e-5)
+
+
+def _changed_positions(cfg, w, s, T=16):
+    """Positions whose logits change when the token at position s changes."""
+    tokens = jax.random.randint(jax.random.key(4), (1, T), 0, cfg.vocab_size)
+    other = tokens.at[0, s].set((tokens[0, s] + 1) % cfg.vocab_size)
+    a, b = _full_logits(w, tokens, cfg)[0], _full_logits(w, other, cfg)[0]
+    return set(np.nonzero(np.abs(np.asarray(a - b)).max(-1) > 1e-6)[0].tolist())
+
+
+@pytest.mark.parametrize("kinds, reach", [
+    ((L,), W - 1),  # one local layer: a token reaches the next W-1 positions
+    ((L, L), 2 * (W - 1)),  # two: receptive fields add up
+    ((L, G), None),  # a global layer: every later position
+])
+def test_receptive_field_follows_layer_kinds(kinds, reach):
+    """The window is exact (key p-W+1 seen, p-W not) and applies to LOCAL layers only."""
+    cfg = dataclasses.replace(BASE, n_layers=len(kinds), layer_kinds=kinds)
+    w = _setup(cfg, seed=5)
+    T, s = 16, 3
+    want = set(range(s, T if reach is None else s + reach + 1))
+    assert _changed_positions(cfg, w, s, T) == want
+
+
+def test_flipping_one_layer_changes_outputs_only_past_the_window():
+    """Each layer reads its own kind: making a single layer GLOBAL (or LOCAL) changes the
+    logits, and only at positions that have keys outside the window (one rotary base for
+    both kinds here, so that the window is the only difference)."""
+    cfg = dataclasses.replace(BASE, rope_local=None)
+    w = _setup(cfg, seed=6)
+    tokens = jax.random.randint(jax.random.key(7), (2, 12), 0, cfg.vocab_size)
+    base = np.asarray(_full_logits(w, tokens, cfg))
+    for i in (0, 3):  # a LOCAL layer made GLOBAL, and a GLOBAL one made LOCAL
+        kinds = list(cfg.layer_kinds)
+        kinds[i] = G if kinds[i] == L else L
+        flipped = np.asarray(_full_logits(w, tokens, dataclasses.replace(cfg, layer_kinds=tuple(kinds))))
+        np.testing.assert_array_equal(flipped[:, :W], base[:, :W])  # the window covers everything
+        assert np.abs(flipped[:, W:] - base[:, W:]).max() > 1e-3, i
+
+
+def test_embedding_scale_rounds_like_hf_in_bfloat16():
+    cfg = dataclasses.replace(BASE, d_model=640, n_heads=4, dtype="bfloat16")
+    w = {"embed": jnp.ones((3, 640), jnp.bfloat16)}
+    x = gemma3.embed(w, jnp.zeros((1, 1), jnp.int32), cfg)
+    assert x.dtype == jnp.bfloat16 and float(x[0, 0, 0]) == 25.25  # sqrt(640) = 25.298 in bf16
+
+
+# ----------------------------------------------------------------------------- configs
+def test_published_presets():
+    p = gemma3.PRESETS
+    # exact parameter counts Google publishes for the text-only sizes
+    assert p["gemma-3-270m"].num_params() == 268_098_176
+    assert p["gemma-3-1b"].num_params() == 999_885_952
+    for name, billions in [("gemma-3-4b", 3.88), ("gemma-3-12b", 11.77), ("gemma-3-27b", 27.01)]:
+        assert round(p[name].num_params() / 1e9, 2) == billions, name  # text towers
+    for cfg in p.values():
+        assert [i for i in range(cfg.n_layers) if cfg.layer_kind(i) == G] == list(range(5, cfg.n_layers, 6))
+        assert cfg.rope.theta == 1e6 and cfg.rope_local.theta == 1e4
+    assert p["gemma-3-27b"].attn_scale == pytest.approx(168**-0.5)
+    assert p["gemma-3-4b"].attn_scale == 256**-0.5
+    assert p["gemma-3-4b"].layer_rope(5).factor == 8.0 and p["gemma-3-4b"].layer_rope(0).factor == 1.0
+    assert p["gemma-3-1b"].rope.kind == RopeKind.DEFAULT
+
+
+def test_kv_bytes_expected_with_windowed_local_layers():
+    """270M: 3 of 18 layers global, window 512. At 32k tokens a windowed cache needs
+    (3 * 32768 + 15 * 512) / (18 * 32768) = 0.1797 of the dense one (5.6x less); each token
+    past the window adds 3 layers' worth instead of 18 (6x less)."""
+    cfg = gemma3.PRESETS["gemma-3-270m"]
+    per_layer_token = 2 * 1 * 256 * 4
+    assert cfg.kv_bytes_per_token() == 18 * per_layer_token
+    assert cfg.kv_bytes(32768, windowed=False) == 18 * 32768 * per_layer_token
+    assert cfg.kv_bytes(32768) == (3 * 32768 + 15 * 512) * per_layer_token
+    assert cfg.kv_bytes(400) == cfg.kv_bytes(400, windowed=False)  # inside the window: no saving
+    assert (cfg.kv_bytes(4096) - cfg.kv_bytes(4095)) * 6 == cfg.kv_bytes_per_token()
+
+
+def test_config_rejects_inconsistent_patterns():
+    with pytest.raises(ValueError, match="layer_kinds"):
+        dataclasses.replace(BASE, layer_kinds=(L, G))
+    with pytest.raises(ValueError, match="sliding_window"):
+        dataclasses.replace(BASE, sliding_window=None)
+
+
+HF_270M_V4 = {  # google/gemma-3-270m config.json as transformers 4 wrote it
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+    "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0, "rope_scaling": None, "query_pre_attn_scalar": 256,
+    "sliding_window": 512, "final_logit_softcapping": None, "attn_logit_softcapping": None,
+    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+}
+
+
+def _same_model(a: ModelConfig, b: ModelConfig):
+    assert dataclasses.replace(a, name="", dtype="float32") == dataclasses.replace(b, name="", dtype="float32")
+
+
+def test_config_from_hf_both_transformers_generations():
+    _same_model(gemma3.config_from_hf(HF_270M_V4, dtype="float32"), gemma3.PRESETS["gemma-3-270m"])
+    # transformers 5 writes rope_parameters per layer type; 4B-style scaling on global layers
+    v5 = {k: v for k, v in HF_270M_V4.items() if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling")}
+    v5["rope_parameters"] = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    cfg = gemma3.config_from_hf(v5, dtype="float32")
+    assert cfg.rope == RopeConfig(theta=1e6, kind=RopeKind.LINEAR, factor=8.0)
+    assert cfg.rope_local == RopeConfig(theta=1e4)
+    # no layer_types: the sliding_window_pattern rule (transformers 4 configs of 1B and up)
+    old = {k: v for k, v in HF_270M_V4.items() if k != "layer_types"}
+    assert gemma3.config_from_hf(old, dtype="float32").layer_kinds == gemma3.layer_kinds(18)
+
+
+def test_gguf_norms_are_stored_plus_one():
+    a = np.asarray([7.4375, 1.0, 0.0, -2.8125], np.float32)
+    np.testing.assert_array_equal(gemma3.gguf_tensor("blk.0.attn_q_norm.weight", a), a - 1)
+    np.testing.assert_array_equal(gemma3.gguf_tensor("output_norm.weight", a), a - 1)
+    np.testing.assert_array_equal(gemma3.gguf_tensor("blk.0.attn_q.weight", a), a)
+
+
+# ----------------------------------------------------------------------------- transformers
+# transformers' Gemma 3 ignores attn_logit_softcapping (Gemma 2 applied it): so do we. The
+# linear scaling applies to global layers only; local ones keep the plain 10k base.
+HF_CASES = {
+    "softcap_linear_rope": {
+        "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0,
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+}
+
+
+def _hf_tiny(tmp_path, extra, seed=0):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=W,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=2, eos_token_id=1, **extra)
+    config.architectures = ["Gemma3ForCausalLM"]
+    config._attn_implementation = "eager"  # sdpa would silently skip the score soft-cap
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForCausalLM(config)
+    with torch.no_grad():  # HF initialises norms to zero (scale 1): randomise everything
+        for name, p in model.named_parameters():
+            p.copy_((0.3 if "norm" in name else 0.15) * torch.randn_like(p))
+    model.eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "t2", "eos_token": "t1"}))
+    return torch, model
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("name", list(HF_CASES))
+def test_logits_match_transformers_past_the_window(name, tmp_path):
+    from jaxinfer.loaders import checkpoint
+
+    torch, model = _hf_tiny(tmp_path, HF_CASES[name])
+    loaded = checkpoint.load(tmp_path, dtype="float32")
+    cfg, w = loaded.cfg, loaded.weights
+    assert cfg.family == Family.GEMMA3 and cfg.layer_kinds == (L, G, L, G) and cfg.sliding_window == W
+    assert cfg.attn_logit_softcap is None and cfg.final_logit_softcap == HF_CASES[name].get("final_logit_softcapping")
+    tokens = np.asarray(jax.random.randint(jax.random.key(9), (2, 20), 0, 64), np.int32)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
+    assert np.abs(ref).max() > 1.0
+    got = np.asarray(_full_logits(w, jnp.asarray(tokens), cfg))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=2e-5)
+    # and through the cache, token by token after a 6-token prefill
+    cache = kv.init_cache(cfg, 2, 32)
+    _, cache = _step(w, jnp.asarray(tokens[:, :6]), jnp.zeros(2, jnp.int32), cache, cfg=cfg, read_cache=False)
+    for t in range(6, 20):
+        logits, cache = _step(w, jnp.asarray(tokens[:, t : t + 1]), jnp.full(2, t, jnp.int32), cache, cfg=cfg)
+        np.testing.assert_allclose(np.asarray(logits)[:, 0], ref[:, t], rtol=1e-5, atol=2e-5)
+
+
+# ----------------------------------------------------------------------------- GGUF -> LLM
+TOKENIZER_KEYS = (
+    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
+    "tokenizer.ggml.add_space_prefix",
+)
+
+
+def write_tiny_gemma3(path, source_gguf, *, layers=6, d=32, heads=2, kv_heads=1, head_dim=16, ff=64,
+                      window=8, context=128, seed=0) -> dict:
+    """A random gemma3 GGUF with the real Gemma tokenizer, written the way llama.cpp's
+    converter writes one (norms stored as 1 + w). Returns the stored tensors."""
+    import gguf
+
+    from jaxinfer.loaders.gguf import read_metadata
+
+    meta = read_metadata(source_gguf)
+    vocab = len(meta["tokenizer.ggml.tokens"])
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    for key, value in [("block_count", layers), ("context_length", context), ("embedding_length", d),
+                       ("feed_forward_length", ff), ("attention.head_count", heads),
+                       ("attention.head_count_kv", kv_heads), ("attention.key_length", head_dim),
+                       ("attention.value_length", head_dim), ("attention.sliding_window", window)]:
+        w.add_uint32(f"gemma3.{key}", value)
+    w.add_float32("gemma3.rope.freq_base", 1e6)
+    w.add_float32("gemma3.attention.layer_norm_rms_epsilon", 1e-6)
+    for k in TOKENIZER_KEYS:
+        v = meta[k]
+        if isinstance(v, list):
+            w.add_array(k, v)
+        elif isinstance(v, bool):
+            w.add_bool(k, v)
+        elif isinstance(v, int):
+            w.add_uint32(k, v)
+        else:
+            w.add_string(k, v)
+    q, kv_ = heads * head_dim, kv_heads * head_dim
+    shapes = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,)}
+    for i in range(layers):
+        shapes |= {
+            f"blk.{i}.attn_norm.weight": (d,), f"blk.{i}.attn_q.weight": (q, d), f"blk.{i}.attn_k.weight": (kv_, d),
+            f"blk.{i}.attn_v.weight": (kv_, d), f"blk.{i}.attn_q_norm.weight": (head_dim,),
+            f"blk.{i}.attn_k_norm.weight": (head_dim,), f"blk.{i}.attn_output.weight": (d, q),
+            f"blk.{i}.post_attention_norm.weight": (d,), f"blk.{i}.ffn_norm.weight": (d,),
+            f"blk.{i}.ffn_gate.weight": (ff, d), f"blk.{i}.ffn_up.weight": (ff, d),
+            f"blk.{i}.ffn_down.weight": (d, ff), f"blk.{i}.post_ffw_norm.weight": (d,),
+        }
+    stored = {}
+    for name, shape in shapes.items():
+        a = rng.standard_normal(shape).astype(np.float32)
+        a = (1.0 + 0.3 * a) if len(shape) == 1 else 0.3 * a  # llama.cpp stores 1 + w
+        stored[name] = a.astype(np.float32)
+        w.add_tensor(name, stored[name])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory, gemma3_gguf):
+    path = tmp_path_factory.mktemp("tiny-gemma3") / "tiny-gemma3.gguf"
+    return path, write_tiny_gemma3(path, gemma3_gguf)
+
+
+def test_gguf_loads_with_norms_shifted_back(tiny_gemma3):
+    from jaxinfer.loaders import checkpoint
+
+    path, stored = tiny_gemma3
+    loaded = checkpoint.load(path, dtype="float32")
+    cfg, w = loaded.cfg, loaded.weights
+    assert cfg.family == Family.GEMMA3 and cfg.sliding_window == 8 and cfg.tie_embeddings
+    assert [cfg.layer_kind(i) for i in range(6)] == [L] * 5 + [G]
+    assert (cfg.rope.theta, cfg.rope_local.theta, cfg.query_pre_attn_scalar) == (1e6, 1e4, 16.0)
+    np.testing.assert_array_equal(np.asarray(w["layers"][2]["k_norm"]), stored["blk.2.attn_k_norm.weight"] - 1)
+    np.testing.assert_array_equal(np.asarray(w["final_norm"]), stored["output_norm.weight"] - 1)
+    np.testing.assert_array_equal(np.asarray(w["layers"][1]["wq"]).reshape(32, -1), stored["blk.1.attn_q.weight"].T)
+
+
+def test_llm_generate_past_the_window_equals_the_model(tiny_gemma3):
+    """LLM(path).generate, greedy, 30 tokens after prompts of 2 and 17 tokens (window 8),
+    against a plain greedy loop over gemma3.forward with a dense cache."""
+    from jaxinfer import LLM, SamplingParams
+
+    path, _ = tiny_gemma3
+    llm = LLM(str(path), max_model_len=64, progress=False)
+    prompts = ["Hi", "The history of the printing press is closely tied to the spread of literacy in"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    cfg, w = llm.cfg, llm.weights
+    for prompt, out in zip(prompts, outs):
+        ids = llm.tokenizer.encode(prompt)
+        assert out.prompt_token_ids == ids and ids[0] == 2
+        cache = kv.init_cache(cfg, 1, 64)
+        logits, cache = _step(w, jnp.asarray([ids]), jnp.zeros(1, jnp.int32), cache, cfg=cfg, read_cache=False)
+        want = []
+        for t in range(30):
+            want.append(int(jnp.argmax(logits[0, -1])))
+            logits, cache = _step(w, jnp.asarray([[want[-1]]]), jnp.full(1, len(ids) + t, jnp.int32), cache, cfg=cfg)
+        assert list(out.outputs[0].token_ids) == want, prompt
+        assert out.outputs[0].text == llm.tokenizer.decode(want)
