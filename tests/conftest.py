@@ -36,6 +36,14 @@ def smollm2_llm(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
+def gemma3_llm(gemma3_gguf):
+    """The real Gemma 3 270M loaded once for the whole session (float32, CPU)."""
+    from jaxinfer import LLM
+
+    return LLM(str(gemma3_gguf), max_model_len=1024, progress=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory, smollm2_gguf):
     """A tiny random Llama GGUF carrying SmolLM2's real tokenizer."""
     from tests.tiny_gguf import write_tiny_llama
