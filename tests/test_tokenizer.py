@@ -212,6 +212,48 @@ def test_gemma3_space_runs_match_transformers(gemma3, hf_gemma3):
             assert gemma3.encode(text) == hf_gemma3.encode(text), n
 
 
+# Gemma's control tokens (<pad> <eos> <bos> <unk> <mask> <start_of_turn> <end_of_turn>,
+# <unused0..6241>), user-defined ones ([multimodal], <start_of_image>, newline and space runs)
+# and text that only looks like them.
+GEMMA3_SPECIAL_TEXT = [
+    "<pad><eos><bos><unk><mask>",
+    "<bos>",
+    " <bos>",
+    "<bos> ",
+    "<bos><bos>twice",
+    "<eos>after eos",
+    "<unused0> and <unused6241>, <unused99>x",
+    "[multimodal] <start_of_image><end_of_image>",
+    "text<end_of_turn>\n<start_of_turn>model\nanswer<end_of_turn><eos>",
+    "<start_of_tur",
+    "<<start_of_turn>>",
+    "< start_of_turn >",
+    "<START_OF_TURN>",
+    "<0x41><0xF0><0x9F> byte pieces spelled out",
+    "<unused>, <unused-1>, <unused62420>",
+    "\n\n\n<end_of_turn>\n\n",
+    "  <mask>  ",
+]
+
+
+@pytest.mark.reference
+def test_gemma3_special_token_text_matches_transformers(gemma3, hf_gemma3):
+    for text in GEMMA3_SPECIAL_TEXT:
+        for add in (True, False):
+            ids = gemma3.encode(text, add_special_tokens=add)
+            assert ids == hf_gemma3.encode(text, add_special_tokens=add), (text, add)
+        for skip in (True, False):
+            assert gemma3.decode(ids, skip_special_tokens=skip) == hf_gemma3.decode(
+                ids, skip_special_tokens=skip
+            ), (text, skip)
+        assert gemma3.decode(ids, skip_special_tokens=False) == text
+    # Each marker is one id, wherever it appears; the text spelling of a byte piece is not.
+    for piece, i in [("<start_of_turn>", 105), ("<end_of_turn>", 106), ("<mask>", 4),
+                     ("<unused0>", 6), ("[multimodal]", 5), ("<start_of_image>", 255999)]:
+        assert gemma3.encode(f"a{piece}b", add_special_tokens=False)[1:2] == [i], piece
+    assert len(gemma3.encode("<0x41>", add_special_tokens=False)) > 1
+
+
 def test_smollm2_digits_split_like_its_tokenizer_json(smollm2):
     # SmolLM2's tokenizer.json pre-tokenizes with Digits(individual_digits=True) before
     # ByteLevel, and llama.cpp's "smollm" pre does the same; transformers' GGUF conversion
