@@ -221,25 +221,26 @@ def test_channel_absmax_keeps_the_contracted_axes():
 
 
 # ----------------------------------------------------------------------------- int8 on XLA
-def test_w8a8_lowers_to_an_s8_s8_s32_dot():
+@pytest.mark.parametrize("B", [4, 1])  # 1: a one-row dot, which XLA CPU would widen to s32
+def test_w8a8_lowers_to_an_s8_s8_s32_dot(B):
     qa = quant.quantize_w8a8(_weight((256, 384)), (0,), jnp.ones(256))
-    x = jnp.ones((4, 3, 256), jnp.float32)
+    x = jnp.ones((B, 3 if B > 1 else 1, 256), jnp.float32)
+    M = max(2, x.shape[0] * x.shape[1])
     lowered = jax.jit(lambda x, qa: qa.einsum("BTD,DF->BTF", x)).lower(x, qa)
     dots = re.findall(r"stablehlo\.dot_general.*", lowered.as_text())
-    assert len(dots) == 1 and re.search(
-        r"\(tensor<12x256xi8>, tensor<256x384xi8>\) -> tensor<12x384xi32>", dots[0]
-    ), dots
+    want = rf"\(tensor<{M}x256xi8>, tensor<256x384xi8>\) -> tensor<{M}x384xi32>"
+    assert len(dots) == 1 and re.search(want, dots[0]), dots
     # And XLA CPU keeps it integer after optimisation: an s32 dot whose operands are s8
-    # (inside whatever fusion XLA wraps it in), and no float copy of the weight anywhere.
+    # (inside whatever fusion XLA wraps it in), and no wider copy of the weight anywhere.
     hlo = lowered.compile().as_text()
     types = dict(re.findall(r"(%[\w.-]+) = (\w+)\[", hlo))
     int_dots = [
         operands
-        for operands in re.findall(r"= s32\[12,384\]\{[^}]*\} dot\(([^)]*)\)", hlo)
+        for operands in re.findall(rf"= s32\[{M},384\]\{{[^}}]*\}} dot\(([^)]*)\)", hlo)
         if all(types.get(o.strip()) == "s8" for o in operands.split(","))
     ]
     assert len(int_dots) == 1, hlo
-    assert not re.search(r"f32\[256,384\]", hlo), "the int8 weight was converted to float"
+    assert not re.search(r"(f32|s32)\[256,384\]", hlo), "the int8 weight was widened"
 
 
 # ----------------------------------------------------------------------------- bad input
