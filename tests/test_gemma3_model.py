@@ -358,13 +358,14 @@ def test_gguf_loads_with_norms_shifted_back(tiny_gemma3):
     np.testing.assert_array_equal(np.asarray(w["layers"][1]["wq"]).reshape(32, -1), stored["blk.1.attn_q.weight"].T)
 
 
-def test_llm_generate_past_the_window_equals_the_model(tiny_gemma3):
+@pytest.mark.parametrize("engine", ["paged", "static"])
+def test_llm_generate_past_the_window_equals_the_model(tiny_gemma3, engine):
     """LLM(path).generate, greedy, 30 tokens after prompts of 2 and 17 tokens (window 8),
     against a plain greedy loop over gemma3.forward with a dense cache."""
     from jaxinfer import LLM, SamplingParams
 
     path, _ = tiny_gemma3
-    llm = LLM(str(path), max_model_len=64, progress=False)
+    llm = LLM(str(path), max_model_len=64, progress=False, engine=engine)
     prompts = ["Hi", "The history of the printing press is closely tied to the spread of literacy in"]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False)
     cfg, w = llm.cfg, llm.weights
