@@ -116,6 +116,7 @@ def test_100k_lines_tiny_model_bounded_rss(tiny_gguf, tmp_path, tmp_path_factory
         time.sleep(0.5)
     assert p.wait() == 0, p.stderr.read()[-3000:]
     assert baseline is not None
+    print(f"RSS after 10,000 lines {baseline / 2**20:.0f} MiB, peak after {peak / 2**20:.0f} MiB")
     # holding the remaining 90,000 lines would take ~100 MB of text alone
     assert peak - baseline < 64 * 2**20, (baseline, peak)
     with open(out, "rb") as f:
