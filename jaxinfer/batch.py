@@ -458,8 +458,11 @@ class _ResultLog:
         """Lock the file (creating it), repair its tail, and yield the records already in it."""
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OutputFileError(f"cannot write the output file {self.path}: {e.strerror}") from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -630,14 +633,14 @@ def check_input(path) -> Path:
     return path
 
 
-def run_batch(llm, input_path, output_path, *, input_format_: str | None = None, order: str | None = None,
+def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: str | None = None,
               defaults: dict | None = None, sampling_params: SamplingParams | None = None, raw: bool = False,
               model_name: str | None = None, metrics_out=None, progress: bool = True,
               grace_period: float = GRACE_PERIOD, process_index: int = 0, process_count: int = 1) -> BatchSummary:
     """Answer every request of ``input_path`` into ``output_path``, resuming what is there.
 
     llm: an ``LLM``, or a function returning one (called only if some request still needs the
-    model). input_format_: "openai", "prompts" or None (from the file name). order: "completion"
+    model). kind: the input format, "openai", "prompts" or None (from the file name). order: "completion"
     or "input" (default: completion for OpenAI files, input for quick mode). defaults: sampling
     fields for OpenAI bodies that leave them out (``max_tokens``, ``temperature``, ``top_p``,
     ``top_k``, ``min_p``, ``seed``). sampling_params: quick mode's parameters. model_name: the
@@ -651,7 +654,7 @@ def run_batch(llm, input_path, output_path, *, input_format_: str | None = None,
         raise InvalidRequest(f"the output file {out} is the input file")
     if not 0 <= process_index < process_count:
         raise InvalidRequest(f"process_index must be in [0, {process_count}), got {process_index}")
-    kind = input_format_ or input_format(inp)
+    kind = kind or input_format(inp)
     if kind == "openai":
         fmt = _OpenAIFormat(defaults, model_name)
     elif kind == "prompts":

@@ -171,7 +171,7 @@ def cmd_batch(a) -> int:
         me, count = init_distributed(a.coordinator_address, a.num_processes, a.process_id)
     s = run_batch(
         lambda: LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, **_engine_kwargs(a)),
-        a.input, a.output, input_format_=fmt, order=a.order, defaults=given, sampling_params=quick,
+        a.input, a.output, kind=fmt, order=a.order, defaults=given, sampling_params=quick,
         raw=a.raw, model_name=a.model if "/" not in a.model and not a.model.endswith(".gguf") else None,
         metrics_out=a.metrics_out, progress=not a.no_progress, grace_period=a.grace_period,
         process_index=me, process_count=count,
