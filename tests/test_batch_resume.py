@@ -22,7 +22,8 @@ from tests.batch_testing import (
     write_jsonl,
 )
 
-MODEL_ARGS = ("--max-num-seqs", "4", "--max-model-len", "64")
+# two decode slots: results arrive a few at a time, so kills land between them
+MODEL_ARGS = ("--max-num-seqs", "2", "--max-model-len", "64")
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def env(tmp_path_factory):
     return subprocess_env(tmp_path_factory.getbasetemp().parent / "jax-compilation-cache")
 
 
-def _requests(n: int, rng: random.Random, max_tokens=(1, 6)):
+def _requests(n: int, rng: random.Random, max_tokens=(4, 16)):
     """n valid requests (chat and completions, greedy and seeded), two duplicates, bad lines."""
     lines = []
     for i in range(n):
@@ -82,11 +83,11 @@ def _kill_cycles(tiny_gguf, tmp_path, env, kills: int, seed: int):
             p = subprocess.Popen(batch_cmd(inp, out, tiny_gguf, *MODEL_ARGS), env=env, stdout=subprocess.DEVNULL,
                                  stderr=log)
             start_lines = _lines_in(out)
-            want = rng.randint(0, 5)  # new lines to wait for; 0: a kill during startup
-            deadline = time.monotonic() + (rng.uniform(0.0, 4.0) if want == 0 else 120)
+            want = rng.randint(0, 6)  # new lines to wait for; 0: a kill during startup
+            deadline = time.monotonic() + (rng.uniform(0.0, 2.0) if want == 0 else 120)
             while p.poll() is None and time.monotonic() < deadline and (want == 0 or _lines_in(out) < start_lines + want):
-                time.sleep(0.02)
-            time.sleep(rng.uniform(0.0, 0.3))
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.05))
             p.send_signal(signal.SIGKILL)
             p.wait(timeout=60)
             now = _valid_prefix(out)
