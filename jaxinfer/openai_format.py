@@ -136,6 +136,7 @@ def parse_request(custom_id: str, obj: dict, line: int, defaults: Mapping[str, A
     """Validate the envelope and body of one line. ``defaults``: SamplingParams fields applied
     when the body does not set them (e.g. from the command line), over OpenAI's defaults."""
     defaults = dict(defaults or {})
+    default_max_tokens = defaults.pop("max_tokens", None)
     where = f"line {line}: "
     method = obj.get("method")
     if method != "POST":
@@ -179,8 +180,7 @@ def parse_request(custom_id: str, obj: dict, line: int, defaults: Mapping[str, A
 
     max_tokens_set = max_tokens is not None
     if max_tokens is None:
-        max_tokens = defaults.pop("max_tokens", None) or DEFAULT_MAX_TOKENS[kind]
-    defaults.pop("max_tokens", None)
+        max_tokens = default_max_tokens or DEFAULT_MAX_TOKENS[kind]
     stop = f.stop()
     kw = {
         "n": n, "max_tokens": max_tokens, "stop": stop,
