@@ -86,7 +86,18 @@ def dot(eq: str, x: jax.Array, w) -> jax.Array:
     """einsum of an activation with a weight; the one place quantized weights plug in."""
     if hasattr(w, "einsum"):  # QuantArray and friends implement their own contraction
         return w.einsum(eq, x)
-    return jnp.einsum(eq, x, w.astype(x.dtype) if w.dtype != x.dtype else w)
+    w = w.astype(x.dtype) if w.dtype != x.dtype else w
+    lhs, out = eq.split("->")
+    xs, ws = lhs.split(",")
+    c = "".join(ch for ch in xs if ch in ws and ch not in out)
+    if len(c) > 1 and xs.endswith(c) and ws.startswith(c):
+        # several contracted axes, trailing in x and leading in w ("BTNH,NHD->BTD"): merge
+        # them (free reshapes) so XLA CPU does not transpose the weight on every call
+        n = len(c)
+        x2 = x.reshape(*x.shape[:-n], -1)
+        w2 = w.reshape(-1, *w.shape[n:])
+        return jnp.einsum(f"{xs[:-n]}Z,Z{ws[n:]}->{out}", x2, w2)
+    return jnp.einsum(eq, x, w)
 
 
 # ----------------------------------------------------------------------------- norms
