@@ -41,7 +41,7 @@ from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.registry import family_module
 
 STOP_ID_WIDTH = 16  # per-row stop ids masked before min_tokens (EOS ids + stop_token_ids)
-BATCH_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
+BATCH_BUCKETS = (1, 4, 16, 64, 256, 512)  # powers of 4: batch 1 runs alone, few executables
 
 
 class Scheduling(str, enum.Enum):
