@@ -18,13 +18,12 @@ import pytest
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tests.batch_testing import batch_cmd, read_jsonl, subprocess_env
 
-PAD = "x" * 1000  # each line carries 1 kB the job must not keep
 
-
-def _write_input(path, n: int):
+def _write_input(path, n: int, pad: int = 1000):
+    """n completions with max_tokens=1, each line carrying ``pad`` bytes the job must not keep."""
     with open(path, "w") as f:
         for i in range(n):
-            body = {"prompt": f"Request {i}", "max_tokens": 1, "metadata": {"pad": PAD}}
+            body = {"prompt": f"Request {i}", "max_tokens": 1, "metadata": {"pad": "x" * pad}}
             f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
     return path
 
@@ -96,7 +95,7 @@ def test_100k_lines_tiny_model_bounded_rss(tiny_gguf, tmp_path, tmp_path_factory
     import psutil
 
     n = 100_000
-    inp = _write_input(tmp_path / "in.jsonl", n)  # ~110 MB
+    inp = _write_input(tmp_path / "in.jsonl", n, pad=2000)  # ~210 MB
     out = tmp_path / "out.jsonl"
     env = subprocess_env(tmp_path_factory.getbasetemp().parent / "jax-compilation-cache")
     p = subprocess.Popen(batch_cmd(inp, out, tiny_gguf, "--max-num-seqs", 256, "--max-model-len", 32),
@@ -117,7 +116,8 @@ def test_100k_lines_tiny_model_bounded_rss(tiny_gguf, tmp_path, tmp_path_factory
     assert p.wait() == 0, p.stderr.read()[-3000:]
     assert baseline is not None
     print(f"RSS after 10,000 lines {baseline / 2**20:.0f} MiB, peak after {peak / 2**20:.0f} MiB")
-    # holding the remaining 90,000 lines would take ~100 MB of text alone
-    assert peak - baseline < 64 * 2**20, (baseline, peak)
+    # holding the remaining 90,000 lines would take ~190 MB of text alone; what does grow (~50 MB
+    # seen) is native: executables for new shapes, allocator arenas
+    assert peak - baseline < 96 * 2**20, (baseline, peak)
     with open(out, "rb") as f:
         assert sum(1 for _ in f) == n
