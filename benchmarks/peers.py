@@ -171,6 +171,7 @@ class LlamaCppEngine:
         per_seq = max(len(r["prompt_ids"]) + r["max_tokens"] for r in work["requests"])
         self.per_seq = -(-per_seq // 256) * 256
         self.args = args
+        self.unified = bool(args.llama_kv_unified)
         self.ctx = None
         self.ctx_cfg = {}
 
@@ -183,7 +184,9 @@ class LlamaCppEngine:
         cp.n_seq_max = c
         cp.n_threads = THREADS
         cp.n_threads_batch = THREADS
-        cp.kv_unified = False  # one KV stream per sequence: attention reads only its own cells
+        # False: one KV stream per sequence, attention reads only its own cells. True: one shared
+        # cache (llama-server's layout), prompts and decodes mixed in the same batch.
+        cp.kv_unified = self.unified
         cp.no_perf = True
         self.ctx = ll.llama_init_from_model(self.model, cp)
         if not self.ctx:
@@ -218,13 +221,49 @@ class LlamaCppEngine:
         outs = [None] * len(reqs)
         pending = list(range(len(reqs)))[::-1]
         slots = [None] * conc  # each: [request, prompt_cursor, next_pos, next_token, outputs]
-        n_tok, steps = 0, 0
+        n_tok, steps, prefill_calls = 0, 0, 0
         t0 = time.perf_counter()
         while pending or any(s is not None for s in slots):
             for s in range(conc):  # a free slot takes the next request at once
                 if slots[s] is None and pending:
                     slots[s] = [pending.pop(), 0, 0, None, []]
             n, owners = 0, []  # owners: the slot of each logits row, in batch order
+            if not self.unified:
+                # Separate KV streams: llama.cpp splits a batch into ubatches holding equally many
+                # tokens of every sequence, so a prompt mixed with 1-token decodes would run in
+                # hundreds of tiny ubatches. New prompts are prefilled on their own instead (one
+                # sequence per call, n_batch tokens at a time); the decode step below stays one
+                # call for all running sequences.
+                for s, st in enumerate(slots):
+                    if st is None or st[3] is not None:
+                        continue
+                    ids = reqs[st[0]]["prompt_ids"]
+                    while st[1] < len(ids):
+                        k = min(len(ids) - st[1], cap)
+                        tok_a[:k] = ids[st[1] : st[1] + k]
+                        pos_a[:k] = np.arange(st[1], st[1] + k)
+                        lg_a[:k] = 0
+                        for j in range(k):
+                            seq_ptrs[j][0] = s
+                        st[1] += k
+                        last = st[1] == len(ids)
+                        if last:
+                            lg_a[k - 1] = 1
+                        batch.n_tokens = k
+                        rc = ll.llama_decode(ctx, batch)
+                        if rc != 0:
+                            raise RuntimeError(f"llama_decode returned {rc}")
+                        prefill_calls += 1
+                    st[2] = st[1]
+                    t = int(np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, -1), shape=(self.n_vocab,)).argmax())
+                    st[4].append(t)
+                    n_tok += 1
+                    if len(st[4]) >= reqs[st[0]]["max_tokens"]:
+                        outs[st[0]] = st[4]
+                        ll.llama_memory_seq_rm(mem, s, -1, -1)
+                        slots[s] = None
+                    else:
+                        st[3] = t
             for s, st in enumerate(slots):  # every running sequence: its next token
                 if st is not None and st[3] is not None:
                     tok_a[n], pos_a[n], lg_a[n] = st[3], st[2], 1
@@ -248,6 +287,8 @@ class LlamaCppEngine:
                 if st[1] == len(ids):  # logits of the last prompt token give the first output
                     lg_a[n - 1] = 1
                     owners.append(s)
+            if n == 0:
+                continue
             batch.n_tokens = n
             rc = ll.llama_decode(ctx, batch)
             if rc != 0:
@@ -268,12 +309,15 @@ class LlamaCppEngine:
         wall = time.perf_counter() - t0
         ll.llama_batch_free(batch)
         return {"wall_s": wall, "out_tokens": n_tok, "out_tok_s": n_tok / wall, "requests": len(reqs),
-                "decode_calls": steps}, outs
+                "decode_calls": steps, "prefill_calls": prefill_calls}, outs
 
     def info(self):
         return {"load_s": self.load_s, "versions": {"llama_cpp_python": self.version},
                 "config": {"weights": "Q4_1 as stored in the GGUF", **self.ctx_cfg,
-                           "batching": "continuous: a finished sequence's slot is refilled at once"}}
+                           "batching": "continuous: a finished sequence's slot is refilled at once; "
+                                       + ("prompts chunked into the decode batch (n_batch budget)" if self.unified
+                                          else "a new prompt prefilled in its own calls, then one "
+                                               "llama_decode per step for all running sequences")}}
 
 
 class JaxinferEngine:
@@ -406,6 +450,8 @@ class Worker:
             cmd += ["--dtype", dtype]
         if args.jaxinfer_prefix_caching:
             cmd += ["--jaxinfer-prefix-caching"]
+        if args.llama_kv_unified:
+            cmd += ["--llama-kv-unified"]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                    TOKENIZERS_PARALLELISM="false")
         if args.omp_wait_policy:
@@ -490,12 +536,18 @@ def main():
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--n-batch", type=int, default=2048, help="llama.cpp tokens per decode call")
     ap.add_argument("--n-ubatch", type=int, default=512)
+    ap.add_argument("--llama-kv-unified", action="store_true",
+                    help="llama.cpp: one shared KV cache with prompts mixed into the decode batch "
+                         "(default: a KV stream per sequence, prompts prefilled in their own calls)")
     ap.add_argument("--omp-wait-policy", default="PASSIVE",
                     help="OMP_WAIT_POLICY for the workers (torch and llama.cpp use OpenMP). PASSIVE by "
                          "default: on a shared, loaded machine spinning OpenMP threads collapse (a 2-thread "
                          "SmolLM2 decode step measured 10x slower with ACTIVE); '' leaves it unset")
     ap.add_argument("--quick", action="store_true", help="smoke run: 16 requests, 16 tokens, c in {1, 4}")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--merge-with", default=None,
+                    help="a JSON from an earlier run of the same workload: its engines that are not "
+                         "re-run here (or failed there) join this run's table, JSON and plot")
     ap.add_argument("--plot", default=None)
     # internal: one engine in a subprocess
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -616,8 +668,25 @@ def main():
         os.unlink(workfile)
     for r in results.values():
         r.pop("levels", None)
+    for lb, outs in samples.items():
+        results[lb]["sample_outputs_c1"] = outs
     header["loadavg_end"] = _loadavg()
     header["elapsed_s"] = (datetime.datetime.now().astimezone() - started).total_seconds()
+    if a.merge_with:  # engines measured by an earlier invocation, kept unless re-run here
+        prev = json.load(open(a.merge_with))
+        if prev["workload"]["prompt_tokens"] != header["workload"]["prompt_tokens"]:
+            raise SystemExit(f"{a.merge_with} ran another workload")
+        merged = {}
+        for lb, res in prev["engines"].items():
+            if lb in results and results[lb].get("ok"):
+                continue
+            res.setdefault("from_run", {k: prev.get(k) for k in ("command", "date", "loadavg_start", "loadavg_end")})
+            merged[lb] = res
+            if res.get("sample_outputs_c1"):
+                samples[lb] = res["sample_outputs_c1"]
+        results = {**merged, **{lb: r for lb, r in results.items() if r.get("ok") or lb not in merged}}
+        header["merged_from"] = {"file": a.merge_with, "engines": list(merged),
+                                 "runs": [prev.get("merged_from", {}).get("runs", []), prev.get("command")]}
 
     levels = sorted({r["concurrency"] for res in results.values() if res.get("ok") for r in res["rows"]})
     table = _table(results, levels)
