@@ -38,9 +38,17 @@ class KVCache:
     def write_layer(self, layer: int, k_new, v_new, start) -> "KVCache":
         return write_layer(self, layer, k_new, v_new, start)
 
-    def read_layer(self, layer: int):
-        """(keys [B, K, H, S], values [B, K, S, H], kpos i32[S]) of one layer."""
-        return self.k[layer], self.v[layer], jnp.arange(self.max_len)
+    def read_layer(self, layer: int, end: jax.Array):
+        """(keys [B, K, H, S], values [B, K, S, H], kpos i32[S]) of one layer. Values at
+        positions >= end[b] (not written yet for row b) read as 0: see layers.attention."""
+        kpos = jnp.arange(self.max_len)
+        return self.k[layer], _zero_unseen(self.v[layer], kpos, end), kpos
+
+
+def _zero_unseen(values: jax.Array, kpos: jax.Array, end: jax.Array) -> jax.Array:
+    """values [B, K, S, H] with the slots at kpos >= end[b] set to 0 (never NaN)."""
+    seen = kpos[None, :] < end[:, None]  # bool[B, S]
+    return jnp.where(seen[:, None, :, None], values, jnp.zeros((), values.dtype))
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -114,16 +122,18 @@ class PagedKVCache:
         v[layer] = v[layer].at[page, s, off].set(v_new.astype(v[layer].dtype))
         return PagedKVCache(k, v, self.page_table)
 
-    def read_layer(self, layer: int):
+    def read_layer(self, layer: int, end: jax.Array):
         """Gather the rows' pages into dense views (keys [B, K, H, n*ps], values
-        [B, K, n*ps, H], kpos); only the n page-table columns of this call are read."""
+        [B, K, n*ps, H], kpos); only the n page-table columns of this call are read. Values
+        at positions >= end[b] read as 0 (XLA fuses that into the gather's copy)."""
         B, n = self.page_table.shape
         kp = self.k[layer][self.page_table]  # [B, n, K, H, ps]
         vp = self.v[layer][self.page_table]  # [B, n, K, ps, H]
         K, H, ps = kp.shape[2], kp.shape[3], kp.shape[4]
         keys = kp.transpose(0, 2, 3, 1, 4).reshape(B, K, H, n * ps)
         values = vp.transpose(0, 2, 1, 3, 4).reshape(B, K, n * ps, H)
-        return keys, values, jnp.arange(n * ps)
+        kpos = jnp.arange(n * ps)
+        return keys, _zero_unseen(values, kpos, end), kpos
 
 
 def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> PagedKVCache:

@@ -116,7 +116,7 @@ def forward(
             if cache is not None:
                 cache = cache.write_layer(i, k, v, start)
             if cache is not None and read_cache:
-                keys, values, kpos = cache.read_layer(i)
+                keys, values, kpos = cache.read_layer(i, start + T)
             else:  # fresh prompts: the new tokens are all there is to attend to
                 keys, values, kpos = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions[0]
             o = attention(q, keys, values, positions, kpos, scale=cfg.attn_scale, window=window,
