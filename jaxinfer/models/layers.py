@@ -144,13 +144,18 @@ def attention(
     k: jax.Array,  # [B, K, H, S] keys, transposed; key s sits at position kpos[s]
     v: jax.Array,  # [B, K, S, H] values
     qpos: jax.Array,  # i32[B, T] position of each query
-    kpos: jax.Array,  # i32[S] position of each key slot (arange for a dense cache)
+    kpos: jax.Array,  # i32[S] or i32[B, S] position of each key slot
     *,
     scale: float,
     window: jax.Array | int | None = None,  # attend to the last `window` positions only
     softcap: float | None = None,
 ) -> jax.Array:  # [B, T, N, H]
     """Reference causal GQA attention: query t attends to every key with kpos <= qpos[t].
+
+    kpos is shared by every row ([S]: a dense cache) or per row ([B, S]: a ring or a
+    windowed page table, where each row's slots hold different positions). A slot that holds
+    no position carries ``cache.EMPTY_POS``, far in every query's future, so it is masked and its
+    (possibly NaN) value is never read.
 
     Keys are stored [B, K, H, S] so both contractions batch over (B, K) and stream the cache
     with S contiguous: with keys [B, K, S, H], XLA CPU's decode-time score contraction
@@ -164,7 +169,8 @@ def attention(
     s = jnp.einsum("BKMH,BKHS->BKMS", qm.astype(jnp.float32) * scale, k.astype(jnp.float32))
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
-    delta = qpos[:, :, None] - kpos[None, None, :]  # i32[B, T, S]
+    kpos = kpos if kpos.ndim == 2 else kpos[None, :]  # i32[B or 1, S]
+    delta = qpos[:, :, None] - kpos[:, None, :]  # i32[B, T, S]
     valid = delta >= 0
     if window is not None:
         valid &= delta < window
@@ -173,7 +179,7 @@ def attention(
     p = jax.nn.softmax(s, axis=-1)
     # zero values no query may see: a masked score's weight is exactly 0, but 0 * NaN from a
     # never-written (or poisoned) cache slot would still be NaN
-    seen = kpos[None, :] <= jnp.max(qpos, axis=1)[:, None]  # bool[B, S]
+    seen = kpos <= jnp.max(qpos, axis=1)[:, None]  # bool[B, S]
     v = jnp.where(seen[:, None, :, None], v.astype(jnp.float32), 0.0)
     out = jnp.einsum("BKMS,BKSH->BKMH", p, v)
     return out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H).astype(q.dtype)
