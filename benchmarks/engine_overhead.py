@@ -48,6 +48,10 @@ def main():
     width = len_bucket_pages(-(-(a.prompt + a.new) // ps), eng.pages_per_seq)
     table = jnp.asarray(np.arange(1, B * width + 1).reshape(B, width) % (eng.allocator.num_pages - 1) + 1, jnp.int32)
     pos = jnp.full(B, a.prompt + a.new // 2, jnp.int32)  # the mean context of the engine run
+    wwidth = eng._window_width(width, 1)  # LOCAL layers' window pages (1 unused column without)
+    wpool = eng.window_allocator.num_pages if eng.window else 2
+    wtable = jnp.asarray(np.arange(1, B * wwidth + 1).reshape(B, wwidth) % (wpool - 1) + 1, jnp.int32)
+    wbase = jnp.maximum(0, pos - (eng.window or 1) + 1) // ps
 
     def bare_run():
         toks = jnp.zeros(B, jnp.int32)
@@ -55,7 +59,7 @@ def main():
         t0 = time.perf_counter()
         for _ in range(a.new):
             toks, _, eng.k_pages, eng.v_pages, eng.state, eng._last_tokens = eng._decode(
-                llm.weights, toks, jnp.zeros(B, bool), eng._last_tokens, pos, table, eng.k_pages,
+                llm.weights, toks, jnp.zeros(B, bool), eng._last_tokens, pos, table, wtable, wbase, eng.k_pages,
                 eng.v_pages, eng.state, jnp.zeros(B, jnp.int32), jnp.asarray(eng._stop_ids[:B]),
                 jnp.asarray(eng._min_tokens[:B]), **args)
         jax.block_until_ready(toks)

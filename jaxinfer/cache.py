@@ -1,11 +1,20 @@
-"""Dense KV cache: fixed-shape buffers, updated in place and donated to every jitted step.
+"""KV caches: fixed-shape buffers, updated in place and donated to every jitted step.
 
-Entry ``s`` of a row holds the keys and values of position ``s``. Each layer writes its new
+Dense cache: entry ``s`` of a row holds the keys and values of position ``s``. Each layer writes its new
 tokens at each row's own positions with one scatter and then attends over the cache, so the
 cache is never copied: the jitted steps donate it and XLA aliases input to output. The
 layout, one buffer per layer (keys [B, K, H, S], values [B, K, S, H]), lets attention read a layer's cache in place
 (slicing one stacked [L, ...] buffer copied it: 90 ms of a 500 ms step) and batch over
 (B, K) without transposing it.
+
+Sliding-window layers (Gemma's LOCAL layers) only ever attend to the last W positions, so
+they need not keep the rest. In the dense cache such a layer may keep a ring of
+R = W + max_chunk - 1 slots (position p in slot p % R; a chunk of T <= max_chunk queries
+sees the W + T - 1 positions it needs) and the positions each slot holds ride along in
+``ring_pos``. In the paged cache windowed layers have their own page pool and a second page
+table that covers only each row's window (``window_table``, starting at logical page
+``window_base``); the engine frees pages that fell out of every future query's window.
+Either way the layer's reader returns per-row key positions and attention masks by them.
 """
 
 from __future__ import annotations
@@ -18,11 +27,16 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 
 
+EMPTY_POS = 1 << 30  # position of a slot that holds no key: after every query, so masked
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    k: list[jax.Array]  # L x [B, K, H, S]  keys transposed: see models.layers.attention
-    v: list[jax.Array]  # L x [B, K, S, H]
+    k: list[jax.Array]  # L x [B, K, H, S_l]  keys transposed: see models.layers.attention
+    v: list[jax.Array]  # L x [B, K, S_l, H]  S_l: max_len, or R for a windowed (ring) layer
+    ring_pos: jax.Array  # i32[B, R] position each ring slot holds (EMPTY_POS: none); R = 0: no rings
+    windowed: tuple[bool, ...] = dataclasses.field(default=(), metadata={"static": True})
 
     @property
     def batch(self) -> int:
@@ -30,32 +44,51 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.v[0].shape[2]
+        return max(v.shape[2] for v in self.v)
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k + self.v)
+        return sum(a.nbytes for a in self.k + self.v) + self.ring_pos.nbytes
+
+    def is_ring(self, layer: int) -> bool:
+        return bool(self.windowed) and self.windowed[layer]
 
     def write_layer(self, layer: int, k_new, v_new, start) -> "KVCache":
         return write_layer(self, layer, k_new, v_new, start)
 
     def read_layer(self, layer: int, end: jax.Array):
-        """(keys [B, K, H, S], values [B, K, S, H], kpos i32[S]) of one layer. Values at
-        positions >= end[b] (not written yet for row b) read as 0: see layers.attention."""
-        kpos = jnp.arange(self.max_len)
+        """(keys [B, K, H, S], values [B, K, S, H], kpos) of one layer: kpos i32[S] for a
+        full-length layer, i32[B, R] (what each ring slot holds) for a ring. Values at
+        positions >= end[b] (not written yet for row b, or EMPTY_POS) read as 0: see
+        layers.attention."""
+        kpos = self.ring_pos if self.is_ring(layer) else jnp.arange(self.v[layer].shape[2])
         return self.k[layer], _zero_unseen(self.v[layer], kpos, end), kpos
 
 
 def _zero_unseen(values: jax.Array, kpos: jax.Array, end: jax.Array) -> jax.Array:
-    """values [B, K, S, H] with the slots at kpos >= end[b] set to 0 (never NaN)."""
-    seen = kpos[None, :] < end[:, None]  # bool[B, S]
+    """values [B, K, S, H] with the slots at kpos >= end[b] set to 0 (never NaN); kpos is
+    i32[S] or per row i32[B, S]."""
+    kpos = kpos if kpos.ndim == 2 else kpos[None, :]
+    seen = kpos < end[:, None]  # bool[B, S]
     return jnp.where(seen[:, None, :, None], values, jnp.zeros((), values.dtype))
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *, max_chunk: int | None = None) -> KVCache:
+    """Zeroed cache for ``batch`` rows of up to ``max_len`` positions. With ``max_chunk`` (the
+    most query tokens any call that reads this cache brings), windowed layers keep a ring of
+    W + max_chunk - 1 slots instead, when that is shorter. A call that does not read the
+    cache (a fresh right-padded prefill) may bring more: its last R positions are kept, and
+    R >= W + T - 1 keeps every real token a later query needs."""
     K, H = cfg.n_kv_heads, cfg.head_dim
     dt = jnp.dtype(dtype or cfg.dtype)
-    return KVCache([jnp.zeros((batch, K, H, max_len), dt) for _ in range(cfg.n_layers)],
-                   [jnp.zeros((batch, K, max_len, H), dt) for _ in range(cfg.n_layers)])
+    windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
+    R = 0
+    if max_chunk is not None and any(windows):
+        R = max(w for w in windows if w) + max_chunk - 1
+    windowed = tuple(bool(w) and 0 < R < max_len for w in windows)
+    lens = [R if ring else max_len for ring in windowed]
+    return KVCache([jnp.zeros((batch, K, H, n), dt) for n in lens],
+                   [jnp.zeros((batch, K, n, H), dt) for n in lens],
+                   jnp.full((batch, R if any(windowed) else 0), EMPTY_POS, jnp.int32), windowed)
 
 
 def write_layer(cache: KVCache, layer: int, k_new: jax.Array, v_new: jax.Array, start: jax.Array) -> KVCache:
@@ -63,11 +96,20 @@ def write_layer(cache: KVCache, layer: int, k_new: jax.Array, v_new: jax.Array, 
 
     One scatter with explicit (row, position) indices into the donated buffer; XLA CPU
     lowers a vmapped dynamic_update_slice to a scatter ~500x slower than this. Positions past
-    the cache end are dropped (only padding tokens of a right-padded prefill reach them).
+    the cache end are dropped (only padding tokens of a right-padded prefill reach them). A
+    ring layer writes position p to slot p % R, keeping only a chunk's last R positions (two
+    positions of one scatter must never share a slot).
     """
     B, T = k_new.shape[:2]
     rows = jnp.arange(B)[:, None]
     pos = start[:, None] + jnp.arange(T)[None, :]  # i32[B, T]
+    ring_pos = cache.ring_pos
+    if cache.is_ring(layer):
+        R = cache.v[layer].shape[2]
+        idx = jnp.where(pos >= (start + T - R)[:, None], pos % R, R)  # R: out of range, dropped
+        ring_pos = ring_pos.at[rows, idx].set(pos, mode="drop")
+    else:
+        idx = pos
 
     def put(cs, n, index):  # the indexed dims (B, T) lead the update: n is [B, T, K, H]
         cs = list(cs)
@@ -75,7 +117,8 @@ def write_layer(cache: KVCache, layer: int, k_new: jax.Array, v_new: jax.Array, 
         return cs
 
     slc = slice(None)
-    return KVCache(put(cache.k, k_new, (rows, slc, slc, pos)), put(cache.v, v_new, (rows, slc, pos)))
+    return KVCache(put(cache.k, k_new, (rows, slc, slc, idx)), put(cache.v, v_new, (rows, slc, idx)),
+                   ring_pos, cache.windowed)
 
 
 # ----------------------------------------------------------------------------- paged
@@ -87,11 +130,17 @@ class PagedKVCache:
     Row b's position p lives in page ``page_table[b, p // page_size]`` at offset
     ``p % page_size``. The pools are donated to every step; the page table is small and
     comes from the host allocator each call (its width is bucketed by the longest row).
+    Windowed layers (``windowed[layer]``) draw on a pool of their own and find position p in
+    page ``window_table[b, p // page_size - window_base[b]]``: the table covers only the pages
+    of the row's current window, the ones before it having gone back to the allocator.
     """
 
-    k: list[jax.Array]  # L x [P, K, H, page_size]  keys transposed, as in KVCache
-    v: list[jax.Array]  # L x [P, K, page_size, H]
+    k: list[jax.Array]  # L x [P_l, K, H, page_size]  keys transposed, as in KVCache
+    v: list[jax.Array]  # L x [P_l, K, page_size, H]  P_l: pages of the layer's pool
     page_table: jax.Array  # i32[B, n] pages of each row; unused entries are page 0 (scratch)
+    window_table: jax.Array | None = None  # i32[B, m] windowed layers' pages from logical page window_base[b]
+    window_base: jax.Array | None = None  # i32[B]
+    windowed: tuple[bool, ...] = dataclasses.field(default=(), metadata={"static": True})
 
     @property
     def page_size(self) -> int:
@@ -99,48 +148,69 @@ class PagedKVCache:
 
     @property
     def num_pages(self) -> int:
-        return self.v[0].shape[0]
+        """Pages of the full-length layers' pool."""
+        return next((v.shape[0] for v, w in zip(self.v, self._kinds()) if not w), self.v[0].shape[0])
+
+    def _kinds(self):
+        return self.windowed or (False,) * len(self.v)
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k + self.v)
 
-    def with_page_table(self, page_table) -> "PagedKVCache":
-        return PagedKVCache(self.k, self.v, page_table)
+    def with_page_table(self, page_table, window_table=None, window_base=None) -> "PagedKVCache":
+        return PagedKVCache(self.k, self.v, page_table, window_table, window_base, self.windowed)
+
+    def _table(self, layer: int):
+        if self.windowed and self.windowed[layer]:
+            return self.window_table, self.window_base
+        return self.page_table, None
 
     def write_layer(self, layer: int, k_new, v_new, start) -> "PagedKVCache":
         """Scatter one layer's new keys/values [B, T, K, H] into the rows' pages."""
-        B, T = k_new.shape[:2]
-        ps, n = self.page_size, self.page_table.shape[1]
+        T = k_new.shape[1]
+        table, base = self._table(layer)
+        ps, n = self.page_size, table.shape[1]
         pos = start[:, None] + jnp.arange(T)[None, :]  # i32[B, T]
-        slot = pos // ps
+        col = pos // ps if base is None else pos // ps - base[:, None]
         # positions past the table (padding of a right-padded chunk) go to the scratch page
-        page = jnp.where(slot < n, jnp.take_along_axis(self.page_table, jnp.minimum(slot, n - 1), axis=1), 0)
+        inside = (col >= 0) & (col < n)
+        page = jnp.where(inside, jnp.take_along_axis(table, jnp.clip(col, 0, n - 1), axis=1), 0)
         off = pos % ps
         s = slice(None)
         k, v = list(self.k), list(self.v)
         k[layer] = k[layer].at[page, s, s, off].set(k_new.astype(k[layer].dtype))
         v[layer] = v[layer].at[page, s, off].set(v_new.astype(v[layer].dtype))
-        return PagedKVCache(k, v, self.page_table)
+        return PagedKVCache(k, v, self.page_table, self.window_table, self.window_base, self.windowed)
 
     def read_layer(self, layer: int, end: jax.Array):
         """Gather the rows' pages into dense views (keys [B, K, H, n*ps], values
-        [B, K, n*ps, H], kpos); only the n page-table columns of this call are read. Values
-        at positions >= end[b] read as 0 (XLA fuses that into the gather's copy)."""
-        B, n = self.page_table.shape
-        kp = self.k[layer][self.page_table]  # [B, n, K, H, ps]
-        vp = self.v[layer][self.page_table]  # [B, n, K, ps, H]
+        [B, K, n*ps, H], kpos); only the n page-table columns of this call are read. kpos is
+        i32[n*ps] for full-length layers and i32[B, m*ps] for windowed ones (each row's table
+        starts at its own logical page). Values at positions >= end[b] read as 0 (XLA fuses
+        that into the gather's copy)."""
+        table, base = self._table(layer)
+        B, n = table.shape
+        kp = self.k[layer][table]  # [B, n, K, H, ps]
+        vp = self.v[layer][table]  # [B, n, K, ps, H]
         K, H, ps = kp.shape[2], kp.shape[3], kp.shape[4]
         keys = kp.transpose(0, 2, 3, 1, 4).reshape(B, K, H, n * ps)
         values = vp.transpose(0, 2, 1, 3, 4).reshape(B, K, n * ps, H)
         kpos = jnp.arange(n * ps)
+        if base is not None:
+            kpos = base[:, None] * ps + kpos[None, :]
         return keys, _zero_unseen(values, kpos, end), kpos
 
 
-def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> PagedKVCache:
+def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None, *,
+                     num_window_pages: int | None = None) -> PagedKVCache:
+    """Zeroed page pools: ``num_pages`` per full-length layer and, with ``num_window_pages``,
+    a pool of that many per windowed (LOCAL) layer, which then keep only their window."""
     K, H = cfg.n_kv_heads, cfg.head_dim
     dt = jnp.dtype(dtype or cfg.dtype)
+    windowed = tuple(num_window_pages is not None and cfg.layer_window(i) is not None for i in range(cfg.n_layers))
+    pages = [num_window_pages if w else num_pages for w in windowed]
     return PagedKVCache(
-        [jnp.zeros((num_pages, K, H, page_size), dt) for _ in range(cfg.n_layers)],
-        [jnp.zeros((num_pages, K, page_size, H), dt) for _ in range(cfg.n_layers)],
-        jnp.zeros((1, 1), jnp.int32),
+        [jnp.zeros((P, K, H, page_size), dt) for P in pages],
+        [jnp.zeros((P, K, page_size, H), dt) for P in pages],
+        jnp.zeros((1, 1), jnp.int32), windowed=windowed,
     )

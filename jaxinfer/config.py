@@ -103,13 +103,18 @@ class ModelConfig:
         specs = family_module(self.family).weight_specs(self)
         return sum(_prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=_is_spec))
 
-    def kv_bytes_per_token(self, kv_dtype: str | None = None) -> int:
+    def kv_bytes_per_token(self, kv_dtype: str | None = None, *, kind: AttentionKind | None = None) -> int:
+        """KV bytes one token adds to a cache that keeps every position of every layer (or,
+        with ``kind``, of the layers of that kind only)."""
         itemsize = jnp.dtype(kv_dtype or self.dtype).itemsize
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize
+        layers = sum(1 for i in range(self.n_layers) if kind is None or self.layer_kind(i) == kind)
+        return 2 * layers * self.n_kv_heads * self.head_dim * itemsize
 
     def kv_bytes(self, seq_len: int, kv_dtype: str | None = None, *, windowed: bool = True) -> int:
         """KV bytes one sequence of ``seq_len`` tokens needs when every layer keeps only the
-        positions it can still attend to (``windowed``), or every position (a dense cache)."""
+        positions it can still attend to (``windowed``: LOCAL layers the last W), or every
+        position (a dense cache). The paged engine's windowed pool holds this plus page
+        rounding: up to two pages per LOCAL layer (see engine.paged.window_pool_pages)."""
         per_layer_token = self.kv_bytes_per_token(kv_dtype) // self.n_layers
         kept = 0
         for i in range(self.n_layers):

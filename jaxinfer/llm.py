@@ -33,7 +33,8 @@ class LLM:
     max_model_len: the longest prompt + output allowed (default: the checkpoint's context).
     engine: "paged" (continuous batching over a paged KV cache, the default) or "static"
     (length-sorted static batches over a dense cache). The remaining options tune the paged
-    engine (see ``jaxinfer.engine.paged.EngineConfig``).
+    engine (see ``jaxinfer.engine.paged.EngineConfig``); windowed_kv=False makes sliding-window
+    layers keep every position (their window pages are freed by default).
     """
 
     def __init__(self, model: str = registry.DEFAULT_MODEL, *, dtype: str | None = None,
@@ -41,7 +42,7 @@ class LLM:
                  progress: bool = True, engine: str = "paged", page_size: int = 16,
                  num_pages: int | None = None, kv_cache_bytes: int = 2 << 30,
                  prefill_chunk: int = 512, enable_prefix_caching: bool = True,
-                 scheduling: str = "fcfs"):
+                 scheduling: str = "fcfs", windowed_kv: bool = True):
         dtype = dtype or default_dtype()
         if dtype == "auto":
             dtype = default_dtype()
@@ -72,7 +73,7 @@ class LLM:
                 raise InvalidRequest(f"scheduling must be 'fcfs' or 'spf', got {scheduling!r}") from None
             ecfg = EngineConfig(max_num_seqs=max_num_seqs, page_size=page_size, num_pages=num_pages,
                                 kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk,
-                                prefix_caching=enable_prefix_caching, scheduling=sched)
+                                prefix_caching=enable_prefix_caching, scheduling=sched, windowed_kv=windowed_kv)
             self.engine = PagedEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
                                       config=ecfg, seed=seed)
         else:
@@ -213,16 +214,32 @@ class LLM:
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, plp, comps, True, metrics)
 
     # ------------------------------------------------------------------ reports
-    def memory_report(self) -> dict:
+    def memory_report(self, seq_len: int | None = None) -> dict:
+        """Weights and KV cache bytes. KV bytes per token come split by layer kind: GLOBAL
+        layers keep every position; LOCAL (sliding-window) layers add bytes per token only
+        until their window is full when the cache keeps just the window (the paged engine's
+        ``windowed_kv``, the static engine's rings). ``kv_bytes_seq`` is what one sequence
+        of ``seq_len`` tokens (default max_model_len) needs that way, ``kv_bytes_seq_dense``
+        with every position of every layer kept."""
         import jax
 
+        from jaxinfer.config import AttentionKind
+
+        cfg, n = self.cfg, seq_len or self.max_model_len
+        windowed = getattr(self.engine, "window", True) is not None
         weights = sum(x.nbytes for x in jax.tree.leaves(self.weights))
         return {
             "weights_bytes": int(weights),
             "kv_cache_bytes": int(self.engine.last_cache_bytes),
-            "kv_bytes_per_token": self.cfg.kv_bytes_per_token(),
-            "dtype": self.cfg.dtype,
-            "num_params": self.cfg.num_params(),
+            "kv_bytes_per_token": cfg.kv_bytes_per_token(),
+            "kv_bytes_per_token_global": cfg.kv_bytes_per_token(kind=AttentionKind.GLOBAL),
+            "kv_bytes_per_token_local": cfg.kv_bytes_per_token(kind=AttentionKind.LOCAL),
+            "sliding_window": cfg.sliding_window,
+            "seq_len": n,
+            "kv_bytes_seq": cfg.kv_bytes(n, windowed=windowed),
+            "kv_bytes_seq_dense": cfg.kv_bytes(n, windowed=False),
+            "dtype": cfg.dtype,
+            "num_params": cfg.num_params(),
         }
 
 

@@ -115,7 +115,8 @@ def test_decode_step_donates_the_cache(tiny_llm):
     B = 8
     k_old, v_old, state_old, last_old = eng.k_pages, eng.v_pages, eng.state, eng._last_tokens
     out = eng._decode(tiny_llm.weights, jnp.zeros(B, jnp.int32), jnp.zeros(B, bool), last_old,
-                      jnp.zeros(B, jnp.int32), jnp.zeros((B, 4), jnp.int32), k_old, v_old, state_old,
+                      jnp.zeros(B, jnp.int32), jnp.zeros((B, 4), jnp.int32), jnp.zeros((B, 1), jnp.int32),
+                      jnp.zeros(B, jnp.int32), k_old, v_old, state_old,
                       jnp.zeros(B, jnp.int32), jnp.full((B, 16), -1, jnp.int32), jnp.zeros(B, jnp.int32),
                       cfg=tiny_llm.cfg, num_logprobs=-1)
     jax.block_until_ready(out)

@@ -94,6 +94,46 @@ def test_chunked_prefill_and_ragged_decode_past_the_window():
     np.testing.assert_allclose(np.asarray(logits)[:, 0], full[[0, 1], [10, 12]], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 6])
+def test_ring_cache_keeps_only_the_window_and_matches_full_forward(chunk):
+    """LOCAL layers keep a ring of W + chunk - 1 slots (never-written slots NaN): chunks of
+    1, 3 and 6 tokens (longer than the window of 4) through 20 positions equal the full pass."""
+    cfg, B, T, S = BASE, 2, 20, 32
+    w = _setup(cfg)
+    tokens = jax.random.randint(jax.random.key(11), (B, T), 0, cfg.vocab_size)
+    full = np.asarray(_full_logits(w, tokens, cfg))
+    cache = kv.init_cache(cfg, B, S, max_chunk=chunk)
+    R = W + chunk - 1
+    assert [c.shape[2] for c in cache.v] == [R, S, R, S] and cache.ring_pos.shape == (B, R)
+    assert cache.nbytes() < kv.init_cache(cfg, B, S).nbytes()
+    cache = dataclasses.replace(cache, k=[jnp.full_like(a, jnp.nan) for a in cache.k],
+                                v=[jnp.full_like(a, jnp.nan) for a in cache.v])
+    for c in range(0, T, chunk):
+        n = min(chunk, T - c)
+        logits, cache = _step(w, tokens[:, c : c + n], jnp.full(B, c, jnp.int32), cache, cfg=cfg)
+        np.testing.assert_allclose(np.asarray(logits), full[:, c : c + n], rtol=1e-5, atol=1e-5)
+
+
+def test_ring_cache_after_a_right_padded_prefill():
+    """The static engine's pattern: a fresh right-padded prefill longer than the window
+    (read_cache=False, every row's T positions kept in a ring of W + T - 1), then each row
+    decodes at its own position, past its padding."""
+    cfg, T = BASE, 10
+    w = _setup(cfg, seed=3)
+    lens = [10, 3]
+    tokens = jax.random.randint(jax.random.key(12), (2, 22), 0, cfg.vocab_size)
+    full = np.asarray(_full_logits(w, tokens, cfg))
+    cache = kv.init_cache(cfg, 2, 32, max_chunk=T)
+    prompt = jnp.where(jnp.arange(T)[None, :] < jnp.asarray(lens)[:, None], tokens[:, :T], 0)
+    logits, cache = _step(w, prompt, jnp.zeros(2, jnp.int32), cache, cfg=cfg, read_cache=False)
+    for b, n in enumerate(lens):
+        np.testing.assert_allclose(np.asarray(logits)[b, :n], full[b, :n], rtol=1e-5, atol=1e-5)
+    for i in range(12):
+        pos = jnp.asarray(lens, jnp.int32) + i
+        logits, cache = _step(w, tokens[jnp.arange(2), pos][:, None], pos, cache, cfg=cfg)
+        np.testing.assert_allclose(np.asarray(logits)[:, 0], full[np.arange(2), np.asarray(pos)], rtol=1e-5, atol=1e-5)
+
+
 def _changed_positions(cfg, w, s, T=16):
     """Positions whose logits change when the token at position s changes."""
     tokens = jax.random.randint(jax.random.key(4), (1, T), 0, cfg.vocab_size)
@@ -286,7 +326,7 @@ TOKENIZER_KEYS = (
 
 
 def write_tiny_gemma3(path, source_gguf, *, layers=6, d=32, heads=2, kv_heads=1, head_dim=16, ff=64,
-                      window=8, context=128, seed=0) -> dict:
+                      window=8, context=128, seed=0, chat_template=None) -> dict:
     """A random gemma3 GGUF with the real Gemma tokenizer, written the way llama.cpp's
     converter writes one (norms stored as 1 + w). Returns the stored tensors."""
     import gguf
@@ -314,6 +354,8 @@ def write_tiny_gemma3(path, source_gguf, *, layers=6, d=32, heads=2, kv_heads=1,
             w.add_uint32(k, v)
         else:
             w.add_string(k, v)
+    if chat_template is not None:
+        w.add_string("tokenizer.chat_template", chat_template)
     q, kv_ = heads * head_dim, kv_heads * head_dim
     shapes = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,)}
     for i in range(layers):
@@ -380,3 +422,210 @@ def test_llm_generate_past_the_window_equals_the_model(tiny_gemma3, engine):
             logits, cache = _step(w, jnp.asarray([[want[-1]]]), jnp.full(1, len(ids) + t, jnp.int32), cache, cfg=cfg)
         assert list(out.outputs[0].token_ids) == want, prompt
         assert out.outputs[0].text == llm.tokenizer.decode(want)
+
+
+# ----------------------------------------------------------------------------- windowed paged KV
+def _greedy_reference(llm, ids, steps):
+    """Greedy tokens and their log-probs from a plain loop over gemma3.forward (dense cache
+    keeping every position)."""
+    cfg, w = llm.cfg, llm.weights
+    cache = kv.init_cache(cfg, 1, 96)  # one decode executable for every prompt
+    logits, cache = _step(w, jnp.asarray([ids]), jnp.zeros(1, jnp.int32), cache, cfg=cfg, read_cache=False)
+    toks, lps = [], []
+    for t in range(steps):
+        lp = jax.nn.log_softmax(logits[0, -1])
+        toks.append(int(jnp.argmax(lp)))
+        lps.append(float(lp[toks[-1]]))
+        logits, cache = _step(w, jnp.asarray([[toks[-1]]]), jnp.full(1, len(ids) + t, jnp.int32), cache, cfg=cfg)
+    return toks, lps
+
+
+def _poison_released_pages(engine):
+    """Fill every page with NaN the moment the allocator takes it back: a later read of a
+    page that left the window poisons the logits."""
+    for alloc, windowed in ((engine.allocator, False), (engine.window_allocator, True)):
+        release = alloc.release
+
+        def poisoned(pages, release=release, windowed=windowed):
+            release(pages)
+            idx = jnp.asarray([p for p in pages if p], jnp.int32)
+            if idx.size:
+                nan = lambda pool: [a.at[idx].set(jnp.nan) if w == windowed else a
+                                    for a, w in zip(pool, engine.windowed, strict=True)]
+                engine.k_pages, engine.v_pages = nan(engine.k_pages), nan(engine.v_pages)
+
+        alloc.release = poisoned
+
+
+def _all_pages_free(engine):
+    for alloc in (engine.allocator, engine.window_allocator):
+        alloc.check_invariants()
+        assert alloc.num_free == alloc.num_pages - 1
+
+
+WORDS = ["the", "history", "of", "the", "printing", "press", "is", "closely", "tied", "to", "the", "spread", "of", "literacy", "in", "Europe"]
+
+
+def test_paged_window_pages_equal_dense_reference_with_poisoned_freed_pages(tiny_gemma3):
+    """Window 8, pages of 4, chunks of 16 (longer than the window): LOCAL layers hold only
+    their window, pages freed as they leave it are NaN-poisoned at once, and the greedy
+    tokens and their log-probs equal a dense cache keeping everything."""
+    from jaxinfer import LLM, SamplingParams
+
+    path, _ = tiny_gemma3
+    llm = LLM(str(path), max_model_len=96, progress=False, page_size=4, prefill_chunk=16, max_num_seqs=3,
+              enable_prefix_caching=False)
+    eng = llm.engine
+    assert eng.window == 8 and sum(eng.windowed) == 5
+    assert all(a.shape[0] == eng.window_allocator.num_pages for a, w in zip(eng.k_pages, eng.windowed) if w)
+    _poison_released_pages(eng)
+    prompts = ["Hi", " ".join(WORDS * 3), " ".join(WORDS[:7])]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert len(outs[1].prompt_token_ids) > 40  # several chunks, many windows
+    for out in outs:
+        want, want_lp = _greedy_reference(llm, out.prompt_token_ids, 24)
+        got = out.outputs[0]
+        assert list(got.token_ids) == want
+        got_lp = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)]
+        np.testing.assert_allclose(got_lp, want_lp, rtol=1e-4, atol=1e-4)
+    # a sequence of up to 65 positions held at most (8 + 16 - 1) // 4 + 2 window pages
+    assert 0 < eng.stats["peak_window_pages"] <= 3 * 4 + (8 + 16 - 1) // 4 + 2
+    assert eng.stats["peak_window_pages"] < eng.stats["peak_pages"]
+    _all_pages_free(eng)
+
+
+def test_prefix_cache_with_window_pages_on_and_off_agree(tiny_gemma3):
+    from jaxinfer import LLM, SamplingParams
+
+    path, _ = tiny_gemma3
+    system = " ".join(WORDS * 2) + " "
+    prompts = [system + q for q in ("What is two?", "Name a color.", "Say hi.", "Count to three.")]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = {"max_model_len": 96, "progress": False, "page_size": 4, "prefill_chunk": 16, "max_num_seqs": 2}
+    on = LLM(str(path), **kw)
+    got = [o.outputs[0].token_ids for o in on.generate(prompts, sp, use_tqdm=False)]
+    got2 = [o.outputs[0].token_ids for o in on.generate(prompts, sp, use_tqdm=False)]
+    off = LLM(str(path), enable_prefix_caching=False, **kw)
+    _poison_released_pages(off.engine)
+    want = [o.outputs[0].token_ids for o in off.generate(prompts, sp, use_tqdm=False)]
+    assert got == got2 == want
+    assert on.engine.stats["cached_prompt_tokens"] >= 4 * 8 * 4  # whole system prompt reused
+    assert off.engine.stats["cached_prompt_tokens"] == 0
+    _all_pages_free(on.engine)
+    _all_pages_free(off.engine)
+
+
+def test_window_prefix_reused_only_while_its_window_pages_are_cached(tiny_gemma3):
+    """Evict the window pages of a cached prefix: the full-length pages alone are not
+    enough to resume, so the prefix is recomputed (and the tokens stay the same)."""
+    from jaxinfer import LLM, SamplingParams
+
+    path, _ = tiny_gemma3
+    prompt = " ".join(WORDS * 2)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(str(path), max_model_len=96, progress=False, page_size=4, prefill_chunk=16, max_num_seqs=2)
+    first = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
+    wa = llm.engine.window_allocator
+    wa.release(wa.allocate(wa.num_free))  # takes every free page, evicting every cached window page
+    before = llm.engine.stats["cached_prompt_tokens"]
+    assert llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert llm.engine.stats["cached_prompt_tokens"] == before  # nothing reused
+    assert llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert llm.engine.stats["cached_prompt_tokens"] > before  # cached again, reused
+    _all_pages_free(llm.engine)
+
+
+@pytest.mark.slow
+def test_windowed_kv_memory_on_270m_shapes(tmp_path, gemma3_gguf):
+    """Gemma 3 270M's KV shapes (18 layers, 5 LOCAL : 1 GLOBAL, one kv head of 256, window
+    512; a tiny model width): one sequence decoding past 4096 positions. The pages the
+    engine actually holds while decoding: the full-length pool grows 3 layers' worth per
+    token, the window pool stays at W // ps + 2 pages, so each token past the window costs
+    1/6 of an all-global cache and the whole sequence (3 * 4096 + 15 * 512) / (18 * 4096)."""
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.config import AttentionKind
+
+    path = tmp_path / "gemma3-270m-shapes.gguf"
+    write_tiny_gemma3(path, gemma3_gguf, layers=18, d=32, heads=4, kv_heads=1, head_dim=256, ff=32,
+                      window=512, context=4160)
+    ps = 16
+    llm = LLM(str(path), max_model_len=4160, progress=False, page_size=ps, prefill_chunk=2048,
+              max_num_seqs=1, num_pages=270, enable_prefix_caching=False)
+    eng, cfg = llm.engine, llm.cfg
+    used = []
+    dispatch = eng._dispatch_decode
+
+    def recording():
+        out = dispatch()
+        if out is not None:
+            used.append((eng.allocator.num_used, eng.window_allocator.num_used))
+        return out
+
+    eng._dispatch_decode = recording
+    n_prompt, n_new = 4064, 40
+    ids = [2] + list(np.random.default_rng(0).integers(3, 1000, n_prompt - 1))
+    llm.generate([[int(t) for t in ids]], SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True),
+                 use_tqdm=False)
+    g, loc = cfg.kv_bytes_per_token(kind=AttentionKind.GLOBAL), cfg.kv_bytes_per_token(kind=AttentionKind.LOCAL)
+    assert (g, loc) == (3 * 2 * 256 * 4, 15 * 2 * 256 * 4) and g + loc == cfg.kv_bytes_per_token()
+    full_pages, window_pages = used[-1]
+    n = n_prompt + n_new - 1  # positions written by the end
+    assert full_pages == -(-n // ps)
+    # the window's 512 positions span 32 or 33 pages (+1 when a step's page opens before
+    # the host frees the oldest): bounded while the full-length pages grow
+    assert {w for _, w in used} <= {512 // ps, 512 // ps + 1, 512 // ps + 2}
+    assert used[-1][0] - used[0][0] == -(-n // ps) - -(-n_prompt // ps)
+    windowed = full_pages * ps * g + window_pages * ps * loc
+    all_global = full_pages * ps * cfg.kv_bytes_per_token()
+    # config.kv_bytes (every layer keeps what it can still see) plus page rounding
+    assert cfg.kv_bytes(n) <= windowed <= cfg.kv_bytes(n) + ps * g + 2 * ps * loc
+    assert all_global / windowed > 3.6  # (18 * 4096) / (3 * 4096 + 15 * 528)
+    # past the window, each token adds the global layers only: 6x less than all-global
+    assert cfg.kv_bytes_per_token() / g == 6
+    report = llm.memory_report(4096)
+    assert report["kv_bytes_per_token_global"] == g and report["kv_bytes_per_token_local"] == loc
+    assert report["kv_bytes_seq_dense"] / report["kv_bytes_seq"] == pytest.approx(73728 / 19968)
+    _all_pages_free(eng)
+
+
+GEMMA_TEMPLATE = (  # Gemma 3's chat template (string contents)
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = 'model' -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+def test_chat_uses_the_gguf_chat_template(tmp_path, gemma3_gguf):
+    """A Gemma GGUF carrying Gemma 3's template: llm.chat renders turns with the control
+    tokens (one BOS, <start_of_turn>=105, <end_of_turn>=106) and the model turn is open."""
+    from jaxinfer import LLM, SamplingParams
+
+    path = tmp_path / "chat.gguf"
+    write_tiny_gemma3(path, gemma3_gguf, chat_template=GEMMA_TEMPLATE)
+    llm = LLM(str(path), max_model_len=64, progress=False)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    text, ids = llm.encode_chat(msgs)
+    assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n<start_of_turn>model\n"
+    assert ids[:2] == [2, 105] and ids.count(2) == 1 and ids.count(105) == 2 and ids.count(106) == 1
+    assert ids[-3:-1] == [105, llm.tokenizer.encode("model", add_special_tokens=False)[0]]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids and len(out.outputs[0].token_ids) == 3
+
+
+def test_real_gemma3_gguf_has_no_chat_template(gemma3_llm):
+    """The registry's gemma-3-270m GGUF ships without tokenizer.chat_template: chat says so
+    instead of guessing a format."""
+    from jaxinfer.errors import InvalidRequest
+
+    assert gemma3_llm.tokenizer.chat_template is None
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        gemma3_llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)

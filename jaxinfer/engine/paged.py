@@ -17,6 +17,17 @@ and none is free, the most recently admitted sequence is preempted: its pages ar
 and it is recomputed later from its prompt plus what it had generated, with the same seeds,
 so its tokens do not change. The next decode step is dispatched before the host reads the
 current one's tokens, so detokenizing and stop checks overlap device work.
+
+Sliding-window layers (``EngineConfig.windowed_kv``, Gemma's LOCAL layers) keep only their
+window: they have a page pool and allocator of their own, each sequence holds only the
+window pages its next query can still see (a page goes back to the allocator once every
+position in it is W or more behind the next position to compute), and a call's window
+table covers just those pages. The window pool is sized so that every slot's window (and
+one prefill chunk) always fits, so only the full-length pool ever makes sequences wait or
+be preempted. Prefix caching names window pages with the same hash chain as the full ones;
+a cached prefix of k pages is used only if the window pages before position k*page_size
+are still cached too (otherwise a shorter prefix, or none, is reused), so outputs never
+depend on what the cache held.
 """
 
 from __future__ import annotations
@@ -34,8 +45,8 @@ import numpy as np
 
 from jaxinfer import cache as kv
 from jaxinfer import sampling as smp
-from jaxinfer.config import ModelConfig
-from jaxinfer.engine.pages import ROOT_HASH, SCRATCH_PAGE, PageAllocator
+from jaxinfer.config import AttentionKind, ModelConfig
+from jaxinfer.engine.pages import ROOT_HASH, SCRATCH_PAGE, PageAllocator, prefix_hashes
 from jaxinfer.engine.static import Row, StaticEngine, len_bucket, record_token
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.registry import family_module
@@ -58,6 +69,7 @@ class EngineConfig:
     prefill_chunk: int = 512  # prompt tokens per scheduler iteration (per-step token budget)
     prefix_caching: bool = True
     scheduling: Scheduling = Scheduling.FCFS
+    windowed_kv: bool = True  # LOCAL layers keep only their window (False: every position)
 
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -83,6 +95,8 @@ class Seq:
     pages: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0  # tokens whose keys/values are in the pages
     registered: int = 0  # leading full pages named in the prefix cache
+    window_pages: list[int] = dataclasses.field(default_factory=list)  # by logical page; 0: not held
+    window_lo: int = 0  # first logical page still held in window_pages
     chain: bytes = ROOT_HASH  # hash chain after the registered pages
     inflight: int = 0  # tokens sampled on device that the host has not read yet (0 or 1)
     preemptions: int = 0
@@ -93,23 +107,23 @@ class Seq:
 
 
 # ----------------------------------------------------------------------------- device steps
-def prefill_step(weights, tokens, start, k_pages, v_pages, page_table, *, cfg):
+def prefill_step(weights, tokens, start, k_pages, v_pages, page_table, window_table, window_base, *, cfg, windowed):
     """Keys/values of one chunk (tokens i32[1, T] at positions start + t) into its pages."""
     mod = family_module(cfg.family)
-    cache = kv.PagedKVCache(k_pages, v_pages, page_table)
+    cache = kv.PagedKVCache(k_pages, v_pages, page_table, window_table, window_base, windowed)
     _, cache = mod.forward(weights, tokens, start, cache, cfg=cfg)
     return cache.k, cache.v
 
 
-def decode_step(weights, tokens, use_prev, last_tokens, positions, page_table, k_pages, v_pages,
-                state, step, stop_ids, min_tokens, *, cfg, num_logprobs):
+def decode_step(weights, tokens, use_prev, last_tokens, positions, page_table, window_table, window_base,
+                k_pages, v_pages, state, step, stop_ids, min_tokens, *, cfg, windowed, num_logprobs):
     """One token for the first B slots at positions i32[B]. A row's input is its host token
     (tokens i32[B]) or, where use_prev, the token the previous step sampled for it (still
     on device: the host has not read it yet). last_tokens i32[max_num_seqs] keeps them."""
     mod = family_module(cfg.family)
     B = tokens.shape[0]
     tokens = jnp.where(use_prev, last_tokens[:B], tokens)
-    cache = kv.PagedKVCache(k_pages, v_pages, page_table)
+    cache = kv.PagedKVCache(k_pages, v_pages, page_table, window_table, window_base, windowed)
     h, cache = mod.forward(weights, tokens[:, None], positions, cache, cfg=cfg)
     logits = mod.unembed(weights, h, cfg)[:, 0]
     sub = jax.tree.map(lambda a: a[:B], state)
@@ -143,18 +157,28 @@ class PagedEngine:
         self.max_num_seqs = config.max_num_seqs
         ps = config.page_size
         self.pages_per_seq = -(-max_model_len // ps)
+        W = cfg.sliding_window if config.windowed_kv else None
+        self.window = W if W and any(cfg.layer_window(i) for i in range(cfg.n_layers)) else None
+        window_bytes, self.window_allocator, num_window_pages = 0, None, None
+        if self.window:
+            num_window_pages = window_pool_pages(self.window, ps, config.max_num_seqs, config.prefill_chunk,
+                                                 self.pages_per_seq)
+            self.window_allocator = PageAllocator(num_window_pages, ps, prefix_caching=config.prefix_caching)
+            window_bytes = num_window_pages * ps * cfg.kv_bytes_per_token(kind=AttentionKind.LOCAL)
+        full_bytes_per_token = cfg.kv_bytes_per_token(kind=AttentionKind.GLOBAL if self.window else None)
         # enough for every slot at full length (plus room for cached prefixes), within budget
         num_pages = config.num_pages or max(2, min(
-            config.kv_cache_bytes // (cfg.kv_bytes_per_token() * ps),
+            max(config.kv_cache_bytes - window_bytes, 0) // (max(full_bytes_per_token, 1) * ps),
             2 * config.max_num_seqs * self.pages_per_seq + 1))
         self.allocator = PageAllocator(num_pages, ps, prefix_caching=config.prefix_caching)
-        cache = kv.init_paged_cache(cfg, num_pages, ps)
-        self.k_pages, self.v_pages = cache.k, cache.v
+        cache = kv.init_paged_cache(cfg, num_pages, ps, num_window_pages=num_window_pages)
+        self.k_pages, self.v_pages, self.windowed = cache.k, cache.v, cache.windowed
         self.state = smp.make_sampling_state([], [], cfg.vocab_size, default_seed=seed, batch_size=config.max_num_seqs)
         # one partial per engine, so each engine's jit caches (and compile counts) are its own
-        self._prefill = jax.jit(functools.partial(prefill_step), static_argnames=("cfg",),
+        self._prefill = jax.jit(functools.partial(prefill_step, windowed=self.windowed), static_argnames=("cfg",),
                                 donate_argnames=("k_pages", "v_pages"))
-        self._decode = jax.jit(functools.partial(decode_step), static_argnames=("cfg", "num_logprobs"),
+        self._decode = jax.jit(functools.partial(decode_step, windowed=self.windowed),
+                               static_argnames=("cfg", "num_logprobs"),
                                donate_argnames=("k_pages", "v_pages", "state", "last_tokens"))
         self._insert = jax.jit(functools.partial(insert_step), donate_argnames=("state",))
         self._dense = StaticEngine(cfg, weights, tokenizer, max_model_len=max_model_len, seed=seed)
@@ -165,7 +189,8 @@ class PagedEngine:
         self._slots: list[Seq | None] = [None] * B
         self._waiting: deque[Seq] = deque()
         self._arrivals = 0
-        self.stats = {"preemptions": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0, "decode_steps": 0}
+        self.stats = {"preemptions": 0, "prefill_tokens": 0, "cached_prompt_tokens": 0, "decode_steps": 0,
+                      "peak_pages": 0, "peak_window_pages": 0}
 
     # ------------------------------------------------------------------ reports
     @property
@@ -188,14 +213,17 @@ class PagedEngine:
         for T, width in sorted(shapes):
             self.k_pages, self.v_pages = self._prefill(
                 self.weights, jnp.zeros((1, T), jnp.int32), jnp.asarray([0], jnp.int32),
-                self.k_pages, self.v_pages, jnp.zeros((1, width), jnp.int32), cfg=self.cfg)
+                self.k_pages, self.v_pages, jnp.zeros((1, width), jnp.int32),
+                jnp.zeros((1, self._window_width(width, T)), jnp.int32), jnp.zeros(1, jnp.int32), cfg=self.cfg)
         widths = sorted({len_bucket_pages(n, self.pages_per_seq) for n in range(1, -(-max_len // ps) + 1)})
         batches = sorted({_bucket(n, BATCH_BUCKETS, self.max_num_seqs) for n in range(1, self.max_num_seqs + 1)})
         for B in batches:
             for width in widths:
                 out = self._decode(
                     self.weights, jnp.zeros(B, jnp.int32), jnp.zeros(B, bool), self._last_tokens,
-                    jnp.zeros(B, jnp.int32), jnp.zeros((B, width), jnp.int32), self.k_pages, self.v_pages,
+                    jnp.zeros(B, jnp.int32), jnp.zeros((B, width), jnp.int32),
+                    jnp.zeros((B, self._window_width(width, 1)), jnp.int32), jnp.zeros(B, jnp.int32),
+                    self.k_pages, self.v_pages,
                     self.state, jnp.zeros(B, jnp.int32), jnp.asarray(self._stop_ids[:B]),
                     jnp.asarray(self._min_tokens[:B]), cfg=self.cfg, num_logprobs=-1)
                 _, _, self.k_pages, self.v_pages, self.state, self._last_tokens = out
@@ -233,15 +261,22 @@ class PagedEngine:
                 seq = self._waiting[0]
             toks = seq.tokens
             cached, chain = self.allocator.lookup_prefix(toks)
+            window_cached: list[int] = []
+            if self.window and cached:
+                cached, chain, window_cached = self._window_prefix(toks, cached)
             need = -(-len(toks) // ps) - len(cached)
             if need > self.allocator.num_free:
                 self.allocator.release(cached)
+                if self.window:
+                    self.window_allocator.release(window_cached)
                 return  # wait for pages to free up (FCFS: nobody jumps the queue)
             self._waiting.remove(seq)
             seq.pages = cached + self.allocator.allocate(need)
             seq.computed = len(cached) * ps
             seq.registered = len(cached)
             seq.chain = chain
+            seq.window_pages = window_cached
+            seq.window_lo = next((i for i, p in enumerate(window_cached) if p), len(window_cached))
             self.stats["cached_prompt_tokens"] += len(cached) * ps
             seq.slot = slot
             self._slots[slot] = seq
@@ -249,6 +284,61 @@ class PagedEngine:
             if seq.row.scheduled_time is None:
                 seq.row.scheduled_time = time.perf_counter()
             self._insert_row(seq)
+
+    def _window_prefix(self, toks, cached):
+        """Trim a cached prefix to the longest whose window pages are cached too: resuming
+        at position k*ps needs the window's keys before it. Returns (pages, chain, window
+        pages by logical index, 0 before the window), references taken on both."""
+        ps, W = self.allocator.page_size, self.window
+        hashes = prefix_hashes(toks, ps, len(cached))
+        k, got = len(cached), None
+        while k > 0:
+            lo = max(0, k * ps - W + 1) // ps
+            got = self.window_allocator.acquire_cached(hashes[lo:k])
+            if got is not None:
+                break
+            k -= 1
+        self.allocator.release(cached[k:])
+        if k == 0:
+            return [], ROOT_HASH, []
+        return cached[:k], hashes[k - 1], [0] * lo + got
+
+    def _window_grow(self, seq: Seq, last_pos: int) -> None:
+        """Window pages for every logical page up to the one holding ``last_pos``."""
+        if not self.window:
+            return
+        ps = self.allocator.page_size
+        hi = last_pos // ps
+        if len(seq.window_pages) < seq.window_lo:
+            seq.window_pages += [0] * (seq.window_lo - len(seq.window_pages))
+        if hi >= len(seq.window_pages):
+            seq.window_pages += self.window_allocator.allocate(hi + 1 - len(seq.window_pages))
+        self.stats["peak_window_pages"] = max(self.stats["peak_window_pages"], self.window_allocator.num_used)
+
+    def _window_trim(self, seq: Seq) -> None:
+        """Give back window pages no later query can see: every position in them is W or
+        more behind seq.computed, the earliest position still to be computed."""
+        if not self.window:
+            return
+        lo = max(0, seq.computed - self.window + 1) // self.allocator.page_size
+        for i in range(seq.window_lo, min(lo, len(seq.window_pages))):
+            self.window_allocator.release([seq.window_pages[i]])
+            seq.window_pages[i] = 0
+        seq.window_lo = max(seq.window_lo, lo)
+
+    def _window_width(self, width: int, T: int) -> int:
+        """Window-table columns of a call whose full table has ``width`` columns and which
+        brings T queries per row: a row's chunk at p..p+T-1 needs positions p-W+1 .. p+T-1,
+        at most (W + T - 2) // ps + 2 pages (one more past p+T-1 for a decode row whose
+        previous step the host has not read: its window starts at the lagging seq.computed)."""
+        if not self.window:
+            return 1
+        return min(width, (self.window + T - 1) // self.allocator.page_size + 2)
+
+    def _window_row(self, seq: Seq, width: int) -> tuple[int, list[int]]:
+        row = seq.window_pages[seq.window_lo :]
+        assert len(row) <= width and all(row), (seq.window_lo, row, width)
+        return seq.window_lo, row
 
     def _insert_row(self, seq: Seq) -> None:
         row, p = seq.row, seq.row.params
@@ -266,6 +356,9 @@ class PagedEngine:
     def _release(self, seq: Seq) -> None:
         self.allocator.release(seq.pages)
         seq.pages = []
+        if self.window:
+            self.window_allocator.release(seq.window_pages)
+        seq.window_pages, seq.window_lo = [], 0
         if seq.slot >= 0:
             self._slots[seq.slot] = None
         seq.slot = -1
@@ -285,8 +378,11 @@ class PagedEngine:
         toks = seq.tokens
         while (seq.registered + 1) * ps <= seq.computed:
             i = seq.registered
+            if self.window and i < len(seq.window_pages) and seq.window_pages[i]:
+                self.window_allocator.register_full_page(seq.window_pages[i], seq.chain, toks[i * ps : (i + 1) * ps])
             seq.chain = self.allocator.register_full_page(seq.pages[i], seq.chain, toks[i * ps : (i + 1) * ps])
             seq.registered += 1
+        self._window_trim(seq)
 
     # ------------------------------------------------------------------ prefill
     def _prefill_shape(self, computed: int, n: int) -> tuple[int, int]:
@@ -313,9 +409,16 @@ class PagedEngine:
             table = np.zeros((1, width), np.int32)
             m = min(len(seq.pages), width)
             table[0, :m] = seq.pages[:m]
+            wtable = np.zeros((1, self._window_width(width, T)), np.int32)
+            wbase = np.zeros(1, np.int32)
+            if self.window:
+                self._window_grow(seq, seq.computed + n - 1)
+                wbase[0], row = self._window_row(seq, wtable.shape[1])
+                wtable[0, : len(row)] = row
             self.k_pages, self.v_pages = self._prefill(
                 self.weights, jnp.asarray(chunk), jnp.asarray([seq.computed], jnp.int32),
-                self.k_pages, self.v_pages, jnp.asarray(table), cfg=self.cfg)
+                self.k_pages, self.v_pages, jnp.asarray(table), jnp.asarray(wtable), jnp.asarray(wbase),
+                cfg=self.cfg)
             seq.computed += n
             budget -= n
             self.stats["prefill_tokens"] += n
@@ -341,6 +444,9 @@ class PagedEngine:
                         break
                     continue
                 seq.pages += self.allocator.allocate(1)
+            if seq.slot >= 0:
+                self._window_grow(seq, pos)
+        self.stats["peak_pages"] = max(self.stats["peak_pages"], self.allocator.num_used)
 
     def _dispatch_decode(self):
         active = [s for s in self._slots if s is not None and s.state == SeqState.DECODE]
@@ -353,6 +459,8 @@ class PagedEngine:
         positions = np.zeros(B, np.int32)
         steps = np.zeros(B, np.int32)
         table = np.full((B, width), SCRATCH_PAGE, np.int32)
+        wtable = np.full((B, self._window_width(width, 1)), SCRATCH_PAGE, np.int32)
+        wbase = np.zeros(B, np.int32)
         for s in active:
             toks = s.tokens
             tokens[s.slot] = toks[-1]
@@ -360,12 +468,15 @@ class PagedEngine:
             positions[s.slot] = len(toks) - 1 + s.inflight
             steps[s.slot] = len(s.row.token_ids) + s.inflight
             table[s.slot, : len(s.pages)] = s.pages
+            if self.window:
+                wbase[s.slot], row = self._window_row(s, wtable.shape[1])
+                wtable[s.slot, : len(row)] = row
             s.inflight += 1
         want_lp = [s.row.params.logprobs for s in active if s.row.params.logprobs is not None]
         num_lp = -1 if not want_lp else 0 if max(want_lp) == 0 else 5 if max(want_lp) <= 5 else 20
         new, lp, self.k_pages, self.v_pages, self.state, self._last_tokens = self._decode(
             self.weights, jnp.asarray(tokens), jnp.asarray(use_prev), self._last_tokens,
-            jnp.asarray(positions), jnp.asarray(table),
+            jnp.asarray(positions), jnp.asarray(table), jnp.asarray(wtable), jnp.asarray(wbase),
             self.k_pages, self.v_pages, self.state, jnp.asarray(steps),
             jnp.asarray(self._stop_ids[:B]), jnp.asarray(self._min_tokens[:B]),
             cfg=self.cfg, num_logprobs=num_lp)
@@ -416,6 +527,17 @@ class PagedEngine:
             if record_token(r, tok, host_lp, b, now, self.tokenizer):
                 self._release(seq)
                 yield r
+
+
+def window_pool_pages(window: int, page_size: int, max_num_seqs: int, prefill_chunk: int, pages_per_seq: int) -> int:
+    """Pages of the window pool (scratch page included) that every slot's window always fits.
+
+    Between steps a sequence holds the pages from the one of position computed - W + 1 to
+    the one of its next query, at most W // ps + 2 (a decode query may run one position
+    ahead of computed); the one sequence prefilling at a time holds up to a chunk more. No
+    sequence holds more pages than its whole length."""
+    per_seq = min(window // page_size + 2, pages_per_seq)
+    return 1 + min(max_num_seqs * pages_per_seq, max_num_seqs * per_seq + prefill_chunk // page_size + 1)
 
 
 def len_bucket_pages(n: int, cap: int) -> int:

@@ -31,6 +31,15 @@ def page_hash(parent: bytes, tokens) -> bytes:
 ROOT_HASH = b"jaxinfer-prefix-root"
 
 
+def prefix_hashes(tokens, page_size: int, n: int) -> list[bytes]:
+    """Hash-chain names of the first ``n`` full pages of ``tokens``."""
+    out, h = [], ROOT_HASH
+    for i in range(n):
+        h = page_hash(h, tokens[i * page_size : (i + 1) * page_size])
+        out.append(h)
+    return out
+
+
 @dataclasses.dataclass
 class AllocatorStats:
     prefix_queries: int = 0  # full prompt pages looked up
@@ -120,6 +129,18 @@ class PageAllocator:
             pages.append(p)
             h = nh
         return pages, h
+
+    def acquire_cached(self, hashes) -> list[int] | None:
+        """The cached pages named ``hashes``, each with a new reference, or None (and no
+        reference taken) unless every one of them is still cached."""
+        if not self.prefix_caching or any(h not in self._page_of for h in hashes):
+            return None
+        pages = [self._page_of[h] for h in hashes]
+        for p in pages:
+            if self._ref[p] == 0:
+                del self._evictable[p]
+            self._ref[p] += 1
+        return pages
 
     def register_full_page(self, page: int, parent: bytes, tokens) -> bytes:
         """Name a page that just became full; returns its hash (the next page's parent).

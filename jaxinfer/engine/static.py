@@ -160,7 +160,7 @@ class StaticEngine:
         num_lp = max((r.params.logprobs or 0) for r in rows)
         # three shapes, not twenty-two: none, up to 5, up to 20
         num_lp = -1 if not want_lp else 0 if num_lp == 0 else 5 if num_lp <= 5 else 20
-        cache = kv.init_cache(cfg, B, S)
+        cache = kv.init_cache(cfg, B, S, max_chunk=T)  # LOCAL layers: a ring of W + T - 1
         self.last_cache_bytes = cache.nbytes()
         now = time.perf_counter()
         for r in rows:

@@ -144,13 +144,18 @@ def attention(
     k: jax.Array,  # [B, K, H, S] keys, transposed; key s sits at position kpos[s]
     v: jax.Array,  # [B, K, S, H] values
     qpos: jax.Array,  # i32[B, T] position of each query
-    kpos: jax.Array,  # i32[S] position of each key slot (arange for a dense cache)
+    kpos: jax.Array,  # i32[S] or i32[B, S] position of each key slot
     *,
     scale: float,
     window: jax.Array | int | None = None,  # attend to the last `window` positions only
     softcap: float | None = None,
 ) -> jax.Array:  # [B, T, N, H]
     """Reference causal GQA attention: query t attends to every key with kpos <= qpos[t].
+
+    kpos is shared by every row ([S]: a dense cache) or per row ([B, S]: a ring or a
+    windowed page table, where each row's slots hold different positions). A slot that holds
+    no position carries ``cache.EMPTY_POS``, far in every query's future, so it is masked;
+    the caches' readers zero the values of such slots (a masked weight is 0, but 0 * NaN is not).
 
     Keys are stored [B, K, H, S] so both contractions batch over (B, K) and stream the cache
     with S contiguous: with keys [B, K, S, H], XLA CPU's decode-time score contraction
@@ -164,7 +169,8 @@ def attention(
     s = jnp.einsum("BKMH,BKHS->BKMS", qm.astype(jnp.float32) * scale, k.astype(jnp.float32))
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
-    delta = qpos[:, :, None] - kpos[None, None, :]  # i32[B, T, S]
+    kpos = kpos if kpos.ndim == 2 else kpos[None, :]  # i32[B or 1, S]
+    delta = qpos[:, :, None] - kpos[:, None, :]  # i32[B, T, S]
     valid = delta >= 0
     if window is not None:
         valid &= delta < window
