@@ -396,7 +396,9 @@ def abstract_quant_array(shape, contract, scheme, group: int = 0, smooth: bool =
     shape, contract, scheme = tuple(shape), tuple(contract), QuantScheme(scheme)
     I = math.prod(shape[a] for a in contract)
     O = math.prod(shape) // I
-    sds = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=sharding)  # noqa: E731
+    def sds(s, dt):
+        return jax.ShapeDtypeStruct(s, dt, sharding=sharding)
+
     if scheme == QuantScheme.INT4:
         values, scale = sds((I // 2, O), jnp.int8), sds((I // group, O), jnp.float32)
     else:

@@ -49,8 +49,10 @@ def _quantize_tree(mod, cfg, w, scheme):
     specs = mod.weight_specs(cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
     arrays = treedef.flatten_up_to(w)
-    act = lambda spec: (jnp.linspace(0.5, 3.0, int(np.prod([spec.shape[a] for a in spec.contract_axes])))  # noqa: E731
-                        if scheme == "w8a8" else None)
+    def act(spec):  # made-up calibration maxima
+        n = int(np.prod([spec.shape[a] for a in spec.contract_axes]))
+        return jnp.linspace(0.5, 3.0, n) if scheme == "w8a8" else None
+
     return jax.tree.unflatten(treedef, [
         quantize_weight(weight_name(*weight_key(p)), s, a, qcfg, act_absmax=act(s))
         for (p, s), a in zip(flat, arrays)])
@@ -91,6 +93,29 @@ def test_forward_through_quant_arrays_equals_their_dequantized_floats(mod, cfg, 
     # w8a8: per-token int8 activations through 2 random layers (about 4% here); a weight
     # used raw (int8 storage as floats) would be off by ~100%
     assert rel < {"w8a8": 6e-2}.get(scheme, 1e-5), rel
+
+
+@pytest.mark.parametrize("mod,cfg", [(llama, LLAMA), (gemma3, GEMMA3)], ids=["llama", "gemma3"])
+def test_calibration_layer_by_layer_equals_the_whole_forward(mod, cfg):
+    """w8a8 calibration runs the model's forward one layer at a time from the hidden state
+    below it (one-layer weights, the config cut to that layer's kind, the embedding's scale
+    divided out): chained, the layers give the whole forward pass, local windows included
+    (GEMMA3's window 4 is shorter than the 9 tokens)."""
+    import functools
+
+    from jaxinfer.loaders.quantize import _run_layer
+
+    w = init_weights(mod.weight_specs(cfg), cfg, jax.random.key(1), scale=0.2)
+    tokens = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6, 5]], jnp.int32)
+    want, _ = mod.forward(w, tokens, jnp.zeros(1, jnp.int32), None, cfg=cfg, read_cache=False)
+    run = functools.partial(_run_layer, mod, {n: len(s.contract_axes) for n, s in
+                                              mod.weight_specs(cfg)["layers"][0].items() if s.contract})
+    x = mod.embed(w, tokens, cfg)
+    for i, layer in enumerate(w["layers"]):
+        one = dataclasses.replace(cfg, n_layers=1, layer_kinds=cfg.layer_kinds[i : i + 1])
+        x, absmax = run(layer, x, tokens, cfg=one, observe=True)
+        assert set(absmax) == MATMULS and absmax["wo"].shape == (cfg.n_heads, cfg.head_dim)
+    np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- loading

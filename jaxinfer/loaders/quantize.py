@@ -9,14 +9,15 @@ int8, int4: each weight is quantized as it arrives and its float copy dropped.
 
 w8a8: SmoothQuant needs, for each matmul, the largest |x| its input reaches on each channel.
 Those come from running ``CALIBRATION_PROMPTS`` through the model, which must not exist in
-float as a whole. So calibration goes layer by layer, in checkpoint order: the float weights
-of layer i are held until the layer is complete, then the calibration tokens run (eagerly)
-through the embedding, the already quantized layers 0..i-1 and float layer i, whose matmul
-weights are wrapped so each records ``channel_absmax`` of its input; layer i is then
-quantized with those maxima and its float weights dropped. Layer i's statistics are thus
-those of the quantized model it will sit in (as GPTQ-style sequential calibration does),
-and the peak holds one float layer. Rerunning the prefix costs L(L+1)/2 layer passes over
-the few hundred calibration tokens (a few seconds for SmolLM2's 30 layers).
+float as a whole. So calibration goes layer by layer, in checkpoint order. The calibration
+tokens are embedded with the already quantized table; the float weights of layer i are held
+until the layer is complete, then the hidden state runs through float layer i (the model's
+own ``forward`` over a one-layer weights tree, ``_run_layer``), its matmul weights wrapped so
+each records ``channel_absmax`` of its input; layer i is quantized with those maxima, its
+float weights dropped, and the hidden state advanced through the quantized layer i. Layer
+i's statistics are thus those of the quantized model it will sit in (as GPTQ-style
+sequential calibration does), the peak holds one float layer, and the cost is two jitted
+one-layer passes per layer (compiled once per kind of layer).
 The embedding / tied LM head arrives first, before any hidden state exists, and is kept
 weight-only int8 under w8a8 and int4 (see ``head_scheme``).
 """
@@ -31,27 +32,27 @@ from jaxinfer.errors import InvalidRequest
 from jaxinfer.quant import QuantConfig, QuantScheme
 
 # A fixed, small calibration set for w8a8 smoothing: varied English registers (narrative,
-# technical, dialogue, lists, numbers), concatenated into one sequence of ~400 tokens.
+# technical, dialogue, lists, numbers), concatenated into one sequence (351 SmolLM2 tokens).
 CALIBRATION_PROMPTS = (
-    "The old lighthouse keeper climbed the spiral stairs every evening at dusk, counting the "
-    "one hundred and twelve steps under his breath, and when he reached the lamp room he wiped "
-    "the salt from the glass before lighting the wick.",
-    "To install the package, create a virtual environment, activate it, and run pip install "
-    "with the requirements file. If the build fails, check that your compiler supports C++17 "
-    "and that the CUDA toolkit version matches the driver.",
-    "Q: Why does ice float on water?\nA: Because water expands as it freezes. The hydrogen "
-    "bonds lock the molecules into an open hexagonal lattice, so solid ice is about nine "
-    "percent less dense than the liquid around it.",
-    "Quarterly revenue rose 14% to $3.2 billion, while operating costs fell from 41% to 37% of "
-    "sales. The board approved a dividend of 0.45 per share, payable on March 15, 2025.",
-    "Dear Maria, thank you for the wonderful dinner last Saturday. The lemon tart was the best "
-    "I have ever tasted, and I would love the recipe if you are willing to share it.",
-    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    "
-    "return a\n\nprint([fibonacci(i) for i in range(10)])",
-    "Photosynthesis converts light energy into chemical energy. In the chloroplasts, water is "
-    "split, oxygen is released, and carbon dioxide is fixed into sugars by the Calvin cycle.",
-    "Shopping list: two loaves of bread, a dozen eggs, olive oil, fresh basil, three tomatoes, "
-    "and something sweet for the weekend.",
+    ("The old lighthouse keeper climbed the spiral stairs every evening at dusk, counting the "
+     "one hundred and twelve steps under his breath, and when he reached the lamp room he wiped "
+     "the salt from the glass before lighting the wick."),
+    ("To install the package, create a virtual environment, activate it, and run pip install "
+     "with the requirements file. If the build fails, check that your compiler supports C++17 "
+     "and that the CUDA toolkit version matches the driver."),
+    ("Q: Why does ice float on water?\nA: Because water expands as it freezes. The hydrogen "
+     "bonds lock the molecules into an open hexagonal lattice, so solid ice is about nine "
+     "percent less dense than the liquid around it."),
+    ("Quarterly revenue rose 14% to $3.2 billion, while operating costs fell from 41% to 37% of "
+     "sales. The board approved a dividend of 0.45 per share, payable on March 15, 2025."),
+    ("Dear Maria, thank you for the wonderful dinner last Saturday. The lemon tart was the best "
+     "I have ever tasted, and I would love the recipe if you are willing to share it."),
+    ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    "
+     "return a\n\nprint([fibonacci(i) for i in range(10)])"),
+    ("Photosynthesis converts light energy into chemical energy. In the chloroplasts, water is "
+     "split, oxygen is released, and carbon dioxide is fixed into sugars by the Calvin cycle."),
+    ("Shopping list: two loaves of bread, a dozen eggs, olive oil, fresh basil, three tomatoes, "
+     "and something sweet for the weekend."),
 )
 
 
