@@ -13,7 +13,7 @@ import itertools
 import time
 from typing import Sequence
 
-from jaxinfer import registry
+from jaxinfer import quant, registry
 from jaxinfer.config import default_dtype
 from jaxinfer.engine.paged import EngineConfig, PagedEngine, Scheduling
 from jaxinfer.engine.static import Row, StaticEngine
@@ -32,8 +32,13 @@ class LLM:
     directory or an Orbax checkpoint. dtype: None picks float32 on CPU and bfloat16 on TPU/GPU.
     max_model_len: the longest prompt + output allowed (default: the checkpoint's context).
     engine: "paged" (continuous batching over a paged KV cache, the default) or "static"
-    (length-sorted static batches over a dense cache). The remaining options tune the paged
-    engine (see ``jaxinfer.engine.paged.EngineConfig``); windowed_kv=False makes sliding-window
+    (length-sorted static batches over a dense cache). quantize: "int8" (weight-only, one
+    scale per output channel), "int4" (weight-only, groups of quant_group contracted rows;
+    default the largest of 128/64/32 dividing each weight) or "w8a8" (int8 weights and
+    per-token int8 activations, SmoothQuant-calibrated), applied weight by weight while
+    loading (see ``jaxinfer.loaders.quantize``); None keeps the checkpoint's weights (a
+    quantized Orbax checkpoint stays quantized). The remaining options tune the paged engine
+    (see ``jaxinfer.engine.paged.EngineConfig``); windowed_kv=False makes sliding-window
     layers keep every position (their window pages are freed by default).
     """
 
@@ -42,7 +47,8 @@ class LLM:
                  progress: bool = True, engine: str = "paged", page_size: int = 16,
                  num_pages: int | None = None, kv_cache_bytes: int = 2 << 30,
                  prefill_chunk: int = 512, enable_prefix_caching: bool = True,
-                 scheduling: str = "fcfs", windowed_kv: bool = True):
+                 scheduling: str = "fcfs", windowed_kv: bool = True, quantize: str | None = None,
+                 quant_group: int | None = None):
         dtype = dtype or default_dtype()
         if dtype == "auto":
             dtype = default_dtype()
@@ -50,8 +56,9 @@ class LLM:
             raise InvalidRequest(f"dtype must be one of {', '.join(_DTYPES)} or 'auto', got {dtype!r}")
         if max_num_seqs < 1:
             raise InvalidRequest(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        qcfg = quant.quant_config(quantize, quant_group)  # bad options fail before the download
         self.model_path = registry.resolve(model, progress=progress)
-        loaded = checkpoint.load(self.model_path, dtype=dtype)
+        loaded = checkpoint.load(self.model_path, dtype=dtype, quantize=qcfg)
         self.cfg, self.weights, self.tokenizer = loaded.cfg, loaded.weights, loaded.tokenizer
         if max_model_len is None:
             max_model_len = self.cfg.max_position
@@ -228,8 +235,14 @@ class LLM:
         cfg, n = self.cfg, seq_len or self.max_model_len
         windowed = getattr(self.engine, "window", True) is not None
         weights = sum(x.nbytes for x in jax.tree.leaves(self.weights))
+        scheme = quant.model_scheme(self.weights)
+        qas = [x for x in jax.tree.leaves(self.weights, is_leaf=lambda x: isinstance(x, quant.QuantArray))
+               if isinstance(x, quant.QuantArray)]
         return {
             "weights_bytes": int(weights),
+            "quantize": scheme.value if scheme is not None else None,
+            # int4: the group sizes used (the largest of 128/64/32 dividing each weight)
+            "quant_groups": sorted({q.group for q in qas if q.scheme == quant.QuantScheme.INT4}),
             "kv_cache_bytes": int(self.engine.last_cache_bytes),
             "kv_bytes_per_token": cfg.kv_bytes_per_token(),
             "kv_bytes_per_token_global": cfg.kv_bytes_per_token(kind=AttentionKind.GLOBAL),

@@ -28,10 +28,21 @@ class WeightSpec:
     axes: tuple[str | None, ...]  # logical axis names, one per dim ("embed", "q_heads", ...)
     init: str = "normal"  # "normal" | "ones" | "zeros"
     dtype: str | None = None  # None: the model's dtype
+    # Matmul weights: the logical axes the model's einsum sums over ("embed" for wq, the
+    # (heads, head_dim) pair for wo). Quantization keeps one scale per remaining channel;
+    # () marks a weight that is never quantized (norms, biases).
+    contract: tuple[str, ...] = ()
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
             raise ValueError(f"{self.shape=} and {self.axes=} differ in rank")
+        if not set(self.contract) <= set(self.axes):
+            raise ValueError(f"{self.contract=} names axes not in {self.axes=}")
+
+    @property
+    def contract_axes(self) -> tuple[int, ...]:
+        """Positions of the contracted axes (empty for weights that stay float)."""
+        return tuple(i for i, a in enumerate(self.axes) if a in self.contract)
 
 
 def is_spec(x) -> bool:
@@ -98,6 +109,14 @@ def dot(eq: str, x: jax.Array, w) -> jax.Array:
         w2 = w.reshape(-1, *w.shape[n:])
         return jnp.einsum(f"{xs[:-n]}Z,Z{ws[n:]}->{out}", x2, w2)
     return jnp.einsum(eq, x, w)
+
+
+def take(w, tokens: jax.Array) -> jax.Array:
+    """Embedding rows ``w[tokens]`` -> [*tokens.shape, D]; a quantized table [V, D]
+    dequantizes only the rows it looks up."""
+    if isinstance(w, (jax.Array, np.ndarray)):  # (arrays have a .take of their own)
+        return jnp.take(w, tokens, axis=0)
+    return w.take(tokens)  # QuantArray
 
 
 # ----------------------------------------------------------------------------- norms
