@@ -297,7 +297,8 @@ def test_engine_decode_step_w8a8_is_int8_dots(tiny_gguf):
     e, B = llm.engine, 4
     lowered = e._decode.lower(
         e.weights, jnp.zeros(B, jnp.int32), jnp.zeros(B, bool), e._last_tokens, jnp.zeros(B, jnp.int32),
-        jnp.zeros((B, e.pages_per_seq), jnp.int32), e.k_pages, e.v_pages, e.state, jnp.zeros(B, jnp.int32),
+        jnp.zeros((B, e.pages_per_seq), jnp.int32), jnp.zeros((B, 1), jnp.int32), jnp.zeros(B, jnp.int32),
+        e.k_pages, e.v_pages, e.state, jnp.zeros(B, jnp.int32),
         jnp.asarray(e._stop_ids[:B]), jnp.asarray(e._min_tokens[:B]), cfg=e.cfg, num_logprobs=-1)
     hlo = lowered.compile().as_text()
     types = dict(re.findall(r"(%[\w.-]+) = (\w+)\[", hlo))
