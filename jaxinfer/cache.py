@@ -24,7 +24,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import kernels
 from jaxinfer.config import ModelConfig
+from jaxinfer.models.layers import attention
 
 
 EMPTY_POS = 1 << 30  # position of a slot that holds no key: after every query, so masked
@@ -62,6 +64,13 @@ class KVCache:
         layers.attention."""
         kpos = self.ring_pos if self.is_ring(layer) else jnp.arange(self.v[layer].shape[2])
         return self.k[layer], _zero_unseen(self.v[layer], kpos, end), kpos
+
+
+    def attend(self, layer: int, q, qpos, end, *, scale, window=None, softcap=None):
+        """Attention of q [B, T, N, H] at positions qpos over this layer's cache (written up
+        to end[b]) -> [B, T, N, H]."""
+        keys, values, kpos = self.read_layer(layer, end)
+        return attention(q, keys, values, qpos, kpos, scale=scale, window=window, softcap=softcap)
 
 
 def _zero_unseen(values: jax.Array, kpos: jax.Array, end: jax.Array) -> jax.Array:
@@ -181,6 +190,17 @@ class PagedKVCache:
         k[layer] = k[layer].at[page, s, s, off].set(k_new.astype(k[layer].dtype))
         v[layer] = v[layer].at[page, s, off].set(v_new.astype(v[layer].dtype))
         return PagedKVCache(k, v, self.page_table, self.window_table, self.window_base, self.windowed)
+
+    def attend(self, layer: int, q, qpos, end, *, scale, window=None, softcap=None):
+        """Attention of q [B, T, N, H] over this layer's pages -> [B, T, N, H]. A decode step
+        (T = 1) on TPU/GPU reads the pages in place with the Pallas kernel (see
+        jaxinfer.kernels); elsewhere the rows' pages are gathered and the reference runs."""
+        windowed = bool(self.windowed) and self.windowed[layer]
+        if q.shape[1] == 1 and not windowed and kernels.enabled():
+            return kernels.paged_decode_attention(q, self.k[layer], self.v[layer], self.page_table, end,
+                                                  scale=scale, window=window, softcap=softcap)
+        keys, values, kpos = self.read_layer(layer, end)
+        return attention(q, keys, values, qpos, kpos, scale=scale, window=window, softcap=softcap)
 
     def read_layer(self, layer: int, end: jax.Array):
         """Gather the rows' pages into dense views (keys [B, K, H, n*ps], values

@@ -129,7 +129,8 @@ class _Observed:
     def __init__(self, w: jax.Array, n_contract: int):
         self.w, self.n_contract, self.absmax = w, n_contract, None
 
-    def einsum(self, eq: str, x: jax.Array) -> jax.Array:
+    def einsum(self, eq: str, x: jax.Array, *, matmul=None) -> jax.Array:
+        del matmul  # a float weight: no quantized kernel to route through
         lhs, out = eq.replace(" ", "").split("->")
         xs, ws = lhs.split(",")
         # the contracted letters in x's order -> move them last for channel_absmax

@@ -116,12 +116,11 @@ def forward(
             k = apply_rope(k, positions, inv_freq[rope])
             if cache is not None:
                 cache = cache.write_layer(i, k, v, start)
+            opts = dict(scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
             if cache is not None and read_cache:
-                keys, values, kpos = cache.read_layer(i, start + T)
+                o = cache.attend(i, q, positions, start + T, **opts)
             else:  # fresh prompts: the new tokens are all there is to attend to
-                keys, values, kpos = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions[0]
-            o = attention(q, keys, values, positions, kpos, scale=cfg.attn_scale, window=window,
-                          softcap=cfg.attn_logit_softcap)
+                o = attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions, positions[0], **opts)
             x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
         with jax.named_scope(f"layer{i}/mlp"):
             h = norm(x, w["mlp_norm"])

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import kernels
 from jaxinfer.config import ModelConfig, RopeConfig, RopeKind
 
 
@@ -96,7 +97,7 @@ def init_weights(specs, cfg: ModelConfig, key: jax.Array, scale: float = 0.02):
 def dot(eq: str, x: jax.Array, w) -> jax.Array:
     """einsum of an activation with a weight; the one place quantized weights plug in."""
     if hasattr(w, "einsum"):  # QuantArray and friends implement their own contraction
-        return w.einsum(eq, x)
+        return w.einsum(eq, x, matmul=kernels.matmul_for_quantized())
     w = w.astype(x.dtype) if w.dtype != x.dtype else w
     lhs, out = eq.split("->")
     xs, ws = lhs.split(",")

@@ -85,10 +85,10 @@ def forward(
             if cache is not None:
                 cache = cache.write_layer(i, k, v, start)
             if cache is not None and read_cache:
-                keys, values, kpos = cache.read_layer(i, start + T)
+                o = cache.attend(i, q, positions, start + T, scale=scale)
             else:  # fresh prompts: the new tokens are all there is to attend to
-                keys, values, kpos = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions[0]
-            o = attention(q, keys, values, positions, kpos, scale=scale)
+                o = attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions, positions[0],
+                              scale=scale)
             x = x + dot("BTNH,NHD->BTD", o, w["wo"])
         with jax.named_scope(f"layer{i}/mlp"):
             h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)

@@ -1,0 +1,85 @@
+"""Where the engine meets ``pallas_kernels``: which ops run as Pallas kernels, decided at trace time.
+
+On TPU and GPU the model's hot ops run as the Pallas kernels: decode attention reads the page
+pools through the page tables (``pallas_kernels.paged_attention``) instead of gathering each
+row's pages into a dense copy, and quantized matmuls run as the int8 / weight-only kernels
+(``pallas_kernels.quant_matmul``). On CPU, where Pallas does not compile, the pure-JAX paths
+stay: the cache's gather + ``layers.attention``, and ``QuantArray.matmul`` (XLA's native
+s8 x s8 -> s32 dot).
+
+``interpret_kernels()`` forces the kernel path in Pallas interpret mode on any backend, so
+the seam itself is tested on CPU: a model or engine built and traced inside it runs every
+kernel it would run on a TPU. The choice is read while tracing; an executable already
+compiled keeps the path it was traced with.
+
+Kept out of the kernel path (the reference serves): windowed layers whose page table starts
+at a per-row base page (the kernel indexes tables from logical page 0), and int8 KV pools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _common
+from pallas_kernels import paged_attention as pa
+from pallas_kernels import quant_matmul as qm
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def interpret_kernels():
+    """Trace the kernel path in Pallas interpret mode (CPU tests of the TPU/GPU path)."""
+    old = getattr(_state, "interpret", False)
+    _state.interpret = True
+    try:
+        yield
+    finally:
+        _state.interpret = old
+
+
+def _interpret() -> bool:
+    return getattr(_state, "interpret", False)
+
+
+def enabled() -> bool:
+    """Whether the ops traced now run as Pallas kernels."""
+    return _interpret() or _common.platform() in _common.KERNEL_PLATFORMS
+
+
+# ----------------------------------------------------------------------------- matmuls
+def quant_matmul(w, x: jax.Array) -> jax.Array:
+    """x [M, I] @ QuantArray w -> [M, O] in x.dtype, as a Pallas kernel (the ``matmul`` seam
+    of ``QuantArray.einsum``)."""
+    from jaxinfer.quant import QuantScheme, quantize_rows
+
+    interpret = _interpret()
+    if w.scheme == QuantScheme.W8A8:
+        xf = x.astype(jnp.float32)
+        if w.smooth is not None:
+            xf = xf * w.smooth
+        xq, xs = quantize_rows(xf)
+        y = qm.int8_matmul(xq, xs, w.values, w.scale, out_dtype=jnp.float32, interpret=interpret)
+        return y.astype(x.dtype)
+    if w.scheme == QuantScheme.INT4 and w.group % 64:
+        return w.matmul(x)  # the kernel unpacks int4 in tiles of 64 rows; XLA serves the rest
+    return qm.weight_only_matmul(x, w.values, w.scale, interpret=interpret).astype(x.dtype)
+
+
+def matmul_for_quantized():
+    """The ``matmul=`` to hand ``QuantArray.einsum``: the kernel, or None (plain XLA)."""
+    return quant_matmul if enabled() else None
+
+
+# ----------------------------------------------------------------------------- attention
+def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale, window, softcap):
+    """One query per row (q [B, 1, N, H]) over its pages -> [B, 1, N, H]; keys stored
+    transposed ([P, K, H, page_size]) as jaxinfer's paged cache keeps them."""
+    out = pa.paged_attention(q[:, 0], k_pages, v_pages, page_table, lengths, scale=scale,
+                             window=window, softcap=softcap, keys_transposed=True,
+                             interpret=_interpret())
+    return out[:, None]
