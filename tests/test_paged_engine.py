@@ -212,8 +212,11 @@ def test_warmup_leaves_nothing_to_compile(tiny_gguf):
     from jaxinfer.bench import WorkloadSpec, run_bench
 
     llm = _paged(tiny_gguf, page_size=8, max_num_seqs=4, prefill_chunk=32)
-    spec = WorkloadSpec(num_requests=10, prompt_len=(5, 60), output_len=(3, 6), seed=1)
+    # a shared prefix: cache hits start chunks mid-prompt, at page boundaries warm-up covers
+    spec = WorkloadSpec(num_requests=10, prompt_len=(5, 60), output_len=(3, 6), seed=1,
+                        shared_prefix_len=20, shared_prefix_share=0.6)
     s = run_bench(llm, spec, peaks={"flops": 1e11, "bytes_s": 1e10}, ttft_slo=60.0)
+    assert s["engine"]["cached_prompt_tokens"] > 0
     assert s["compilations"]["during_run"] == 0 and s["compilations"]["warmup"] > 0
     assert s["requests"] == 10 and 30 <= s["output_tokens"] <= 60
     assert s["ttft_s"]["p50"] <= s["e2e_s"]["p50"] and 0 < s["mfu"] < 1

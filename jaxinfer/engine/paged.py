@@ -52,6 +52,7 @@ from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.registry import family_module
 
 STOP_ID_WIDTH = 16  # per-row stop ids masked before min_tokens (EOS ids + stop_token_ids)
+MIN_PREFILL_BUCKET = 32  # prompt chunks of up to 32 tokens share one shape
 BATCH_BUCKETS = (1, 4, 16, 64, 256, 512)  # powers of 4: batch 1 runs alone, few executables
 
 
@@ -207,9 +208,16 @@ class PagedEngine:
         max_len = min(max_len or self.max_model_len, self.max_model_len)
         max_prompt = min(max_prompt_len or max_len, max_len)
         ps, before = self.allocator.page_size, self.num_compilations()
-        shapes = {self._prefill_shape(computed, min(n - 1 - computed, self.config.prefill_chunk))
-                  for n in range(2, max_prompt + 1)  # every prompt length, chunk by chunk, no cache hits
-                  for computed in range(0, n - 1, self.config.prefill_chunk)}
+        chunk = self.config.prefill_chunk
+        if self.config.prefix_caching:
+            # a cached prefix may end at any page: every chunk bucket with every table width
+            # from its own up to the longest prompt's (powers of two: a handful)
+            top = self._prefill_shape(0, max_prompt)[1]
+            shapes = {(T, w) for n in range(1, min(chunk, max_prompt) + 1)
+                      for T, w0 in [self._prefill_shape(0, n)] for w in self._prefill_widths(w0, max(w0, top))}
+        else:  # every prompt length, chunk by chunk
+            shapes = {self._prefill_shape(computed, min(n - 1 - computed, chunk))
+                      for n in range(2, max_prompt + 1) for computed in range(0, n - 1, chunk)}
         for T, width in sorted(shapes):
             self.k_pages, self.v_pages = self._prefill(
                 self.weights, jnp.zeros((1, T), jnp.int32), jnp.asarray([0], jnp.int32),
@@ -386,11 +394,21 @@ class PagedEngine:
 
     # ------------------------------------------------------------------ prefill
     def _prefill_shape(self, computed: int, n: int) -> tuple[int, int]:
-        """(chunk bucket T, table width) of a chunk of n tokens after `computed` ones. The
-        width covers the padded chunk's end, so a first chunk's shape depends on T alone
-        (table entries past the sequence's pages are the scratch page)."""
-        T = min(len_bucket(n), self.config.prefill_chunk)
-        return T, len_bucket_pages(-(-(computed + T) // self.allocator.page_size), self.pages_per_seq)
+        """(chunk bucket T, table width) of a chunk of n tokens after `computed` ones: T a
+        power of two from 32, the width a power of two from 8 pages covering computed + n. With
+        power-of-two page sizes a first chunk's width follows from T alone, and one sequence's
+        prefill gathers so few pages that finer widths would only add executables."""
+        T = min(max(MIN_PREFILL_BUCKET, len_bucket(n)), self.config.prefill_chunk)
+        pages = -(-(computed + n) // self.allocator.page_size)
+        return T, min(max(8, 1 << (pages - 1).bit_length()), max(self.pages_per_seq, pages))
+
+    def _prefill_widths(self, lo: int, hi: int) -> list[int]:
+        """The prefill table widths from lo to hi (both from _prefill_shape)."""
+        out, w = [], lo
+        while w < hi:
+            out.append(w)
+            w = min(w * 2, max(self.pages_per_seq, hi))
+        return out + [hi]
 
     def _run_prefill(self) -> None:
         budget = self.config.prefill_chunk
