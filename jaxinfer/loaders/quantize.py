@@ -78,12 +78,16 @@ def quantize_weight(name: str, spec, w: jax.Array, qcfg: QuantConfig, scheme=Non
 
 
 def head_scheme(spec, qcfg: QuantConfig) -> QuantScheme:
-    """The scheme of one weight: the model's, except that the embedding / LM head (a weight
-    with a "vocab" axis) is int8 weight-only under int4 and w8a8. Measured on SmolLM2 (tied
-    head, 256 tokens): int4 everywhere raised perplexity 56% over float32, int4 with an int8
-    head 25% (llama.cpp's Q4_K_M likewise keeps the output matrix at 6 bits); under w8a8 the
-    tied table arrives first, before any hidden state exists to calibrate its smoothing."""
-    return QuantScheme.INT8 if "vocab" in spec.axes else qcfg.scheme
+    """The scheme of one weight: the model's, except for the embedding / LM head (a weight
+    with a "vocab" axis). Under int4 it is int8 weight-only: measured on SmolLM2 (tied head,
+    256 tokens), int4 everywhere raised perplexity 56% over float32, int4 with an int8 head 25%
+    (llama.cpp's Q4_K_M likewise keeps the output matrix at 6 bits). Under w8a8 it is w8a8
+    without smoothing: the tied table arrives first, before any hidden state exists to
+    calibrate one, and as weight-only int8 XLA CPU widened all 28M of its entries to float32
+    on every decode step."""
+    if "vocab" in spec.axes and qcfg.scheme == QuantScheme.INT4:
+        return QuantScheme.INT8
+    return qcfg.scheme
 
 
 def check_quantizable(specs, cfg, qcfg: QuantConfig) -> None:
