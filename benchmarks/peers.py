@@ -332,13 +332,23 @@ class JaxinferEngine:
 
         t0 = time.perf_counter()
         self.llm = LLM(self.path, max_model_len=1024, max_num_seqs=c, progress=False,
-                       enable_prefix_caching=self.args.jaxinfer_prefix_caching)
+                       enable_prefix_caching=self.args.jaxinfer_prefix_caching, **self._variant())
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.run(c, reqs)  # warm-up: compiles this configuration's buckets
         warm_s = time.perf_counter() - t0
         self.comp_warm = self._ncomp()
         return {"load_s": load_s, "warmup_s": warm_s, "compilations_after_warmup": self.comp_warm}
+
+    def _variant(self) -> dict:
+        """LLM options of this worker's variant: "float" or e.g. "w8a8", "int8+kv8"."""
+        kw = {}
+        for part in (self.args.dtype or "float").split("+"):
+            if part == "kv8":
+                kw["kv_cache_dtype"] = "int8"
+            elif part != "float":
+                kw["quantize"] = part
+        return kw
 
     def _ncomp(self):
         f = getattr(self.llm.engine, "num_compilations", None)
@@ -372,7 +382,7 @@ class JaxinferEngine:
         jax = self.jax
         return {"versions": {"jaxinfer": jaxinfer.__version__, "jax": jax.__version__,
                              "backend": jax.default_backend(), "devices": len(jax.devices())},
-                "config": {"max_model_len": 1024, "dtype": default_dtype(),
+                "config": {"max_model_len": 1024, "dtype": default_dtype(), **self._variant(),
                            "enable_prefix_caching": self.args.jaxinfer_prefix_caching,
                            "weights": "Q4_1 dequantized at load (default dtype)"}}
 
@@ -531,6 +541,10 @@ def main():
     ap.add_argument("--jaxinfer-prefix-caching", action="store_true",
                     help="leave jaxinfer's prefix cache on (off by default: every timed run repeats the "
                          "warm-up's prompts, which the cache would serve without prefill)")
+    ap.add_argument("--jaxinfer-variants", nargs="+", default=["float"],
+                    help="jaxinfer configurations, each its own engine in the table: 'float' (the "
+                         "default dtype), a quantize scheme ('int8', 'int4', 'w8a8'), '+kv8' for the "
+                         "int8 KV cache, e.g. float w8a8 w8a8+kv8")
     ap.add_argument("--subset", type=int, default=8, help="requests run at concurrency 1")
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
@@ -607,6 +621,9 @@ def main():
         if eng == "transformers":
             for dt in a.hf_dtypes:
                 plan[f"transformers-{dt}"] = (eng, dt, hf_batches)
+        elif eng == "jaxinfer":
+            for v in a.jaxinfer_variants:
+                plan["jaxinfer" if v == "float" else f"jaxinfer-{v}"] = (eng, v, a.concurrency)
         else:
             plan[{"llamacpp": "llama.cpp"}.get(eng, eng)] = (eng, None, a.concurrency)
     results = {lb: {"ok": True, "rows": [], "levels": {}} for lb in plan}
@@ -706,17 +723,20 @@ def main():
         return r["out_tok_s"], r["concurrency"]
 
     top = max(a.concurrency)
-    jx = at("jaxinfer", top)
+    jx_labels = [lb for lb in results if lb.startswith("jaxinfer")]
     for name in ("transformers-bfloat16", "transformers-float32"):
         v, b = best(name)
         if v:
             summary[f"{name}_best"] = {"out_tok_s": v, "batch": b}
-            if jx:
-                summary[f"jaxinfer@{top} / {name}_best"] = round(jx / v, 3)
-    for c in a.concurrency:
-        j, l = at("jaxinfer", c), at("llama.cpp", c)
-        if j and l:
-            summary[f"jaxinfer/llama.cpp@{c}"] = round(j / l, 3)
+            for jl in jx_labels:
+                jx = at(jl, top)
+                if jx:
+                    summary[f"{jl}@{top} / {name}_best"] = round(jx / v, 3)
+    for jl in jx_labels:
+        for c in a.concurrency:
+            j, l = at(jl, c), at("llama.cpp", c)
+            if j and l:
+                summary[f"{jl}/llama.cpp@{c}"] = round(j / l, 3)
     names = list(samples)
     agree = {f"{x} vs {y}": _agreement(samples[x], samples[y])
              for i, x in enumerate(names) for y in names[i + 1:]}

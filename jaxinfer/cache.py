@@ -117,13 +117,21 @@ class KVCache:
     def write_layer(self, layer: int, k_new, v_new, start) -> "KVCache":
         return write_layer(self, layer, k_new, v_new, start)
 
-    def read_layer(self, layer: int):
+    def read_layer(self, layer: int, end: jax.Array):
         """(keys [B, K, H, S], values [B, K, S, H], kpos) of one layer: kpos i32[S] for a
-        full-length layer, i32[B, R] (what each ring slot holds) for a ring."""
-        keys, values = _load(self.k[layer]), _load(self.v[layer])
-        if self.is_ring(layer):
-            return keys, values, self.ring_pos
-        return keys, values, jnp.arange(self.v[layer].shape[2])
+        full-length layer, i32[B, R] (what each ring slot holds) for a ring. Values at
+        positions >= end[b] (not written yet for row b, or EMPTY_POS) read as 0: see
+        layers.attention. int8 buffers read back as float32."""
+        kpos = self.ring_pos if self.is_ring(layer) else jnp.arange(self.v[layer].shape[2])
+        return _load(self.k[layer]), _zero_unseen(_load(self.v[layer]), kpos, end), kpos
+
+
+def _zero_unseen(values: jax.Array, kpos: jax.Array, end: jax.Array) -> jax.Array:
+    """values [B, K, S, H] with the slots at kpos >= end[b] set to 0 (never NaN); kpos is
+    i32[S] or per row i32[B, S]."""
+    kpos = kpos if kpos.ndim == 2 else kpos[None, :]
+    seen = kpos < end[:, None]  # bool[B, S]
+    return jnp.where(seen[:, None, :, None], values, jnp.zeros((), values.dtype))
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *, max_chunk: int | None = None) -> KVCache:
@@ -236,11 +244,12 @@ class PagedKVCache:
         v[layer] = _store(v[layer], (page, s, off), v_new)
         return PagedKVCache(k, v, self.page_table, self.window_table, self.window_base, self.windowed)
 
-    def read_layer(self, layer: int):
+    def read_layer(self, layer: int, end: jax.Array):
         """Gather the rows' pages into dense views (keys [B, K, H, n*ps], values
         [B, K, n*ps, H], kpos); only the n page-table columns of this call are read. kpos is
         i32[n*ps] for full-length layers and i32[B, m*ps] for windowed ones (each row's table
-        starts at its own logical page)."""
+        starts at its own logical page). Values at positions >= end[b] read as 0 (XLA fuses
+        that into the gather's copy)."""
         table, base = self._table(layer)
         B, n = table.shape
         kp = _load(self.k[layer], table)  # [B, n, K, H, ps]
@@ -251,7 +260,7 @@ class PagedKVCache:
         kpos = jnp.arange(n * ps)
         if base is not None:
             kpos = base[:, None] * ps + kpos[None, :]
-        return keys, values, kpos
+        return keys, _zero_unseen(values, kpos, end), kpos
 
 
 def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None, *,

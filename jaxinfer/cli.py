@@ -30,6 +30,15 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
                    help="KV cache storage (auto: the model's dtype; int8: int8 with a float32 scale per token and head)")
+    _add_quantize(p)
+
+
+def _add_quantize(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", default=None, choices=["int8", "int4", "w8a8"],
+                   help="quantize the matmul weights while loading: int8 / int4 weight-only, or w8a8 "
+                        "(int8 weights and activations, SmoothQuant-calibrated)")
+    p.add_argument("--quant-group", type=int, default=None,
+                   help="int4 rows per scale (default: the largest of 128/64/32 dividing each weight)")
 
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
@@ -43,7 +52,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(a) -> dict:
-    return dict(max_num_seqs=a.max_num_seqs, page_size=a.page_size, num_pages=a.num_pages,
+    return dict(quantize=a.quantize, quant_group=a.quant_group,
+                max_num_seqs=a.max_num_seqs, page_size=a.page_size, num_pages=a.num_pages,
                 prefill_chunk=a.prefill_chunk, enable_prefix_caching=not a.no_prefix_caching,
                 scheduling=a.scheduling, engine=a.engine)
 
@@ -121,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src", help="registry name or path")
     c.add_argument("dest", help="output directory (default store: checkpoints/)")
     c.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    _add_quantize(c)
     return ap
 
 
@@ -135,7 +146,8 @@ def cmd_generate(a) -> int:
     from jaxinfer import LLM
 
     sp = _sampling(a)  # invalid values fail before the model loads
-    llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len, progress=not a.json)
+    llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
+              progress=not a.json, quantize=a.quantize, quant_group=a.quant_group)
     t0 = time.perf_counter()
     if a.chat is not None:
         out = llm.chat([{"role": "user", "content": a.chat}], sp, use_tqdm=False)[0]
@@ -239,7 +251,7 @@ def cmd_fetch(a) -> int:
 def cmd_convert(a) -> int:
     from jaxinfer.loaders.orbax_io import convert
 
-    print(convert(a.src, a.dest, dtype=a.dtype))
+    print(convert(a.src, a.dest, dtype=a.dtype, quantize=a.quantize, quant_group=a.quant_group))
     return 0
 
 

@@ -13,7 +13,7 @@ import itertools
 import time
 from typing import Sequence
 
-from jaxinfer import registry
+from jaxinfer import quant, registry
 from jaxinfer.cache import KV_CACHE_DTYPES
 from jaxinfer.config import default_dtype
 from jaxinfer.engine.paged import EngineConfig, PagedEngine, Scheduling
@@ -33,8 +33,13 @@ class LLM:
     directory or an Orbax checkpoint. dtype: None picks float32 on CPU and bfloat16 on TPU/GPU.
     max_model_len: the longest prompt + output allowed (default: the checkpoint's context).
     engine: "paged" (continuous batching over a paged KV cache, the default) or "static"
-    (length-sorted static batches over a dense cache). The remaining options tune the paged
-    engine (see ``jaxinfer.engine.paged.EngineConfig``); windowed_kv=False makes sliding-window
+    (length-sorted static batches over a dense cache). quantize: "int8" (weight-only, one
+    scale per output channel), "int4" (weight-only, groups of quant_group contracted rows;
+    default the largest of 128/64/32 dividing each weight) or "w8a8" (int8 weights and
+    per-token int8 activations, SmoothQuant-calibrated), applied weight by weight while
+    loading (see ``jaxinfer.loaders.quantize``); None keeps the checkpoint's weights (a
+    quantized Orbax checkpoint stays quantized). The remaining options tune the paged engine
+    (see ``jaxinfer.engine.paged.EngineConfig``); windowed_kv=False makes sliding-window
     layers keep every position (their window pages are freed by default). kv_cache_dtype:
     "auto" (the model's dtype), a float type, or "int8" (int8 keys and values with a float32
     scale per token and head; about 3.8x smaller than float32 at head_dim 64).
@@ -45,7 +50,8 @@ class LLM:
                  progress: bool = True, engine: str = "paged", page_size: int = 16,
                  num_pages: int | None = None, kv_cache_bytes: int = 2 << 30,
                  prefill_chunk: int = 512, enable_prefix_caching: bool = True,
-                 scheduling: str = "fcfs", windowed_kv: bool = True, kv_cache_dtype: str = "auto"):
+                 scheduling: str = "fcfs", windowed_kv: bool = True, quantize: str | None = None,
+                 quant_group: int | None = None, kv_cache_dtype: str = "auto"):
         dtype = dtype or default_dtype()
         if dtype == "auto":
             dtype = default_dtype()
@@ -55,8 +61,9 @@ class LLM:
             raise InvalidRequest(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        qcfg = quant.quant_config(quantize, quant_group)  # bad options fail before the download
         self.model_path = registry.resolve(model, progress=progress)
-        loaded = checkpoint.load(self.model_path, dtype=dtype)
+        loaded = checkpoint.load(self.model_path, dtype=dtype, quantize=qcfg)
         self.cfg, self.weights, self.tokenizer = loaded.cfg, loaded.weights, loaded.tokenizer
         if max_model_len is None:
             max_model_len = self.cfg.max_position
@@ -234,8 +241,14 @@ class LLM:
         cfg, n, kvd = self.cfg, seq_len or self.max_model_len, self.engine.kv_dtype
         windowed = getattr(self.engine, "window", True) is not None
         weights = sum(x.nbytes for x in jax.tree.leaves(self.weights))
+        scheme = quant.model_scheme(self.weights)
+        qas = [x for x in jax.tree.leaves(self.weights, is_leaf=lambda x: isinstance(x, quant.QuantArray))
+               if isinstance(x, quant.QuantArray)]
         return {
             "weights_bytes": int(weights),
+            "quantize": scheme.value if scheme is not None else None,
+            # int4: the group sizes used (the largest of 128/64/32 dividing each weight)
+            "quant_groups": sorted({q.group for q in qas if q.scheme == quant.QuantScheme.INT4}),
             "kv_cache_bytes": int(self.engine.last_cache_bytes),
             "kv_cache_dtype": kvd,
             "kv_bytes_per_token": cfg.kv_bytes_per_token(kvd),

@@ -347,6 +347,83 @@ def channel_absmax(x: jax.Array, n_contract: int = 1) -> jax.Array:
     return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes)
 
 
+# ----------------------------------------------------------------------------- whole models
+INT4_GROUPS = (128, 64, 32)  # tried in order when no group is given: the largest that divides
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """How a model's matmul weights are quantized while it loads."""
+
+    scheme: QuantScheme
+    group: int | None = None  # int4 rows per scale; None: the largest of INT4_GROUPS dividing each weight
+    alpha: float = 0.5  # w8a8: SmoothQuant migration strength
+
+
+def quant_config(quantize: str | QuantScheme | None, group: int | None = None) -> QuantConfig | None:
+    """The user's ``quantize=`` / ``quant_group=`` options, checked, -> QuantConfig or None."""
+    scheme = parse_scheme(quantize)
+    if group is not None and scheme != QuantScheme.INT4:
+        raise InvalidRequest(f"quant_group={group} applies to quantize='int4' only, not {quantize!r}")
+    if group is not None and (group <= 0 or group % 2):
+        raise InvalidRequest(f"quant_group={group} must be a positive even number")
+    return None if scheme is None else QuantConfig(scheme, group)
+
+
+def int4_group(name: str, shape: tuple[int, ...], contract: tuple[int, ...], group: int | None) -> int:
+    """The int4 group for weight ``name``: ``group`` if it divides the contracted size, else
+    (group None) the largest of INT4_GROUPS that does; InvalidRequest names the weight."""
+    I = math.prod(shape[a] for a in contract)
+    if group is not None:
+        if I % group:
+            raise InvalidRequest(
+                f"quant_group={group} does not divide weight {name}: it contracts {I} rows "
+                f"(axes {contract} of shape {shape}); use a group size dividing {I}"
+            )
+        return group
+    for g in INT4_GROUPS:
+        if I % g == 0:
+            return g
+    raise InvalidRequest(
+        f"int4 cannot quantize weight {name}: its contracted size {I} (axes {contract} of shape "
+        f"{shape}) is not a multiple of any group size in {INT4_GROUPS}; use int8"
+    )
+
+
+def abstract_quant_array(shape, contract, scheme, group: int = 0, smooth: bool = False,
+                         sharding=None) -> QuantArray:
+    """A QuantArray of ShapeDtypeStructs: what a checkpoint restore fills in."""
+    shape, contract, scheme = tuple(shape), tuple(contract), QuantScheme(scheme)
+    I = math.prod(shape[a] for a in contract)
+    O = math.prod(shape) // I
+    def sds(s, dt):
+        return jax.ShapeDtypeStruct(s, dt, sharding=sharding)
+
+    if scheme == QuantScheme.INT4:
+        values, scale = sds((I // 2, O), jnp.int8), sds((I // group, O), jnp.float32)
+    else:
+        values, scale = sds((I, O), jnp.int8), sds((O,), jnp.float32)
+    return QuantArray(values, scale, sds((I,), jnp.float32) if smooth else None, shape, contract,
+                      scheme, group)
+
+
+def describe(qa: QuantArray) -> dict:
+    """The static layout of a QuantArray as JSON values (inverse: abstract_quant_array)."""
+    return {"shape": list(qa.shape), "contract": list(qa.contract), "scheme": qa.scheme.value,
+            "group": qa.group, "smooth": qa.smooth is not None}
+
+
+def model_scheme(weights) -> QuantScheme | None:
+    """The scheme a weights pytree was quantized with (int4 and w8a8 models keep their LM
+    head int8 weight-only, so they win over int8), or None when nothing is quantized."""
+    found = {x.scheme for x in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QuantArray))
+             if isinstance(x, QuantArray)}
+    for s in (QuantScheme.W8A8, QuantScheme.INT4, QuantScheme.INT8):
+        if s in found:
+            return s
+    return None
+
+
 # ----------------------------------------------------------------------------- KV cache
 def quantize_kv(
     x: jax.Array, axis: int = -1, scale_dtype=jnp.float32

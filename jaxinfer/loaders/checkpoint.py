@@ -60,20 +60,49 @@ def assemble(
     fetch: Callable[[str, bool], np.ndarray | None],  # (name, transpose) -> array or None
     which: int,  # 0: HF names, 1: GGUF names
     shardings=None,  # same tree as specs, NamedSharding leaves
+    quantizer=None,  # loaders.quantize.WeightQuantizer: quantize each weight as it is read
 ) -> dict:
-    """Build the weights pytree from per-tensor reads, one array per declaration."""
+    """Build the weights pytree from per-tensor reads, one array per declaration. With a
+    quantizer, each float weight goes to it right away and is dropped once quantized, so
+    the whole float model never exists."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
     shard_leaves = jax.tree.leaves(shardings) if shardings is not None else [None] * len(leaves)
-    out = []
-    for (path, spec), sharding in zip(leaves, shard_leaves):
+    out = [None] * len(leaves)
+    for index, ((path, spec), sharding) in enumerate(zip(leaves, shard_leaves)):
         key, layer = weight_key(path)
         entry = names.get(key)
         if entry is None:
             raise CheckpointError(f"no checkpoint name is known for weight {'/'.join(key)}")
         name = entry[which].format(i=layer)
         a = _fit(_need(fetch(name, entry[2]), name), spec.shape, name).astype(spec_dtype(spec, cfg))
-        out.append(jax.device_put(a, sharding) if sharding is not None else jax.device_put(a))
+        a = jax.device_put(a, sharding) if sharding is not None else jax.device_put(a)
+        if quantizer is None:
+            out[index] = a
+        else:
+            for i, leaf in quantizer.add(index, key, layer, spec, a):
+                out[i] = leaf
+        del a
+    if quantizer is not None:
+        for i, leaf in quantizer.finish():
+            out[i] = leaf
     return jax.tree.unflatten(treedef, out)
+
+
+def make_quantizer(quantize, specs, cfg, tokenizer, shardings):
+    """A WeightQuantizer for ``quantize`` (a QuantConfig), or None; checks up front what
+    the scheme cannot do with this model, before any tensor is read."""
+    if quantize is None:
+        return None
+    from jaxinfer.errors import InvalidRequest
+    from jaxinfer.loaders.quantize import WeightQuantizer, check_quantizable
+
+    if shardings is not None:
+        raise InvalidRequest(
+            f"quantize={quantize.scheme.value!r} with sharded loading is not supported: the "
+            "quantized layouts ([I, O] matrices, packed int4) have no sharding rules yet"
+        )
+    check_quantizable(specs, cfg, quantize)
+    return WeightQuantizer(quantize, cfg=cfg, tokenizer=tokenizer)
 
 
 def _need(a, name):
@@ -89,7 +118,7 @@ def _fit(a: np.ndarray, shape, name) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- GGUF
-def load_gguf(path: Path, *, dtype: str, shardings_fn=None) -> Loaded:
+def load_gguf(path: Path, *, dtype: str, shardings_fn=None, quantize=None) -> Loaded:
     from jaxinfer.loaders.gguf import GGUFCheckpoint, unpermute_llama_qk
     from jaxinfer.tokenizer import tokenizer_from_gguf
 
@@ -114,8 +143,9 @@ def load_gguf(path: Path, *, dtype: str, shardings_fn=None) -> Loaded:
         return a.T if transpose else a
 
     shardings = shardings_fn(specs, cfg) if shardings_fn else None
-    weights = assemble(specs, cfg, mod.CHECKPOINT_NAMES, fetch, 1, shardings=shardings)
     tok = tokenizer_from_gguf(ck.metadata)
+    quantizer = make_quantizer(quantize, specs, cfg, tok, shardings)
+    weights = assemble(specs, cfg, mod.CHECKPOINT_NAMES, fetch, 1, shardings=shardings, quantizer=quantizer)
     return Loaded(cfg, weights, tok, "gguf")
 
 
@@ -146,18 +176,20 @@ def supported_gguf_architectures() -> set[str]:
     return out
 
 
-def load(path, *, dtype: str, shardings_fn=None) -> Loaded:
+def load(path, *, dtype: str, shardings_fn=None, quantize=None) -> Loaded:
+    """quantize: a ``quant.QuantConfig`` (or None): quantize the matmul weights while
+    loading, weight by weight (see ``loaders.quantize``)."""
     path = Path(path)
     fmt = detect_format(path)
     if fmt == "gguf":
-        return load_gguf(path, dtype=dtype, shardings_fn=shardings_fn)
+        return load_gguf(path, dtype=dtype, shardings_fn=shardings_fn, quantize=quantize)
     if fmt == "hf":
         from jaxinfer.loaders.hf import load_hf
 
-        return load_hf(path, dtype=dtype, shardings_fn=shardings_fn)
+        return load_hf(path, dtype=dtype, shardings_fn=shardings_fn, quantize=quantize)
     from jaxinfer.loaders.orbax_io import load_orbax
 
-    return load_orbax(path, dtype=dtype, shardings_fn=shardings_fn)
+    return load_orbax(path, dtype=dtype, shardings_fn=shardings_fn, quantize=quantize)
 
 
 def read_json(path: Path) -> dict:

@@ -22,7 +22,7 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxinfer.errors import CheckpointError
-from jaxinfer.loaders.checkpoint import Loaded, assemble, read_json
+from jaxinfer.loaders.checkpoint import Loaded, assemble, make_quantizer, read_json
 from jaxinfer.models.layers import is_spec, weight_key
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -193,7 +193,7 @@ def _declared_shapes(specs, cfg, names: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def load_hf(path, *, dtype: str, shardings_fn=None) -> Loaded:
+def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None) -> Loaded:
     """Load a Hugging Face directory (config.json + safetensors + tokenizer files)."""
     from jaxinfer.tokenizer import tokenizer_from_hf_dir
 
@@ -228,5 +228,7 @@ def load_hf(path, *, dtype: str, shardings_fn=None) -> Loaded:
             return a
 
         shardings = shardings_fn(specs, cfg) if shardings_fn else None
-        weights = assemble(specs, cfg, mod.CHECKPOINT_NAMES, fetch, 0, shardings=shardings)
-    return Loaded(cfg, weights, tokenizer_from_hf_dir(path), "hf")
+        tok = tokenizer_from_hf_dir(path)
+        quantizer = make_quantizer(quantize, specs, cfg, tok, shardings)
+        weights = assemble(specs, cfg, mod.CHECKPOINT_NAMES, fetch, 0, shardings=shardings, quantizer=quantizer)
+    return Loaded(cfg, weights, tok, "hf")

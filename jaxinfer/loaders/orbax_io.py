@@ -10,6 +10,13 @@ Layout of a converted directory::
 Loading restores every array straight into its target sharding (the restore target is a
 tree of ``jax.ShapeDtypeStruct`` carrying shardings), casting on the way when the requested
 dtype differs from the saved one, so no array passes through one host or device first.
+
+Quantized checkpoints (``jaxinfer convert --quantize``) hold each quantized weight as its
+QuantArray leaves (``values``, ``scale``, ``smooth``); its static layout (float shape,
+contracted axes, scheme, int4 group, whether it is smoothed) is in ``jaxinfer.json`` under
+"quantization", from which the restore target is rebuilt. Quantizing a float Orbax
+checkpoint while loading restores the float tree in one call first (Orbax restores a list
+of layers only whole), so its peak is the float model's; convert once with ``--quantize``.
 """
 
 from __future__ import annotations
@@ -27,10 +34,12 @@ from pathlib import Path
 
 import jax
 
+from jaxinfer import quant
 from jaxinfer.config import ModelConfig
-from jaxinfer.errors import CheckpointError
-from jaxinfer.loaders.checkpoint import Loaded, read_json
-from jaxinfer.models.layers import is_spec, spec_dtype
+from jaxinfer.errors import CheckpointError, InvalidRequest
+from jaxinfer.loaders.checkpoint import Loaded, make_quantizer, read_json
+from jaxinfer.loaders.quantize import weight_name
+from jaxinfer.models.layers import is_spec, spec_dtype, weight_key
 from jaxinfer.models.registry import family_module
 
 FORMAT = "jaxinfer-orbax"
@@ -122,6 +131,9 @@ def save(dest, cfg: ModelConfig, weights: dict, tokenizer_source) -> Path:
             ckptr.save(tmp / WEIGHTS_DIR, weights)
             ckptr.wait_until_finished()
         meta = {"format": FORMAT, "version": VERSION, "config": config_to_dict(cfg), "tokenizer": tok_kind}
+        layouts = quantized_layouts(weights)
+        if layouts:
+            meta["quantization"] = {"scheme": quant.model_scheme(weights).value, "weights": layouts}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if dest.exists():
             dest.rmdir()  # empty (checked above)
@@ -130,6 +142,16 @@ def save(dest, cfg: ModelConfig, weights: dict, tokenizer_source) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def _is_quant(x) -> bool:
+    return isinstance(x, quant.QuantArray)
+
+
+def quantized_layouts(weights) -> dict:
+    """{"layers/3/wo": QuantArray layout, ...} for every quantized weight (JSON values)."""
+    leaves = jax.tree_util.tree_flatten_with_path(weights, is_leaf=_is_quant)[0]
+    return {weight_name(*weight_key(path)): quant.describe(x) for path, x in leaves if _is_quant(x)}
 
 
 def _save_tokenizer(dest: Path, source) -> str | None:
@@ -170,12 +192,16 @@ def default_dest(dest) -> Path:
     return Path(s).expanduser().absolute()
 
 
-def convert(src, dest, *, dtype: str | None = None, progress: bool = True) -> Path:
+def convert(src, dest, *, dtype: str | None = None, progress: bool = True,
+            quantize: str | None = None, quant_group: int | None = None) -> Path:
     """Convert a registry name or a checkpoint path to an Orbax checkpoint; returns its path.
 
     dtype None or "auto" keeps the source's precision: float32 for GGUF (dequantized), the
-    saved dtype of a Hugging Face or converted checkpoint.
+    saved dtype of a Hugging Face or converted checkpoint. quantize ("int8" / "int4" /
+    "w8a8", with quant_group for int4) writes the weights quantized, as ``LLM(quantize=)``
+    would load them.
     """
+    qcfg = quant.quant_config(quantize, quant_group)
     from jaxinfer import registry
     from jaxinfer.loaders import checkpoint
 
@@ -188,7 +214,7 @@ def convert(src, dest, *, dtype: str | None = None, progress: bool = True) -> Pa
         dtype = _source_dtype(path, fmt)
     if dtype not in _DTYPES:
         raise CheckpointError(f"dtype must be one of {', '.join(_DTYPES)} or 'auto', got {dtype!r}")
-    loaded = checkpoint.load(path, dtype=dtype)
+    loaded = checkpoint.load(path, dtype=dtype, quantize=qcfg)
     return save(dest, loaded.cfg, loaded.weights, path)
 
 
@@ -222,9 +248,11 @@ def read_config(path) -> ModelConfig:
         raise CheckpointError(f"{Path(path) / META_FILE}: bad config ({e})") from None
 
 
-def load_orbax(path, *, dtype: str | None, shardings_fn=None) -> Loaded:
+def load_orbax(path, *, dtype: str | None, shardings_fn=None, quantize=None) -> Loaded:
     """Restore a converted checkpoint, each array directly into its target sharding (from
-    ``shardings_fn(specs, cfg)``, else the default device) and dtype (None: as saved)."""
+    ``shardings_fn(specs, cfg)``, else the default device) and dtype (None: as saved; the
+    integer parts of quantized weights keep theirs). quantize (a QuantConfig) must match a
+    quantized checkpoint's scheme; a float checkpoint is quantized after the restore."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
@@ -233,15 +261,37 @@ def load_orbax(path, *, dtype: str | None, shardings_fn=None) -> Loaded:
     if dtype is not None and dtype != cfg.dtype:
         cfg = dataclasses.replace(cfg, dtype=dtype)
     specs = family_module(cfg.family).weight_specs(cfg)
+    saved_quant = meta.get("quantization")
+    if saved_quant and quantize is not None and (
+        quantize.scheme.value != saved_quant.get("scheme")
+        or quantize.group not in (None, *(w.get("group") for w in saved_quant["weights"].values()))
+    ):
+        raise InvalidRequest(
+            f"{path} holds {saved_quant.get('scheme')} weights; it cannot be loaded as "
+            f"quantize={quantize.scheme.value!r}"
+            + (f" with quant_group={quantize.group}" if quantize.group else "")
+            + " (load it without quantize, or convert the float source again)"
+        )
+    if saved_quant and shardings_fn is not None:
+        raise InvalidRequest(f"{path}: quantized weights cannot be loaded sharded (no sharding rules yet)")
     shardings = shardings_fn(specs, cfg) if shardings_fn else None
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    layouts = (saved_quant or {}).get("weights", {})
 
     if shardings is None:
         shardings = jax.tree.map(lambda _: default, specs, is_leaf=is_spec)
-    abstract = jax.tree.map(
-        lambda spec, sharding: jax.ShapeDtypeStruct(spec.shape, spec_dtype(spec, cfg), sharding=sharding),
-        specs, shardings, is_leaf=is_spec,
-    )
+
+    def target(path_, spec, sharding):
+        layout = layouts.get(weight_name(*weight_key(path_)))
+        if layout is not None:
+            try:
+                return quant.abstract_quant_array(layout["shape"], layout["contract"], layout["scheme"],
+                                                  layout.get("group", 0), layout.get("smooth", False), sharding)
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"{path / META_FILE}: bad quantization layout ({e!r})") from None
+        return jax.ShapeDtypeStruct(spec.shape, spec_dtype(spec, cfg), sharding=sharding)
+
+    abstract = jax.tree_util.tree_map_with_path(target, specs, shardings, is_leaf=is_spec)
     wdir = path / WEIGHTS_DIR
     if not wdir.is_dir():
         raise CheckpointError(f"{path}: no {WEIGHTS_DIR}/ directory")
@@ -253,13 +303,41 @@ def load_orbax(path, *, dtype: str | None, shardings_fn=None) -> Loaded:
         # Compare before restoring: a failed restore leaves Orbax's reader coroutines dangling.
         _check_saved(saved, abstract, wdir)
         weights = ckptr.restore(wdir, abstract)
-    return Loaded(cfg, weights, _load_tokenizer(path, meta.get("tokenizer")), "orbax")
+    tok = _load_tokenizer(path, meta.get("tokenizer"))
+    if quantize is not None and not saved_quant:
+        weights = _quantize_restored(weights, specs, cfg, tok, quantize)
+    return Loaded(cfg, weights, tok, "orbax")
+
+
+def _quantize_restored(weights, specs, cfg, tok, qcfg):
+    """Quantize a restored float tree weight by weight, in checkpoint order (what w8a8's
+    layer-by-layer calibration needs), dropping each float weight as it goes."""
+    quantizer = make_quantizer(qcfg, specs, cfg, tok, None)
+    spec_leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+    arrays = treedef.flatten_up_to(weights)
+    del weights
+    out = [None] * len(arrays)
+    for index, (path_, spec) in enumerate(spec_leaves):
+        a, arrays[index] = arrays[index], None
+        for i, leaf in quantizer.add(index, *weight_key(path_), spec, a):
+            out[i] = leaf
+        del a
+    for i, leaf in quantizer.finish():
+        out[i] = leaf
+    return jax.tree.unflatten(treedef, out)
+
+
+def _path_str(path) -> str:
+    """A tree path as "['layers'][0]['wo']['values']", whether the node is a dict (Orbax's
+    metadata of a saved QuantArray) or the QuantArray itself (its attributes)."""
+    return "".join(f"[{getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))!r}]" for k in path)
 
 
 def _check_saved(saved, abstract, wdir: Path) -> None:
     def shapes(tree):
-        leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
-        return {jax.tree_util.keystr(p): tuple(x.shape) for p, x in leaves}
+        leaves = jax.tree_util.tree_leaves_with_path(
+            tree, is_leaf=lambda x: hasattr(x, "shape") and not _is_quant(x))
+        return {_path_str(p): tuple(x.shape) for p, x in leaves}
 
     have, want = shapes(saved), shapes(abstract)
     problems = [f"{k} missing" for k in want if k not in have]

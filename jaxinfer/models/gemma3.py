@@ -34,6 +34,7 @@ from jaxinfer.models.layers import (
     gelu_tanh,
     rms_norm,
     rope_inv_freq,
+    take,
 )
 
 
@@ -44,22 +45,22 @@ def weight_specs(cfg: ModelConfig) -> dict:
     head_norm = WeightSpec((H,), ("head_dim",), "zeros")
     layer = {
         "attn_norm": norm,
-        "wq": WeightSpec((D, N, H), ("embed", "q_heads", "head_dim")),
-        "wk": WeightSpec((D, K, H), ("embed", "kv_heads", "head_dim")),
-        "wv": WeightSpec((D, K, H), ("embed", "kv_heads", "head_dim")),
+        "wq": WeightSpec((D, N, H), ("embed", "q_heads", "head_dim"), contract=("embed",)),
+        "wk": WeightSpec((D, K, H), ("embed", "kv_heads", "head_dim"), contract=("embed",)),
+        "wv": WeightSpec((D, K, H), ("embed", "kv_heads", "head_dim"), contract=("embed",)),
         "q_norm": head_norm,
         "k_norm": head_norm,
-        "wo": WeightSpec((N, H, D), ("q_heads", "head_dim", "embed")),
+        "wo": WeightSpec((N, H, D), ("q_heads", "head_dim", "embed"), contract=("q_heads", "head_dim")),
         "post_attn_norm": norm,
         "mlp_norm": norm,
-        "w_gate": WeightSpec((D, F), ("embed", "mlp")),
-        "w_up": WeightSpec((D, F), ("embed", "mlp")),
-        "w_down": WeightSpec((F, D), ("mlp", "embed")),
+        "w_gate": WeightSpec((D, F), ("embed", "mlp"), contract=("embed",)),
+        "w_up": WeightSpec((D, F), ("embed", "mlp"), contract=("embed",)),
+        "w_down": WeightSpec((F, D), ("mlp", "embed"), contract=("mlp",)),
         "post_mlp_norm": norm,
     }
-    specs = {"embed": WeightSpec((V, D), ("vocab", "embed")), "layers": [layer] * cfg.n_layers, "final_norm": norm}
+    specs = {"embed": WeightSpec((V, D), ("vocab", "embed"), contract=("embed",)), "layers": [layer] * cfg.n_layers, "final_norm": norm}
     if not cfg.tie_embeddings:
-        specs["lm_head"] = WeightSpec((D, V), ("embed", "vocab"))
+        specs["lm_head"] = WeightSpec((D, V), ("embed", "vocab"), contract=("embed",))
     return specs
 
 
@@ -68,7 +69,7 @@ def embed(weights, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     model dtype before multiplying; so do we (in bfloat16, sqrt(640) becomes 25.25)."""
     dt = cfg.jnp_dtype
     scale = jnp.asarray(np.float32(math.sqrt(cfg.d_model))).astype(dt)
-    return jnp.take(weights["embed"], tokens, axis=0).astype(dt) * scale
+    return take(weights["embed"], tokens).astype(dt) * scale
 
 
 def unembed(weights, x: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -116,7 +117,7 @@ def forward(
             if cache is not None:
                 cache = cache.write_layer(i, k, v, start)
             if cache is not None and read_cache:
-                keys, values, kpos = cache.read_layer(i)
+                keys, values, kpos = cache.read_layer(i, start + T)
             else:  # fresh prompts: the new tokens are all there is to attend to
                 keys, values, kpos = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions[0]
             o = attention(q, keys, values, positions, kpos, scale=cfg.attn_scale, window=window,

@@ -28,10 +28,21 @@ class WeightSpec:
     axes: tuple[str | None, ...]  # logical axis names, one per dim ("embed", "q_heads", ...)
     init: str = "normal"  # "normal" | "ones" | "zeros"
     dtype: str | None = None  # None: the model's dtype
+    # Matmul weights: the logical axes the model's einsum sums over ("embed" for wq, the
+    # (heads, head_dim) pair for wo). Quantization keeps one scale per remaining channel;
+    # () marks a weight that is never quantized (norms, biases).
+    contract: tuple[str, ...] = ()
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
             raise ValueError(f"{self.shape=} and {self.axes=} differ in rank")
+        if not set(self.contract) <= set(self.axes):
+            raise ValueError(f"{self.contract=} names axes not in {self.axes=}")
+
+    @property
+    def contract_axes(self) -> tuple[int, ...]:
+        """Positions of the contracted axes (empty for weights that stay float)."""
+        return tuple(i for i, a in enumerate(self.axes) if a in self.contract)
 
 
 def is_spec(x) -> bool:
@@ -100,6 +111,14 @@ def dot(eq: str, x: jax.Array, w) -> jax.Array:
     return jnp.einsum(eq, x, w)
 
 
+def take(w, tokens: jax.Array) -> jax.Array:
+    """Embedding rows ``w[tokens]`` -> [*tokens.shape, D]; a quantized table [V, D]
+    dequantizes only the rows it looks up."""
+    if isinstance(w, (jax.Array, np.ndarray)):  # (arrays have a .take of their own)
+        return jnp.take(w, tokens, axis=0)
+    return w.take(tokens)  # QuantArray
+
+
 # ----------------------------------------------------------------------------- norms
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, *, plus_one: bool = False) -> jax.Array:
     """RMSNorm in float32 (Gemma scales by 1 + w)."""
@@ -154,8 +173,8 @@ def attention(
 
     kpos is shared by every row ([S]: a dense cache) or per row ([B, S]: a ring or a
     windowed page table, where each row's slots hold different positions). A slot that holds
-    no position carries ``cache.EMPTY_POS``, far in every query's future, so it is masked and its
-    (possibly NaN) value is never read.
+    no position carries ``cache.EMPTY_POS``, far in every query's future, so it is masked;
+    the caches' readers zero the values of such slots (a masked weight is 0, but 0 * NaN is not).
 
     Keys are stored [B, K, H, S] so both contractions batch over (B, K) and stream the cache
     with S contiguous: with keys [B, K, S, H], XLA CPU's decode-time score contraction
@@ -177,11 +196,10 @@ def attention(
     valid = jnp.repeat(valid, G, axis=1)  # bool[B, M, S], row m = t * G + g
     s = jnp.where(valid[:, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    # zero values no query may see: a masked score's weight is exactly 0, but 0 * NaN from a
-    # never-written (or poisoned) cache slot would still be NaN
-    seen = kpos <= jnp.max(qpos, axis=1)[:, None]  # bool[B, S]
-    v = jnp.where(seen[:, None, :, None], v.astype(jnp.float32), 0.0)
-    out = jnp.einsum("BKMS,BKSH->BKMH", p, v)
+    # A masked score's weight is exactly 0, but 0 * NaN is NaN: values in slots no query may
+    # see must be finite. The caches' read_layer zeroes them inside the copy they make anyway
+    # (zeroing here copied V once more: 4x the cost of the whole decode attention).
+    out = jnp.einsum("BKMS,BKSH->BKMH", p, v.astype(jnp.float32))
     return out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H).astype(q.dtype)
 
 

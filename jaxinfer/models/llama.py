@@ -11,7 +11,9 @@ import jax.numpy as jnp
 
 from jaxinfer import cache as kv
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import WeightSpec, apply_rope, attention, dot, gated_mlp, rms_norm, rope_inv_freq, silu
+from jaxinfer.models.layers import (
+    WeightSpec, apply_rope, attention, dot, gated_mlp, rms_norm, rope_inv_freq, silu, take,
+)
 
 
 def weight_specs(cfg: ModelConfig) -> dict:
@@ -19,31 +21,31 @@ def weight_specs(cfg: ModelConfig) -> dict:
     D, N, K, H, F, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
     layer = {
         "attn_norm": WeightSpec((D,), ("embed",), "ones"),
-        "wq": WeightSpec((D, N, H), ("embed", "q_heads", "head_dim")),
-        "wk": WeightSpec((D, K, H), ("embed", "kv_heads", "head_dim")),
-        "wv": WeightSpec((D, K, H), ("embed", "kv_heads", "head_dim")),
-        "wo": WeightSpec((N, H, D), ("q_heads", "head_dim", "embed")),
+        "wq": WeightSpec((D, N, H), ("embed", "q_heads", "head_dim"), contract=("embed",)),
+        "wk": WeightSpec((D, K, H), ("embed", "kv_heads", "head_dim"), contract=("embed",)),
+        "wv": WeightSpec((D, K, H), ("embed", "kv_heads", "head_dim"), contract=("embed",)),
+        "wo": WeightSpec((N, H, D), ("q_heads", "head_dim", "embed"), contract=("q_heads", "head_dim")),
         "mlp_norm": WeightSpec((D,), ("embed",), "ones"),
-        "w_gate": WeightSpec((D, F), ("embed", "mlp")),
-        "w_up": WeightSpec((D, F), ("embed", "mlp")),
-        "w_down": WeightSpec((F, D), ("mlp", "embed")),
+        "w_gate": WeightSpec((D, F), ("embed", "mlp"), contract=("embed",)),
+        "w_up": WeightSpec((D, F), ("embed", "mlp"), contract=("embed",)),
+        "w_down": WeightSpec((F, D), ("mlp", "embed"), contract=("mlp",)),
     }
     if cfg.qkv_bias:
         layer["bq"] = WeightSpec((N, H), ("q_heads", "head_dim"), "zeros")
         layer["bk"] = WeightSpec((K, H), ("kv_heads", "head_dim"), "zeros")
         layer["bv"] = WeightSpec((K, H), ("kv_heads", "head_dim"), "zeros")
     specs = {
-        "embed": WeightSpec((V, D), ("vocab", "embed")),
+        "embed": WeightSpec((V, D), ("vocab", "embed"), contract=("embed",)),
         "layers": [layer] * cfg.n_layers,
         "final_norm": WeightSpec((D,), ("embed",), "ones"),
     }
     if not cfg.tie_embeddings:
-        specs["lm_head"] = WeightSpec((D, V), ("embed", "vocab"))
+        specs["lm_head"] = WeightSpec((D, V), ("embed", "vocab"), contract=("embed",))
     return specs
 
 
 def embed(weights, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
-    return jnp.take(weights["embed"], tokens, axis=0).astype(cfg.jnp_dtype)  # [B, T, D]
+    return take(weights["embed"], tokens).astype(cfg.jnp_dtype)  # [B, T, D]
 
 
 def unembed(weights, x: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -83,7 +85,7 @@ def forward(
             if cache is not None:
                 cache = cache.write_layer(i, k, v, start)
             if cache is not None and read_cache:
-                keys, values, kpos = cache.read_layer(i)
+                keys, values, kpos = cache.read_layer(i, start + T)
             else:  # fresh prompts: the new tokens are all there is to attend to
                 keys, values, kpos = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions[0]
             o = attention(q, keys, values, positions, kpos, scale=scale)
