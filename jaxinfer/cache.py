@@ -15,6 +15,10 @@ sees the W + T - 1 positions it needs) and the positions each slot holds ride al
 table that covers only each row's window (``window_table``, starting at logical page
 ``window_base``); the engine frees pages that fell out of every future query's window.
 Either way the layer's reader returns per-row key positions and attention masks by them.
+
+int8 KV (``dtype="int8"``): every buffer is a ``QuantKV`` pytree, int8 keys/values with one
+float32 scale per (token, head) beside them (``quant.quantize_kv``), written quantized and
+read back dequantized to float32, in both caches and both layer kinds.
 """
 
 from __future__ import annotations
@@ -26,10 +30,68 @@ import jax.numpy as jnp
 
 from jaxinfer import kernels
 from jaxinfer.config import ModelConfig
+from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.layers import attention
+from jaxinfer.quant import dequantize_kv, quantize_kv
 
 
 EMPTY_POS = 1 << 30  # position of a slot that holds no key: after every query, so masked
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")  # auto: the model's dtype
+
+
+def kv_storage_dtype(kv_cache_dtype: str | None, cfg: ModelConfig) -> str:
+    """The dtype a cache stores, from the user's choice; InvalidRequest names the valid ones."""
+    if kv_cache_dtype in (None, "auto"):
+        return cfg.dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return kv_cache_dtype
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QuantKV:
+    """One int8 key or value buffer with a float32 scale per (token, head): the shape of
+    the float buffer it replaces, and that shape without the head-dim ``axis``."""
+
+    values: jax.Array  # int8, e.g. keys [B, K, H, S] or values [P, K, ps, H]
+    scale: jax.Array  # f32, e.g. [B, K, S] or [P, K, ps]
+    axis: int = dataclasses.field(metadata={"static": True})  # head-dim axis of values: -2 keys, -1 values
+
+    @property
+    def shape(self):
+        return self.values.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scale.nbytes
+
+
+def _zeros(shape, dt, axis: int):
+    """A float buffer, or a QuantKV one when dt is int8 (head-dim ``axis`` scaled away)."""
+    if dt == jnp.int8:
+        scale_shape = tuple(n for i, n in enumerate(shape) if i != len(shape) + axis)
+        return QuantKV(jnp.zeros(shape, jnp.int8), jnp.ones(scale_shape, jnp.float32), axis)
+    return jnp.zeros(shape, dt)
+
+
+def _store(buf, index, new: jax.Array, mode=None):
+    """buf.at[index].set(new) for new [B, T, K, H] whose (B, T) the index's two advanced
+    entries select; a QuantKV stores the quantized values and their scales [B, T, K] (the
+    index without its head-dim slice)."""
+    if isinstance(buf, QuantKV):
+        q, scale = quantize_kv(new, axis=-1)
+        sindex = (index[0], slice(None), index[-1])
+        return QuantKV(buf.values.at[index].set(q, mode=mode), buf.scale.at[sindex].set(scale, mode=mode), buf.axis)
+    return buf.at[index].set(new.astype(buf.dtype), mode=mode)
+
+
+def _load(buf, table=None):
+    """The buffer (its pages ``table`` when given) as floats: float32 for a QuantKV."""
+    if isinstance(buf, QuantKV):
+        values, scale = (buf.values, buf.scale) if table is None else (buf.values[table], buf.scale[table])
+        return dequantize_kv(values, scale, jnp.float32, axis=buf.axis)
+    return buf if table is None else buf[table]
 
 
 @jax.tree_util.register_dataclass
@@ -61,9 +123,9 @@ class KVCache:
         """(keys [B, K, H, S], values [B, K, S, H], kpos) of one layer: kpos i32[S] for a
         full-length layer, i32[B, R] (what each ring slot holds) for a ring. Values at
         positions >= end[b] (not written yet for row b, or EMPTY_POS) read as 0: see
-        layers.attention."""
+        layers.attention. int8 buffers read back as float32."""
         kpos = self.ring_pos if self.is_ring(layer) else jnp.arange(self.v[layer].shape[2])
-        return self.k[layer], _zero_unseen(self.v[layer], kpos, end), kpos
+        return _load(self.k[layer]), _zero_unseen(_load(self.v[layer]), kpos, end), kpos
 
 
     def attend(self, layer: int, q, qpos, end, *, scale, window=None, softcap=None):
@@ -95,8 +157,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *, max_ch
         R = max(w for w in windows if w) + max_chunk - 1
     windowed = tuple(bool(w) and 0 < R < max_len for w in windows)
     lens = [R if ring else max_len for ring in windowed]
-    return KVCache([jnp.zeros((batch, K, H, n), dt) for n in lens],
-                   [jnp.zeros((batch, K, n, H), dt) for n in lens],
+    return KVCache([_zeros((batch, K, H, n), dt, -2) for n in lens],
+                   [_zeros((batch, K, n, H), dt, -1) for n in lens],
                    jnp.full((batch, R if any(windowed) else 0), EMPTY_POS, jnp.int32), windowed)
 
 
@@ -122,7 +184,7 @@ def write_layer(cache: KVCache, layer: int, k_new: jax.Array, v_new: jax.Array, 
 
     def put(cs, n, index):  # the indexed dims (B, T) lead the update: n is [B, T, K, H]
         cs = list(cs)
-        cs[layer] = cs[layer].at[index].set(n.astype(cs[layer].dtype), mode="drop")
+        cs[layer] = _store(cs[layer], index, n, mode="drop")
         return cs
 
     slc = slice(None)
@@ -187,8 +249,8 @@ class PagedKVCache:
         off = pos % ps
         s = slice(None)
         k, v = list(self.k), list(self.v)
-        k[layer] = k[layer].at[page, s, s, off].set(k_new.astype(k[layer].dtype))
-        v[layer] = v[layer].at[page, s, off].set(v_new.astype(v[layer].dtype))
+        k[layer] = _store(k[layer], (page, s, s, off), k_new)
+        v[layer] = _store(v[layer], (page, s, off), v_new)
         return PagedKVCache(k, v, self.page_table, self.window_table, self.window_base, self.windowed)
 
     def attend(self, layer: int, q, qpos, end, *, scale, window=None, softcap=None):
@@ -196,7 +258,8 @@ class PagedKVCache:
         (T = 1) on TPU/GPU reads the pages in place with the Pallas kernel (see
         jaxinfer.kernels); elsewhere the rows' pages are gathered and the reference runs."""
         windowed = bool(self.windowed) and self.windowed[layer]
-        if q.shape[1] == 1 and not windowed and kernels.enabled():
+        quantized = isinstance(self.k[layer], QuantKV)  # the kernel reads float pages only
+        if q.shape[1] == 1 and not windowed and not quantized and kernels.enabled():
             return kernels.paged_decode_attention(q, self.k[layer], self.v[layer], self.page_table, end,
                                                   scale=scale, window=window, softcap=softcap)
         keys, values, kpos = self.read_layer(layer, end)
@@ -210,8 +273,8 @@ class PagedKVCache:
         that into the gather's copy)."""
         table, base = self._table(layer)
         B, n = table.shape
-        kp = self.k[layer][table]  # [B, n, K, H, ps]
-        vp = self.v[layer][table]  # [B, n, K, ps, H]
+        kp = _load(self.k[layer], table)  # [B, n, K, H, ps]
+        vp = _load(self.v[layer], table)  # [B, n, K, ps, H]
         K, H, ps = kp.shape[2], kp.shape[3], kp.shape[4]
         keys = kp.transpose(0, 2, 3, 1, 4).reshape(B, K, H, n * ps)
         values = vp.transpose(0, 2, 1, 3, 4).reshape(B, K, n * ps, H)
@@ -230,7 +293,7 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=Non
     windowed = tuple(num_window_pages is not None and cfg.layer_window(i) is not None for i in range(cfg.n_layers))
     pages = [num_window_pages if w else num_pages for w in windowed]
     return PagedKVCache(
-        [jnp.zeros((P, K, H, page_size), dt) for P in pages],
-        [jnp.zeros((P, K, page_size, H), dt) for P in pages],
+        [_zeros((P, K, H, page_size), dt, -2) for P in pages],
+        [_zeros((P, K, page_size, H), dt, -1) for P in pages],
         jnp.zeros((1, 1), jnp.int32), windowed=windowed,
     )

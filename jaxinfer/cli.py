@@ -28,6 +28,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="default: float32 on CPU, bfloat16 on TPU/GPU")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                   help="KV cache storage (auto: the model's dtype; int8: int8 with a float32 scale per token and head)")
     _add_quantize(p)
 
 
@@ -144,8 +146,8 @@ def cmd_generate(a) -> int:
     from jaxinfer import LLM
 
     sp = _sampling(a)  # invalid values fail before the model loads
-    llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, progress=not a.json,
-              quantize=a.quantize, quant_group=a.quant_group)
+    llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
+              progress=not a.json, quantize=a.quantize, quant_group=a.quant_group)
     t0 = time.perf_counter()
     if a.chat is not None:
         out = llm.chat([{"role": "user", "content": a.chat}], sp, use_tqdm=False)[0]
@@ -182,7 +184,7 @@ def cmd_batch(a) -> int:
     if a.distributed or a.coordinator_address or a.num_processes or a.process_id is not None:
         me, count = init_distributed(a.coordinator_address, a.num_processes, a.process_id)
     s = run_batch(
-        lambda: LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, **_engine_kwargs(a)),
+        lambda: LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len, **_engine_kwargs(a)),
         a.input, a.output, kind=fmt, order=a.order, defaults=given, sampling_params=quick,
         raw=a.raw, model_name=a.model if "/" not in a.model and not a.model.endswith(".gguf") else None,
         metrics_out=a.metrics_out, progress=not a.no_progress, grace_period=a.grace_period,
@@ -210,7 +212,7 @@ def cmd_bench(a) -> int:
 
     spec = WorkloadSpec(a.num_requests, tuple(a.prompt_len), tuple(a.output_len), a.shared_prefix_len,
                         a.shared_prefix_share, a.seed)
-    llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len or max(1024, a.prompt_len[1] + a.shared_prefix_len + a.output_len[1]),
+    llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len or max(1024, a.prompt_len[1] + a.shared_prefix_len + a.output_len[1]),
               **_engine_kwargs(a))
     s = run_bench(llm, spec, warmup=not a.no_warmup, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo)
     print(format_summary(s))
@@ -223,7 +225,7 @@ def cmd_bench(a) -> int:
 def cmd_warmup(a) -> int:
     from jaxinfer import LLM
 
-    llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, **_engine_kwargs(a))
+    llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len, **_engine_kwargs(a))
     t0 = time.perf_counter()
     n = llm.engine.warmup(max_prompt_len=a.max_prompt_len) if hasattr(llm.engine, "warmup") else 0
     print(f"compiled {n} executables in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -105,10 +105,13 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, kv_dtype: str | None = None, *, kind: AttentionKind | None = None) -> int:
         """KV bytes one token adds to a cache that keeps every position of every layer (or,
-        with ``kind``, of the layers of that kind only)."""
-        itemsize = jnp.dtype(kv_dtype or self.dtype).itemsize
+        with ``kind``, of the layers of that kind only). int8 KV stores a float32 scale
+        per (token, head) beside the head_dim int8 values."""
+        if kv_dtype in (None, "auto"):
+            kv_dtype = self.dtype
+        per_head = self.head_dim + 4 if kv_dtype == "int8" else self.head_dim * jnp.dtype(kv_dtype).itemsize
         layers = sum(1 for i in range(self.n_layers) if kind is None or self.layer_kind(i) == kind)
-        return 2 * layers * self.n_kv_heads * self.head_dim * itemsize
+        return 2 * layers * self.n_kv_heads * per_head
 
     def kv_bytes(self, seq_len: int, kv_dtype: str | None = None, *, windowed: bool = True) -> int:
         """KV bytes one sequence of ``seq_len`` tokens needs when every layer keeps only the

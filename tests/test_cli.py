@@ -98,3 +98,17 @@ def test_subprocess_exit_code_and_no_traceback():
     p = subprocess.run(cmd + ["generate", "--model", "nope", "--prompt", "x"], capture_output=True, text=True)
     assert p.returncode == 2
     assert "Traceback" not in p.stderr and "unknown model 'nope'" in p.stderr
+
+
+def test_kv_cache_dtype_flag(capsys, tiny):
+    from jaxinfer.cli import build_parser
+
+    for cmd in (["generate", "--prompt", "x"], ["batch", "in.txt", "-o", "out.jsonl"], ["bench"]):
+        assert build_parser().parse_args(cmd + ["--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
+        assert build_parser().parse_args(cmd).kv_cache_dtype == "auto"
+    assert main(["generate", "--model", str(tiny), "--prompt", "Hello world", "--max-tokens", "5",
+                 "--kv-cache-dtype", "int8", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) <= 5
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "hi", "--kv-cache-dtype", "int4"])
+    assert e.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err

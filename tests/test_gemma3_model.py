@@ -629,3 +629,21 @@ def test_real_gemma3_gguf_has_no_chat_template(gemma3_llm):
     assert gemma3_llm.tokenizer.chat_template is None
     with pytest.raises(InvalidRequest, match="no chat template"):
         gemma3_llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)
+
+
+def test_int8_window_pages_agree_with_float(tiny_gemma3):
+    """int8 KV in both pools (full-length and window): greedy tokens past the window agree
+    with float KV, and the pools hold int8 values with float32 scales."""
+    from jaxinfer import LLM, SamplingParams
+
+    path, _ = tiny_gemma3
+    kw = {"max_model_len": 96, "progress": False, "page_size": 4, "prefill_chunk": 16, "max_num_seqs": 3}
+    prompts = [" ".join(WORDS * 2), " ".join(WORDS[:5])]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(path), **kw).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(str(path), kv_cache_dtype="int8", **kw)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert all(isinstance(a, kv.QuantKV) for a in llm.engine.k_pages + llm.engine.v_pages)
+    assert sum(w for w in llm.engine.windowed) == 5
+    assert np.mean([a == b for x, y in zip(got, want) for a, b in zip(x, y)]) > 0.8
+    _all_pages_free(llm.engine)

@@ -71,6 +71,7 @@ class EngineConfig:
     prefix_caching: bool = True
     scheduling: Scheduling = Scheduling.FCFS
     windowed_kv: bool = True  # LOCAL layers keep only their window (False: every position)
+    kv_cache_dtype: str = "auto"  # page pools' dtype: auto (the model's), a float type, or int8
 
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -79,6 +80,9 @@ class EngineConfig:
             raise InvalidRequest(f"prefill_chunk must be a power of two >= 16, got {self.prefill_chunk}")
         if self.max_num_seqs < 1:
             raise InvalidRequest(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.kv_cache_dtype not in kv.KV_CACHE_DTYPES:
+            raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(kv.KV_CACHE_DTYPES)}, "
+                                 f"got {self.kv_cache_dtype!r}")
 
 
 class SeqState(str, enum.Enum):
@@ -158,6 +162,7 @@ class PagedEngine:
         self.max_num_seqs = config.max_num_seqs
         ps = config.page_size
         self.pages_per_seq = -(-max_model_len // ps)
+        self.kv_dtype = kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
         W = cfg.sliding_window if config.windowed_kv else None
         self.window = W if W and any(cfg.layer_window(i) for i in range(cfg.n_layers)) else None
         window_bytes, self.window_allocator, num_window_pages = 0, None, None
@@ -165,14 +170,14 @@ class PagedEngine:
             num_window_pages = window_pool_pages(self.window, ps, config.max_num_seqs, config.prefill_chunk,
                                                  self.pages_per_seq)
             self.window_allocator = PageAllocator(num_window_pages, ps, prefix_caching=config.prefix_caching)
-            window_bytes = num_window_pages * ps * cfg.kv_bytes_per_token(kind=AttentionKind.LOCAL)
-        full_bytes_per_token = cfg.kv_bytes_per_token(kind=AttentionKind.GLOBAL if self.window else None)
+            window_bytes = num_window_pages * ps * cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.LOCAL)
+        full_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.GLOBAL if self.window else None)
         # enough for every slot at full length (plus room for cached prefixes), within budget
         num_pages = config.num_pages or max(2, min(
             max(config.kv_cache_bytes - window_bytes, 0) // (max(full_bytes_per_token, 1) * ps),
             2 * config.max_num_seqs * self.pages_per_seq + 1))
         self.allocator = PageAllocator(num_pages, ps, prefix_caching=config.prefix_caching)
-        cache = kv.init_paged_cache(cfg, num_pages, ps, num_window_pages=num_window_pages)
+        cache = kv.init_paged_cache(cfg, num_pages, ps, kv_dtype, num_window_pages=num_window_pages)
         self.k_pages, self.v_pages, self.windowed = cache.k, cache.v, cache.windowed
         self.state = smp.make_sampling_state([], [], cfg.vocab_size, default_seed=seed, batch_size=config.max_num_seqs)
         # one partial per engine, so each engine's jit caches (and compile counts) are its own
@@ -182,7 +187,8 @@ class PagedEngine:
                                static_argnames=("cfg", "num_logprobs"),
                                donate_argnames=("k_pages", "v_pages", "state", "last_tokens"))
         self._insert = jax.jit(functools.partial(insert_step), donate_argnames=("state",))
-        self._dense = StaticEngine(cfg, weights, tokenizer, max_model_len=max_model_len, seed=seed)
+        self._dense = StaticEngine(cfg, weights, tokenizer, max_model_len=max_model_len, seed=seed,
+                                   kv_cache_dtype=kv_dtype)
         B = config.max_num_seqs
         self._last_tokens = jnp.zeros(B, jnp.int32)
         self._stop_ids = np.full((B, STOP_ID_WIDTH), -1, np.int32)

@@ -115,8 +115,9 @@ class StaticEngine:
     """Runs rows through bucketed static batches on one model."""
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, max_model_len: int,
-                 max_num_seqs: int = 64, seed: int = 0):
+                 max_num_seqs: int = 64, seed: int = 0, kv_cache_dtype: str = "auto"):
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
+        self.kv_dtype = kv.kv_storage_dtype(kv_cache_dtype, cfg)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.seed = seed
@@ -160,7 +161,7 @@ class StaticEngine:
         num_lp = max((r.params.logprobs or 0) for r in rows)
         # three shapes, not twenty-two: none, up to 5, up to 20
         num_lp = -1 if not want_lp else 0 if num_lp == 0 else 5 if num_lp <= 5 else 20
-        cache = kv.init_cache(cfg, B, S, max_chunk=T)  # LOCAL layers: a ring of W + T - 1
+        cache = kv.init_cache(cfg, B, S, self.kv_dtype, max_chunk=T)  # LOCAL layers: a ring of W + T - 1
         self.last_cache_bytes = cache.nbytes()
         now = time.perf_counter()
         for r in rows:
