@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import cache as kv
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.registry import family_module
 
@@ -34,19 +35,23 @@ class Perplexity:
     windows: int
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _token_nll(weights, tokens, *, cfg):
-    """tokens i32[1, T] -> f32[T - 1]: -log p(token t+1 | tokens <= t)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "kv_dtype"))
+def _token_nll(weights, tokens, *, cfg, kv_dtype=None):
+    """tokens i32[1, T] -> f32[T - 1]: -log p(token t+1 | tokens <= t). With kv_dtype, every
+    layer writes its keys/values to a cache of that dtype and attends over what it reads back
+    (how the int8 KV cache's rounding reaches the scores); without, no cache at all."""
     mod = family_module(cfg.family)
-    h, _ = mod.forward(weights, tokens, jnp.zeros(1, jnp.int32), None, cfg=cfg, read_cache=False)
+    cache = None if kv_dtype is None else kv.init_cache(cfg, 1, tokens.shape[1], kv_dtype)
+    h, _ = mod.forward(weights, tokens, jnp.zeros(1, jnp.int32), cache, cfg=cfg, read_cache=kv_dtype is not None)
     logp = jax.nn.log_softmax(mod.unembed(weights, h, cfg)[0, :-1], axis=-1)
     return -jnp.take_along_axis(logp, tokens[0, 1:, None], axis=1)[:, 0]
 
 
 def perplexity(model, text: str | None = None, *, token_ids=None, window: int = 512,
-               stride: int = 256, cfg=None, tokenizer=None) -> Perplexity:
+               stride: int = 256, cfg=None, tokenizer=None, kv_cache_dtype: str | None = None) -> Perplexity:
     """Perplexity of ``model`` (an ``LLM``, or a weights pytree with ``cfg`` and
-    ``tokenizer``) on ``text`` (or already tokenized ``token_ids``)."""
+    ``tokenizer``) on ``text`` (or already tokenized ``token_ids``). ``kv_cache_dtype``
+    ("float32", "int8", ...) scores through a KV cache of that dtype."""
     if hasattr(model, "weights"):
         weights, cfg, tokenizer = model.weights, model.cfg, model.tokenizer
     else:
@@ -62,6 +67,7 @@ def perplexity(model, text: str | None = None, *, token_ids=None, window: int = 
         raise InvalidRequest(f"{stride=} must be in [1, window - 1 = {window - 1}]")
     if window > cfg.max_position:
         raise InvalidRequest(f"{window=} exceeds the model's context {cfg.max_position}")
+    kv_dtype = None if kv_cache_dtype is None else kv.kv_storage_dtype(kv_cache_dtype, cfg)
     if len(ids) < 2:
         raise InvalidRequest("perplexity needs at least 2 tokens")
     window = min(window, len(ids))
@@ -70,7 +76,8 @@ def perplexity(model, text: str | None = None, *, token_ids=None, window: int = 
     begin = 0
     while scored_to < len(ids):
         begin = min(begin, len(ids) - window)
-        nll = np.asarray(_token_nll(weights, jnp.asarray(ids[None, begin : begin + window]), cfg=cfg))
+        nll = np.asarray(_token_nll(weights, jnp.asarray(ids[None, begin : begin + window]), cfg=cfg,
+                                    kv_dtype=kv_dtype))
         # nll[j] scores token begin + j + 1; keep the ones not scored yet
         first = scored_to - (begin + 1)
         total += float(nll[first:].astype(np.float64).sum())

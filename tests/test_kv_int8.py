@@ -121,3 +121,19 @@ def test_smollm2_greedy_agrees_with_float_kv(smollm2_llm, smollm2_gguf):
     # greedy paths may part once two candidates are nearly tied; before that, tokens agree
     first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(got, want)]
     assert sum(first_diff) >= 0.75 * 16 * len(PROMPTS), (first_diff, got, want)
+
+
+def test_perplexity_through_the_cache(tiny_llm):
+    """Scoring through a float32 cache equals scoring cache-free (an independent path:
+    attention over the new tokens only); an int8 cache moves it a little, not a lot."""
+    from jaxinfer.evaluate import perplexity
+
+    text = "The quick brown fox jumps over the lazy dog. " * 12
+    free = perplexity(tiny_llm, text, window=64, stride=32)
+    f32 = perplexity(tiny_llm, text, window=64, stride=32, kv_cache_dtype="float32")
+    i8 = perplexity(tiny_llm, text, window=64, stride=32, kv_cache_dtype="int8")
+    assert f32.tokens == free.tokens == i8.tokens
+    np.testing.assert_allclose(f32.nll, free.nll, rtol=1e-5)
+    assert i8.nll != f32.nll and abs(i8.nll / f32.nll - 1) < 0.02
+    with pytest.raises(InvalidRequest, match="kv_cache_dtype must be one of"):
+        perplexity(tiny_llm, text, kv_cache_dtype="int3")
