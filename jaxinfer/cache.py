@@ -28,10 +28,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import kernels
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import InvalidRequest
-from jaxinfer.models.layers import attention
 from jaxinfer.quant import dequantize_kv, quantize_kv
 
 
@@ -127,12 +125,6 @@ class KVCache:
         kpos = self.ring_pos if self.is_ring(layer) else jnp.arange(self.v[layer].shape[2])
         return _load(self.k[layer]), _zero_unseen(_load(self.v[layer]), kpos, end), kpos
 
-
-    def attend(self, layer: int, q, qpos, end, *, scale, window=None, softcap=None):
-        """Attention of q [B, T, N, H] at positions qpos over this layer's cache (written up
-        to end[b]) -> [B, T, N, H]."""
-        keys, values, kpos = self.read_layer(layer, end)
-        return attention(q, keys, values, qpos, kpos, scale=scale, window=window, softcap=softcap)
 
 
 def _zero_unseen(values: jax.Array, kpos: jax.Array, end: jax.Array) -> jax.Array:
@@ -253,17 +245,11 @@ class PagedKVCache:
         v[layer] = _store(v[layer], (page, s, off), v_new)
         return PagedKVCache(k, v, self.page_table, self.window_table, self.window_base, self.windowed)
 
-    def attend(self, layer: int, q, qpos, end, *, scale, window=None, softcap=None):
-        """Attention of q [B, T, N, H] over this layer's pages -> [B, T, N, H]. A decode step
-        (T = 1) on TPU/GPU reads the pages in place with the Pallas kernel (see
-        jaxinfer.kernels); elsewhere the rows' pages are gathered and the reference runs."""
+    def kernel_readable(self, layer: int) -> bool:
+        """Whether the Pallas paged-attention kernel can read this layer's pool in place:
+        float pages under the full-length table (windowed tables start at a per-row base)."""
         windowed = bool(self.windowed) and self.windowed[layer]
-        quantized = isinstance(self.k[layer], QuantKV)  # the kernel reads float pages only
-        if q.shape[1] == 1 and not windowed and not quantized and kernels.enabled():
-            return kernels.paged_decode_attention(q, self.k[layer], self.v[layer], self.page_table, end,
-                                                  scale=scale, window=window, softcap=softcap)
-        keys, values, kpos = self.read_layer(layer, end)
-        return attention(q, keys, values, qpos, kpos, scale=scale, window=window, softcap=softcap)
+        return not windowed and not isinstance(self.k[layer], QuantKV)
 
     def read_layer(self, layer: int, end: jax.Array):
         """Gather the rows' pages into dense views (keys [B, K, H, n*ps], values

@@ -29,6 +29,7 @@ from jaxinfer.models.layers import (
     WeightSpec,
     apply_rope,
     attention,
+    cache_attention,
     dot,
     gated_mlp,
     gelu_tanh,
@@ -118,7 +119,7 @@ def forward(
                 cache = cache.write_layer(i, k, v, start)
             opts = dict(scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
             if cache is not None and read_cache:
-                o = cache.attend(i, q, positions, start + T, **opts)
+                o = cache_attention(cache, i, q, positions, start + T, **opts)
             else:  # fresh prompts: the new tokens are all there is to attend to
                 o = attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions, positions[0], **opts)
             x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])

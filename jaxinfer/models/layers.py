@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import kernels
+from jaxinfer.cache import PagedKVCache
 from jaxinfer.config import ModelConfig, RopeConfig, RopeKind
 
 
@@ -202,6 +203,19 @@ def attention(
     # (zeroing here copied V once more: 4x the cost of the whole decode attention).
     out = jnp.einsum("BKMS,BKSH->BKMH", p, v.astype(jnp.float32))
     return out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H).astype(q.dtype)
+
+
+def cache_attention(cache, layer: int, q, qpos, end, *, scale, window=None, softcap=None):
+    """Attention of q [B, T, N, H] at positions qpos over one layer of a KV cache written up to
+    end[b] -> [B, T, N, H]. A decode step (T = 1) over a paged cache on TPU/GPU reads the pages
+    in place with the Pallas kernel (see jaxinfer.kernels); otherwise the cache's reader
+    gathers the rows' keys/values and the reference above runs."""
+    if (q.shape[1] == 1 and isinstance(cache, PagedKVCache) and cache.kernel_readable(layer)
+            and kernels.enabled()):
+        return kernels.paged_decode_attention(q, cache.k[layer], cache.v[layer], cache.page_table, end,
+                                              scale=scale, window=window, softcap=softcap)
+    keys, values, kpos = cache.read_layer(layer, end)
+    return attention(q, keys, values, qpos, kpos, scale=scale, window=window, softcap=softcap)
 
 
 # ----------------------------------------------------------------------------- MLPs

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from jaxinfer import cache as kv
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import (
-    WeightSpec, apply_rope, attention, dot, gated_mlp, rms_norm, rope_inv_freq, silu, take,
+    WeightSpec, apply_rope, attention, cache_attention, dot, gated_mlp, rms_norm, rope_inv_freq, silu,
+    take,
 )
 
 
@@ -85,7 +86,7 @@ def forward(
             if cache is not None:
                 cache = cache.write_layer(i, k, v, start)
             if cache is not None and read_cache:
-                o = cache.attend(i, q, positions, start + T, scale=scale)
+                o = cache_attention(cache, i, q, positions, start + T, scale=scale)
             else:  # fresh prompts: the new tokens are all there is to attend to
                 o = attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions, positions[0],
                               scale=scale)
