@@ -27,9 +27,7 @@ import numpy as np
 from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.models.layers import (
     WeightSpec,
-    apply_rope,
-    attention,
-    cache_attention,
+    attend_layer,
     dot,
     gated_mlp,
     gelu_tanh,
@@ -113,15 +111,8 @@ def forward(
             q = norm(dot("BTD,DNH->BTNH", h, w["wq"]), w["q_norm"])
             k = norm(dot("BTD,DKH->BTKH", h, w["wk"]), w["k_norm"])
             v = dot("BTD,DKH->BTKH", h, w["wv"])
-            q = apply_rope(q, positions, inv_freq[rope])
-            k = apply_rope(k, positions, inv_freq[rope])
-            if cache is not None:
-                cache = cache.write_layer(i, k, v, start)
-            opts = dict(scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
-            if cache is not None and read_cache:
-                o = cache_attention(cache, i, q, positions, start + T, **opts)
-            else:  # fresh prompts: the new tokens are all there is to attend to
-                o = attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions, positions[0], **opts)
+            o, cache = attend_layer(cache, i, q, k, v, positions, start, inv_freq[rope], read_cache=read_cache,
+                                    scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
             x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
         with jax.named_scope(f"layer{i}/mlp"):
             h = norm(x, w["mlp_norm"])

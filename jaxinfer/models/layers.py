@@ -218,6 +218,24 @@ def cache_attention(cache, layer: int, q, qpos, end, *, scale, window=None, soft
     return attention(q, keys, values, qpos, kpos, scale=scale, window=window, softcap=softcap)
 
 
+
+def attend_layer(cache, layer: int, q, k, v, positions, start, inv_freq, *, read_cache: bool = True,
+                 scale, window=None, softcap=None):
+    """One layer's attention for both model families: rotary on q [B, T, N, H] and k
+    [B, T, K, H] at positions i32[B, T], the new keys/values written into the cache (if any)
+    at start i32[B], then attention over the cache up to start + T, or, without a cache or
+    with read_cache False (every row a fresh prompt from 0), over the new tokens alone.
+    Returns (o [B, T, N, H], cache)."""
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    opts = {"scale": scale, "window": window, "softcap": softcap}
+    if cache is not None:
+        cache = cache.write_layer(layer, k, v, start)
+        if read_cache:
+            return cache_attention(cache, layer, q, positions, start + q.shape[1], **opts), cache
+    return attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions, positions[0], **opts), cache
+
+
 # ----------------------------------------------------------------------------- MLPs
 def gated_mlp(x: jax.Array, w_gate, w_up, w_down, act: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """SwiGLU (act=silu) or GeGLU (act=gelu tanh): down(act(x@gate) * (x@up))."""

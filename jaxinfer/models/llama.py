@@ -12,7 +12,13 @@ import jax.numpy as jnp
 from jaxinfer import cache as kv
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import (
-    WeightSpec, apply_rope, attention, cache_attention, dot, gated_mlp, rms_norm, rope_inv_freq, silu,
+    WeightSpec,
+    attend_layer,
+    dot,
+    gated_mlp,
+    rms_norm,
+    rope_inv_freq,
+    silu,
     take,
 )
 
@@ -68,7 +74,7 @@ def forward(
 ) -> tuple[jax.Array, kv.KVCache | None]:  # hidden [B, T, D] before the final norm, cache
     """The decoder over T new tokens per row. With a cache, each layer first writes its new
     keys/values at their positions, then attends over the cache (everything <= its position)."""
-    B, T = tokens.shape
+    T = tokens.shape[1]
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # i32[B, T]
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope))
     scale = cfg.head_dim**-0.5
@@ -81,15 +87,8 @@ def forward(
             v = dot("BTD,DKH->BTKH", h, w["wv"])
             if cfg.qkv_bias:
                 q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
-            q = apply_rope(q, positions, inv_freq)
-            k = apply_rope(k, positions, inv_freq)
-            if cache is not None:
-                cache = cache.write_layer(i, k, v, start)
-            if cache is not None and read_cache:
-                o = cache_attention(cache, i, q, positions, start + T, scale=scale)
-            else:  # fresh prompts: the new tokens are all there is to attend to
-                o = attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions, positions[0],
-                              scale=scale)
+            o, cache = attend_layer(cache, i, q, k, v, positions, start, inv_freq, read_cache=read_cache,
+                                    scale=scale)
             x = x + dot("BTNH,NHD->BTD", o, w["wo"])
         with jax.named_scope(f"layer{i}/mlp"):
             h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
