@@ -26,7 +26,8 @@ its own subprocess, one after another, on 2 threads (``torch.set_num_threads(2)`
 ``n_threads=2``; XLA CPU uses the machine's 2 cores). Medians over ``--repeats`` runs.
 
 The llama.cpp and plotting parts need the ``bench`` extra (``pip install -e .[bench]``; build
-llama-cpp-python for this CPU with ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON"``).
+llama-cpp-python for this CPU with ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON"``,
+``-DGGML_AVX512=OFF`` where the CPU has no AVX-512; with ``--no-deps``, install ``diskcache`` too).
 """
 
 from __future__ import annotations
