@@ -523,6 +523,51 @@ def _table(results, levels):
     return "\n".join(lines)
 
 
+def _plot(results: dict, levels, title: str, path: str) -> None:
+    """Throughput against concurrency, one line per engine: each jaxinfer variant gets a
+    colour of its own (from C3 on), so no variant shares a peer's colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    style = {"jaxinfer": ("C0", "o", "-"), "llama.cpp": ("C1", "s", "-"),
+             "transformers-bfloat16": ("C2", "^", "-"), "transformers-float32": ("C2", "v", "--")}
+    variants = iter(f"C{i}" for i in range(3, 10))
+    for n, res in results.items():
+        if not res.get("ok"):
+            continue
+        xs = [r["concurrency"] for r in res["rows"]]
+        ys = [r["out_tok_s"] for r in res["rows"]]
+        col, mk, ls = style[n] if n in style else (next(variants), "x", "-.")
+        ax.plot(xs, ys, marker=mk, linestyle=ls, color=col, label=n)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels)
+    ax.set_xticklabels([str(c) for c in levels])
+    ax.set_xlabel("concurrency (jaxinfer max_num_seqs / transformers batch / llama.cpp sequences)")
+    ax.set_ylabel("output tokens / s (whole workload)")
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def replot(json_path: str, path: str) -> None:
+    """Redraw the plot of an earlier run from its JSON."""
+    d = json.loads(Path(json_path).read_text())
+    levels = sorted({r["concurrency"] for e in d["engines"].values() if e.get("ok") for r in e["rows"]})
+    w = d["workload"]
+    started = datetime.datetime.fromisoformat(d["date"])
+    title = (f"{d['model']} on {d['machine']['cpu_count']} CPU cores, {w['num_requests']} requests, prompts "
+             f"{w['prompt_len'][0]}-{w['prompt_len'][1]}, {w['output_len'][0]} out\n{started:%Y-%m-%d %H:%M}, "
+             f"1-min load average {d['loadavg_start'][0]:.1f} at start, {d['loadavg_end'][0]:.1f} at end")
+    _plot(d["engines"], levels, title, path)
+
+
 def main():
     global THREADS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -564,6 +609,8 @@ def main():
                     help="a JSON from an earlier run of the same workload: its engines that are not "
                          "re-run here (or failed there) join this run's table, JSON and plot")
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="only redraw --plot from the JSON of an earlier run, running nothing")
     # internal: one engine in a subprocess
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workfile", default=None, help=argparse.SUPPRESS)
@@ -573,6 +620,8 @@ def main():
     THREADS = a.threads
     if a.worker:
         return worker_main(a)
+    if a.replot:
+        return replot(a.replot, a.plot or str(Path(a.replot).with_suffix(".png")))
 
     if a.quick:
         a.num_requests, a.output_len, a.subset, a.repeats, a.big_repeats = 16, 16, 4, 1, 1
@@ -752,35 +801,10 @@ def main():
         with open(a.json, "w") as f:
             json.dump({**header, "table": table.splitlines(), "summary": summary, "engines": results}, f, indent=1)
     if a.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        style = {"jaxinfer": ("C0", "o", "-"), "llama.cpp": ("C1", "s", "-"),
-                 "transformers-bfloat16": ("C2", "^", "-"), "transformers-float32": ("C2", "v", "--")}
-        for n, res in results.items():
-            if not res.get("ok"):
-                continue
-            xs = [r["concurrency"] for r in res["rows"]]
-            ys = [r["out_tok_s"] for r in res["rows"]]
-            col, mk, ls = style.get(n, (None, "x", "-"))
-            ax.plot(xs, ys, marker=mk, linestyle=ls, color=col, label=n)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(levels)
-        ax.set_xticklabels([str(c) for c in levels])
-        ax.set_xlabel("concurrency (jaxinfer max_num_seqs / transformers batch / llama.cpp sequences)")
-        ax.set_ylabel("output tokens / s (whole workload)")
-        ax.set_title(f"{a.model} on {os.cpu_count()} CPU cores, {len(wl)} requests, "
-                     f"prompts 25-250, {a.output_len} out\n{started:%Y-%m-%d %H:%M}, 1-min load average "
-                     f"{header['loadavg_start'][0]:.1f} at start, {header['loadavg_end'][0]:.1f} at end", fontsize=9)
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(a.plot, dpi=120)
-        print(f"plot: {a.plot}")
+        title = (f"{a.model} on {os.cpu_count()} CPU cores, {len(wl)} requests, prompts 25-250, {a.output_len} out\n"
+                 f"{started:%Y-%m-%d %H:%M}, 1-min load average {header['loadavg_start'][0]:.1f} at start, "
+                 f"{header['loadavg_end'][0]:.1f} at end")
+        _plot(results, levels, title, a.plot)
 
 
 if __name__ == "__main__":
