@@ -218,7 +218,6 @@ def cache_attention(cache, layer: int, q, qpos, end, *, scale, window=None, soft
     return attention(q, keys, values, qpos, kpos, scale=scale, window=window, softcap=softcap)
 
 
-
 def attend_layer(cache, layer: int, q, k, v, positions, start, inv_freq, *, read_cache: bool = True,
                  scale, window=None, softcap=None):
     """One layer's attention for both model families: rotary on q [B, T, N, H] and k
