@@ -556,16 +556,20 @@ def _plot(results: dict, levels, title: str, path: str) -> None:
     print(f"plot: {path}")
 
 
+def _title(header: dict) -> str:
+    """The plot title, from a run's header (as written at the top of its JSON)."""
+    w, started = header["workload"], datetime.datetime.fromisoformat(header["date"])
+    return (f"{header['model']} on {header['machine']['cpu_count']} CPU cores, {w['num_requests']} requests, "
+            f"prompts {w['prompt_len'][0]}-{w['prompt_len'][1]}, {w['output_len'][0]} out\n"
+            f"{started:%Y-%m-%d %H:%M}, 1-min load average {header['loadavg_start'][0]:.1f} at start, "
+            f"{header['loadavg_end'][0]:.1f} at end")
+
+
 def replot(json_path: str, path: str) -> None:
     """Redraw the plot of an earlier run from its JSON."""
     d = json.loads(Path(json_path).read_text())
     levels = sorted({r["concurrency"] for e in d["engines"].values() if e.get("ok") for r in e["rows"]})
-    w = d["workload"]
-    started = datetime.datetime.fromisoformat(d["date"])
-    title = (f"{d['model']} on {d['machine']['cpu_count']} CPU cores, {w['num_requests']} requests, prompts "
-             f"{w['prompt_len'][0]}-{w['prompt_len'][1]}, {w['output_len'][0]} out\n{started:%Y-%m-%d %H:%M}, "
-             f"1-min load average {d['loadavg_start'][0]:.1f} at start, {d['loadavg_end'][0]:.1f} at end")
-    _plot(d["engines"], levels, title, path)
+    _plot(d["engines"], levels, _title(d), path)
 
 
 def main():
@@ -801,10 +805,7 @@ def main():
         with open(a.json, "w") as f:
             json.dump({**header, "table": table.splitlines(), "summary": summary, "engines": results}, f, indent=1)
     if a.plot:
-        title = (f"{a.model} on {os.cpu_count()} CPU cores, {len(wl)} requests, prompts 25-250, {a.output_len} out\n"
-                 f"{started:%Y-%m-%d %H:%M}, 1-min load average {header['loadavg_start'][0]:.1f} at start, "
-                 f"{header['loadavg_end'][0]:.1f} at end")
-        _plot(results, levels, title, a.plot)
+        _plot(results, levels, _title(header), a.plot)
 
 
 if __name__ == "__main__":
