@@ -3,7 +3,8 @@
 Runs ``jaxinfer bench`` once per scheme and round in its own process (so each scheme
 compiles and warms up alone, and a crash in one does not stop the others), rounds
 interleaved: round 1 runs every scheme, then round 2, ... Reports medians over rounds of
-output tok/s, TTFT and TPOT p50, MFU, compilations, weight bytes and KV bytes per token.
+output tok/s, TTFT and TPOT p50, MFU, compilations, weight bytes and KV bytes per token
+(the last three as the bench reports them).
 
     python benchmarks/schemes.py [--schemes float32 int8 int4 w8a8 w8a8+kv8] [--rounds 1] \\
         [--json benchmarks/schemes.json]
@@ -26,15 +27,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-_SIZES = r"""
-import json, sys
-from jaxinfer import LLM
-q, kv = sys.argv[2] or None, sys.argv[3]
-llm = LLM(sys.argv[1], quantize=q, kv_cache_dtype=kv, progress=False, max_model_len=1024)
-r = llm.memory_report()
-print(json.dumps({k: r[k] for k in r if "bytes" in k}))
-"""
-
 
 def _split(scheme: str) -> tuple[str | None, str]:
     base, _, kv = scheme.partition("+")
@@ -51,13 +43,6 @@ def run_one(model: str, scheme: str, bench_args: list[str]) -> dict:
                "--kv-cache-dtype", kv, *bench_args] + (["--quantize", q] if q else [])
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
-
-
-def sizes(model: str, scheme: str) -> dict:
-    q, kv = _split(scheme)
-    out = subprocess.run([sys.executable, "-c", _SIZES, model, q or "", kv], check=True, cwd=ROOT,
-                         capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -77,10 +62,9 @@ def main() -> None:
             runs[s].append(run_one(a.model, s, bench_args))
             print(f"round {r + 1} {s}: {runs[s][-1]['output_tok_s']:.1f} output tok/s", flush=True)
     rows = []
-    med = lambda xs: statistics.median(xs)  # noqa: E731
+    med = statistics.median
     for s in a.schemes:
         b = runs[s]
-        sz = sizes(a.model, s)
         rows.append({
             "scheme": s,
             "output_tok_s": med([x["output_tok_s"] for x in b]),
@@ -88,8 +72,8 @@ def main() -> None:
             "tpot_p50_s": med([x["tpot_s"]["p50"] for x in b]),
             "mfu": med([x.get("mfu", 0.0) for x in b]),
             "compilations": b[-1]["compilations"],
-            "weights_bytes": sz["weights_bytes"],
-            "kv_bytes_per_token": sz.get("kv_bytes_per_token"),
+            "weights_bytes": b[-1]["weights_bytes"],
+            "kv_bytes_per_token": b[-1]["kv_bytes_per_token"],
             "runs_output_tok_s": [round(x["output_tok_s"], 1) for x in b],
         })
     base = next((r["output_tok_s"] for r in rows if r["scheme"] == "float32"), None)
@@ -100,7 +84,7 @@ def main() -> None:
         c = r["compilations"]
         lines.append(f"| {r['scheme']} | {r['output_tok_s']:.1f} | {ratio} | {r['ttft_p50_s']:.1f} | "
                      f"{1e3 * r['tpot_p50_s']:.0f} | {100 * r['mfu']:.1f}% | {r['weights_bytes'] / 1e6:.1f} | "
-                     f"{r['kv_bytes_per_token'] or '-'} | {c['warmup']} + {c['during_run']} |")
+                     f"{r['kv_bytes_per_token']} | {c['warmup']} + {c['during_run']} |")
     table = "\n".join(lines)
     print(table)
     if a.json:

@@ -86,7 +86,7 @@ def run_bench(llm, spec: WorkloadSpec, *, warmup: bool = True, ttft_slo: float |
                                      len(o.outputs[0].token_ids)) for o in outs]
     cfg = llm.cfg
     weights_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.weights))
-    kv_tok = cfg.kv_bytes_per_token()
+    kv_tok = cfg.kv_bytes_per_token(getattr(eng, "kv_dtype", None))  # as the engine stores it (int8 KV)
     # decode steps read the weights once and each running sequence's context
     steps = getattr(eng, "stats", {}).get("decode_steps") or max(t.output_tokens for t in timings)
     kv_read = sum(kv_tok * (t.prompt_tokens * t.output_tokens + t.output_tokens * (t.output_tokens - 1) / 2)
@@ -99,6 +99,7 @@ def run_bench(llm, spec: WorkloadSpec, *, warmup: bool = True, ttft_slo: float |
         decode_bytes=steps * weights_bytes + kv_read, peaks=peaks)
     after = eng.num_compilations() if hasattr(eng, "num_compilations") else 0
     out["compilations"] = {"warmup": compiled_warmup, "during_run": after - before, "total": after}
+    out["weights_bytes"], out["kv_bytes_per_token"] = int(weights_bytes), kv_tok
     out["engine"] = dict(getattr(eng, "stats", {}))
     out["workload"] = dataclasses.asdict(spec)
     out["peaks"] = peaks
