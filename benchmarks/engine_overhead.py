@@ -29,7 +29,7 @@ def main():
     a = ap.parse_args()
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.bench import PASSAGE
-    from jaxinfer.engine.paged import len_bucket_pages
+    from jaxinfer.engine.buckets import width_bucket as len_bucket_pages
 
     llm = LLM(a.model, max_model_len=1024, max_num_seqs=a.batch, progress=False)
     eng = llm.engine

@@ -93,10 +93,10 @@ def run_bench(llm, spec: WorkloadSpec, *, warmup: bool = True, ttft_slo: float |
                   for t in timings)
     mean_ctx = sum(t.prompt_tokens + t.output_tokens / 2 for t in timings) / len(timings)
     peaks = peaks or metrics.measure_peaks(home() / f"peaks-{cfg.dtype}.json", cfg.dtype)
-    out = metrics.summarize(
-        timings, wall, ttft_slo=ttft_slo, tpot_slo=tpot_slo,
-        model_flops_per_token=metrics.model_flops_per_token(cfg.num_params(), cfg.n_layers, cfg.n_heads * cfg.head_dim, mean_ctx),
-        decode_bytes=steps * weights_bytes + kv_read, peaks=peaks)
+    fpt = metrics.model_flops_per_token(cfg.num_params(), cfg.n_layers, cfg.n_heads * cfg.head_dim, mean_ctx)
+    out = metrics.summarize(timings, wall, ttft_slo=ttft_slo, tpot_slo=tpot_slo, model_flops_per_token=fpt,
+                            decode_bytes=steps * weights_bytes + kv_read, peaks=peaks)
+    out["model_flops_per_token"] = fpt
     after = eng.num_compilations() if hasattr(eng, "num_compilations") else 0
     out["compilations"] = {"warmup": compiled_warmup, "during_run": after - before, "total": after}
     out["weights_bytes"], out["kv_bytes_per_token"] = int(weights_bytes), kv_tok

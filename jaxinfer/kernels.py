@@ -19,6 +19,7 @@ at a per-row base page (the kernel indexes tables from logical page 0), and int8
 from __future__ import annotations
 
 import contextlib
+import enum
 import threading
 
 import jax
@@ -31,24 +32,50 @@ from pallas_kernels import quant_matmul as qm
 _state = threading.local()
 
 
+class KernelMode(str, enum.Enum):
+    """Which path the ops of a trace take. The engine passes it to its jitted steps as a
+    static argument, so it is part of every executable's cache key: an executable traced
+    with one mode is never reused under another."""
+
+    OFF = "off"  # the pure-JAX references (CPU)
+    NATIVE = "native"  # compiled Pallas kernels (TPU/GPU)
+    INTERPRET = "interpret"  # Pallas kernels in interpret mode (CPU tests of the kernel path)
+
+
 @contextlib.contextmanager
 def interpret_kernels():
     """Trace the kernel path in Pallas interpret mode (CPU tests of the TPU/GPU path)."""
-    old = getattr(_state, "interpret", False)
-    _state.interpret = True
+    with traced_with(KernelMode.INTERPRET):
+        yield
+
+
+@contextlib.contextmanager
+def traced_with(mode: KernelMode):
+    """Ops traced inside take ``mode``'s path (the jitted steps enter it with their static
+    ``kernel_mode``)."""
+    old = getattr(_state, "mode", None)
+    _state.mode = KernelMode(mode)
     try:
         yield
     finally:
-        _state.interpret = old
+        _state.mode = old
+
+
+def current_mode() -> KernelMode:
+    """The mode in force: the innermost ``traced_with``, else the platform's."""
+    mode = getattr(_state, "mode", None)
+    if mode is not None:
+        return mode
+    return KernelMode.NATIVE if _common.platform() in _common.KERNEL_PLATFORMS else KernelMode.OFF
 
 
 def _interpret() -> bool:
-    return getattr(_state, "interpret", False)
+    return current_mode() == KernelMode.INTERPRET
 
 
 def enabled() -> bool:
     """Whether the ops traced now run as Pallas kernels."""
-    return _interpret() or _common.platform() in _common.KERNEL_PLATFORMS
+    return current_mode() != KernelMode.OFF
 
 
 # ----------------------------------------------------------------------------- matmuls

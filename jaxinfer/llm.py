@@ -17,7 +17,8 @@ from jaxinfer import quant, registry
 from jaxinfer.cache import KV_CACHE_DTYPES
 from jaxinfer.config import default_dtype
 from jaxinfer.engine.paged import EngineConfig, PagedEngine, Scheduling
-from jaxinfer.engine.static import Row, StaticEngine
+from jaxinfer.engine.rows import Row
+from jaxinfer.engine.static import StaticEngine
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.loaders import checkpoint
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -207,7 +208,7 @@ class LLM:
 
     def _output(self, req: "_Pending") -> RequestOutput:
         p, rows = req.params, req.rows
-        plp = self.engine.prompt_logprobs(req.prompt_ids, p.prompt_logprobs) if p.prompt_logprobs is not None else None
+        plp = rows[0].prompt_logprobs  # filled while the prompt was computed (None unless asked)
         comps = [
             CompletionOutput(
                 index=j, text=r.checker.output_text, token_ids=list(r.token_ids),

@@ -110,19 +110,17 @@ def test_max_tokens_capped_by_max_model_len(tiny_llm):
     assert len(out.outputs[0].token_ids) == 512 - 500 and out.outputs[0].finish_reason == "length"
 
 
-def test_decode_step_donates_the_cache(tiny_llm):
-    eng = tiny_llm.engine  # the paged engine: pools, sampling state and token buffer donated
-    B = 8
-    k_old, v_old, state_old, last_old = eng.k_pages, eng.v_pages, eng.state, eng._last_tokens
-    out = eng._decode(tiny_llm.weights, jnp.zeros(B, jnp.int32), jnp.zeros(B, bool), last_old,
-                      jnp.zeros(B, jnp.int32), jnp.zeros((B, 4), jnp.int32), jnp.zeros((B, 1), jnp.int32),
-                      jnp.zeros(B, jnp.int32), k_old, v_old, state_old,
-                      jnp.zeros(B, jnp.int32), jnp.full((B, 16), -1, jnp.int32), jnp.zeros(B, jnp.int32),
-                      cfg=tiny_llm.cfg, num_logprobs=-1)
+def test_packed_step_donates_pools_and_slots(tiny_llm):
+    from jaxinfer import kernels
+
+    eng = tiny_llm.engine  # the paged engine: page pools and per-slot device state donated
+    k_old, v_old, slots_old = eng.k_pages, eng.v_pages, eng.slots
+    out = eng._step(tiny_llm.weights, eng.idle_batch(8, 8, 32), k_old, v_old, slots_old, cfg=tiny_llm.cfg,
+                    num_logprobs=-1, prompt_logprobs=-1, kernel_mode=kernels.current_mode())
     jax.block_until_ready(out)
     assert all(a.is_deleted() for a in k_old + v_old)  # the page pools were donated
-    assert state_old.output_counts.is_deleted() and last_old.is_deleted()
-    _, _, eng.k_pages, eng.v_pages, eng.state, eng._last_tokens = out
+    assert slots_old.sampling.output_counts.is_deleted() and slots_old.last_tokens.is_deleted()
+    _, eng.k_pages, eng.v_pages, eng.slots = out
     assert not any(a.is_deleted() for a in eng.k_pages + eng.v_pages)
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams, quant
+from jaxinfer import LLM, kernels, SamplingParams, quant
 from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.evaluate import perplexity
@@ -297,11 +297,8 @@ def test_smollm2_int8_greedy_agrees_with_float(smollm2_int8):
 def test_engine_decode_step_w8a8_is_int8_dots(tiny_gguf):
     llm = LLM(str(tiny_gguf), quantize="w8a8", progress=False, max_num_seqs=4, max_model_len=64)
     e, B = llm.engine, 4
-    lowered = e._decode.lower(
-        e.weights, jnp.zeros(B, jnp.int32), jnp.zeros(B, bool), e._last_tokens, jnp.zeros(B, jnp.int32),
-        jnp.zeros((B, e.pages_per_seq), jnp.int32), jnp.zeros((B, 1), jnp.int32), jnp.zeros(B, jnp.int32),
-        e.k_pages, e.v_pages, e.state, jnp.zeros(B, jnp.int32),
-        jnp.asarray(e._stop_ids[:B]), jnp.asarray(e._min_tokens[:B]), cfg=e.cfg, num_logprobs=-1)
+    lowered = e._step.lower(e.weights, e.idle_batch(B, e.pages_per_seq, 32), e.k_pages, e.v_pages, e.slots,
+                            cfg=e.cfg, num_logprobs=-1, prompt_logprobs=-1, kernel_mode=kernels.current_mode())
     hlo = lowered.compile().as_text()
     types = dict(re.findall(r"(%[\w.-]+) = (\w+)\[", hlo))
     int_dots = [ops for ops in re.findall(r"= s32\[[\d,]*\]\{[^}]*\} dot\(([^)]*)\)", hlo)

@@ -9,11 +9,10 @@ checks overlap device work; each row stops on its own EOS or stop condition.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import time
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -24,60 +23,14 @@ from jaxinfer import sampling as smp
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.registry import family_module
+from jaxinfer.engine.buckets import BATCH_BUCKETS, bucket, len_bucket, logprob_bucket
+from jaxinfer.engine.rows import Row, position_logprobs, record_token
+from jaxinfer.engine.step import sample_step
 from jaxinfer.outputs import Logprob
-
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-MIN_LEN_BUCKET = 16
-
-
-def bucket(n: int, buckets: Sequence[int]) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n=} exceeds the largest bucket {buckets[-1]}")
-
-
-def len_bucket(n: int) -> int:
-    """Powers of two from 16: at most log2(max_model_len) prompt/cache shapes."""
-    return max(MIN_LEN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
-
-
-@dataclasses.dataclass
-class Row:
-    """One sequence: a sample of a request, and everything the host tracks about it."""
-
-    prompt_ids: list[int]
-    params: smp.SamplingParams  # per sample (its seed already derived)
-    request_index: int  # distinct per row: seeds a row that has no seed
-    checker: smp.StopChecker
-    detok: object  # IncrementalDetokenizer
-    max_new: int  # max_tokens capped by max_model_len
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float = 0.0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    scheduled_time: float | None = None
-    owner: object = None  # the caller's handle for the request this row samples
-    token_times: list[float] = dataclasses.field(default_factory=list)  # when each token arrived
-
 
 def _logits_at(mod, weights, h, index, cfg):  # h [B, T, D], index i32[B] -> f32[B, V]
     last = jnp.take_along_axis(h, index[:, None, None], axis=1)
     return mod.unembed(weights, last, cfg)[:, 0]
-
-
-def _sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs):
-    masked = smp.mask_tokens_before_min(logits, stop_ids, step, min_tokens)
-    tokens = smp.sample(masked, state, step)
-    state = smp.update_counts(state, tokens)
-    if num_logprobs < 0:  # logprobs not requested by any row: skip the log-softmax
-        return tokens, None, state
-    chosen, top_ids, top_lp = smp.logprobs_of(logits, tokens, num_logprobs)
-    picked = jnp.take_along_axis(logits, tokens[:, None], axis=1)
-    rank = 1 + jnp.sum(logits > picked, axis=-1)  # rank under the raw model, as vLLM reports
-    return tokens, (chosen, rank, top_ids, top_lp), state
 
 
 def prefill_step(weights, tokens, lengths, cache, state, stop_ids, min_tokens, *, cfg, num_logprobs):
@@ -87,7 +40,7 @@ def prefill_step(weights, tokens, lengths, cache, state, stop_ids, min_tokens, *
     h, cache = mod.forward(weights, tokens, jnp.zeros(B, jnp.int32), cache, cfg=cfg, read_cache=False)
     logits = _logits_at(mod, weights, h, lengths - 1, cfg)
     step = jnp.zeros(B, jnp.int32)
-    toks, lp, state = _sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs)
+    toks, lp, state = sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs)
     return toks, lp, cache, state
 
 
@@ -96,7 +49,7 @@ def decode_step(weights, tokens, positions, step, cache, state, stop_ids, min_to
     mod = family_module(cfg.family)
     h, cache = mod.forward(weights, tokens[:, None], positions, cache, cfg=cfg)
     logits = mod.unembed(weights, h, cfg)[:, 0]
-    toks, lp, state = _sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs)
+    toks, lp, state = sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs)
     return toks, lp, cache, state
 
 
@@ -157,10 +110,8 @@ class StaticEngine:
         )
         stop_ids, min_tokens = smp.min_tokens_inputs(params, self.tokenizer.eos_ids, batch_size=B)
         stop_ids, min_tokens = jnp.asarray(stop_ids), jnp.asarray(min_tokens)
-        want_lp = any(r.params.logprobs is not None for r in rows)
-        num_lp = max((r.params.logprobs or 0) for r in rows)
-        # three shapes, not twenty-two: none, up to 5, up to 20
-        num_lp = -1 if not want_lp else 0 if num_lp == 0 else 5 if num_lp <= 5 else 20
+        num_lp = logprob_bucket([r.params.logprobs for r in rows])
+        want_lp = num_lp >= 0
         cache = kv.init_cache(cfg, B, S, self.kv_dtype, max_chunk=T)  # LOCAL layers: a ring of W + T - 1
         self.last_cache_bytes = cache.nbytes()
         now = time.perf_counter()
@@ -184,13 +135,18 @@ class StaticEngine:
             for b in list(live):
                 if record_token(rows[b], int(host_toks[b]), host_lp, b, now, self.tokenizer):
                     live.discard(b)
-                    yield rows[b]
+                    yield self._with_prompt_logprobs(rows[b])
             if not live or nxt is None:
                 break
             toks, lp, cache, state = nxt
         for b in live:  # cannot happen unless max_new was 0; keep every row finished
             rows[b].finished_time = time.perf_counter()
-            yield rows[b]
+            yield self._with_prompt_logprobs(rows[b])
+
+    def _with_prompt_logprobs(self, row: Row) -> Row:
+        if row.params.prompt_logprobs is not None and row.prompt_logprobs is None:
+            row.prompt_logprobs = self.prompt_logprobs(row.prompt_ids, row.params.prompt_logprobs)
+        return row
 
     # ------------------------------------------------------------------ prompt logprobs
     def prompt_logprobs(self, ids: list[int], num_top: int) -> list[dict[int, Logprob] | None]:
@@ -204,30 +160,3 @@ class StaticEngine:
         for t in range(1, len(ids)):
             out.append(position_logprobs(self.tokenizer, ids[t], float(chosen[t - 1]), int(ranks[t - 1]), top_ids[t - 1], top_lp[t - 1]))
         return out
-
-
-def record_token(r: Row, tok: int, host_lp, b: int, now: float, tokenizer) -> bool:
-    """Feed one sampled token (row b of a step's outputs) to a row; True when it finished."""
-    if r.first_token_time is None:
-        r.first_token_time = now
-    r.last_token_time = now
-    r.token_times.append(now)
-    r.token_ids.append(tok)
-    if host_lp is not None and r.params.logprobs is not None:
-        chosen, rank, top_ids, top_lps = (a[b] for a in host_lp)
-        r.cumulative_logprob += float(chosen)
-        r.logprobs.append(position_logprobs(tokenizer, tok, float(chosen), int(rank), top_ids[: r.params.logprobs], top_lps))
-    r.checker.update(tok, r.detok.add(tok))
-    if r.checker.finished:
-        r.finished_time = now
-        return True
-    return False
-
-
-def position_logprobs(tokenizer, tok, chosen, rank, top_ids, top_lps) -> dict[int, Logprob]:
-    """vLLM's per-position logprobs: the chosen token plus the top-n, each with its rank."""
-    piece = lambda t: tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
-    entry = {tok: Logprob(chosen, rank, piece(tok))}
-    for i, (t, l) in enumerate(zip(top_ids, top_lps), 1):
-        entry.setdefault(int(t), Logprob(float(l), i, piece(int(t))))
-    return entry

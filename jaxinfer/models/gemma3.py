@@ -91,13 +91,15 @@ def forward(
     *,
     cfg: ModelConfig,
     read_cache: bool = True,  # False when every row starts at 0: attend over the new tokens only
+    positions: jax.Array | None = None,  # i32[B, T] explicit positions (a packed step's); default start + t
 ) -> tuple[jax.Array, object]:  # hidden [B, T, D] before the final norm, cache
     """The decoder over T new tokens per row. With a cache, each layer first writes its new
     keys/values at their positions, then attends over the cache; LOCAL layers mask out keys
     ``sliding_window`` or more positions behind the query (the cache still holds every
     position of every layer)."""
     T = tokens.shape[1]
-    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # i32[B, T]
+    if positions is None:
+        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # i32[B, T]
     norm = functools.partial(rms_norm, eps=cfg.norm_eps, plus_one=True)
     inv_freq = {}  # one table per distinct rotary config (local / global)
     x = embed(weights, tokens, cfg)

@@ -228,6 +228,8 @@ def attend_layer(cache, layer: int, q, k, v, positions, start, inv_freq, *, read
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     opts = {"scale": scale, "window": window, "softcap": softcap}
+    if getattr(cache, "packed", False):  # models.packed.PackedKV: a packed engine step
+        return cache.attend(layer, q, k, v, **opts)
     if cache is not None:
         cache = cache.write_layer(layer, k, v, start)
         if read_cache:

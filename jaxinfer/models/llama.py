@@ -71,11 +71,13 @@ def forward(
     *,
     cfg: ModelConfig,
     read_cache: bool = True,  # False when every row starts at 0: attend over the new tokens only
+    positions: jax.Array | None = None,  # i32[B, T] explicit positions (a packed step's); default start + t
 ) -> tuple[jax.Array, kv.KVCache | None]:  # hidden [B, T, D] before the final norm, cache
     """The decoder over T new tokens per row. With a cache, each layer first writes its new
     keys/values at their positions, then attends over the cache (everything <= its position)."""
     T = tokens.shape[1]
-    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # i32[B, T]
+    if positions is None:
+        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # i32[B, T]
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope))
     scale = cfg.head_dim**-0.5
     x = embed(weights, tokens, cfg)

@@ -1,0 +1,106 @@
+"""From a scheduler plan to the arrays of one packed step (``models.packed.PackedBatch``),
+every shape bucketed: R decode rows (batch buckets over the highest busy slot), q queries per
+row, Tp prefill-row tokens (prefill buckets), and the page-table widths (width buckets over the
+longest row, the prefill row's history included)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxinfer.engine import buckets
+from jaxinfer.engine.pages import SCRATCH_PAGE
+from jaxinfer.engine.scheduler import Scheduler, StepPlan
+from jaxinfer.models.packed import PackedBatch
+
+
+def window_width(width: int, q: int, window: int | None, page_size: int) -> int:
+    """Window-table columns for rows of q queries whose full tables have ``width`` columns:
+    a row's queries at p..p+q-1 need positions p-W+1 .. p+q-1, at most (W + q - 2) // ps + 2
+    pages, one more for a decode row whose previous step the host has not read (its window
+    starts at the lagging seq.computed)."""
+    if not window:
+        return 1
+    return min(width, (window + q - 1) // page_size + 2)
+
+
+def step_shapes(sched: Scheduler, *, rows_needed: int, max_pages: int, prefill_tokens: int, q: int,
+                pages_per_seq: int, max_num_seqs: int, prefill_chunk: int) -> tuple[int, int, int]:
+    """(R, width, Tp) of a step: the buckets warm-up compiles and the engine runs."""
+    R = 0 if rows_needed == 0 else buckets.bucket(rows_needed, buckets.BATCH_BUCKETS, max_num_seqs)
+    width = buckets.width_bucket(max_pages, pages_per_seq)
+    Tp = 0 if prefill_tokens == 0 else buckets.bucket(prefill_tokens, buckets.PREFILL_BUCKETS, prefill_chunk)
+    return R, width, Tp
+
+
+def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_per_seq: int,
+                max_num_seqs: int, prefill_chunk: int, want_targets: bool) -> PackedBatch:
+    """The host arrays of one step (numpy; jit moves them). Inflight bookkeeping is the
+    caller's: this only reads the sequences."""
+    ps, W = sched.page_size, sched.window
+    rows_needed = max((s.slot for s in plan.decode), default=-1) + 1
+    n_pre = sum(g.n for g in plan.prefill)
+    hist = plan.prefill[0] if plan.prefill and plan.prefill[0].start > 0 else None
+    max_pages = max([len(s.pages) for s in plan.decode] + [-(-hist.start // ps) if hist else 1])
+    R, width, Tp = step_shapes(sched, rows_needed=rows_needed, max_pages=max_pages, prefill_tokens=n_pre, q=q,
+                               pages_per_seq=pages_per_seq, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk)
+    ww = window_width(width, q, W, ps)
+    N = R * q + Tp
+    tokens = np.full(N, pad_id, np.int32)
+    positions = np.zeros(N, np.int32)
+    wpage = np.full(N, SCRATCH_PAGE, np.int32)
+    wwpage = np.full(N, SCRATCH_PAGE, np.int32)
+    active = np.zeros(R, np.bool_)
+    use_prev = np.zeros(R, np.bool_)
+    last_q = np.zeros(R, np.int32)
+    table = np.full((R + 1, width), SCRATCH_PAGE, np.int32)
+    wtable = np.full((R + 1, ww), SCRATCH_PAGE, np.int32)
+    wbase = np.zeros(R + 1, np.int32)
+    seg = np.full(Tp, -1, np.int32)
+    targets = np.full(Tp, -1, np.int32)
+
+    def put_window(r, seq):
+        if W:
+            wbase[r], row = sched.window_row(seq)
+            wtable[r, : len(row)] = row
+
+    for s in plan.decode:  # q == 1: the row's input is its last token (or the one in flight)
+        r = s.slot
+        toks = s.tokens
+        pos = len(toks) - 1 + s.inflight
+        i = r * q
+        tokens[i] = toks[-1]
+        active[r] = True
+        use_prev[r] = s.inflight > 0
+        positions[i] = pos
+        wpage[i] = s.pages[pos // ps]
+        if W:
+            wwpage[i] = s.window_pages[pos // ps]
+        table[r, : len(s.pages)] = s.pages
+        put_window(r, s)
+    off = R * q
+    for k, g in enumerate(plan.prefill):
+        toks = g.seq.tokens
+        sl = slice(off, off + g.n)
+        p = np.arange(g.start, g.start + g.n)
+        tokens[sl] = toks[g.start : g.start + g.n]
+        positions[sl] = p
+        wpage[sl] = np.asarray(g.seq.pages)[p // ps]
+        if W:
+            wwpage[sl] = np.asarray(g.seq.window_pages)[p // ps]
+        seg[off - R * q : off - R * q + g.n] = k
+        if want_targets and g.seq.wants_prompt_logprobs:
+            targets[off - R * q : off - R * q + g.n] = toks[g.start + 1 : g.start + g.n + 1]
+        off += g.n
+    hist_end = 0
+    if hist is not None:
+        hist_end = hist.start
+        pages = hist.seq.pages[: -(-hist.start // ps)]
+        table[R, : len(pages)] = pages
+        if W:
+            lo = hist.seq.window_lo
+            row = hist.seq.window_pages[lo : -(-hist.start // ps)]
+            wbase[R] = lo
+            wtable[R, : len(row)] = row
+    return PackedBatch(tokens=tokens, positions=positions, write_page=wpage, write_wpage=wwpage,
+                       active=active, use_prev=use_prev, last_q=last_q, table=table, wtable=wtable, wbase=wbase, seg=seg,
+                       hist_end=np.int32(hist_end), targets=targets, rows=R, q=q)

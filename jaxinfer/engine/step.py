@@ -1,0 +1,120 @@
+"""The jitted engine steps: one packed step per scheduler iteration, the one sampling step,
+and placing a sequence into a decode slot.
+
+``packed_step`` runs the model once over a ``models.packed.PackedBatch`` (decode rows plus a
+packed prefill row), samples one token for every decode row, and returns the page pools and
+the per-slot device state, both donated. The kernel mode is a static argument, so it is part
+of the executable's cache key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import kernels
+from jaxinfer import sampling as smp
+from jaxinfer.models.packed import PackedBatch, PackedKV
+from jaxinfer.models.registry import family_module
+
+STOP_ID_WIDTH = 16  # per-row stop ids masked before min_tokens (EOS ids + stop_token_ids)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotState:
+    """What the device keeps per decode slot between steps (S = max_num_seqs)."""
+
+    sampling: smp.SamplingState  # parameters, keys, prompt mask and output counts
+    last_tokens: jax.Array  # i32[S] the token each slot's previous step sampled
+    stop_ids: jax.Array  # i32[S, STOP_ID_WIDTH] ids masked before min_tokens, -1 padded
+    min_tokens: jax.Array  # i32[S]
+    generated: jax.Array  # i32[S] tokens sampled so far (the step index of the next sample)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepOutput:
+    tokens: jax.Array | None  # i32[R] the token sampled for each decode row
+    logprobs: tuple | None  # (chosen f32[R], rank i32[R], top ids i32[R, n], top logprobs f32[R, n])
+    row_logits: jax.Array | None  # f32[R, q, V] every query's logits, when q > 1 (verification)
+    prompt_logprobs: tuple | None  # (chosen f32[Tp], rank i32[Tp], top ids, top logprobs) of the prefill row
+
+
+def make_slots(vocab_size: int, max_num_seqs: int, seed: int) -> SlotState:
+    S = max_num_seqs
+    return SlotState(smp.make_sampling_state([], [], vocab_size, default_seed=seed, batch_size=S),
+                     jnp.zeros(S, jnp.int32), jnp.full((S, STOP_ID_WIDTH), -1, jnp.int32),
+                     jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.int32))
+
+
+def insert_step(slots: SlotState, slot, row: SlotState) -> SlotState:
+    """Place one sequence's slot state (batch 1) into slot ``slot``."""
+    return jax.tree.map(lambda a, r: a.at[slot].set(r[0]), slots, row)
+
+
+def sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs):
+    """The one sampling step of both engines: logits f32[B, V] -> tokens i32[B], logprobs
+    (or None when num_logprobs < 0), and the state with the new tokens counted."""
+    masked = smp.mask_tokens_before_min(logits, stop_ids, step, min_tokens)
+    tokens = smp.sample(masked, state, step)
+    state = smp.update_counts(state, tokens)
+    if num_logprobs < 0:  # logprobs not requested by any row: skip the log-softmax
+        return tokens, None, state
+    chosen, top_ids, top_lp = smp.logprobs_of(logits, tokens, num_logprobs)
+    picked = jnp.take_along_axis(logits, tokens[:, None], axis=1)
+    rank = 1 + jnp.sum(logits > picked, axis=-1)  # rank under the raw model, as vLLM reports
+    return tokens, (chosen, rank, top_ids, top_lp), state
+
+
+def token_logprobs(logits, targets, num_top: int):
+    """Teacher-forced logprobs: logits f32[T, V], targets i32[T] (-1: none) -> (chosen f32[T],
+    rank i32[T], top ids i32[T, n], top logprobs f32[T, n])."""
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=1)[:, 0]
+    ranks = 1 + jnp.sum(lp > chosen[:, None], axis=-1)
+    top_lp, top_ids = jax.lax.top_k(lp, max(num_top, 1))
+    return chosen, ranks, top_ids[:, :num_top], top_lp[:, :num_top]
+
+
+def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, *, cfg, windowed,
+                num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode):
+    """One scheduler iteration on device -> (StepOutput, k_pages, v_pages, slots).
+
+    Decode row r is slot r. Its first query token is the host's, or, where use_prev, the
+    token the previous step sampled for that slot (still on device: the host reads it while
+    this step runs)."""
+    with kernels.traced_with(kernel_mode):
+        mod = family_module(cfg.family)
+        R, Q = batch.rows, batch.q
+        tokens = batch.tokens
+        if R:
+            first = jnp.where(batch.use_prev, slots.last_tokens[:R], tokens[0 : R * Q : Q])
+            tokens = tokens.at[0 : R * Q : Q].set(first)
+        cache = PackedKV(k_pages, v_pages, batch, windowed, kernel_mode != kernels.KernelMode.OFF)
+        h, cache = mod.forward(weights, tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
+        new = lp = row_logits = plp = None
+        if R:
+            with jax.named_scope("sample"):
+                hd = h[0, : R * Q].reshape(R, Q, -1)
+                if Q > 1:
+                    row_logits = mod.unembed(weights, hd, cfg)  # f32[R, Q, V]
+                    logits = jnp.take_along_axis(row_logits, batch.last_q[:, None, None], axis=1)[:, 0]
+                else:
+                    logits = mod.unembed(weights, hd, cfg)[:, 0]
+                sub = jax.tree.map(lambda a: a[:R], slots)
+                new, lp, sampling = sample_step(logits, sub.sampling, sub.generated, sub.stop_ids,
+                                                sub.min_tokens, num_logprobs)
+                upd = SlotState(sampling, new, sub.stop_ids, sub.min_tokens, sub.generated + 1)
+                # idle slots (and ones still prefilling) keep their state: seeds and penalties
+                # must not see steps they took no part in
+                keep = lambda n, o: jnp.where(batch.active.reshape((R,) + (1,) * (n.ndim - 1)), n, o)  # noqa: E731
+                sub = jax.tree.map(keep, upd, sub)
+                slots = jax.tree.map(lambda a, s: a.at[:R].set(s), slots, sub)
+        if prompt_logprobs >= 0 and batch.prefill_len:
+            with jax.named_scope("prompt_logprobs"):
+                logits = mod.unembed(weights, h[:, R * Q :], cfg)[0]
+                plp = token_logprobs(logits, batch.targets, prompt_logprobs)
+    return StepOutput(new, lp, row_logits, plp), cache.k, cache.v, slots

@@ -1,0 +1,243 @@
+"""The packed step's view of the page pools: many sequences, one call, weights read once.
+
+One engine step computes a ``PackedBatch`` of N = R * q + Tp tokens in one forward pass, so
+every matmul sees all of them at once (one read of the weights, large M for the int8 dots):
+
+* a **decode group** of R rows with q query tokens each (q = 1 for plain decoding; q > 1
+  carries drafted or teacher-forced tokens to verify). Row r attends to the pages of its
+  page-table row ``table[r]``, which already hold this step's keys (they are written first).
+* one **packed prefill row** of Tp tokens holding prompt chunks of several sequences one
+  after another (``seg`` numbers them, -1 marks padding). A token attends causally to the
+  earlier tokens of its own segment in the row, and segment 0 (the only one that may
+  continue an earlier chunk or a cached prefix) also to the positions before ``hist_end``
+  held in the extra last table row ``table[R]``.
+
+Decode attention on CPU never builds a dense copy of every row's whole context. The table is
+read a block of page columns at a time (contiguous pages of ``page_size`` positions), each
+block's scores are folded into a running softmax (max, sum, weighted values), and the block
+goes out of cache before the next one comes in. With 16-token pages and 256 positions per
+block this keeps the working set of a 64-row step in L2/L3 instead of streaming a 25 MB
+per-layer copy through memory (see ``benchmarks/RESULTS.md``, "decode attention").
+
+Windowed layers (Gemma's LOCAL layers) read their own pool through ``wtable`` from logical
+page ``wbase`` on, exactly as ``cache.PagedKVCache`` does; int8 pools dequantize each block as
+it is gathered. On TPU/GPU a q = 1 decode group over float full-length pools goes through the
+Pallas paged-attention kernel instead (``jaxinfer.kernels``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import kernels
+from jaxinfer.cache import QuantKV, _load, _store
+
+BLOCK_POSITIONS = 256  # key positions per block of the running softmax
+_NEG = -1e30  # masked score: finite, so a block with nothing visible keeps the max finite
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PackedBatch:
+    """Everything one packed step needs to know about its tokens. Built on the host by the
+    scheduler (``engine.batch``); shapes are bucketed so executables are few."""
+
+    tokens: jax.Array  # i32[N] decode rows first (R x q, row-major), then the prefill row
+    positions: jax.Array  # i32[N]
+    write_page: jax.Array  # i32[N] page of the full-length pools each token's key/value goes to (0: scratch)
+    write_wpage: jax.Array  # i32[N] likewise in the windowed pools
+    active: jax.Array  # bool[R] rows that decode a sequence (the others are idle slots below the top one)
+    use_prev: jax.Array  # bool[R] the row's first token is the one the previous step sampled (on device)
+    last_q: jax.Array  # i32[R] index of each decode row's last real query
+    table: jax.Array  # i32[R + 1, w] full-length pages; row R: the prefill row's segment 0
+    wtable: jax.Array  # i32[R + 1, ww] windowed pages from logical page wbase
+    wbase: jax.Array  # i32[R + 1]
+    seg: jax.Array  # i32[Tp] segment of each prefill-row token, -1: padding
+    hist_end: jax.Array  # i32[] positions < hist_end of segment 0 are read from table[R]
+    targets: jax.Array  # i32[Tp] next prompt token of each prefill-row token (-1: none): prompt logprobs
+    rows: int = dataclasses.field(metadata={"static": True})  # R
+    q: int = dataclasses.field(metadata={"static": True})
+
+    @property
+    def prefill_len(self) -> int:  # Tp
+        return self.seg.shape[0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PackedKV:
+    """Page pools plus the batch that reads and writes them in this step."""
+
+    k: list  # L x [P_l, K, H, ps]  keys transposed, as in cache.PagedKVCache
+    v: list  # L x [P_l, K, ps, H]
+    batch: PackedBatch
+    windowed: tuple[bool, ...] = dataclasses.field(default=(), metadata={"static": True})
+    use_kernels: bool = dataclasses.field(default=False, metadata={"static": True})
+
+    packed = True  # attend_layer hands the whole layer to ``attend``
+
+    def _is_windowed(self, layer: int) -> bool:
+        return bool(self.windowed) and self.windowed[layer]
+
+    def attend(self, layer: int, q, k, v, *, scale, window=None, softcap=None):
+        """Write the layer's new keys/values k, v [1, N, K, H] at each token's page, then
+        attend q [1, N, N_heads, H] as described in the module docstring -> (o, cache)."""
+        b = self.batch
+        ps = self.v[layer].shape[2]
+        page = b.write_wpage if self._is_windowed(layer) else b.write_page
+        off = b.positions % ps
+        s = slice(None)
+        ks, vs = list(self.k), list(self.v)
+        ks[layer] = _store(ks[layer], (page[None], s, s, off[None]), k)
+        vs[layer] = _store(vs[layer], (page[None], s, off[None]), v)
+        cache = PackedKV(ks, vs, b, self.windowed, self.use_kernels)
+        R, Q, Tp = b.rows, b.q, b.prefill_len
+        table, base = (b.wtable, b.wbase) if self._is_windowed(layer) else (b.table, None)
+        opts = {"scale": scale, "window": window, "softcap": softcap}
+        outs = []
+        if R:
+            qd = q[0, : R * Q].reshape(R, Q, *q.shape[2:])
+            pos = b.positions[: R * Q].reshape(R, Q)
+            if (Q == 1 and self.use_kernels and not self._is_windowed(layer)
+                    and not isinstance(ks[layer], QuantKV)):
+                od = kernels.paged_decode_attention(qd, ks[layer], vs[layer], table[:R], pos[:, 0] + 1, **opts)
+            else:
+                od = paged_rows_attention(qd, ks[layer], vs[layer], table[:R], None if base is None else base[:R],
+                                          pos, pos.max(axis=1) + 1, **opts)
+            outs.append(od.reshape(1, R * Q, *q.shape[2:]))
+        if Tp:
+            qp, kp, vp = q[:, R * Q :], k[:, R * Q :], v[:, R * Q :]
+            outs.append(prefill_row_attention(
+                qp, kp, vp, b.positions[R * Q :], b.seg, ks[layer], vs[layer], table[R:],
+                None if base is None else base[R:], b.hist_end, **opts))
+        return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)), cache
+
+
+# ----------------------------------------------------------------------------- attention
+def _fold_queries(q, K: int, scale: float):
+    """q [B, T, N, H] -> f32[B, K, T*G, H] (row m = t*G + g) pre-scaled."""
+    B, T, N, H = q.shape
+    G = N // K
+    return (q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
+            .astype(jnp.float32) * scale)
+
+
+def _unfold(o, T: int, N: int, dtype):
+    """f32[B, K, T*G, H] -> [B, T, N, H]."""
+    B, K, M, H = o.shape
+    return o.reshape(B, K, T, M // T, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H).astype(dtype)
+
+
+class _RunningSoftmax:
+    """Softmax over key blocks seen one at a time: running max m, sum l, weighted values o."""
+
+    def __init__(self):
+        self.m = self.l = self.o = None
+
+    def add(self, s, valid, values):
+        """s f32[B, K, M, S] scores, valid bool[B or 1, 1 or K, M, S], values f32[B, K, S, H]."""
+        s = jnp.where(valid, s, _NEG)
+        m_blk = s.max(axis=-1, keepdims=True)
+        m = m_blk if self.m is None else jnp.maximum(self.m, m_blk)
+        p = jnp.where(valid, jnp.exp(s - m), 0.0)  # exactly 0 where masked: 0 * finite values
+        pv = jnp.einsum("BKMS,BKSH->BKMH", p, values)
+        if self.m is None:
+            self.l, self.o = p.sum(axis=-1, keepdims=True), pv
+        else:
+            a = jnp.exp(self.m - m)
+            self.l = self.l * a + p.sum(axis=-1, keepdims=True)
+            self.o = self.o * a + pv
+        self.m = m
+
+    def result(self):
+        return self.o / jnp.maximum(self.l, 1e-30)  # a query that sees nothing gives 0, not NaN
+
+
+def _scores(qm, keys, softcap):
+    s = jnp.einsum("BKMH,BKHS->BKMS", qm, keys.astype(jnp.float32))
+    return s if softcap is None else softcap * jnp.tanh(s / softcap)
+
+
+def _page_blocks(table, ps: int):
+    """Static (first column, columns) of each block of about BLOCK_POSITIONS positions."""
+    n = table.shape[1]
+    per = max(1, BLOCK_POSITIONS // ps)
+    return [(c, min(per, n - c)) for c in range(0, n, per)]
+
+
+def _gather_block(kpool, vpool, cols):
+    """Pages cols i32[B, c] of both pools as keys f32[B, K, H, c*ps] and values
+    f32[B, K, c*ps, H] (one copy of just this block; int8 pages dequantized on the way)."""
+    kp = _load(kpool, cols)  # [B, c, K, H, ps]
+    vp = _load(vpool, cols)  # [B, c, K, ps, H]
+    B, c, K, H, ps = kp.shape
+    keys = kp.transpose(0, 2, 3, 1, 4).reshape(B, K, H, c * ps)
+    values = vp.transpose(0, 2, 1, 3, 4).reshape(B, K, c * ps, H)
+    return keys, values
+
+
+def _visible(qpos, kpos, window):
+    """bool[B, M, S]: key position kpos (i32[B, S]) is at or before qpos (i32[B, M]) and,
+    with a window, fewer than ``window`` positions behind it."""
+    delta = qpos[:, :, None] - kpos[:, None, :]
+    ok = delta >= 0
+    return ok if window is None else ok & (delta < window)
+
+
+def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window=None, softcap=None):
+    """Reference paged attention for rows of T queries: q [B, T, N, H] at positions
+    qpos i32[B, T] over the pages table i32[B, n] (logical page base[b] + column, or the
+    column itself when base is None) whose positions < end[b] are written -> [B, T, N, H].
+
+    Reads the table one block of columns at a time into a running softmax; values at
+    positions >= end are zeroed as they are gathered, so stale or NaN pages never leak."""
+    B, T, N, H = q.shape
+    K, ps = kpool.shape[1], kpool.shape[3]
+    G = N // K
+    qm = _fold_queries(q, K, scale)
+    qpos_m = jnp.repeat(qpos, G, axis=1)  # i32[B, T*G]
+    acc = _RunningSoftmax()
+    for c0, c in _page_blocks(table, ps):
+        keys, values = _gather_block(kpool, vpool, table[:, c0 : c0 + c])
+        kpos = (c0 * ps + jnp.arange(c * ps, dtype=jnp.int32))[None, :]  # i32[1 or B, S]
+        if base is not None:
+            kpos = kpos + base[:, None] * ps
+        kpos = jnp.broadcast_to(kpos, (B, c * ps))
+        values = jnp.where((kpos < end[:, None])[:, None, :, None], values, 0.0)
+        acc.add(_scores(qm, keys, softcap), _visible(qpos_m, kpos, window)[:, None], values)
+    return _unfold(acc.result(), T, N, q.dtype)
+
+
+def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end, *, scale, window=None,
+                          softcap=None):
+    """The packed prefill row: q [1, T, N, H], its own keys/values k, v [1, T, K, H] at
+    positions pos i32[T] in segments seg i32[T] (-1: padding). A token sees the earlier
+    tokens of its segment, and segment 0 also the positions < hist_end of the pages in
+    table i32[1, n] (from logical page base[0] when base is given) -> [1, T, N, H]."""
+    _, T, N, H = q.shape
+    K = k.shape[2]
+    G = N // K
+    qm = _fold_queries(q, K, scale)
+    qpos_m = jnp.repeat(pos[None], G, axis=1)  # i32[1, T*G]
+    seg_m = jnp.repeat(seg, G)  # i32[T*G]
+    acc = _RunningSoftmax()
+    # the chunk itself: causal within a segment
+    same = (seg_m[:, None] == seg[None, :]) & (seg[None, :] >= 0)  # bool[M, T]
+    local = _visible(qpos_m, pos[None], window)[0] & same
+    values = jnp.where((seg >= 0)[None, None, :, None], v.transpose(0, 2, 1, 3).astype(jnp.float32), 0.0)
+    acc.add(_scores(qm, k.transpose(0, 2, 3, 1), softcap), local[None, None], values)
+    # segment 0's earlier positions, from its pages
+    ps = kpool.shape[3]
+    for c0, c in _page_blocks(table, ps):
+        keys, values = _gather_block(kpool, vpool, table[:, c0 : c0 + c])
+        kpos = c0 * ps + jnp.arange(c * ps, dtype=jnp.int32)
+        if base is not None:
+            kpos = kpos + base[0] * ps
+        seen = kpos < hist_end
+        values = jnp.where(seen[None, None, :, None], values, 0.0)
+        ok = _visible(qpos_m, kpos[None], window)[0] & seen[None, :] & (seg_m == 0)[:, None]
+        acc.add(_scores(qm, keys, softcap), ok[None, None], values)
+    return _unfold(acc.result(), T, N, q.dtype)
