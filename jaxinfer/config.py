@@ -32,6 +32,10 @@ class RopeConfig:
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position: int = 8192  # llama3 only
+    # Explicit per-frequency divisors f32[H/2] (a GGUF's rope_freqs.weight, as llama.cpp's
+    # converter writes Llama 3 scaling): inverse frequency i is divided by freq_factors[i],
+    # after ``kind``'s own scaling. A tuple so the config stays hashable (a jit static).
+    freq_factors: tuple[float, ...] | None = None
 
 
 class AttentionKind(str, enum.Enum):

@@ -105,6 +105,25 @@ def make_quantizer(quantize, specs, cfg, tokenizer, shardings):
     return WeightQuantizer(quantize, cfg=cfg, tokenizer=tokenizer)
 
 
+def checkpoint_names(specs, names: dict, which: int) -> set[str]:
+    """Every tensor name (HF: which=0, GGUF: which=1) that ``assemble`` will ask for."""
+    out = set()
+    for path, _ in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
+        key, layer = weight_key(path)
+        if key in names:
+            out.add(names[key][which].format(i=layer))
+    return out
+
+
+def refuse_unmapped(path, present, expected: set[str], what: str) -> None:
+    """A checkpoint tensor nothing reads would be silently dropped (a bias, a scaling table
+    our forward pass does not apply): refuse the checkpoint instead, naming the tensors."""
+    extra = sorted(set(present) - expected)
+    if extra:
+        shown = ", ".join(repr(n) for n in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        raise CheckpointError(f"{path}: {what} tensors that this model family does not use: {shown}")
+
+
 def _need(a, name):
     if a is None:
         raise CheckpointError(f"checkpoint has no tensor {name!r}")
@@ -125,8 +144,10 @@ def load_gguf(path: Path, *, dtype: str, shardings_fn=None, quantize=None) -> Lo
     ck = GGUFCheckpoint(path)
     arch = ck.architecture
     mod = _family_for_gguf_arch(arch, path)
-    cfg = mod.config_from_gguf(ck.metadata, ck.tensors, dtype=dtype)
+    cfg = mod.config_from_gguf(ck.metadata, ck.tensors, dtype=dtype, load_tensor=ck.load)
     specs = mod.weight_specs(cfg)
+    expected = checkpoint_names(specs, mod.CHECKPOINT_NAMES, 1) | set(getattr(mod, "GGUF_CONFIG_TENSORS", ()))
+    refuse_unmapped(path, ck.tensors, expected, "GGUF carries")
     permuted = arch in getattr(mod, "GGUF_PERMUTED_QK", ())
     # A family whose llama.cpp converter rewrote tensors says how to undo it (Gemma's norms).
     undo = getattr(mod, "gguf_tensor", None)

@@ -132,7 +132,8 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, *, plus_one: bool = False) 
 
 # ----------------------------------------------------------------------------- rotary
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
-    """Inverse frequencies f32[H/2], with linear or Llama 3 scaling applied."""
+    """Inverse frequencies f32[H/2], with linear or Llama 3 scaling and explicit per-frequency
+    divisors (``rope.freq_factors``) applied."""
     inv = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if rope.kind == RopeKind.LINEAR:
         inv = inv / rope.factor
@@ -145,6 +146,10 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
         )
         mid = (1 - smooth) * inv / rope.factor + smooth * inv
         inv = np.where(wavelen > low_wavelen, inv / rope.factor, np.where(wavelen < high_wavelen, inv, mid))
+    if rope.freq_factors is not None:
+        if len(rope.freq_factors) != inv.shape[0]:
+            raise ValueError(f"{len(rope.freq_factors)=} must equal {head_dim // 2=}")
+        inv = inv / np.asarray(rope.freq_factors, np.float64)
     return inv.astype(np.float32)
 
 
