@@ -77,9 +77,19 @@ def test_invalid_sampling_values(capsys, flag, value, field):
 def test_generate_json_fields(capsys, tiny):
     assert main(["generate", "--model", str(tiny), "--prompt", "Hello world", "--max-tokens", "5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("prompt_token_ids", "token_ids", "text", "finish_reason", "ttft_s", "tokens_per_s"):
-        assert key in out
-    assert len(out["token_ids"]) <= 5 and out["finish_reason"] in ("stop", "length")
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(str(tiny), progress=False)  # the API the CLI wraps: greedy, so the same tokens
+    want = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert out["prompt_token_ids"] == llm.tokenizer.encode("Hello world") == want.prompt_token_ids
+    assert out["token_ids"] == want.outputs[0].token_ids
+    assert out["text"] == llm.tokenizer.decode(out["token_ids"]) and out["prompt"] == "Hello world"
+    assert out["finish_reason"] == ("length" if len(out["token_ids"]) == 5 else "stop")
+    assert 0 < out["ttft_s"] <= out["wall_s"]
+    if len(out["token_ids"]) > 1:  # decode rate over the tokens after the first
+        assert out["tokens_per_s"] > 0
+    else:
+        assert out["tokens_per_s"] is None
 
 
 def test_batch_quick_mode(tmp_path, tiny):
