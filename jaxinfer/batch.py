@@ -246,7 +246,8 @@ class _OpenAIFormat:
 
     def classify(self, n: int, raw: bytes, *, indexing: bool):
         """(key, shard hash, envelope) of a non-blank line; the index pass notes first lines."""
-        env = oai.parse_envelope(raw, n)
+        # Without its newline: json counts that as a line 2 and reports column 1 of it.
+        env = oai.parse_envelope(raw.rstrip(b"\r\n"), n)
         if isinstance(env, oai.LineError):
             return ("line", n), n, env
         cid, _ = env
@@ -459,7 +460,6 @@ class _ResultLog:
         import fcntl
 
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:
             raise OutputFileError(f"cannot write the output file {self.path}: {e.strerror}") from None
@@ -652,6 +652,8 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
     out = Path(output_path)
     if out.exists() and out.resolve() == inp.resolve():
         raise InvalidRequest(f"the output file {out} is the input file")
+    if not out.parent.is_dir():  # a typo in a path should not become a tree of new directories
+        raise InvalidRequest(f"output directory {out.parent} does not exist (create it first)")
     if not 0 <= process_index < process_count:
         raise InvalidRequest(f"process_index must be in [0, {process_count}), got {process_index}")
     kind = kind or input_format(inp)
@@ -673,9 +675,12 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
     done: set[tuple] = set()
     before = Tally()
     try:
-        # 1. what is answered already: this process's file (repaired), then the others'
-        for rec, key in log.open(fmt):
-            _note(done, before, fmt, rec, key, mine)
+        # 1. what is answered already: this process's file (locked and repaired), then the
+        # others'. A file that does not exist yet is created only once there is a model to
+        # fill it: a model that fails to load leaves no empty output behind.
+        if own.exists():
+            for rec, key in log.open(fmt):
+                _note(done, before, fmt, rec, key, mine)
         for src in [out, *_parts(out)]:
             if src != own and src.exists():
                 for _, _, rec, key in scan_results(src, fmt):
@@ -693,12 +698,18 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
         if todo:
             if callable(llm):
                 llm = llm()
+            if log.fd is None:
+                for rec, key in log.open(fmt):  # (another run may have created it meanwhile)
+                    _note(done, before, fmt, rec, key, mine)
             if isinstance(fmt, _OpenAIFormat) and fmt.model_name is None:
                 fmt.model_name = Path(str(llm.model_path)).name
             if isinstance(fmt, _PromptsFormat):
                 fmt.reset()
             with stop:
                 _run(llm, fmt, inp, log, stop, done, summary, mine_shard=(me, P), progress=progress)
+        elif log.fd is None:  # nothing to answer (an empty input): the output still appears
+            for _ in log.open(fmt):
+                pass
     finally:
         log.close()
     summary.result.merge(summary.run)
