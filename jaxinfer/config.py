@@ -12,6 +12,8 @@ import enum
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.specs import is_spec
+
 
 class Family(str, enum.Enum):
     LLAMA = "llama"  # Llama 1/2/3, SmolLM, Mistral (no SWA), Qwen2 (q/k/v bias)
@@ -105,7 +107,7 @@ class ModelConfig:
         from jaxinfer.models.registry import family_module
 
         specs = family_module(self.family).weight_specs(self)
-        return sum(_prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=_is_spec))
+        return sum(_prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec))
 
     def kv_bytes_per_token(self, kv_dtype: str | None = None, *, kind: AttentionKind | None = None) -> int:
         """KV bytes one token adds to a cache that keeps every position of every layer (or,
@@ -141,8 +143,3 @@ def _prod(xs) -> int:
         n *= x
     return n
 
-
-def _is_spec(x) -> bool:
-    from jaxinfer.models.layers import WeightSpec
-
-    return isinstance(x, WeightSpec)

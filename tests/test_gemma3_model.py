@@ -20,7 +20,7 @@ import pytest
 from jaxinfer import cache as kv
 from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.models import gemma3
-from jaxinfer.models.layers import init_weights
+from jaxinfer.specs import init_weights
 from tests.conftest import require
 
 L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL

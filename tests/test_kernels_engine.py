@@ -15,8 +15,9 @@ from jaxinfer import LLM, SamplingParams, kernels
 from jaxinfer import cache as kv
 from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig
 from jaxinfer.models import gemma3, llama
-from jaxinfer.models.layers import dot, init_weights
+from jaxinfer.models.layers import dot
 from jaxinfer.quant import quantize
+from jaxinfer.specs import init_weights
 from tests.kernel_testing import assert_close
 
 PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time"]

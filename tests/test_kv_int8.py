@@ -14,7 +14,7 @@ from jaxinfer import cache as kv
 from jaxinfer.config import Family, ModelConfig
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models import llama
-from jaxinfer.models.layers import init_weights
+from jaxinfer.specs import init_weights
 
 CFG = ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
                   head_dim=16, d_ff=64)

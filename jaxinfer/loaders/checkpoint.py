@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
-from jaxinfer.models.layers import is_spec, spec_dtype, weight_key
+from jaxinfer.specs import is_spec, spec_dtype, weight_key
 from jaxinfer.models.registry import family_module
 
 

@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.checkpoint import Loaded, assemble, make_quantizer, read_json, refuse_unmapped
-from jaxinfer.models.layers import is_spec, weight_key
+from jaxinfer.specs import is_spec, weight_key
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -39,7 +39,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, InvalidRequest
 from jaxinfer.loaders.checkpoint import Loaded, make_quantizer, read_json
 from jaxinfer.loaders.quantize import weight_name
-from jaxinfer.models.layers import is_spec, spec_dtype, weight_key
+from jaxinfer.specs import is_spec, spec_dtype, weight_key
 from jaxinfer.models.registry import family_module
 
 FORMAT = "jaxinfer-orbax"

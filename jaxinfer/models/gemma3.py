@@ -26,7 +26,6 @@ import numpy as np
 
 from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.models.layers import (
-    WeightSpec,
     attend_layer,
     dot,
     gated_mlp,
@@ -35,6 +34,7 @@ from jaxinfer.models.layers import (
     rope_inv_freq,
     take,
 )
+from jaxinfer.specs import WeightSpec
 
 
 def weight_specs(cfg: ModelConfig) -> dict:

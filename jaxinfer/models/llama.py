@@ -16,7 +16,6 @@ from jaxinfer import cache as kv
 from jaxinfer.config import Family, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models.layers import (
-    WeightSpec,
     attend_layer,
     dot,
     gated_mlp,
@@ -25,6 +24,7 @@ from jaxinfer.models.layers import (
     silu,
     take,
 )
+from jaxinfer.specs import WeightSpec
 
 
 def weight_specs(cfg: ModelConfig) -> dict:
