@@ -239,10 +239,10 @@ def test_missing_shard(broken):
 
 
 def test_convert_to_orbax_keeps_the_saved_dtype_and_tokenizer(tmp_path):
-    from jaxinfer.loaders import orbax_io
+    from jaxinfer.loaders.convert import convert
 
     src = _save(_make_model("qwen2", dict(tie_word_embeddings=True)).to(torch.bfloat16), tmp_path / "hf")
-    dest = orbax_io.convert(src, tmp_path / "orbax")  # dtype None: as saved (bfloat16)
+    dest = convert(src, tmp_path / "orbax")  # dtype None: as saved (bfloat16)
     assert sorted(p.name for p in (dest / "tokenizer").iterdir()) == [
         "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
     want = checkpoint.load(src, dtype="bfloat16")

@@ -22,7 +22,7 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxinfer.errors import CheckpointError
-from jaxinfer.loaders.checkpoint import Loaded, assemble, make_quantizer, read_json, refuse_unmapped
+from jaxinfer.loaders.common import Loaded, assemble, make_quantizer, read_json, refuse_unmapped
 from jaxinfer.specs import is_spec, weight_key
 
 INDEX_FILE = "model.safetensors.index.json"
