@@ -48,6 +48,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from jaxinfer import metrics
 from jaxinfer import openai_format as oai
 from jaxinfer.errors import InvalidRequest, JaxinferError
 from jaxinfer.sampling import SamplingParams
@@ -123,16 +124,13 @@ class Latency:
         self.min, self.max = min(self.min, other.min), max(self.max, other.max)
 
     def percentile(self, q: float) -> float | None:
-        """The q-th percentile (nearest rank): the smallest sample with q% of samples at or below."""
+        """The q-th percentile of the binned samples (each bin at its middle, within
+        [min, max]), by ``metrics.percentile``."""
         if not self.n:
             return None
-        rank, seen = max(1, math.ceil(q / 100 * self.n)), 0
-        for b in sorted(self.counts):
-            seen += self.counts[b]
-            if seen >= rank:
-                mid = self.LO * self.GROWTH ** (b + 0.5)
-                return min(max(mid, self.min), self.max)
-        return self.max
+        bins = sorted(self.counts)
+        mids = [min(max(self.LO * self.GROWTH ** (b + 0.5), self.min), self.max) for b in bins]
+        return metrics.percentile(mids, q, [self.counts[b] for b in bins])
 
     def summary(self) -> dict:
         if not self.n:
