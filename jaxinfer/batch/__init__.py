@@ -36,15 +36,15 @@ their result lines), ``log`` (the durable output), ``signals``, ``distributed`` 
 ``job`` (``run_batch``), which uses them all. The names below are its public face.
 """
 
-from jaxinfer.batch.distributed import init_distributed
+from jaxinfer.batch.distributed import BARRIER_TIMEOUT_S, init_distributed
 from jaxinfer.batch.formats import QUICK_MAX_TOKENS, _encode, _OpenAIFormat, _PromptsFormat  # noqa: F401
+from jaxinfer.batch.job import ORDERS, check_input, input_format, part_path, run_batch
 from jaxinfer.batch.log import FSYNC_EVERY, FSYNC_SECONDS, OutputFileError, _dumps, scan_results  # noqa: F401
 from jaxinfer.batch.signals import GRACE_PERIOD
 from jaxinfer.batch.statistics import LATENCIES, BatchSummary, Latency, Tally
-from jaxinfer.batch.job import ORDERS, check_input, input_format, part_path, run_batch
 
 __all__ = [
-    "BatchSummary", "FSYNC_EVERY", "FSYNC_SECONDS", "GRACE_PERIOD", "LATENCIES", "Latency", "ORDERS",
-    "OutputFileError", "QUICK_MAX_TOKENS", "Tally", "check_input", "init_distributed", "input_format",
-    "part_path", "run_batch", "scan_results",
+    "BARRIER_TIMEOUT_S", "BatchSummary", "FSYNC_EVERY", "FSYNC_SECONDS", "GRACE_PERIOD", "LATENCIES",
+    "Latency", "ORDERS", "OutputFileError", "QUICK_MAX_TOKENS", "Tally", "check_input",
+    "init_distributed", "input_format", "part_path", "run_batch", "scan_results",
 ]
