@@ -249,7 +249,7 @@ def cmd_fetch(a) -> int:
 
 
 def cmd_convert(a) -> int:
-    from jaxinfer.loaders.orbax_io import convert
+    from jaxinfer.loaders.convert import convert
 
     print(convert(a.src, a.dest, dtype=a.dtype, quantize=a.quantize, quant_group=a.quant_group))
     return 0

@@ -12,6 +12,8 @@ import enum
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.specs import is_spec
+
 
 class Family(str, enum.Enum):
     LLAMA = "llama"  # Llama 1/2/3, SmolLM, Mistral (no SWA), Qwen2 (q/k/v bias)
@@ -32,6 +34,10 @@ class RopeConfig:
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position: int = 8192  # llama3 only
+    # Explicit per-frequency divisors f32[H/2] (a GGUF's rope_freqs.weight, as llama.cpp's
+    # converter writes Llama 3 scaling): inverse frequency i is divided by freq_factors[i],
+    # after ``kind``'s own scaling. A tuple so the config stays hashable (a jit static).
+    freq_factors: tuple[float, ...] | None = None
 
 
 class AttentionKind(str, enum.Enum):
@@ -101,7 +107,7 @@ class ModelConfig:
         from jaxinfer.models.registry import family_module
 
         specs = family_module(self.family).weight_specs(self)
-        return sum(_prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=_is_spec))
+        return sum(_prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec))
 
     def kv_bytes_per_token(self, kv_dtype: str | None = None, *, kind: AttentionKind | None = None) -> int:
         """KV bytes one token adds to a cache that keeps every position of every layer (or,
@@ -137,8 +143,3 @@ def _prod(xs) -> int:
         n *= x
     return n
 
-
-def _is_spec(x) -> bool:
-    from jaxinfer.models.layers import WeightSpec
-
-    return isinstance(x, WeightSpec)

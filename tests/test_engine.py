@@ -143,4 +143,8 @@ def test_memory_report(tiny_llm):
     r = tiny_llm.memory_report()
     n = sum(np.prod(x.shape) for x in jax.tree.leaves(tiny_llm.weights))
     assert r["weights_bytes"] == 4 * n and r["num_params"] == n
-    assert r["kv_cache_bytes"] > 0
+    cfg, alloc = tiny_llm.cfg, tiny_llm.engine.allocator
+    # float32 K and V for every layer and kv head, in every page of the pool
+    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+    assert r["kv_bytes_per_token"] == per_token
+    assert r["kv_cache_bytes"] == alloc.num_pages * alloc.page_size * per_token

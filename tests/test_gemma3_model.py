@@ -20,7 +20,8 @@ import pytest
 from jaxinfer import cache as kv
 from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.models import gemma3
-from jaxinfer.models.layers import init_weights
+from jaxinfer.specs import init_weights
+from tests.conftest import require
 
 L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
 W = 4  # the tiny configs' sliding window
@@ -266,8 +267,8 @@ HF_CASES = {
 
 
 def _hf_tiny(tmp_path, extra, seed=0):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = require("torch")
+    transformers = require("transformers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     config = transformers.Gemma3TextConfig(

@@ -5,6 +5,8 @@ and ``gguf.quants.dequantize`` for the block formats. Real files cover the quant
 hold; synthetic blocks and small files written with ``gguf.GGUFWriter`` cover the rest.
 """
 
+import re
+
 import gguf
 import gguf.quants as gq
 import numpy as np
@@ -332,6 +334,24 @@ def test_truncated(tmp_path, smollm2_gguf, keep):
         dst.write(src.read(n))
     with pytest.raises(CheckpointError, match="cut.gguf.*truncated"):
         GGUFCheckpoint(path)
+
+
+def test_every_cut_inside_the_header_says_truncated_header(tmp_path):
+    """A file cut anywhere in its header (inside a string's length, a string, an array, a
+    tensor record) names the problem and the offset, never a struct error."""
+    whole = tmp_path / "whole.gguf"
+    _write_gguf(whole, {"w": (np.ones((2, 32), np.float32), None)})
+    data = whole.read_bytes()
+    header_end = data.index(np.ones(1, np.float32).tobytes() * 64)  # the tensor data starts
+    cut = tmp_path / "cut.gguf"
+    for n in range(5, header_end - 31):  # (the last 31 bytes before the data are alignment padding)
+        cut.write_bytes(data[:n])
+        with pytest.raises(CheckpointError) as e:
+            GGUFCheckpoint(cut)
+        msg = str(e.value)
+        assert re.search(rf"cut\.gguf: truncated GGUF header: the value at offset \d+ runs past the end of the file "
+                         rf"\({n} bytes\)", msg), (n, msg)
+        assert int(re.search(r"offset (\d+)", msg).group(1)) <= n
 
 
 def test_unsupported_type(tmp_path):

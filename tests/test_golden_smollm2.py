@@ -18,6 +18,7 @@ GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2-135m-instruct.j
 CASES = GOLDEN["prompts"]
 NEAR_TIE = 0.05  # top-2 logit margin below which float32 rounding may flip the argmax
 LOGIT_ATOL = 2e-3  # float32, 30 layers; observed max |diff| ~1e-4
+EXACT_FLOOR = 12  # cases whose greedy tokens equal the golden ones all the way (of 12)
 
 
 def test_prompt_token_ids_equal_transformers(smollm2_llm):
@@ -36,6 +37,12 @@ def test_chat_template_renders_like_transformers(smollm2_llm):
 def test_greedy_tokens_equal_transformers_up_to_near_ties(smollm2_llm):
     sp = SamplingParams(temperature=0.0, max_tokens=len(CASES[0]["greedy_ids"]), ignore_eos=True, skip_special_tokens=False)
     outs = smollm2_llm.generate([c["prompt_ids"] for c in CASES], sp, use_tqdm=False)  # one ragged batch
+    exact = sum(o.outputs[0].token_ids == c["greedy_ids"] for c, o in zip(CASES, outs))
+    # All 12 cases give all 32 golden tokens today (XLA CPU, float32). The smallest golden
+    # top-2 margin is 2.4e-3, 20x the observed logit difference (~1e-4), so a near-tie flip
+    # is not expected here; the allowance below is for other backends' summation orders.
+    if smollm2_llm.cfg.dtype == "float32":
+        assert exact >= EXACT_FLOOR, exact
     for case, out in zip(CASES, outs):
         got, want = out.outputs[0].token_ids, case["greedy_ids"]
         assert len(got) == len(want), case["name"]

@@ -18,9 +18,11 @@ from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders import checkpoint
 from jaxinfer.models import llama
 
+from tests.conftest import require
+
 pytestmark = pytest.mark.reference
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = require("torch")
+transformers = require("transformers")
 
 V = 300  # byte-level BPE: 256 bytes, 3 specials, a few merges
 CORPUS = "the quick brown fox jumps over the lazy dog; then the dog sleeps and the fox runs. " * 3
@@ -58,9 +60,9 @@ def _save_tokenizer(path):
 def _make_model(kind, extra, seed=0):
     torch.manual_seed(seed)
     if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, **extra))
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(COMMON | extra)))
     else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, **extra))
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**(COMMON | extra)))
     # Random everything (HF initialises norms to 1 and biases to 0, which would hide a
     # mis-assigned norm or a dropped bias), large enough that logits are O(1).
     with torch.no_grad():
@@ -196,6 +198,20 @@ def test_transposed_tensor_is_a_shape_mismatch(broken):
         checkpoint.load(broken, dtype="float32")
 
 
+def test_unmapped_tensor_is_refused(broken):
+    # A bias our forward pass has no place for would otherwise be dropped without a word.
+    _edit_tensors(broken, lambda t: t.update({"model.layers.0.mlp.up_proj.bias": np.ones(128, np.float32)}))
+    with pytest.raises(CheckpointError, match=r"safetensors carry tensors that this model family does not use: "
+                                              r"'model\.layers\.0\.mlp\.up_proj\.bias'"):
+        checkpoint.load(broken, dtype="float32")
+
+
+def test_unknown_rope_type_is_refused(broken):
+    _edit_config(broken, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+    with pytest.raises(CheckpointError, match=r"unsupported rope_scaling type 'yarn'"):
+        checkpoint.load(broken, dtype="float32")
+
+
 def test_wrong_size_tensor(broken):
     _edit_tensors(broken, lambda t: t.update({"model.norm.weight": np.ones(63, np.float32)}))
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight' has shape \(63,\)"):
@@ -223,10 +239,10 @@ def test_missing_shard(broken):
 
 
 def test_convert_to_orbax_keeps_the_saved_dtype_and_tokenizer(tmp_path):
-    from jaxinfer.loaders import orbax_io
+    from jaxinfer.loaders.convert import convert
 
     src = _save(_make_model("qwen2", dict(tie_word_embeddings=True)).to(torch.bfloat16), tmp_path / "hf")
-    dest = orbax_io.convert(src, tmp_path / "orbax")  # dtype None: as saved (bfloat16)
+    dest = convert(src, tmp_path / "orbax")  # dtype None: as saved (bfloat16)
     assert sorted(p.name for p in (dest / "tokenizer").iterdir()) == [
         "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
     want = checkpoint.load(src, dtype="bfloat16")

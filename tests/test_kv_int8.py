@@ -14,7 +14,7 @@ from jaxinfer import cache as kv
 from jaxinfer.config import Family, ModelConfig
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models import llama
-from jaxinfer.models.layers import init_weights
+from jaxinfer.specs import init_weights
 
 CFG = ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
                   head_dim=16, d_ff=64)
@@ -83,18 +83,35 @@ def test_kv_bytes_per_token_int8():
     assert CFG.kv_bytes_per_token("float32") == 2 * 2 * 2 * 16 * 4
 
 
+def assert_greedy_agrees_until_near_tie(got, want, near_tie: float) -> None:
+    """int8 KV moves every logit a little, so greedy paths may part only at a step where the
+    float run's top two candidates were within ``near_tie`` (after that, anything goes).
+    ``want`` carries logprobs=2, so its top-2 logprob gap is the logit margin."""
+    for g, w in zip(got, want):
+        a, b = g.outputs[0].token_ids, w.outputs[0].token_ids
+        assert len(a) == len(b)
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if k is not None:
+            top = sorted((lp.logprob for lp in w.outputs[0].logprobs[k].values()), reverse=True)
+            assert top[0] - top[1] < near_tie, (k, a, b, top)
+
+
+# Measured on this tiny model: int8 KV moved logprobs by at most 0.075, and all 36 greedy
+# tokens agreed; a part at a float margin of twice that would be a real int8 error.
+TINY_NEAR_TIE = 0.15
+
+
 def test_engine_end_to_end_and_memory_report(tiny_gguf):
     prompts = ["Hello", "The quick brown fox jumps over the lazy dog", "1 2 3 4 5 6 7 8"]
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     kw = {"progress": False, "max_num_seqs": 4, "page_size": 4}
     f32 = LLM(str(tiny_gguf), **kw)
-    want = [o.outputs[0].token_ids for o in f32.generate(prompts, sp, use_tqdm=False)]
+    want = f32.generate(prompts, sp, use_tqdm=False)
     for engine in ("paged", "static"):
         llm = LLM(str(tiny_gguf), engine=engine, kv_cache_dtype="int8", **kw)
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-        assert [len(t) for t in got] == [12] * 3
-        agree = np.mean([a == b for x, y in zip(got, want) for a, b in zip(x, y)])
-        assert agree > 0.8, (engine, agree)
+        got = llm.generate(prompts, sp, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in got] == [12] * 3
+        assert_greedy_agrees_until_near_tie(got, want, TINY_NEAR_TIE)
         r = llm.memory_report()
         assert r["kv_cache_dtype"] == "int8"
         assert r["kv_bytes_per_token"] == llm.cfg.kv_bytes_per_token("int8") < f32.memory_report()["kv_bytes_per_token"]
@@ -112,15 +129,19 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a te
            "Once upon a time, in a small village,"]
 
 
+# Measured on SmolLM2 over PROMPTS: int8 KV moved logprobs by at most 0.165 (the float
+# run's smallest top-2 margin was 0.10), and all 64 greedy tokens agreed. Twice the
+# perturbation is the margin below which a part is rounding, not an int8 bug.
+SMOLLM2_NEAR_TIE = 0.35
+
+
 @pytest.mark.slow
 def test_smollm2_greedy_agrees_with_float_kv(smollm2_llm, smollm2_gguf):
-    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     int8 = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, kv_cache_dtype="int8")
-    want = [o.outputs[0].token_ids for o in smollm2_llm.generate(PROMPTS, sp, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in int8.generate(PROMPTS, sp, use_tqdm=False)]
-    # greedy paths may part once two candidates are nearly tied; before that, tokens agree
-    first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(got, want)]
-    assert sum(first_diff) >= 0.75 * 16 * len(PROMPTS), (first_diff, got, want)
+    want = smollm2_llm.generate(PROMPTS, sp, use_tqdm=False)
+    got = int8.generate(PROMPTS, sp, use_tqdm=False)
+    assert_greedy_agrees_until_near_tie(got, want, SMOLLM2_NEAR_TIE)
 
 
 def test_perplexity_through_the_cache(tiny_llm):

@@ -11,7 +11,7 @@ import pytest
 from jaxinfer import cache as kv
 from jaxinfer.config import Family, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.models import llama
-from jaxinfer.models.layers import init_weights
+from jaxinfer.specs import init_weights
 
 _forward = jax.jit(llama.forward, static_argnames=("cfg", "read_cache"))
 _unembed = jax.jit(llama.unembed, static_argnames=("cfg",))

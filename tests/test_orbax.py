@@ -19,9 +19,9 @@ import pytest
 
 from jaxinfer.config import Family, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.errors import CheckpointError
-from jaxinfer.loaders import checkpoint, orbax_io
+from jaxinfer.loaders import checkpoint, convert, orbax_io
 from jaxinfer.models import llama
-from jaxinfer.models.layers import init_weights
+from jaxinfer.specs import init_weights
 
 TINY = ModelConfig(family=Family.LLAMA, vocab_size=128, d_model=64, n_layers=2, n_heads=8,
                    n_kv_heads=2, head_dim=8, d_ff=96, norm_eps=1e-6, name="tiny")
@@ -119,10 +119,10 @@ def test_corrupt_description(tmp_path):
 
 def test_bare_destination_goes_to_the_local_store(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert orbax_io.default_dest("smollm2") == tmp_path / "checkpoints" / "smollm2"
-    assert orbax_io.default_dest("./smollm2") == tmp_path / "smollm2"
-    assert orbax_io.default_dest("out/smollm2").parts[-2:] == ("out", "smollm2")
-    assert orbax_io.default_dest(tmp_path / "x") == tmp_path / "x"
+    assert convert.default_dest("smollm2") == tmp_path / "checkpoints" / "smollm2"
+    assert convert.default_dest("./smollm2") == tmp_path / "smollm2"
+    assert convert.default_dest("out/smollm2").parts[-2:] == ("out", "smollm2")
+    assert convert.default_dest(tmp_path / "x") == tmp_path / "x"
 
 
 # ----------------------------------------------------------------------------- sharded restore

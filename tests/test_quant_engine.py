@@ -23,8 +23,8 @@ from jaxinfer.evaluate import perplexity
 from jaxinfer.loaders import checkpoint, orbax_io
 from jaxinfer.loaders.quantize import quantize_weight, weight_name
 from jaxinfer.models import gemma3, llama
-from jaxinfer.models.layers import init_weights, is_spec, weight_key
 from jaxinfer.quant import QuantArray, QuantScheme
+from jaxinfer.specs import init_weights, is_spec, weight_key
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = (ROOT / "benchmarks" / "data" / "english.txt").read_text()

@@ -33,7 +33,7 @@ _SCRIPT = textwrap.dedent("""
     from jaxinfer import cache as kv
     from jaxinfer.config import Family, ModelConfig
     from jaxinfer.models import llama
-    from jaxinfer.models.layers import init_weights
+    from jaxinfer.specs import init_weights
     from jaxinfer.sharding import make_mesh, weight_shardings
 
     assert len(jax.devices()) == 8

@@ -23,6 +23,7 @@ from jaxinfer.tokenizer import (
     tokenizer_from_gguf,
     tokenizer_from_hf_dir,
 )
+from tests.conftest import require
 
 CORPUS = [
     "",
@@ -115,7 +116,7 @@ def gemma3(gemma3_meta):
 
 @pytest.fixture(scope="module")
 def transformers_module():
-    return pytest.importorskip("transformers")
+    return require("transformers")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Load any supported checkpoint into (ModelConfig, weights pytree, Tokenizer).
+"""Load any supported checkpoint into (ModelConfig, weights pytree, Tokenizer): ``load``
+dispatches on the format; GGUF files are assembled here, the others in ``hf`` / ``orbax_io``.
 
 A path may be a ``.gguf`` file, a Hugging Face directory (``config.json`` + safetensors) or
 an Orbax directory written by ``jaxinfer convert``. Weights are laid out per the family's one
@@ -9,112 +10,20 @@ logical axes).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from pathlib import Path
-from typing import Callable
 
-import jax
-import numpy as np
-
-from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
-from jaxinfer.models.layers import is_spec, spec_dtype, weight_key
+from jaxinfer.loaders import hf, orbax_io
+from jaxinfer.loaders.common import (  # noqa: F401 (Loaded, read_json, assemble: re-exported)
+    Loaded,
+    assemble,
+    checkpoint_names,
+    detect_format,
+    make_quantizer,
+    read_json,
+    refuse_unmapped,
+)
 from jaxinfer.models.registry import family_module
-
-
-@dataclasses.dataclass
-class Loaded:
-    cfg: ModelConfig
-    weights: dict
-    tokenizer: object  # jaxinfer.tokenizer.Tokenizer
-    source: str  # "gguf" | "hf" | "orbax"
-
-
-def detect_format(path: Path) -> str:
-    if path.is_file():
-        if path.suffix == ".gguf" or _has_gguf_magic(path):
-            return "gguf"
-        raise CheckpointError(f"{path}: not a GGUF file (expected a .gguf file or a directory)")
-    if path.is_dir():
-        if (path / "jaxinfer.json").is_file():
-            return "orbax"
-        if (path / "config.json").is_file():
-            return "hf"
-        raise CheckpointError(
-            f"{path}: a directory with neither config.json (Hugging Face) nor jaxinfer.json "
-            "(Orbax checkpoint written by `jaxinfer convert`)"
-        )
-    raise CheckpointError(f"{path}: no such file or directory")
-
-
-def _has_gguf_magic(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
-
-
-def assemble(
-    specs: dict,
-    cfg: ModelConfig,
-    names: dict,
-    fetch: Callable[[str, bool], np.ndarray | None],  # (name, transpose) -> array or None
-    which: int,  # 0: HF names, 1: GGUF names
-    shardings=None,  # same tree as specs, NamedSharding leaves
-    quantizer=None,  # loaders.quantize.WeightQuantizer: quantize each weight as it is read
-) -> dict:
-    """Build the weights pytree from per-tensor reads, one array per declaration. With a
-    quantizer, each float weight goes to it right away and is dropped once quantized, so
-    the whole float model never exists."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
-    shard_leaves = jax.tree.leaves(shardings) if shardings is not None else [None] * len(leaves)
-    out = [None] * len(leaves)
-    for index, ((path, spec), sharding) in enumerate(zip(leaves, shard_leaves)):
-        key, layer = weight_key(path)
-        entry = names.get(key)
-        if entry is None:
-            raise CheckpointError(f"no checkpoint name is known for weight {'/'.join(key)}")
-        name = entry[which].format(i=layer)
-        a = _fit(_need(fetch(name, entry[2]), name), spec.shape, name).astype(spec_dtype(spec, cfg))
-        a = jax.device_put(a, sharding) if sharding is not None else jax.device_put(a)
-        if quantizer is None:
-            out[index] = a
-        else:
-            for i, leaf in quantizer.add(index, key, layer, spec, a):
-                out[i] = leaf
-        del a
-    if quantizer is not None:
-        for i, leaf in quantizer.finish():
-            out[i] = leaf
-    return jax.tree.unflatten(treedef, out)
-
-
-def make_quantizer(quantize, specs, cfg, tokenizer, shardings):
-    """A WeightQuantizer for ``quantize`` (a QuantConfig), or None; checks up front what
-    the scheme cannot do with this model, before any tensor is read."""
-    if quantize is None:
-        return None
-    from jaxinfer.errors import InvalidRequest
-    from jaxinfer.loaders.quantize import WeightQuantizer, check_quantizable
-
-    if shardings is not None:
-        raise InvalidRequest(
-            f"quantize={quantize.scheme.value!r} with sharded loading is not supported: the "
-            "quantized layouts ([I, O] matrices, packed int4) have no sharding rules yet"
-        )
-    check_quantizable(specs, cfg, quantize)
-    return WeightQuantizer(quantize, cfg=cfg, tokenizer=tokenizer)
-
-
-def _need(a, name):
-    if a is None:
-        raise CheckpointError(f"checkpoint has no tensor {name!r}")
-    return a
-
-
-def _fit(a: np.ndarray, shape, name) -> np.ndarray:
-    if a.size != int(np.prod(shape)):
-        raise CheckpointError(f"tensor {name!r} has shape {a.shape}, cannot fit declared {tuple(shape)}")
-    return a.reshape(shape)
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -125,8 +34,10 @@ def load_gguf(path: Path, *, dtype: str, shardings_fn=None, quantize=None) -> Lo
     ck = GGUFCheckpoint(path)
     arch = ck.architecture
     mod = _family_for_gguf_arch(arch, path)
-    cfg = mod.config_from_gguf(ck.metadata, ck.tensors, dtype=dtype)
+    cfg = mod.config_from_gguf(ck.metadata, ck.tensors, dtype=dtype, load_tensor=ck.load)
     specs = mod.weight_specs(cfg)
+    expected = checkpoint_names(specs, mod.CHECKPOINT_NAMES, 1) | set(getattr(mod, "GGUF_CONFIG_TENSORS", ()))
+    refuse_unmapped(path, ck.tensors, expected, "GGUF carries")
     permuted = arch in getattr(mod, "GGUF_PERMUTED_QK", ())
     # A family whose llama.cpp converter rewrote tensors says how to undo it (Gemma's norms).
     undo = getattr(mod, "gguf_tensor", None)
@@ -184,16 +95,5 @@ def load(path, *, dtype: str, shardings_fn=None, quantize=None) -> Loaded:
     if fmt == "gguf":
         return load_gguf(path, dtype=dtype, shardings_fn=shardings_fn, quantize=quantize)
     if fmt == "hf":
-        from jaxinfer.loaders.hf import load_hf
-
-        return load_hf(path, dtype=dtype, shardings_fn=shardings_fn, quantize=quantize)
-    from jaxinfer.loaders.orbax_io import load_orbax
-
-    return load_orbax(path, dtype=dtype, shardings_fn=shardings_fn, quantize=quantize)
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable JSON ({e})") from None
+        return hf.load_hf(path, dtype=dtype, shardings_fn=shardings_fn, quantize=quantize)
+    return orbax_io.load_orbax(path, dtype=dtype, shardings_fn=shardings_fn, quantize=quantize)

@@ -294,7 +294,11 @@ def unpermute_llama_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 class _Truncated(Exception):
-    """The header runs past the end of the file."""
+    """The header runs past the end of the file; ``offset`` is where the cut value starts."""
+
+    def __init__(self, offset: int):
+        super().__init__(offset)
+        self.offset = offset
 
 
 class _Header:
@@ -307,7 +311,7 @@ class _Header:
         start = self.pos
         self.pos += n
         if self.pos > self.end:
-            raise _Truncated
+            raise _Truncated(start)
         return start
 
     def u32(self) -> int:
@@ -341,22 +345,20 @@ class _Header:
             return np.frombuffer(self.buf, dtype, count, start).tolist()
         if itype == _STRING:
             # The vocabulary: a tight loop with the struct call bound locally (~0.1 s / 262144).
-            buf, pos, unpack, out = self.buf, self.pos, _U64.unpack_from, []
+            buf, pos, end, unpack, out = self.buf, self.pos, self.end, _U64.unpack_from, []
             append = out.append
-            n = 0
+            start = pos
             try:
                 for _ in range(count):
+                    start = pos
                     n = unpack(buf, pos)[0]
-                    pos += 8
-                    append(str(buf[pos : pos + n], "utf-8"))
-                    pos += n
-            except UnicodeDecodeError:
-                if pos + n > self.end:  # the file ends inside this string
-                    raise _Truncated from None
-                raise
+                    pos += 8 + n
+                    if pos > end:  # the file ends inside this string
+                        raise _Truncated(start)
+                    append(str(buf[pos - n : pos], "utf-8"))
+            except struct.error:  # the file ends inside a string's length
+                raise _Truncated(start) from None
             self.pos = pos
-            if pos > self.end:  # the last string was cut short by the end of the file
-                raise _Truncated
             return out
         return [self.value(itype) for _ in range(count)]
 
@@ -384,10 +386,10 @@ class GGUFCheckpoint:
         self.file_size = len(self._buf)
         try:
             self._parse()
-        except _Truncated:
+        except _Truncated as e:
             raise CheckpointError(
-                f"{self.path}: truncated GGUF file (the header runs past the end of the "
-                f"file at {self.file_size} bytes)"
+                f"{self.path}: truncated GGUF header: the value at offset {e.offset} runs past "
+                f"the end of the file ({self.file_size} bytes)"
             ) from None
         except (UnicodeDecodeError, ValueError, KeyError, struct.error, OverflowError) as e:
             raise CheckpointError(f"{self.path}: corrupt GGUF header: {e}") from None

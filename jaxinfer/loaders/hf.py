@@ -22,8 +22,8 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxinfer.errors import CheckpointError
-from jaxinfer.loaders.checkpoint import Loaded, assemble, make_quantizer, read_json
-from jaxinfer.models.layers import is_spec, weight_key
+from jaxinfer.loaders.common import Loaded, assemble, make_quantizer, read_json, refuse_unmapped
+from jaxinfer.specs import is_spec, weight_key
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -34,6 +34,9 @@ _RAW_DTYPES = {
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
+# Tensors some checkpoints carry beside the weights that carry nothing config.json does not:
+# rotary buffers older transformers saved, and the lm_head copy of a tied embedding.
+_DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
 _HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -212,6 +215,9 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None) -> Loaded:
 
     with contextlib.ExitStack() as stack:
         shards = SafetensorsShards(path, stack)
+        present = [n for n in shards.weight_map if not n.endswith(_DERIVED_SUFFIXES)
+                   and not (cfg.tie_embeddings and n == "lm_head.weight")]
+        refuse_unmapped(path, present, set(declared), "the safetensors carry")
 
         def fetch(name, transpose):
             a = shards.get(name)

@@ -37,10 +37,10 @@ import jax
 from jaxinfer import quant
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, InvalidRequest
-from jaxinfer.loaders.checkpoint import Loaded, make_quantizer, read_json
+from jaxinfer.loaders.common import Loaded, make_quantizer, read_json
 from jaxinfer.loaders.quantize import weight_name
-from jaxinfer.models.layers import is_spec, spec_dtype, weight_key
 from jaxinfer.models.registry import family_module
+from jaxinfer.specs import is_spec, spec_dtype, weight_key
 
 FORMAT = "jaxinfer-orbax"
 VERSION = 1
@@ -48,7 +48,6 @@ META_FILE = "jaxinfer.json"
 WEIGHTS_DIR = "weights"
 GGUF_TOKENIZER_FILE = "tokenizer_gguf_meta.json"
 HF_TOKENIZER_DIR = "tokenizer"
-DEFAULT_STORE = "checkpoints"  # relative to the working directory
 # Files of a Hugging Face directory that tokenizer_from_hf_dir may read (config.json for
 # bos/eos ids some tokenizers leave out of their own files).
 HF_TOKENIZER_FILES = (
@@ -56,7 +55,6 @@ HF_TOKENIZER_FILES = (
     "added_tokens.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
     "config.json",
 )
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 # ----------------------------------------------------------------------------- config <-> JSON
@@ -182,50 +180,6 @@ def _save_tokenizer(dest: Path, source) -> str | None:
 def _write_gguf_meta(dest: Path, metadata: dict) -> None:
     keep = {k: v for k, v in metadata.items() if k.startswith("tokenizer.") or k == "general.architecture"}
     (dest / GGUF_TOKENIZER_FILE).write_text(json.dumps(keep, ensure_ascii=True))
-
-
-def default_dest(dest) -> Path:
-    """A bare name (no directory part) goes under the local store ``checkpoints/``."""
-    s = os.fspath(dest)
-    if not os.path.dirname(s) and not Path(s).is_absolute():
-        return Path.cwd() / DEFAULT_STORE / s
-    return Path(s).expanduser().absolute()
-
-
-def convert(src, dest, *, dtype: str | None = None, progress: bool = True,
-            quantize: str | None = None, quant_group: int | None = None) -> Path:
-    """Convert a registry name or a checkpoint path to an Orbax checkpoint; returns its path.
-
-    dtype None or "auto" keeps the source's precision: float32 for GGUF (dequantized), the
-    saved dtype of a Hugging Face or converted checkpoint. quantize ("int8" / "int4" /
-    "w8a8", with quant_group for int4) writes the weights quantized, as ``LLM(quantize=)``
-    would load them.
-    """
-    qcfg = quant.quant_config(quantize, quant_group)
-    from jaxinfer import registry
-    from jaxinfer.loaders import checkpoint
-
-    dest = default_dest(dest)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise CheckpointError(f"{dest}: already exists; remove it or choose another destination")
-    path = registry.resolve(src, progress=progress)
-    fmt = checkpoint.detect_format(path)
-    if dtype in (None, "auto"):
-        dtype = _source_dtype(path, fmt)
-    if dtype not in _DTYPES:
-        raise CheckpointError(f"dtype must be one of {', '.join(_DTYPES)} or 'auto', got {dtype!r}")
-    loaded = checkpoint.load(path, dtype=dtype, quantize=qcfg)
-    return save(dest, loaded.cfg, loaded.weights, path)
-
-
-def _source_dtype(path: Path, fmt: str) -> str:
-    if fmt == "hf":
-        from jaxinfer.loaders.hf import read_config, saved_dtype
-
-        return saved_dtype(read_config(path))
-    if fmt == "orbax":
-        return _read_meta(path)["config"].get("dtype", "float32")
-    return "float32"
 
 
 # ----------------------------------------------------------------------------- load

@@ -26,7 +26,6 @@ import numpy as np
 
 from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.models.layers import (
-    WeightSpec,
     attend_layer,
     dot,
     gated_mlp,
@@ -35,6 +34,7 @@ from jaxinfer.models.layers import (
     rope_inv_freq,
     take,
 )
+from jaxinfer.specs import WeightSpec
 
 
 def weight_specs(cfg: ModelConfig) -> dict:
@@ -196,7 +196,7 @@ PRESETS = {
 }
 
 
-def config_from_gguf(meta: dict, tensor_names, *, dtype: str) -> ModelConfig:
+def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) -> ModelConfig:
     """llama.cpp's reading of a gemma3 GGUF: the file carries the global rotary base and
     scaling and the window; the local base (10k), the 5:1 pattern and the query scale are
     fixed by the architecture (llama.cpp: set_swa_pattern(6), rope_freq_base_train_swa)."""
@@ -207,8 +207,13 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str) -> ModelConfig:
     n_layers = int(g("block_count"))
     head_dim = int(g("attention.key_length", d_model // n_heads))
     rope = RopeConfig(theta=float(g("rope.freq_base", GLOBAL_THETA)))
-    if g("rope.scaling.type") == "linear":
+    kind = g("rope.scaling.type")
+    if kind == "linear":
         rope = dataclasses.replace(rope, kind=RopeKind.LINEAR, factor=float(g("rope.scaling.factor")))
+    elif kind not in (None, "none"):
+        from jaxinfer.errors import CheckpointError
+
+        raise CheckpointError(f"unsupported GGUF {arch}.rope.scaling.type {kind!r} for Gemma 3 (supported: none, linear)")
     window = int(g("attention.sliding_window", 0) or 0)
     return ModelConfig(
         family=Family.GEMMA3,

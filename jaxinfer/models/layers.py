@@ -1,4 +1,5 @@
-"""Pieces every decoder family shares: weight declarations, norms, rotary, attention, MLPs.
+"""Pieces every decoder family shares: norms, rotary, attention, MLPs (weight declarations:
+``jaxinfer.specs``).
 
 Shape glossary (used in einsum strings and comments everywhere):
   B batch, T query tokens, S key/value length, D model width, F MLP width, V vocab,
@@ -7,7 +8,6 @@ Shape glossary (used in einsum strings and comments everywhere):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Callable
 
@@ -17,81 +17,9 @@ import numpy as np
 
 from jaxinfer import kernels
 from jaxinfer.cache import PagedKVCache
-from jaxinfer.config import ModelConfig, RopeConfig, RopeKind
-
-
-# ----------------------------------------------------------------------------- declarations
-@dataclasses.dataclass(frozen=True)
-class WeightSpec:
-    """One declaration per weight: initialisation, eval_shape, sharding and loading derive
-    from it."""
-
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]  # logical axis names, one per dim ("embed", "q_heads", ...)
-    init: str = "normal"  # "normal" | "ones" | "zeros"
-    dtype: str | None = None  # None: the model's dtype
-    # Matmul weights: the logical axes the model's einsum sums over ("embed" for wq, the
-    # (heads, head_dim) pair for wo). Quantization keeps one scale per remaining channel;
-    # () marks a weight that is never quantized (norms, biases).
-    contract: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        if len(self.shape) != len(self.axes):
-            raise ValueError(f"{self.shape=} and {self.axes=} differ in rank")
-        if not set(self.contract) <= set(self.axes):
-            raise ValueError(f"{self.contract=} names axes not in {self.axes=}")
-
-    @property
-    def contract_axes(self) -> tuple[int, ...]:
-        """Positions of the contracted axes (empty for weights that stay float)."""
-        return tuple(i for i, a in enumerate(self.axes) if a in self.contract)
-
-
-def is_spec(x) -> bool:
-    return isinstance(x, WeightSpec)
-
-
-def weight_key(path) -> tuple[tuple[str, ...], int | None]:
-    """A weight's tree path as (names, layer index): ("layers", 3, "wq") -> (("layers", "wq"), 3).
-
-    Per-layer weights live in a list of per-layer dicts rather than stacked on a leading
-    axis: on XLA CPU, slicing a stacked [L, ...] array per layer (scan or unrolled) copies
-    the weights and made a decode step 1.6x slower.
-    """
-    names, layer = [], None
-    for p in path:
-        if isinstance(p, jax.tree_util.SequenceKey):
-            layer = p.idx
-        else:
-            names.append(p.key)
-    return tuple(names), layer
-
-
-def spec_dtype(spec: WeightSpec, cfg: ModelConfig):
-    return jnp.dtype(spec.dtype or cfg.dtype)
-
-
-def abstract_weights(specs, cfg: ModelConfig):
-    """ShapeDtypeStructs for every weight (what jax.eval_shape of init would give)."""
-    return jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, spec_dtype(s, cfg)), specs, is_leaf=is_spec
-    )
-
-
-def init_weights(specs, cfg: ModelConfig, key: jax.Array, scale: float = 0.02):
-    """Random weights for tests and tiny configs: normal(0, scale), ones or zeros per spec."""
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for spec, k in zip(leaves, keys):
-        dt = spec_dtype(spec, cfg)
-        if spec.init == "ones":
-            out.append(jnp.ones(spec.shape, dt))
-        elif spec.init == "zeros":
-            out.append(jnp.zeros(spec.shape, dt))
-        else:
-            out.append((scale * jax.random.normal(k, spec.shape, jnp.float32)).astype(dt))
-    return jax.tree.unflatten(treedef, out)
+from jaxinfer.config import RopeConfig, RopeKind
+# The weight declarations live in jaxinfer.specs; re-exported for existing importers.
+from jaxinfer.specs import WeightSpec, init_weights, is_spec, spec_dtype, weight_key  # noqa: F401
 
 
 # ----------------------------------------------------------------------------- matmul
@@ -132,7 +60,8 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, *, plus_one: bool = False) 
 
 # ----------------------------------------------------------------------------- rotary
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
-    """Inverse frequencies f32[H/2], with linear or Llama 3 scaling applied."""
+    """Inverse frequencies f32[H/2], with linear or Llama 3 scaling and explicit per-frequency
+    divisors (``rope.freq_factors``) applied."""
     inv = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if rope.kind == RopeKind.LINEAR:
         inv = inv / rope.factor
@@ -145,6 +74,10 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
         )
         mid = (1 - smooth) * inv / rope.factor + smooth * inv
         inv = np.where(wavelen > low_wavelen, inv / rope.factor, np.where(wavelen < high_wavelen, inv, mid))
+    if rope.freq_factors is not None:
+        if len(rope.freq_factors) != inv.shape[0]:
+            raise ValueError(f"{len(rope.freq_factors)=} must equal {head_dim // 2=}")
+        inv = inv / np.asarray(rope.freq_factors, np.float64)
     return inv.astype(np.float32)
 
 

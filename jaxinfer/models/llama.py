@@ -6,13 +6,16 @@ weights = {"embed": [V, D], "layers": [one dict per layer], "final_norm": [D],
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer import cache as kv
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import Family, ModelConfig, RopeConfig, RopeKind
+from jaxinfer.errors import CheckpointError
 from jaxinfer.models.layers import (
-    WeightSpec,
     attend_layer,
     dot,
     gated_mlp,
@@ -21,6 +24,7 @@ from jaxinfer.models.layers import (
     silu,
     take,
 )
+from jaxinfer.specs import WeightSpec
 
 
 def weight_specs(cfg: ModelConfig) -> dict:
@@ -125,16 +129,43 @@ GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2"})
 HF_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
 
-def config_from_gguf(meta: dict, tensor_names, *, dtype: str) -> ModelConfig:
-    from jaxinfer.config import Family, RopeConfig, RopeKind
+# Tensors a GGUF of this family carries that configure the model rather than being weights.
+GGUF_CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
 
+
+def rope_from_gguf(meta: dict, arch: str, tensor_names, load_tensor) -> RopeConfig:
+    """The rotary of a llama-family GGUF. llama.cpp's converter stores Llama 3 scaling as the
+    tensor ``rope_freqs.weight`` (f32[H/2], the divisor of each inverse frequency) and may
+    add ``{arch}.rope.scaling.*`` keys; the tensor is applied exactly as stored, on top of any
+    linear scaling, as llama.cpp does. A scaling type we do not implement is refused."""
+    g = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    rope = RopeConfig(theta=float(g("rope.freq_base", 10000.0)))
+    kind = g("rope.scaling.type")
+    if kind == "linear":
+        rope = dataclasses.replace(rope, kind=RopeKind.LINEAR, factor=float(g("rope.scaling.factor")))
+    elif kind not in (None, "none"):
+        raise CheckpointError(f"unsupported GGUF {arch}.rope.scaling.type {kind!r} (supported: none, linear)")
+    if "rope_freqs.weight" in tensor_names:
+        if load_tensor is None:
+            raise CheckpointError("the GGUF carries rope_freqs.weight but no tensor reader was given")
+        factors = np.asarray(load_tensor("rope_freqs.weight"), np.float32).reshape(-1)
+        if not np.all(np.isfinite(factors)) or np.any(factors <= 0):
+            raise CheckpointError("GGUF rope_freqs.weight holds non-positive or non-finite factors")
+        rope = dataclasses.replace(rope, freq_factors=tuple(float(f) for f in factors))
+    return rope
+
+
+def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) -> ModelConfig:
+    """load_tensor: name -> np.ndarray, to read config tensors (``GGUF_CONFIG_TENSORS``)."""
     arch = meta["general.architecture"]
     g = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     n_heads = int(g("attention.head_count"))
     d_model = int(g("embedding_length"))
-    rope = RopeConfig(theta=float(g("rope.freq_base", 10000.0)))
-    if g("rope.scaling.type") == "linear":
-        rope = RopeConfig(theta=rope.theta, kind=RopeKind.LINEAR, factor=float(g("rope.scaling.factor")))
+    rope = rope_from_gguf(meta, arch, tensor_names, load_tensor)
+    head_dim = int(g("attention.key_length", d_model // n_heads))
+    if rope.freq_factors is not None and len(rope.freq_factors) != head_dim // 2:
+        raise CheckpointError(
+            f"GGUF rope_freqs.weight has {len(rope.freq_factors)} factors, expected head_dim / 2 = {head_dim // 2}")
     return ModelConfig(
         family=Family.LLAMA,
         vocab_size=len(meta["tokenizer.ggml.tokens"]),
@@ -142,7 +173,7 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str) -> ModelConfig:
         n_layers=int(g("block_count")),
         n_heads=n_heads,
         n_kv_heads=int(g("attention.head_count_kv", n_heads)),
-        head_dim=int(g("attention.key_length", d_model // n_heads)),
+        head_dim=head_dim,
         d_ff=int(g("feed_forward_length")),
         norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         rope=rope,
@@ -155,8 +186,6 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str) -> ModelConfig:
 
 
 def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
-    from jaxinfer.config import Family, RopeConfig, RopeKind
-
     n_heads = hf["num_attention_heads"]
     # transformers >= 5 writes rope_parameters (theta inside); older configs rope_theta + rope_scaling
     rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
@@ -171,8 +200,6 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
             original_max_position=int(rs["original_max_position_embeddings"]),
         )
     elif kind not in (None, "default"):
-        from jaxinfer.errors import CheckpointError
-
         raise CheckpointError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
     return ModelConfig(
         family=Family.LLAMA,

@@ -1,0 +1,50 @@
+"""Batch jobs: a file of requests in, a JSONL file of results out, each request answered once.
+
+Two input formats:
+
+* OpenAI Batch API JSONL (``*.jsonl``): one ``{"custom_id", "method", "url", "body"}`` per line;
+  result lines in OpenAI's batch output format (``jaxinfer.openai_format``).
+* Quick mode (any other file): one prompt per line, through the chat template when the model has
+  one; result lines ``{"index", "prompt", "text", "finish_reason", "prompt_tokens",
+  "completion_tokens"}`` (``{"index", "prompt", "error"}`` for a prompt that cannot run).
+
+What survives what:
+
+* Results are appended as each request finishes: one ``os.write`` per line, an fsync every
+  ``FSYNC_EVERY`` lines or ``FSYNC_SECONDS`` seconds, and one at exit.
+* A rerun of the same command reads the output back and skips every request already answered
+  (keyed by custom_id; by line number for lines without a usable one; by prompt index in quick
+  mode). A torn last line, from a kill in the middle of a write, is cut off first; any other
+  invalid line stops the job rather than being appended after. An exclusive lock keeps two runs
+  off one file.
+* SIGTERM / SIGINT: no more requests are admitted; those in flight get ``grace_period`` seconds
+  to finish and be written; a second signal (or the deadline) stops at once, but never in the
+  middle of a write. The exit leaves a file a rerun resumes.
+* Memory is bounded: the input is streamed twice (an index pass that counts lines and notes the
+  first line of each custom_id, then the run), and the engine pulls requests a window at a time.
+  What grows with the input is one small entry per request (its key).
+* Multi-host (``jax.distributed``): process p of P answers the lines whose custom_id hashes to p
+  (lines without one by line number, quick mode by prompt index), so a repeated custom_id always
+  meets its first occurrence in the same process. It appends to ``OUTPUT.part-p-of-P``; after a
+  barrier, process 0 merges the parts into OUTPUT. Parts and OUTPUT must be on a filesystem all
+  processes share. Merging skips keys already present, so a crash during it is harmless.
+* ``order="input"``: once every request is answered the file is rewritten in input order
+  (through a temporary file and a rename); the default is completion order.
+
+The package: ``statistics`` (counts, latency histograms), ``formats`` (the two input formats and
+their result lines), ``log`` (the durable output), ``signals``, ``distributed`` (multi-host), and
+``job`` (``run_batch``), which uses them all. The names below are its public face.
+"""
+
+from jaxinfer.batch.distributed import BARRIER_TIMEOUT_S, init_distributed
+from jaxinfer.batch.formats import QUICK_MAX_TOKENS, _encode, _OpenAIFormat, _PromptsFormat  # noqa: F401
+from jaxinfer.batch.job import ORDERS, check_input, input_format, part_path, run_batch
+from jaxinfer.batch.log import FSYNC_EVERY, FSYNC_SECONDS, OutputFileError, _dumps, scan_results  # noqa: F401
+from jaxinfer.batch.signals import GRACE_PERIOD
+from jaxinfer.batch.statistics import LATENCIES, BatchSummary, Latency, Tally
+
+__all__ = [
+    "BARRIER_TIMEOUT_S", "BatchSummary", "FSYNC_EVERY", "FSYNC_SECONDS", "GRACE_PERIOD", "LATENCIES",
+    "Latency", "ORDERS", "OutputFileError", "QUICK_MAX_TOKENS", "Tally", "check_input",
+    "init_distributed", "input_format", "part_path", "run_batch", "scan_results",
+]

@@ -1,0 +1,271 @@
+"""The batch job itself: ``run_batch`` reads what is answered already, indexes the input,
+runs what is left through the engine, and merges / reorders the output when complete."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from jaxinfer.batch.distributed import _gather
+from jaxinfer.batch.formats import _OpenAIFormat, _PromptsFormat, _Work
+from jaxinfer.batch.log import _fsync_path, _ResultLog, scan_results
+from jaxinfer.batch.signals import GRACE_PERIOD, _Interrupted, _StopSignals
+from jaxinfer.batch.statistics import LATENCIES, BatchSummary, Latency, Tally
+from jaxinfer.errors import InvalidRequest
+from jaxinfer.sampling import SamplingParams
+
+ORDERS = ("completion", "input")
+_PART = re.compile(r"\.part-(\d{5})-of-(\d{5})$")
+
+
+def input_format(path) -> str:
+    """"openai" for ``*.jsonl`` / ``*.json`` files, "prompts" (quick mode) for anything else."""
+    return "openai" if Path(path).suffix.lower() in (".jsonl", ".json") else "prompts"
+
+
+def part_path(output: Path, process_index: int, process_count: int) -> Path:
+    return output.with_name(f"{output.name}.part-{process_index:05d}-of-{process_count:05d}")
+
+
+def _parts(output: Path) -> list[Path]:
+    if not output.parent.is_dir():
+        return []
+    return sorted(p for p in output.parent.iterdir() if p.name.startswith(output.name + ".part-")
+                  and _PART.search(p.name[len(output.name):]))
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, bytes) of each non-blank line, streamed."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if raw.strip():
+                yield n, raw
+
+
+def check_input(path) -> Path:
+    """The input file, or InvalidRequest saying why it cannot be read."""
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidRequest(f"input file {path} does not exist" if not path.exists() else f"input {path} is not a file")
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise InvalidRequest(f"cannot read input file {path}: {e.strerror}") from None
+    return path
+
+
+def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: str | None = None,
+              defaults: dict | None = None, sampling_params: SamplingParams | None = None, raw: bool = False,
+              model_name: str | None = None, metrics_out=None, progress: bool = True,
+              grace_period: float = GRACE_PERIOD, process_index: int = 0, process_count: int = 1) -> BatchSummary:
+    """Answer every request of ``input_path`` into ``output_path``, resuming what is there.
+
+    llm: an ``LLM``, or a function returning one (called only if some request still needs the
+    model). kind: the input format, "openai", "prompts" or None (from the file name). order: "completion"
+    or "input" (default: completion for OpenAI files, input for quick mode). defaults: sampling
+    fields for OpenAI bodies that leave them out (``max_tokens``, ``temperature``, ``top_p``,
+    ``top_k``, ``min_p``, ``seed``). sampling_params: quick mode's parameters. model_name: the
+    ``model`` of the responses (default: the model's file name). process_index/process_count:
+    this process's place in a ``jax.distributed`` job (see ``init_distributed``).
+    """
+    t0 = time.perf_counter()
+    inp = check_input(input_path)
+    out = Path(output_path)
+    if out.exists() and out.resolve() == inp.resolve():
+        raise InvalidRequest(f"the output file {out} is the input file")
+    if not out.parent.is_dir():  # a typo in a path should not become a tree of new directories
+        raise InvalidRequest(f"output directory {out.parent} does not exist (create it first)")
+    if not 0 <= process_index < process_count:
+        raise InvalidRequest(f"process_index must be in [0, {process_count}), got {process_index}")
+    kind = kind or input_format(inp)
+    if kind == "openai":
+        fmt = _OpenAIFormat(defaults, model_name)
+    elif kind == "prompts":
+        fmt = _PromptsFormat(sampling_params, raw)
+    else:
+        raise InvalidRequest(f"input format must be 'openai' or 'prompts', got {kind!r}")
+    order = order or fmt.default_order
+    if order not in ORDERS:
+        raise InvalidRequest(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+    P, me = process_count, process_index
+    mine = (lambda key: fmt.shard_of_key(key) % P == me) if P > 1 else (lambda key: True)
+
+    stop = _StopSignals(grace_period)
+    own = out if P == 1 else part_path(out, me, P)
+    log = _ResultLog(own, stop)
+    done: set[tuple] = set()
+    before = Tally()
+    try:
+        # 1. what is answered already: this process's file (locked and repaired), then the
+        # others'. A file that does not exist yet is created only once there is a model to
+        # fill it: a model that fails to load leaves no empty output behind.
+        if own.exists():
+            for rec, key in log.open(fmt):
+                _note(done, before, fmt, rec, key, mine)
+        for src in [out, *_parts(out)]:
+            if src != own and src.exists():
+                for _, _, rec, key in scan_results(src, fmt):
+                    _note(done, before, fmt, rec, key, mine)
+        # 2. index pass: this process's share of the input, and how much is left
+        total = todo = 0
+        for n, line in _lines(inp):
+            key, shard, _ = fmt.classify(n, line, indexing=True)
+            if shard % P == me:
+                total += 1
+                todo += key not in done
+        # 3. run what is left
+        summary = BatchSummary(str(out), total, total - todo, before, Tally(), 0.0,
+                               {k: Latency() for k in LATENCIES}, None, me, P)
+        if todo:
+            if callable(llm):
+                llm = llm()
+            if log.fd is None:
+                for rec, key in log.open(fmt):  # (another run may have created it meanwhile)
+                    _note(done, before, fmt, rec, key, mine)
+            if isinstance(fmt, _OpenAIFormat) and fmt.model_name is None:
+                fmt.model_name = Path(str(llm.model_path)).name
+            if isinstance(fmt, _PromptsFormat):
+                fmt.reset()
+            with stop:
+                _run(llm, fmt, inp, log, stop, done, summary, mine_shard=(me, P), progress=progress)
+        elif log.fd is None:  # nothing to answer (an empty input): the output still appears
+            for _ in log.open(fmt):
+                pass
+    finally:
+        log.close()
+    summary.result.merge(summary.run)
+    summary.wall_s = time.perf_counter() - t0
+    if summary.interrupted is not None:  # resumable as it is; merging and reordering wait for a complete run
+        if metrics_out is not None and P == 1:
+            _write_json(Path(metrics_out), summary.metrics())
+        return summary
+    if P > 1:
+        summary = _gather(summary, me, P)
+    if me == 0:
+        _finish_output(out, fmt, order)
+        if metrics_out is not None:
+            _write_json(Path(metrics_out), summary.metrics())
+    return summary
+
+
+def _note(done: set, tally: Tally, fmt, rec: dict, key: tuple, mine) -> None:
+    if key not in done:
+        done.add(key)
+        if mine(key):
+            tally.add(fmt.ok(rec), fmt.tokens(rec))
+
+
+def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, summary: BatchSummary, *,
+         mine_shard: tuple[int, int], progress: bool) -> None:
+    """The run pass: stream the input, write error lines at once, feed the rest to the engine."""
+    from tqdm.auto import tqdm
+
+    me, P = mine_shard
+    desc = "batch" if P == 1 else f"batch {me}/{P}"
+    bar = tqdm(total=summary.total, initial=summary.before, unit="req", desc=desc, disable=not progress,
+               dynamic_ncols=True)
+    started = time.perf_counter()
+    pending: dict[int, _Work] = {}
+    last_postfix = [0.0]
+
+    def record(rec: dict, outs=()) -> None:
+        log.append(rec)
+        summary.run.add(fmt.ok(rec), fmt.tokens(rec))
+        for o in outs:
+            m = o.metrics
+            for name, value in (("ttft_s", m.ttft), ("tpot_s", m.tpot), ("e2e_s", m.e2e), ("queue_s", m.time_in_queue)):
+                summary.latency[name].add(value)
+            for a, b in zip(m.token_times, m.token_times[1:]):
+                summary.latency["itl_s"].add(b - a)
+        bar.update(1)
+        now = time.perf_counter()
+        if now - last_postfix[0] > 0.5:
+            last_postfix[0] = now
+            bar.set_postfix_str(f"{summary.run.output_tokens / max(now - started, 1e-9):.1f} out tok/s", refresh=False)
+
+    def requests():
+        seq = 0
+        for n, raw in _lines(inp):
+            if stop.stopping:
+                return
+            stop.check()
+            key, shard, parsed = fmt.classify(n, raw, indexing=False)
+            if shard % P != me or key in done:
+                continue
+            w = fmt.work(llm, n, key, parsed)
+            if isinstance(w, dict):
+                record(w)
+                continue
+            seq += 1
+            w.outs, w.left = [None] * len(w.prompts), len(w.prompts)
+            pending[seq] = w
+            for k, (text, ids) in enumerate(w.prompts):
+                yield f"{seq}/{k}", text, ids, w.params
+
+    try:
+        try:
+            try:
+                for o in llm.generate_stream(requests()):
+                    seq, k = map(int, o.request_id.split("/"))
+                    w = pending[seq]
+                    w.outs[k] = o
+                    w.left -= 1
+                    if not w.left:
+                        del pending[seq]
+                        record(w.finish(w.outs), w.outs)
+                    stop.check()
+            finally:
+                stop.disarm()
+        except _Interrupted:  # also when it lands in the finally, before disarm
+            pass
+        if stop.stopping and (pending or summary.run.answered + summary.before < summary.total):
+            summary.interrupted = stop.signum
+    finally:
+        bar.close()
+
+
+def _finish_output(out: Path, fmt, order: str) -> None:
+    """Merge parts into OUTPUT and/or rewrite it in input order (tmp file, fsync, rename)."""
+    parts = _parts(out)
+    if not parts and order == "completion":
+        return
+    sources = [p for p in [out, *parts] if p.exists()]
+    if not sources:
+        return
+    seen: set[tuple] = set()
+    entries = []  # (order, source, offset, size); in source order unless order == "input"
+    for si, src in enumerate(sources):
+        for offset, size, _, key in scan_results(src, fmt):
+            if key not in seen:
+                seen.add(key)
+                entries.append((fmt.order_of(key) if order == "input" else 0, si, offset, size))
+    if order == "input":
+        entries.sort(key=lambda e: e[0])  # stable: equal orders keep file order
+    tmp = out.with_name(out.name + ".tmp")
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(open(s, "rb")) for s in sources]
+        dst = stack.enter_context(open(tmp, "wb"))
+        for _, si, offset, size in entries:
+            f = files[si]
+            f.seek(offset)
+            data = f.read(size)
+            dst.write(data if data.endswith(b"\n") else data + b"\n")
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, out)
+    _fsync_path(out.parent)
+    for p in parts:  # only now: a crash before this leaves keys the next merge skips
+        p.unlink()
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)

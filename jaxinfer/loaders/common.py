@@ -1,0 +1,140 @@
+"""What every checkpoint format shares: the ``Loaded`` result, format detection, and
+``assemble``, which builds a weights pytree from per-tensor reads following the family's
+one declaration (``weight_specs``).
+
+``checkpoint`` (the dispatcher and GGUF), ``hf`` and ``orbax_io`` import this module and not
+each other; ``convert`` sits above them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import CheckpointError, InvalidRequest
+from jaxinfer.specs import is_spec, spec_dtype, weight_key
+
+
+@dataclasses.dataclass
+class Loaded:
+    cfg: ModelConfig
+    weights: dict
+    tokenizer: object  # jaxinfer.tokenizer.Tokenizer
+    source: str  # "gguf" | "hf" | "orbax"
+
+
+def detect_format(path: Path) -> str:
+    if path.is_file():
+        if path.suffix == ".gguf" or _has_gguf_magic(path):
+            return "gguf"
+        raise CheckpointError(f"{path}: not a GGUF file (expected a .gguf file or a directory)")
+    if path.is_dir():
+        if (path / "jaxinfer.json").is_file():
+            return "orbax"
+        if (path / "config.json").is_file():
+            return "hf"
+        raise CheckpointError(
+            f"{path}: a directory with neither config.json (Hugging Face) nor jaxinfer.json "
+            "(Orbax checkpoint written by `jaxinfer convert`)"
+        )
+    raise CheckpointError(f"{path}: no such file or directory")
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def assemble(
+    specs: dict,
+    cfg: ModelConfig,
+    names: dict,
+    fetch: Callable[[str, bool], np.ndarray | None],  # (name, transpose) -> array or None
+    which: int,  # 0: HF names, 1: GGUF names
+    shardings=None,  # same tree as specs, NamedSharding leaves
+    quantizer=None,  # loaders.quantize.WeightQuantizer: quantize each weight as it is read
+) -> dict:
+    """Build the weights pytree from per-tensor reads, one array per declaration. With a
+    quantizer, each float weight goes to it right away and is dropped once quantized, so
+    the whole float model never exists."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+    shard_leaves = jax.tree.leaves(shardings) if shardings is not None else [None] * len(leaves)
+    out = [None] * len(leaves)
+    for index, ((path, spec), sharding) in enumerate(zip(leaves, shard_leaves)):
+        key, layer = weight_key(path)
+        entry = names.get(key)
+        if entry is None:
+            raise CheckpointError(f"no checkpoint name is known for weight {'/'.join(key)}")
+        name = entry[which].format(i=layer)
+        a = _fit(_need(fetch(name, entry[2]), name), spec.shape, name).astype(spec_dtype(spec, cfg))
+        a = jax.device_put(a, sharding) if sharding is not None else jax.device_put(a)
+        if quantizer is None:
+            out[index] = a
+        else:
+            for i, leaf in quantizer.add(index, key, layer, spec, a):
+                out[i] = leaf
+        del a
+    if quantizer is not None:
+        for i, leaf in quantizer.finish():
+            out[i] = leaf
+    return jax.tree.unflatten(treedef, out)
+
+
+def make_quantizer(quantize, specs, cfg, tokenizer, shardings):
+    """A WeightQuantizer for ``quantize`` (a QuantConfig), or None; checks up front what
+    the scheme cannot do with this model, before any tensor is read."""
+    if quantize is None:
+        return None
+    from jaxinfer.loaders.quantize import WeightQuantizer, check_quantizable
+
+    if shardings is not None:
+        raise InvalidRequest(
+            f"quantize={quantize.scheme.value!r} with sharded loading is not supported: the "
+            "quantized layouts ([I, O] matrices, packed int4) have no sharding rules yet"
+        )
+    check_quantizable(specs, cfg, quantize)
+    return WeightQuantizer(quantize, cfg=cfg, tokenizer=tokenizer)
+
+
+def checkpoint_names(specs, names: dict, which: int) -> set[str]:
+    """Every tensor name (HF: which=0, GGUF: which=1) that ``assemble`` will ask for."""
+    out = set()
+    for path, _ in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
+        key, layer = weight_key(path)
+        if key in names:
+            out.add(names[key][which].format(i=layer))
+    return out
+
+
+def refuse_unmapped(path, present, expected: set[str], what: str) -> None:
+    """A checkpoint tensor nothing reads would be silently dropped (a bias, a scaling table
+    our forward pass does not apply): refuse the checkpoint instead, naming the tensors."""
+    extra = sorted(set(present) - expected)
+    if extra:
+        shown = ", ".join(repr(n) for n in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        raise CheckpointError(f"{path}: {what} tensors that this model family does not use: {shown}")
+
+
+def _need(a, name):
+    if a is None:
+        raise CheckpointError(f"checkpoint has no tensor {name!r}")
+    return a
+
+
+def _fit(a: np.ndarray, shape, name) -> np.ndarray:
+    if a.size != int(np.prod(shape)):
+        raise CheckpointError(f"tensor {name!r} has shape {a.shape}, cannot fit declared {tuple(shape)}")
+    return a.reshape(shape)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable JSON ({e})") from None
