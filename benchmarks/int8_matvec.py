@@ -15,7 +15,7 @@ Candidates, for x f32[1, I] and an int8 weight stored [I, O] (QuantArray's layou
   reduce [I,O]   sum over I of x[i] * w[i, :]: one elementwise-and-reduce fusion
   reduce [O,I]   sum over I of w[o, i] * x[i]: the reduction along contiguous memory
   s8 dot [O,I]   quantized x against the transposed int8 weight, s32 accumulation
-  s8 dot M=4     as M=2 with four copies of the row
+  s8 dot M=m     as M=2 with m copies of the row
   bf16 dot       x and w converted to bfloat16, f32 accumulation
   f32 weight     the float32 model's gemv on a float32 weight (4x the bytes; GB/s counted
                  on the int8 bytes it stands for, so it compares as time)
@@ -68,10 +68,13 @@ def s8_dot_oi(x, wt, s):
     return acc.astype(jnp.float32) * xs[:, None] * s
 
 
-def s8_dot_m4(x, w, s):
-    xq, xs = quant.quantize_rows(jnp.concatenate([x, x, x, x]))
-    acc = jax.lax.dot_general(xq, w, _MM, preferred_element_type=jnp.int32)
-    return (acc.astype(jnp.float32) * xs[:, None] * s)[:1]
+def s8_dot_rows(m):
+    """The one-row product as an m-row s8 dot (the row repeated)."""
+    def fn(x, w, s):
+        xq, xs = quant.quantize_rows(jnp.broadcast_to(x, (m, x.shape[1])))
+        acc = jax.lax.dot_general(xq, w, _MM, preferred_element_type=jnp.int32)
+        return (acc.astype(jnp.float32) * xs[:, None] * s)[:1]
+    return fn
 
 
 def bf16_dot(x, w, s):
@@ -89,7 +92,8 @@ def reduce_oi_blocked(x, wt, s):
     return jnp.sum(jnp.sum(p, axis=2), axis=1)[None] * s
 
 
-CANDIDATES = {"s8 dot M=2": (s8_dot_m2, False), "s8 dot M=4": (s8_dot_m4, False),
+CANDIDATES = {"s8 dot M=2": (s8_dot_m2, False), "s8 dot M=4": (s8_dot_rows(4), False),
+              "s8 dot M=8": (s8_dot_rows(8), False), "s8 dot M=16": (s8_dot_rows(16), False),
               "f32 dot": (f32_dot, False), "bf16 dot": (bf16_dot, False),
               "f32 weight": (f32_weight, "f32"), "reduce [O,I] blocked": (reduce_oi_blocked, True),
               "reduce [I,O]": (reduce_io, False), "reduce [O,I]": (reduce_oi, True),
@@ -111,14 +115,15 @@ def main():
     ap.add_argument("--mbytes", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--candidates", nargs="+", default=list(CANDIDATES))
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     print(f"jax {jax.__version__}, load average {os.getloadavg()[0]:.1f} at start")
     big = jnp.asarray(rng.integers(-127, 128, a.mbytes << 20), jnp.int8)
     t = timed(jax.jit(lambda b: jnp.max(b.reshape(-1, 4096), axis=0)), big, reps=a.reps)
     print(f"read (max over {a.mbytes} MiB of int8): {big.nbytes / t / 1e9:.1f} GB/s")
-    print("| weight | " + " | ".join(f"{c} GB/s" for c in CANDIDATES) + " |")
-    print("|---|" + "---|" * len(CANDIDATES))
+    print("| weight | " + " | ".join(f"{c} GB/s" for c in a.candidates) + " |")
+    print("|---|" + "---|" * len(a.candidates))
     for name in a.shapes:
         I, O = SHAPES[name]
         n = max(1, (a.mbytes << 20) // (I * O))
@@ -130,7 +135,8 @@ def main():
         x = jnp.asarray(rng.normal(size=(1, I)), jnp.float32)
         ref = None
         cells = []
-        for cname, (fn, transposed) in CANDIDATES.items():
+        for cname in a.candidates:
+            fn, transposed = CANDIDATES[cname]
             # a python loop over the n weights: n separate fusions, like n layers of a step
             f = jax.jit(lambda x, ws, s, fn=fn: sum(fn(x, ws[i], s) for i in range(n)))
             w = [w.astype(jnp.float32) for w in ws] if transposed == "f32" else wts if transposed else ws
