@@ -12,7 +12,11 @@ branch on the scheme. Three schemes:
         SmoothQuant-style smoothing moves activation outliers into the weights: with
         calibration maxima a_j of input channel j and weight row maxima w_j,
         s_j = a_j**alpha / w_j**(1 - alpha); the weights are stored as diag(s) W and the
-        activations multiplied by 1/s (``smooth``) before they are quantized.
+        activations divided by s before they are quantized. Where a norm precedes the
+        matmul the loader folds 1/s into the norm's weight (one s shared by q/k/v, one by
+        gate/up), and where the input is the output of another matmul into that matmul's
+        output scale, so nothing is smoothed at run time (``smooth`` None); a QuantArray
+        that keeps ``smooth`` (older checkpoints) multiplies x by it before quantizing.
 
 Storage is a matrix [I, O]: the weight's contracted axes flattened (in the weight's order)
 into I, its other axes into O, so every scheme is one 2-D matmul and the layout is the one
@@ -160,17 +164,8 @@ class QuantArray:
     def matmul(self, x: jax.Array) -> jax.Array:
         """x [M, I] @ W [I, O] -> [M, O] in x.dtype, by this weight's scheme."""
         if self.scheme == QuantScheme.W8A8:
-            if x.shape[0] == 1:
-                # XLA CPU rewrites a one-row s8 dot as an s32 one, converting the whole
-                # weight every call (measured 30x slower than two rows); pay for a 2nd row.
-                return self.matmul(jnp.concatenate([x, x]))[:1]
-            xf = x.astype(jnp.float32)
-            if self.smooth is not None:
-                xf = xf * self.smooth
-            xq, xs = quantize_rows(xf)
-            acc = jax.lax.dot_general(xq, self.values, _MATMUL, preferred_element_type=jnp.int32)
-            y = acc.astype(jnp.float32) * xs[:, None] * self.scale
-        elif self.scheme == QuantScheme.INT4:
+            return self.matmul_rows(*self.quantize_input(x), x.dtype)
+        if self.scheme == QuantScheme.INT4:
             w = unpack_int4(self.values, self.group).astype(jnp.float32)
             w = (w * jnp.repeat(self.scale, self.group, axis=0)).astype(x.dtype)
             y = jax.lax.dot_general(x, w, _MATMUL, preferred_element_type=jnp.float32)
@@ -181,6 +176,18 @@ class QuantArray:
             y = y * self.scale
         return y.astype(x.dtype)
 
+    def quantize_input(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """w8a8: x [M, I] -> (int8[M, I], f32[M]), smoothed first if this weight still
+        carries a run-time ``smooth``."""
+        xf = x.astype(jnp.float32)
+        if self.smooth is not None:
+            xf = xf * self.smooth
+        return quantize_rows(xf)
+
+    def matmul_rows(self, xq: jax.Array, xs: jax.Array, dtype=jnp.float32) -> jax.Array:
+        """w8a8 on already quantized rows: int8[M, I] (scales f32[M]) @ W -> [M, O] dtype."""
+        return _s8_matmul(xq, xs, self.values, self.scale).astype(dtype)
+
     def einsum(self, eq: str, x: jax.Array, *, matmul=None) -> jax.Array:
         """``jnp.einsum(eq, x, w)`` with this as w, e.g. "BTD,DNH->BTNH", "BTNH,NHD->BTD",
         "BTD,VD->BTV". The weight letters summed over must be exactly its contracted axes.
@@ -188,6 +195,12 @@ class QuantArray:
         ``matmul(w, x2) -> y2`` replaces the 2-D product ([M, I] -> [M, O]; default
         ``QuantArray.matmul``, plain XLA): the seam where a layer above plugs in the Pallas
         kernels on TPU/GPU without this module importing them."""
+        x2, done = self.as_rows(eq, x)
+        return done(self.matmul(x2) if matmul is None else matmul(self, x2))
+
+    def as_rows(self, eq: str, x: jax.Array):
+        """The einsum ``eq`` as a 2-D product: (x2 [M, I], done) where ``done(y2 [M, O])``
+        gives the einsum's output. Checks ``eq`` against this weight."""
         xs, ws, out = _parse(eq)
         if len(ws) != len(self.shape):
             raise ValueError(
@@ -211,10 +224,42 @@ class QuantArray:
         x2 = jnp.einsum(f"{xs}->{keep}{c_letters}", x) if xs != keep + c_letters else x
         lead = x2.shape[: len(keep)]
         x2 = x2.reshape(math.prod(lead), self.in_size)
-        y = self.matmul(x2) if matmul is None else matmul(self, x2)
-        y = y.reshape(*lead, *(self.shape[a] for a in self.free))
         have = keep + "".join(ws[a] for a in self.free)
-        return y if have == out else jnp.einsum(f"{have}->{out}", y)
+
+        def done(y: jax.Array) -> jax.Array:
+            y = y.reshape(*lead, *(self.shape[a] for a in self.free))
+            return y if have == out else jnp.einsum(f"{have}->{out}", y)
+
+        return x2, done
+
+
+def _s8_matmul(xq: jax.Array, xs: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
+    """int8 rows xq [M, I] (scales xs f32[M]) @ int8 values [I, O] (scales f32[O]) -> f32[M, O]."""
+    if xq.shape[0] == 1:
+        # XLA CPU rewrites a one-row s8 dot as an s32 one, converting the whole weight
+        # every call (measured 30x slower than two rows); pay for a second row.
+        return _s8_matmul(jnp.concatenate([xq, xq]), jnp.concatenate([xs, xs]), values, scale)[:1]
+    acc = jax.lax.dot_general(xq, values, _MATMUL, preferred_element_type=jnp.int32)
+    return acc.astype(jnp.float32) * xs[:, None] * scale
+
+
+def einsum_shared(x: jax.Array, *pairs: tuple[str, QuantArray]) -> tuple[jax.Array, ...]:
+    """Several einsums of one activation with w8a8 weights that contract it alike (q/k/v,
+    gate/up): x is quantized once, each weight's dot runs on the same int8 rows.
+    ``pairs``: (eq, weight) each as for ``QuantArray.einsum``."""
+    rows = [w.as_rows(eq, x) for eq, w in pairs]
+    ws = [w for _, w in pairs]
+    if not shares_input(ws) or any(r[0].shape != rows[0][0].shape for r in rows):
+        raise ValueError("einsum_shared needs w8a8 weights contracting the same input alike")
+    xq, xs = ws[0].quantize_input(rows[0][0])
+    return tuple(done(w.matmul_rows(xq, xs, x.dtype)) for w, (_, done) in zip(ws, rows))
+
+
+def shares_input(ws) -> bool:
+    """Whether weights ``ws`` can share one quantized input (``einsum_shared``): all w8a8,
+    none smoothing at run time, all contracting the same number of input channels."""
+    return all(isinstance(w, QuantArray) and w.scheme == QuantScheme.W8A8 and w.smooth is None
+               and w.in_size == ws[0].in_size for w in ws)
 
 
 def _parse(eq: str) -> tuple[str, str, str]:
@@ -264,14 +309,31 @@ def _int4_matrix(w, contract, free, group):
     return pack_int4(q, group), scale
 
 
-@functools.partial(jax.jit, static_argnames=("contract", "free", "alpha"))
-def _w8a8_matrix(w, act_absmax, contract, free, alpha):
-    w2 = _as_matrix(w, contract, free)
-    wmax = jnp.max(jnp.abs(w2), axis=1)
-    s = jnp.maximum(act_absmax, 1e-5) ** alpha / jnp.maximum(wmax, 1e-5) ** (1.0 - alpha)
-    s = jnp.clip(s, 1e-4, 1e4)
-    values, scale = _per_column_int8(w2 * s[:, None])
-    return values, scale, 1.0 / s
+@functools.partial(jax.jit, static_argnames=("contract", "free"))
+def _row_absmax(w, contract, free):
+    return jnp.max(jnp.abs(_as_matrix(w, contract, free)), axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("contract", "free"))
+def _smoothed_int8_matrix(w, s, contract, free):
+    return _per_column_int8(_as_matrix(w, contract, free) * s[:, None])
+
+
+def weight_row_absmax(w: jax.Array, contract_axes) -> jax.Array:
+    """max |w| of each contracted input channel over the output channels -> f32[I]."""
+    contract, free = _axes(tuple(w.shape), contract_axes)
+    return _row_absmax(w, contract, free)
+
+
+def smoothing_scale(act_absmax: jax.Array, weight_absmax: jax.Array, alpha: float = 0.5) -> jax.Array:
+    """SmoothQuant's s f32[I] = a**alpha / w**(1 - alpha) from the calibration maxima of the
+    input channels and the weights' row maxima (for weights sharing one input: the max
+    over all of them, so one s serves them all)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise InvalidRequest(f"{alpha=} must lie in [0, 1]")
+    a = jnp.maximum(jnp.asarray(act_absmax, jnp.float32).reshape(-1), 1e-5)
+    s = a**alpha / jnp.maximum(weight_absmax, 1e-5) ** (1.0 - alpha)
+    return jnp.clip(s, 1e-4, 1e4)
 
 
 def quantize_int8(w: jax.Array, contract_axes) -> QuantArray:
@@ -298,27 +360,35 @@ def quantize_int4(w: jax.Array, contract_axes, group: int = 128) -> QuantArray:
 
 
 def quantize_w8a8(
-    w: jax.Array, contract_axes, act_absmax: jax.Array | None = None, *, alpha: float = 0.5
+    w: jax.Array, contract_axes, act_absmax: jax.Array | None = None, *, alpha: float = 0.5,
+    smooth_in: jax.Array | None = None,
 ) -> QuantArray:
     """int8 weights for a dynamic-int8-activation matmul. ``act_absmax``: the largest |x|
     seen on each contracted input channel over a calibration set (shape of the contracted
     axes, or flat [I]); None skips smoothing. ``alpha`` moves that much of the activations'
-    range into the weights (SmoothQuant's migration strength)."""
+    range into the weights (SmoothQuant's migration strength); x is multiplied by 1/s at
+    run time. ``smooth_in`` (s f32[I], from ``smoothing_scale``) instead says the input
+    arrives already divided by s (folded into whatever produces it): the weight is stored
+    as diag(s) W with no run-time smoothing, and its ``dequantize`` is that product."""
     contract, free = _axes(tuple(w.shape), contract_axes)
-    if act_absmax is None:
+    I = math.prod(w.shape[a] for a in contract)
+    given = smooth_in if smooth_in is not None else act_absmax
+    if given is None:
         values, scale = _int8_matrix(w, contract, free)
         return QuantArray(values, scale, None, tuple(w.shape), contract, QuantScheme.W8A8)
-    I = math.prod(w.shape[a] for a in contract)
-    a = jnp.asarray(act_absmax, jnp.float32).reshape(-1)
-    if a.shape[0] != I:
+    given = jnp.asarray(given, jnp.float32).reshape(-1)
+    if given.shape[0] != I:
+        what = "smooth_in" if smooth_in is not None else "act_absmax"
         raise InvalidRequest(
-            f"act_absmax has {a.shape[0]} channels; the weight contracts "
+            f"{what} has {given.shape[0]} channels; the weight contracts "
             f"{I} (axes {contract} of {tuple(w.shape)})"
         )
-    if not 0.0 <= alpha <= 1.0:
-        raise InvalidRequest(f"{alpha=} must lie in [0, 1]")
-    values, scale, smooth = _w8a8_matrix(w, a, contract, free, float(alpha))
-    return QuantArray(values, scale, smooth, tuple(w.shape), contract, QuantScheme.W8A8)
+    if smooth_in is not None:
+        values, scale = _smoothed_int8_matrix(w, given, contract, free)
+        return QuantArray(values, scale, None, tuple(w.shape), contract, QuantScheme.W8A8)
+    s = smoothing_scale(given, _row_absmax(w, contract, free), alpha)
+    values, scale = _smoothed_int8_matrix(w, s, contract, free)
+    return QuantArray(values, scale, 1.0 / s, tuple(w.shape), contract, QuantScheme.W8A8)
 
 
 def quantize(

@@ -19,10 +19,19 @@ i's statistics are thus those of the quantized model it will sit in (as GPTQ-sty
 sequential calibration does), the peak holds one float layer, and the cost is two jitted
 one-layer passes per layer (compiled once per kind of layer).
 The embedding / tied LM head arrives first, before any hidden state exists, and is kept
-weight-only int8 under w8a8 and int4 (see ``head_scheme``).
+weight-only int8 under int4 (see ``head_scheme``).
+
+No smoothing runs at run time (``fold_smoothing``): the weights one norm feeds (q/k/v;
+gate/up) share one smoothing vector s, computed from their common input's maxima and the
+largest row of any of them, and 1/s is folded into that norm's weight. ``w_down`` and ``wo``
+read the output of another matmul channel for channel (``w_up`` through the gate product;
+``wv`` through attention, query head n reading kv head n // G), so their 1/s is folded into
+that matmul's per-output-channel scale (and bias): exact, where a norm fold is not possible.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +63,14 @@ CALIBRATION_PROMPTS = (
     ("Shopping list: two loaves of bread, a dozen eggs, olive oil, fresh basil, three tomatoes, "
      "and something sweet for the weekend."),
 )
+
+
+# w8a8 smoothing folds, by weight name (the same in every family). The weights each norm feeds:
+# they share one smoothing vector, folded into the norm's weight.
+NORM_FEEDS = {"attn_norm": ("wq", "wk", "wv"), "mlp_norm": ("w_gate", "w_up")}
+# A weight whose input is another's output, channel for channel: consumer -> (producer, its
+# bias or None). wo's input channel (n, h) is v's channel (n // G, h).
+PRODUCERS = {"w_down": ("w_up", None), "wo": ("wv", "bv")}
 
 
 def weight_name(key: tuple[str, ...], layer: int | None) -> str:
@@ -219,11 +236,9 @@ class _Calibration:
         cfg = self.layer_cfg(i)
         floats = {n: w for n, (_, _, w) in self.pending.items()}
         _, absmax = self.run(floats, self.x, self.tokens, cfg=cfg, observe=True)
-        ready, qlayer = [], {}
-        for n, (index, spec, w) in self.pending.items():
-            q = quantize_weight(f"layers/{i}/{n}", spec, w, self.qcfg, act_absmax=absmax.get(n))
-            qlayer[n] = q
-            ready.append((index, q))
+        specs = {n: spec for n, (_, spec, _) in self.pending.items()}
+        qlayer = _smooth_layer(floats, specs, absmax, self.qcfg, cfg, name=f"layers/{i}")
+        ready = [(index, qlayer[n]) for n, (index, _, _) in self.pending.items()]
         self.x, _ = self.run(qlayer, self.x, self.tokens, cfg=cfg, observe=False)
         self.n_done += 1
         self.pending = {}
@@ -233,3 +248,65 @@ class _Calibration:
         if self.pending:
             raise InvalidRequest(f"w8a8 calibration: layer {self.n_done} is incomplete")
         return []
+
+
+
+
+def smoothing_vectors(floats: dict, specs: dict, absmax: dict, cfg, alpha: float) -> dict:
+    """SmoothQuant's s f32[I] for each matmul weight of one layer that a fold covers (module
+    docstring), by weight name: one s shared by the weights a norm feeds; one per kv channel
+    (repeated over the G query heads) for wo."""
+    def rows(n):
+        return quant.weight_row_absmax(floats[n], specs[n].contract_axes)
+
+    out = {}
+    for norm, names in NORM_FEEDS.items():
+        if norm in floats and all(n in absmax for n in names):
+            a = jnp.max(jnp.stack([absmax[n].reshape(-1) for n in names]), axis=0)
+            s = quant.smoothing_scale(a, jnp.max(jnp.stack([rows(n) for n in names]), axis=0), alpha)
+            out.update({n: s for n in names})
+    K, G, H = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    for n, (producer, _) in PRODUCERS.items():
+        if n in absmax and producer in out:
+            a, r = absmax[n].reshape(-1), rows(n)
+            if n == "wo":  # one s per kv channel (k, h), shared by the G query heads reading it
+                a, r = (jnp.max(v.reshape(K, G, H), axis=1).reshape(-1) for v in (a, r))
+                out[n] = jnp.repeat(quant.smoothing_scale(a, r, alpha).reshape(K, 1, H), G, axis=1).reshape(-1)
+            else:
+                out[n] = quant.smoothing_scale(a, r, alpha)
+    return out
+
+
+def fold_smoothing(floats: dict, specs: dict, svec: dict, cfg) -> dict:
+    """One layer's weights with smoothing vectors ``svec`` (``smoothing_vectors``) folded: the
+    w8a8 weights stored as diag(s) W with no run-time smoothing, 1/s in the norm feeding them
+    or in the per-output-channel scale (and bias) of the matmul producing their input. Norms,
+    biases and the w8a8 QuantArrays of the covered weights, by name."""
+    from jaxinfer.config import Family
+
+    out = {n: quant.quantize_w8a8(floats[n], specs[n].contract_axes, smooth_in=s) for n, s in svec.items()}
+    for norm, names in NORM_FEEDS.items():
+        if names[0] in svec:
+            w, s = floats[norm].astype(jnp.float32), svec[names[0]]
+            folded = (1.0 + w) / s - 1.0 if cfg.family == Family.GEMMA3 else w / s  # Gemma scales by 1 + w
+            out[norm] = folded.astype(floats[norm].dtype)
+    K, G, H = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    for n, (producer, bias) in PRODUCERS.items():
+        if n in svec:
+            s = svec[n].reshape(K, G, H)[:, 0].reshape(-1) if n == "wo" else svec[n]
+            p = out[producer]
+            out[producer] = dataclasses.replace(p, scale=p.scale / s)
+            if bias is not None and bias in floats:
+                b = floats[bias]
+                out[bias] = (b.astype(jnp.float32) / s.reshape(b.shape)).astype(b.dtype)
+    return out
+
+
+def _smooth_layer(floats: dict, specs: dict, absmax: dict, qcfg: QuantConfig, cfg, *, name: str) -> dict:
+    """One layer under w8a8 with every smoothing the folds cover folded; a weight they do
+    not cover keeps run-time smoothing."""
+    out = fold_smoothing(floats, specs, smoothing_vectors(floats, specs, absmax, cfg, qcfg.alpha), cfg)
+    for n, w in floats.items():
+        if n not in out:
+            out[n] = quantize_weight(f"{name}/{n}", specs[n], w, qcfg, act_absmax=absmax.get(n))
+    return out

@@ -28,6 +28,7 @@ from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig, Rope
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
+    dot_many,
     gated_mlp,
     gelu_tanh,
     rms_norm,
@@ -110,9 +111,8 @@ def forward(
         kind = "local" if window else "global"
         with jax.named_scope(f"layer{i}/{kind}_attention"):
             h = norm(x, w["attn_norm"])
-            q = norm(dot("BTD,DNH->BTNH", h, w["wq"]), w["q_norm"])
-            k = norm(dot("BTD,DKH->BTKH", h, w["wk"]), w["k_norm"])
-            v = dot("BTD,DKH->BTKH", h, w["wv"])
+            q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
+            q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
             o, cache = attend_layer(cache, i, q, k, v, positions, start, inv_freq[rope], read_cache=read_cache,
                                     scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
             x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])

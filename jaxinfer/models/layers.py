@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import kernels
+from jaxinfer import kernels, quant
 from jaxinfer.cache import PagedKVCache
 from jaxinfer.config import RopeConfig, RopeKind
 # The weight declarations live in jaxinfer.specs; re-exported for existing importers.
@@ -39,6 +39,16 @@ def dot(eq: str, x: jax.Array, w) -> jax.Array:
         w2 = w.reshape(-1, *w.shape[n:])
         return jnp.einsum(f"{xs[:-n]}Z,Z{ws[n:]}->{out}", x2, w2)
     return jnp.einsum(eq, x, w)
+
+
+def dot_many(x: jax.Array, *pairs: tuple[str, object]) -> tuple[jax.Array, ...]:
+    """Several ``dot(eq, x, w)`` of one activation, e.g. q/k/v from one normed h:
+    ``q, k, v = dot_many(h, ("BTD,DNH->BTNH", wq), ("BTD,DKH->BTKH", wk), ...)``. w8a8
+    weights (smoothing folded away) share one quantization of x; anything else runs dot by dot."""
+    ws = [w for _, w in pairs]
+    if quant.shares_input(ws) and kernels.matmul_for_quantized() is None:
+        return quant.einsum_shared(x, *pairs)
+    return tuple(dot(eq, x, w) for eq, w in pairs)
 
 
 def take(w, tokens: jax.Array) -> jax.Array:
@@ -173,8 +183,7 @@ def attend_layer(cache, layer: int, q, k, v, positions, start, inv_freq, *, read
 # ----------------------------------------------------------------------------- MLPs
 def gated_mlp(x: jax.Array, w_gate, w_up, w_down, act: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """SwiGLU (act=silu) or GeGLU (act=gelu tanh): down(act(x@gate) * (x@up))."""
-    g = dot("BTD,DF->BTF", x, w_gate)
-    u = dot("BTD,DF->BTF", x, w_up)
+    g, u = dot_many(x, ("BTD,DF->BTF", w_gate), ("BTD,DF->BTF", w_up))
     return dot("BTF,FD->BTD", act(g) * u, w_down)
 
 

@@ -18,6 +18,7 @@ from jaxinfer.errors import CheckpointError
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
+    dot_many,
     gated_mlp,
     rms_norm,
     rope_inv_freq,
@@ -88,9 +89,7 @@ def forward(
     for i, w in enumerate(weights["layers"]):
         with jax.named_scope(f"layer{i}/attention"):
             h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-            q = dot("BTD,DNH->BTNH", h, w["wq"])
-            k = dot("BTD,DKH->BTKH", h, w["wk"])
-            v = dot("BTD,DKH->BTKH", h, w["wv"])
+            q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
             if cfg.qkv_bias:
                 q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
             o, cache = attend_layer(cache, i, q, k, v, positions, start, inv_freq, read_cache=read_cache,
