@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -202,28 +200,3 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array, has_mask: jax.Arr
         bits = (bitmask[:, :, None] >> shifts) & 1  # i32[B, V/32, 32]: bit j of word w is token 32w + j
         allowed = bits.reshape(B, -1)[:, :V].astype(bool) | ~has_mask[:, None]
         return jnp.where(allowed, logits, -jnp.inf)
-
-
-def guided_from_body(body: dict[str, Any]) -> GuidedDecoding | None:
-    """The constraint a request body asks for (``response_format`` or one ``guided_*`` field),
-    from the already-validated fields; None when it asks for none."""
-    given = {k: body[k] for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-             if body.get(k) is not None}
-    fmt = body.get("response_format") or {}
-    kind = fmt.get("type", "text")
-    if kind == "json_object":
-        given["response_format"] = {"type": "object"}
-    elif kind == "json_schema":
-        given["response_format"] = fmt["json_schema"].get("schema") or {"type": "object"}
-    if len(given) > 1:
-        raise InvalidRequest(f"at most one kind of structured output per request, got {', '.join(given)}")
-    if not given:
-        return None
-    (name, value), = given.items()
-    if name in ("guided_json", "response_format"):
-        return GuidedDecoding(json=value)
-    if name == "guided_regex":
-        return GuidedDecoding(regex=value)
-    if name == "guided_choice":
-        return GuidedDecoding(choice=tuple(value))
-    return GuidedDecoding(grammar=value)

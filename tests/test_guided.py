@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from jaxinfer.errors import InvalidRequest
-from jaxinfer.guided import (GrammarCompiler, GuidedDecoding, allocate_bitmask, apply_token_bitmask,
-                             guided_from_body)
+from jaxinfer.guided import GrammarCompiler, GuidedDecoding, allocate_bitmask, apply_token_bitmask
+from jaxinfer.openai_schema import parse_body
 
 SEEDS = range(8)
 SCHEMA = {
@@ -92,7 +92,7 @@ def test_lark_grammar_outputs_parse(compiler, tokenizer, seed):
 
 
 def test_json_object_accepts_any_compact_object(compiler, tokenizer):
-    spec = guided_from_body({"response_format": {"type": "json_object"}})
+    spec = _guided({"response_format": {"type": "json_object"}})
     m = compiler.matcher(spec)
     assert all(m.accept(t) for t in tokenizer.encode('{"a":[1,2],"b":{"c":null}}', add_special_tokens=False))
     assert m.is_accepting
@@ -122,10 +122,16 @@ def test_spec_takes_exactly_one_constraint():
     with pytest.raises(InvalidRequest):
         GuidedDecoding(choice=())
     with pytest.raises(InvalidRequest):
-        guided_from_body({"guided_regex": "a", "guided_choice": ["a"]})
-    assert guided_from_body({"response_format": {"type": "text"}}) is None
-    assert guided_from_body({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}) \
+        _guided({"guided_regex": "a", "guided_choice": ["a"]})
+    assert _guided({"response_format": {"type": "text"}}) is None
+    assert _guided({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}) \
         == GuidedDecoding(json=SCHEMA)
+    assert _guided({"guided_choice": ["a", "b"]}) == GuidedDecoding(choice=("a", "b"))
+
+
+def _guided(fields):
+    """The constraint a chat request body with these fields asks for."""
+    return parse_body("chat", {"messages": [{"role": "user", "content": "hi"}], **fields}).guided
 
 
 def test_bitmask_by_hand():
