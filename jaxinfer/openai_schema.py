@@ -321,7 +321,7 @@ def _request_error(e: ValidationError, where: str) -> RequestError:
     """The first of pydantic's errors, in OpenAI's terms (code, param, message)."""
     err = e.errors(include_url=False)[0]
     # union members add their type names to the location: keep only real field names and indices
-    loc = [p for p in err["loc"] if isinstance(p, int) or p in _FIELD_NAMES or p in ("role", "content", "name")]
+    loc = [p for p in err["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)]
     param = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(loc)) or None
     kind = err["type"]
     if kind == "extra_forbidden":
@@ -336,8 +336,8 @@ def _request_error(e: ValidationError, where: str) -> RequestError:
     return RequestError(f"{where}{param or 'body'}: {err['msg']}{got}", code=code, param=param)
 
 
-_FIELD_NAMES = frozenset().union(*(m.model_fields for m in REQUEST_MODELS.values()), ResponseFormat.model_fields,
-                                 JsonSchemaFormat.model_fields, StreamOptions.model_fields, {"schema"})
+# what pydantic adds to an error's location for the member of a union that failed
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "any"})
 
 
 # ------------------------------------------------------------------------------------ responses
@@ -484,3 +484,45 @@ def sse(chunk: BaseModel | str) -> bytes:
                                                            allow_nan=False)
     return f"data: {data}\n\n".encode()
 
+
+
+# ------------------------------------------------------------------------------------ vLLM's extras
+
+
+class TokenizeRequest(_Model):
+    """``/tokenize``: a prompt, or a conversation rendered through the chat template."""
+
+    model: Any = None
+    prompt: Text | None = None
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("invalid_value", "give exactly one of prompt and messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(_Model):
+    model: Any = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def parse_model(model: type[BaseModel], body: Any) -> BaseModel:
+    """Validate a body against one of the models above, or raise RequestError."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise _request_error(e, "") from None
