@@ -174,10 +174,9 @@ class EngineLoop:
             if self._stopping:
                 return
             if self.engine.has_unfinished():
-                finished = self.engine.step()
-                self._publish(finished)
-                if self._on_step is not None:
-                    self._on_step()
+                self._publish(self.engine.step())
+            if self._on_step is not None:  # after aborts too: the gauges drop without a step
+                self._on_step()
 
     def _take_commands(self, block: bool) -> None:
         """Apply every queued command; with block, wait for the first one."""
