@@ -15,6 +15,8 @@ import contextlib
 import dataclasses
 import json
 import math
+import signal
+import threading
 import time
 import uuid
 
@@ -384,6 +386,19 @@ def serve(llm, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 800
         def handle_exit(self, sig, frame):
             app.state.server.drain()
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's own re-raises the signal after shutting down; a drained stop is a clean exit
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
 
     uvicorn_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                     timeout_graceful_shutdown=grace_period)
