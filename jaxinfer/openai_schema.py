@@ -112,6 +112,10 @@ class Message(BaseModel):
             return self.content
         return "\n".join(p.text for p in self.content)  # vLLM joins text parts with newlines
 
+    def for_template(self) -> dict:
+        """The message as the chat template takes it (developer is read as system)."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
 
 class JsonSchemaFormat(_Model):
     name: StrictStr
@@ -129,7 +133,8 @@ class ResponseFormat(_Model):
     @model_validator(mode="after")
     def _schema_iff_json_schema(self):
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise PydanticCustomError("invalid_value", 'json_schema is required with, and only with, "type": "json_schema"')
+            raise PydanticCustomError("invalid_value",
+                                      'json_schema is required with, and only with, "type": "json_schema"')
         return self
 
 
@@ -240,7 +245,7 @@ def _resolve(kind: str, req: _Request, features: Features, where: str, defaults:
     n = req.n or 1
     default_max_tokens = defaults.pop("max_tokens", None)
     if kind == "chat":
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         prompts = None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:

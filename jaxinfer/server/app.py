@@ -261,7 +261,7 @@ class Server:
         try:
             r = schema.parse_model(schema.TokenizeRequest, body)
             if r.messages is not None:
-                conv = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in r.messages]
+                conv = [m.for_template() for m in r.messages]
                 _, toks = self.llm.encode_chat(conv, 0, add_generation_prompt=r.add_generation_prompt)
             else:
                 toks = self.llm.tokenizer.encode(r.prompt, add_special_tokens=r.add_special_tokens)
@@ -333,7 +333,8 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(405)
     async def _bad_method(request, e):
-        return HTTPError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed").response()
+        message = f"{request.method} is not allowed on {request.url.path}"
+        return HTTPError(405, message, code="method_not_allowed").response()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
