@@ -28,7 +28,7 @@ from jaxinfer.engine.static import record_token
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.guided import allocate_bitmask, apply_token_bitmask
 from jaxinfer.server import ServerConfig
-from jaxinfer.server.engine_loop import Accepted, Done, EngineLoop, Failed, Job, QueueFull
+from jaxinfer.server.engine_loop import Accepted, Delta, Done, EngineLoop, Failed, Job, QueueFull
 from tests.server_testing import live_server, metric_samples
 
 SCHEMA = {
@@ -276,3 +276,71 @@ def test_stop_fails_jobs_in_flight(llm):
     assert isinstance(got[-1], (Done, Failed))
     while llm2.engine.has_unfinished():  # leave the shared engine clean
         llm2.engine.step()
+
+
+class RunOnlyEngine:
+    """Today's PagedEngine contract, run(rows) -> finished rows, over the scripted engine: for
+    the loop's temporary compatibility path."""
+
+    def __init__(self, inner):
+        self.inner, self.max_num_seqs = inner, inner.max_num_seqs
+
+    def validate(self, row):
+        if len(row.prompt_ids) + row.max_new > PAGE * self.inner.num_pages:
+            raise InvalidRequest("the sequence can never fit in the KV cache")
+
+    def run(self, rows):
+        it, exhausted = iter(rows), False
+        while True:
+            while not exhausted and len(self.inner.waiting) < 2 * self.max_num_seqs:
+                row = next(it, None)
+                if row is None:
+                    exhausted = True
+                else:
+                    self.inner.add(row)
+            if exhausted and not self.inner.has_unfinished():
+                return
+            yield from self.inner.step()
+
+
+@pytest.mark.parametrize("when", ["at_once", "after_accepted", "after_a_delta"])
+def test_compat_path_releases_every_row_of_an_aborted_job(llm, when):
+    from jaxinfer import SamplingParams
+
+    scripted = ScriptedEngine(llm.tokenizer, llm.cfg.vocab_size, num_pages=12)
+    engine, llm.engine = llm.engine, RunOnlyEngine(scripted)
+    try:
+        loop = EngineLoop(llm)
+    finally:
+        llm.engine = engine
+    assert not loop._incremental
+    got = []
+    loop.start()
+    try:
+        # 4 rows each (2 prompts x n=2); the first job's rows finish almost at once
+        jobs = [Job([(None, [7, 8, 9])] * 2, SamplingParams(n=2, max_tokens=1 + 6 * k, ignore_eos=True),
+                    sink=got.append) for k in range(3)]
+        for job in jobs:
+            loop.submit(job)
+        if when == "at_once":
+            for job in jobs:
+                loop.abort(job)
+        deadline = time.monotonic() + 30
+
+        def wait_for(kind):
+            while not any(isinstance(e, kind) for e in got):
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+
+        if when == "after_accepted":
+            wait_for(Accepted)
+        elif when == "after_a_delta":
+            wait_for(Delta)
+        for job in jobs:
+            loop.abort(job)
+        while loop.rows_in_flight:
+            assert time.monotonic() < deadline, loop.rows_in_flight
+            time.sleep(0.01)
+        assert not scripted.has_unfinished() and not scripted.pages
+    finally:
+        loop.stop(timeout=30)

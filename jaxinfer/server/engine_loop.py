@@ -70,6 +70,7 @@ class Job:
     sent: list = dataclasses.field(default_factory=list)  # per row: (chars, tokens) already delivered
     finished: set = dataclasses.field(default_factory=set)  # row positions finished
     cancelled: bool = False
+    abandoned: bool = False  # set by abort() on any thread: a job not started yet never starts
 
     @property
     def num_rows(self) -> int:
@@ -129,6 +130,7 @@ class EngineLoop:
 
     def abort(self, job: Job) -> None:
         """Cancel a job (its client went away); its sink hears nothing more."""
+        job.abandoned = True
         self._commands.put(("abort", job))
 
     @property
@@ -193,6 +195,9 @@ class EngineLoop:
 
     def _start(self, job: Job) -> bool:
         """Make the job's rows and add them to the engine; False if the engine refused them."""
+        if job.abandoned:  # its client left before the engine thread took it
+            self._release(job.num_rows)
+            return False
         for text, toks in job.prompts:
             req = self.llm.new_request(str(len(job.requests)), text, toks, job.params, job.arrival)
             job.requests.append(req)
@@ -233,6 +238,7 @@ class EngineLoop:
             return
         # compat path: rows not yet given to run() are dropped; the others cannot be cancelled
         # there, so they run to their end unheard and are released as they finish (_publish)
+        self._release(len(job.finished))  # rows that finished before the abort
         unfed = {id(r) for r in self._unfed}
         for pos, row in enumerate(job.rows):
             if id(row) in unfed:
