@@ -323,8 +323,10 @@ def _ids(x) -> bool:
 
 
 def _request_error(e: ValidationError, where: str) -> RequestError:
-    """The first of pydantic's errors, in OpenAI's terms (code, param, message)."""
-    err = e.errors(include_url=False)[0]
+    """One of pydantic's errors in OpenAI's terms (code, param, message): the deepest, which for
+    a value no member of a union took is the one from the member that got furthest."""
+    errors = e.errors(include_url=False)
+    err = max(errors, key=lambda x: len(x["loc"]))
     # union members add their type names to the location: keep only real field names and indices
     loc = [p for p in err["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)]
     param = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(loc)) or None
