@@ -127,6 +127,10 @@ class GrammarMatcher:
         self.vocab_size = vocab_size
         self._filled = filled_words  # llguidance writes the tokenizer's words; the rest stay 0
 
+    def copy(self) -> GrammarMatcher:
+        """An independent matcher in the same state (no recompiling: one per sample of a request)."""
+        return GrammarMatcher(self._m.deep_copy(), self.vocab_size, self._filled)
+
     def fill_bitmask(self, out: np.ndarray) -> None:
         """Write the allowed next tokens into ``out`` (int32[ceil(V/32)], C-contiguous)."""
         if out.dtype != np.int32 or out.shape != (bitmask_words(self.vocab_size),) or not out.flags.c_contiguous:

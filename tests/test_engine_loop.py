@@ -152,8 +152,8 @@ def test_json_schema_outputs_validate(client, seed):
 def test_choice_and_regex_outputs_are_in_the_language(client, seed):
     choices = ["sunny", "rainy", "partly cloudy"]
     r = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "weather?"}],
-                                       max_tokens=20, seed=seed, extra_body={"guided_choice": choices})
-    assert r.choices[0].message.content in choices
+                                       max_tokens=20, seed=seed, n=2, extra_body={"guided_choice": choices})
+    assert len(r.choices) == 2 and all(c.message.content in choices for c in r.choices)
     regex = r"[A-Z][a-z]{1,5}-[0-9]{2,3}"
     r = client.completions.create(model="scripted", prompt="code:", max_tokens=20, seed=seed,
                                   extra_body={"guided_regex": regex})

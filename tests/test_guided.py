@@ -172,3 +172,11 @@ def test_padded_vocabulary_never_allows_ids_past_the_tokenizer(tokenizer):
     bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[: compiler.vocab_size]
     assert not bits[tokenizer.vocab_size:].any()
     assert bits[: tokenizer.vocab_size].any()
+
+
+def test_copies_advance_independently(compiler, tokenizer):
+    a = compiler.matcher(GuidedDecoding(choice=("yes", "no")))
+    b = a.copy()
+    assert a.accept(tokenizer.encode("yes", add_special_tokens=False)[0])
+    assert b.accept(tokenizer.encode("no", add_special_tokens=False)[0])
+    assert a.is_accepting and b.is_accepting

@@ -128,7 +128,7 @@ class Server:
         try:
             req = schema.parse_body(kind, body)
             prompts, params = await asyncio.to_thread(self._encode, req)
-            on_row = await asyncio.to_thread(self._grammar, req)
+            on_row = await asyncio.to_thread(self._grammar, req, len(prompts) * params.n)
         except oai.RequestError as e:
             raise HTTPError.bad_request(e) from None
         loop = asyncio.get_running_loop()
@@ -234,8 +234,9 @@ class Server:
             changes["top_k"] = 0
         return prompts, dataclasses.replace(p, **changes) if changes else p
 
-    def _grammar(self, req: schema.ParsedRequest):
-        """Check a request's structured output; the callback that gives each of its rows a matcher."""
+    def _grammar(self, req: schema.ParsedRequest, num_rows: int):
+        """Check a request's structured output; the callback that gives each of its rows a matcher.
+        The matchers are compiled here, off the engine thread (a big grammar takes a while)."""
         if req.guided is None:
             return None
         from jaxinfer.guided import GrammarCompiler
@@ -251,8 +252,11 @@ class Server:
             raise oai.RequestError("structured output is not supported by this engine yet",
                                    code="unsupported_parameter", param=param)
 
+        first = self._compiler.matcher(grammar)
+        matchers = [first] + [first.copy() for _ in range(num_rows - 1)]
+
         def attach(row):
-            row.guided = self._compiler.matcher(grammar)
+            row.guided = matchers.pop()
 
         return attach
 
