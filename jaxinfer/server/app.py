@@ -22,6 +22,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from jaxinfer import __version__
 from jaxinfer import openai_format as oai
@@ -149,8 +150,11 @@ class Server:
         assert isinstance(first, Accepted), first
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         if req.stream:
+            # the background abort covers a client gone before the stream's first chunk, when the
+            # generator (and its finally) never runs; after a finished job it does nothing
             return StreamingResponse(self._stream(req, job, events, rid), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(self.loop.abort, job))
         return await self._whole(request, req, job, events)
 
     async def _whole(self, request: Request, req: schema.ParsedRequest, job: Job, events: asyncio.Queue) -> Response:

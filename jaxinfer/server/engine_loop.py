@@ -129,7 +129,7 @@ class EngineLoop:
         self._commands.put(("submit", job))
 
     def abort(self, job: Job) -> None:
-        """Cancel a job (its client went away); its sink hears nothing more."""
+        """Cancel a job (its client went away): its sink hears nothing more. A finished job is left as is."""
         job.abandoned = True
         self._commands.put(("abort", job))
 
