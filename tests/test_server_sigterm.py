@@ -66,3 +66,10 @@ def test_sigterm_drains_then_exits(serve_process):
     assert proc.wait(120) == 0
     assert lines[-1] == "data: [DONE]"
     assert '"finish_reason":"length"' in lines[-2].replace(" ", "")
+
+
+def test_bad_serve_flags_fail_before_the_model_loads(capsys):
+    from jaxinfer.cli import main
+
+    assert main(["serve", "no-such-model", "--rate-limit", "lots"]) == 2
+    assert "--rate-limit must look like 60/min" in capsys.readouterr().err
