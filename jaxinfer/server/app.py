@@ -201,7 +201,7 @@ class Server:
                     finished = True
                     if req.include_usage:
                         yield schema.sse(chunk_type(id=rid, created=created, model=model, choices=[],
-                                                    usage=schema.Usage(**oai._usage(ev.outputs))))
+                                                    usage=schema.Usage(**oai.usage(ev.outputs))))
                     yield schema.sse("[DONE]")
                     return
                 elif isinstance(ev, Failed):
@@ -294,7 +294,7 @@ def _chunk_choice(req: schema.ParsedRequest, ev: Delta):
     logprobs = None
     if req.top_logprobs is not None:
         part = CompletionOutput(ev.index, ev.text, ev.token_ids, None, ev.logprobs, ev.finish_reason)
-        fmt = oai._chat_logprobs if req.kind == "chat" else oai._completion_logprobs
+        fmt = oai.chat_logprobs if req.kind == "chat" else oai.completion_logprobs
         logprobs = fmt(part, req.top_logprobs)
     if req.kind == "chat":
         return schema.ChatChunkChoice(index=ev.index, delta=schema.ChatDelta(content=ev.text), logprobs=logprobs,
