@@ -5,9 +5,10 @@ A request asks for one kind of constraint (``GuidedDecoding``): a JSON schema (O
 among strings, or a Lark grammar. ``GrammarCompiler`` (one per tokenizer: building the
 llguidance vocabulary costs a fraction of a second) checks a request's grammar and makes a
 ``GrammarMatcher`` per row. Each decode step the host asks every constrained row's matcher
-for its token bitmask (int32[ceil(V/32)], bit t of word t // 32 set = token t allowed), the
-device applies the masks with ``apply_token_bitmask`` inside the sampling step, and the host
-feeds each sampled token back with ``GrammarMatcher.accept``. Rows without a constraint carry
+for its token bitmask (int32[ceil(V/32)], bit t of word t // 32 set = token t allowed;
+``BatchBitmask`` fills a whole batch's at once), the device applies the masks with
+``apply_token_bitmask`` inside the sampling step, and the host feeds each sampled token back
+with ``GrammarMatcher.accept``. Rows without a constraint carry
 ``has_mask = False`` and keep their logits untouched, so constrained and unconstrained rows
 share a batch.
 
@@ -157,6 +158,40 @@ class GrammarMatcher:
     @property
     def error(self) -> str | None:
         return self._m.get_error() or None if self._m.is_error() else None
+
+
+class BatchBitmask:
+    """The host side of one decode step's masks: ``bitmask`` int32[B, ceil(V/32)] and
+    ``has_mask`` bool[B] for a batch of up to B slots, refilled each step from the slots'
+    matchers (several rows at once on llguidance's thread pool). Pass both to
+    ``apply_token_bitmask`` inside the jitted step; their shapes never change, so neither does
+    the compiled step.
+    """
+
+    def __init__(self, max_batch: int, vocab_size: int, *, num_threads: int | None = None):
+        import llguidance
+
+        self.vocab_size = vocab_size
+        self.bitmask = allocate_bitmask(max_batch, vocab_size)
+        self.has_mask = np.zeros(max_batch, bool)
+        self._executor = llguidance.LLExecutor(num_threads)
+
+    def fill(self, matchers) -> bool:
+        """matchers: per slot, a GrammarMatcher or None (unconstrained). Returns whether any slot
+        is constrained (when none is, the step may skip the mask altogether)."""
+        if len(matchers) > len(self.has_mask):
+            raise ValueError(f"{len(matchers)} slots, but the bitmask holds {len(self.has_mask)}")
+        self.has_mask[:] = False
+        self.has_mask[: len(matchers)] = [m is not None for m in matchers]
+        rows = [(b, m) for b, m in enumerate(matchers) if m is not None]
+        words = self.bitmask.shape[1]
+        if rows and all(m._filled == words for _, m in rows):
+            self._executor.unsafe_compute_mask_ptr([(m._m, b) for b, m in rows], self.bitmask.ctypes.data,
+                                                   4 * words, self.bitmask.shape[0])
+        else:  # a model wider than its tokenizer: llguidance fills each row's first words
+            for b, m in rows:
+                m.fill_bitmask(self.bitmask[b])
+        return bool(rows)
 
 
 class _Vocabulary:

@@ -180,3 +180,24 @@ def test_copies_advance_independently(compiler, tokenizer):
     assert a.accept(tokenizer.encode("yes", add_special_tokens=False)[0])
     assert b.accept(tokenizer.encode("no", add_special_tokens=False)[0])
     assert a.is_accepting and b.is_accepting
+
+
+@pytest.mark.parametrize("extra_vocab", [0, 64])
+def test_batch_bitmask_equals_row_by_row(tokenizer, extra_vocab):
+    from jaxinfer.guided import BatchBitmask
+
+    compiler = GrammarCompiler(tokenizer, vocab_size=tokenizer.vocab_size + extra_vocab)
+    specs = [GuidedDecoding(json=SCHEMA), None, GuidedDecoding(regex=REGEX), GuidedDecoding(choice=CHOICES), None]
+    matchers = [compiler.matcher(s) if s is not None else None for s in specs]
+    assert matchers[0].accept(tokenizer.encode('{"', add_special_tokens=False)[0])  # not all at the start
+    batch = BatchBitmask(8, compiler.vocab_size, num_threads=2)
+    batch.bitmask[:] = 12345  # stale values from an earlier step
+    assert batch.fill(matchers)
+    assert batch.has_mask.tolist() == [True, False, True, True, False, False, False, False]
+    for b, m in enumerate(matchers):
+        if m is not None:
+            want = allocate_bitmask(1, compiler.vocab_size)
+            m.fill_bitmask(want[0])
+            np.testing.assert_array_equal(batch.bitmask[b], want[0])
+    assert not batch.fill([None, None])
+    assert not batch.has_mask.any()
