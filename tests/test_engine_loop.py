@@ -3,7 +3,8 @@ getting in parallel.
 
 ``ScriptedEngine`` implements that interface on the host: each step every running row takes
 the argmax of seeded random logits, masked by the row's grammar (``row.guided``, attached by
-the server) through ``apply_token_bitmask``, exactly as the jitted step will. Rows are real
+the server) through ``BatchBitmask`` and ``apply_token_bitmask`` over the whole padded batch,
+as the jitted step will. Rows are real
 ``Row``s from ``LLM.new_request`` with the real tokenizer, stop checker and detokenizer, so the
 server's streaming, cancellation, back-pressure and structured output are exercised end to end
 through the official client. Once the real engine has ``step``, these tests run against it by
@@ -26,7 +27,7 @@ import pytest
 
 from jaxinfer.engine.static import record_token
 from jaxinfer.errors import InvalidRequest
-from jaxinfer.guided import allocate_bitmask, apply_token_bitmask
+from jaxinfer.guided import BatchBitmask, apply_token_bitmask
 from jaxinfer.server import ServerConfig
 from jaxinfer.server.engine_loop import Accepted, Delta, Done, EngineLoop, Failed, Job, QueueFull
 from tests.server_testing import live_server, metric_samples
@@ -55,6 +56,7 @@ class ScriptedEngine:
         self.gate.set()
         self.aborted = 0
         self._mask = jax.jit(apply_token_bitmask)
+        self.masks = BatchBitmask(max_num_seqs, vocab_size, num_threads=1)
 
     def add(self, row) -> None:
         if len(row.prompt_ids) + row.max_new > PAGE * self.num_pages:
@@ -75,20 +77,24 @@ class ScriptedEngine:
             row = self.waiting.popleft()
             row.scheduled_time = time.perf_counter()
             self.running.append(row)
-        finished = []
-        for row in list(self.running):
+        # one masked "sampling step" for the whole batch, padded to max_num_seqs, as the jitted
+        # engine step will take it: logits f32[B, V], bitmask i32[B, V/32], has_mask bool[B]
+        B, rows = self.max_num_seqs, list(self.running)
+        logits = np.zeros((B, self.vocab_size), np.float32)
+        for b, row in enumerate(rows):
             self.pages[id(row)] = -(-(len(row.prompt_ids) + len(row.token_ids) + 1) // PAGE)
             rng = np.random.default_rng([row.params.seed or 0, len(row.token_ids), *row.prompt_ids[-3:]])
-            logits = rng.standard_normal((1, self.vocab_size)).astype(np.float32)
-            matcher = getattr(row, "guided", None)
-            if matcher is not None:
-                mask = allocate_bitmask(1, self.vocab_size)
-                matcher.fill_bitmask(mask[0])
-                logits = np.asarray(self._mask(jnp.asarray(logits), jnp.asarray(mask), jnp.array([True])))
-            tok = int(np.argmax(logits[0]))
-            if matcher is not None:
-                assert matcher.accept(tok) or tok in self.tokenizer.eos_ids
-            if record_token(row, tok, None, 0, time.perf_counter(), self.tokenizer):
+            logits[b] = rng.standard_normal(self.vocab_size)
+        matchers = [getattr(row, "guided", None) for row in rows]
+        self.masks.fill(matchers)
+        masked = self._mask(jnp.asarray(logits), jnp.asarray(self.masks.bitmask), jnp.asarray(self.masks.has_mask))
+        tokens = np.asarray(jnp.argmax(masked, axis=-1))
+        finished = []
+        for b, row in enumerate(rows):
+            tok = int(tokens[b])
+            if matchers[b] is not None:
+                assert matchers[b].accept(tok) or tok in self.tokenizer.eos_ids
+            if record_token(row, tok, None, b, time.perf_counter(), self.tokenizer):
                 self.running.remove(row)
                 self.pages.pop(id(row))
                 finished.append(row)
