@@ -123,6 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine(w)
     w.add_argument("--max-prompt-len", type=int, default=None)
 
+    sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                        description="Endpoints: /v1/chat/completions, /v1/completions (streamed as server-sent "
+                                    "events with stream=true), /v1/models, /health, /version, /tokenize, "
+                                    "/detokenize, /metrics (Prometheus).")
+    sv.add_argument("model_name", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    _add_model(sv)
+    _add_engine(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/*")
+    sv.add_argument("--max-waiting", type=int, default=256,
+                    help="sequences that may wait beyond the running batch; past it, 429 (default 256)")
+    sv.add_argument("--rate-limit", default=None, metavar="N/min", help="requests per minute per API key")
+    sv.add_argument("--grace-period", type=float, default=30.0,
+                    help="seconds in-flight requests get to finish after SIGTERM (default 30)")
+
     sub.add_parser("models", help="list registered models and what is cached")
     f = sub.add_parser("fetch", help="download and verify a registered model")
     f.add_argument("name")
@@ -232,6 +248,30 @@ def cmd_warmup(a) -> int:
     return 0
 
 
+def _rate_limit(text: str | None) -> int | None:
+    from jaxinfer.errors import InvalidRequest
+
+    if text is None:
+        return None
+    n, _, unit = text.partition("/")
+    if unit not in ("min", "m", "minute") or not n.isdigit() or int(n) < 1:
+        raise InvalidRequest(f"--rate-limit must look like 60/min, got {text!r}")
+    return int(n)
+
+
+def cmd_serve(a) -> int:
+    from jaxinfer import LLM
+    from jaxinfer.server import ServerConfig, serve
+
+    model = a.model_name or a.model
+    config = ServerConfig(model_name=model, api_key=a.api_key, max_waiting=a.max_waiting,
+                          rate_limit=_rate_limit(a.rate_limit))  # bad flags fail before the model loads
+    llm = LLM(model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
+              progress=True, **_engine_kwargs(a))
+    serve(llm, config, host=a.host, port=a.port, grace_period=a.grace_period)
+    return 0
+
+
 def cmd_models(a) -> int:
     from jaxinfer import registry
 
@@ -261,7 +301,7 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
         return {"generate": cmd_generate, "batch": cmd_batch, "bench": cmd_bench, "warmup": cmd_warmup,
-                "models": cmd_models, "fetch": cmd_fetch,
+                "models": cmd_models, "serve": cmd_serve, "fetch": cmd_fetch,
                 "convert": cmd_convert}[a.cmd](a)
     except JaxinferError as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)

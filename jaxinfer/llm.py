@@ -180,14 +180,7 @@ class LLM:
             while chunk := list(itertools.islice(it, window)):
                 arrival = time.perf_counter()
                 for rid, text, toks, p in chunk:
-                    req = _Pending(rid, text, toks, p, arrival, remaining=p.n)
-                    index = self._request_counter
-                    self._request_counter += 1
-                    for j in range(p.n):
-                        row = self._make_row(toks, _sample_params(p, j, default_seed_for(self.seed, index)), index * 1024 + j)
-                        row.owner = req
-                        req.rows.append(row)
-                    yield from req.rows
+                    yield from self.new_request(rid, text, toks, p, arrival).rows
 
         for row in self.engine.run(rows()):
             if on_sequence_done is not None:
@@ -196,6 +189,19 @@ class LLM:
             req.remaining -= 1
             if req.remaining == 0:
                 yield self._output(req)
+
+    def new_request(self, rid: str, text: str | None, toks: list[int], p: SamplingParams,
+                    arrival: float) -> "_Pending":
+        """A request's rows (one per sample, each with its own seed), ready for the engine; each
+        row's ``owner`` is the returned handle, which ``_output`` turns into a RequestOutput."""
+        req = _Pending(rid, text, toks, p, arrival, remaining=p.n)
+        index = self._request_counter
+        self._request_counter += 1
+        for j in range(p.n):
+            row = self._make_row(toks, _sample_params(p, j, default_seed_for(self.seed, index)), index * 1024 + j)
+            row.owner = req
+            req.rows.append(row)
+        return req
 
     def _make_row(self, toks, sp: SamplingParams, request_index: int) -> Row:
         cap = self.max_model_len - len(toks)

@@ -9,8 +9,10 @@ Pure functions over JSON values; nothing here loads a model.
   ``BatchRequest`` (prompts or messages, ``SamplingParams``), or raises ``RequestError``, which is
   answered with a 400 response carrying OpenAI's error body.
 * ``chat_completion`` / ``text_completion`` build the response bodies (``chat.completion`` and
-  ``text_completion`` objects, with OpenAI's two logprobs formats) from ``RequestOutput``s, and
-  ``result_line`` / ``error_response_line`` / ``line_error_line`` the output lines.
+  ``text_completion`` objects, with OpenAI's two logprobs formats, also built alone by
+  ``chat_logprobs`` / ``completion_logprobs`` / ``usage`` for stream chunks) from
+  ``RequestOutput``s, and ``result_line`` / ``error_response_line`` / ``line_error_line`` the
+  output lines.
 
 Which failure goes where: a line with a usable custom_id always gets a line under that id (a 200
 or a 400 response), so a consumer can join results to requests by custom_id. A line without one
@@ -372,11 +374,11 @@ def chat_completion(req: BatchRequest, outs: list[RequestOutput], model: str, *,
         choices.append({
             "index": len(choices),
             "message": {"role": "assistant", "content": c.text, "refusal": None},
-            "logprobs": _chat_logprobs(c, req.top_logprobs) if req.top_logprobs is not None else None,
+            "logprobs": chat_logprobs(c, req.top_logprobs) if req.top_logprobs is not None else None,
             "finish_reason": c.finish_reason,
         })
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": _now(created),
-            "model": model, "choices": choices, "usage": _usage(outs), "system_fingerprint": None}
+            "model": model, "choices": choices, "usage": usage(outs), "system_fingerprint": None}
 
 
 def text_completion(req: BatchRequest, outs: list[RequestOutput], model: str, *, created: int | None = None) -> dict:
@@ -385,11 +387,11 @@ def text_completion(req: BatchRequest, outs: list[RequestOutput], model: str, *,
     for c in _choices(outs):
         choices.append({
             "text": c.text, "index": len(choices),
-            "logprobs": _completion_logprobs(c, req.top_logprobs) if req.top_logprobs is not None else None,
+            "logprobs": completion_logprobs(c, req.top_logprobs) if req.top_logprobs is not None else None,
             "finish_reason": c.finish_reason,
         })
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": _now(created),
-            "model": model, "choices": choices, "usage": _usage(outs), "system_fingerprint": None}
+            "model": model, "choices": choices, "usage": usage(outs), "system_fingerprint": None}
 
 
 def result_line(custom_id: str, body: dict) -> dict:
@@ -426,21 +428,21 @@ def result_tokens(rec: dict) -> tuple[int, int]:
     """(prompt_tokens, completion_tokens) of a result line (0, 0 for errors)."""
     if not result_ok(rec):
         return 0, 0
-    usage = rec["response"]["body"]["usage"]
-    return usage["prompt_tokens"], usage["completion_tokens"]
+    u = rec["response"]["body"]["usage"]
+    return u["prompt_tokens"], u["completion_tokens"]
 
 
 def _choices(outs: list[RequestOutput]) -> list[CompletionOutput]:
     return [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
 
 
-def _usage(outs: list[RequestOutput]) -> dict:
+def usage(outs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _chat_logprobs(c: CompletionOutput, top: int) -> dict:
+def chat_logprobs(c: CompletionOutput, top: int) -> dict:
     content = []
     for tok, pos in zip(c.token_ids, c.logprobs or []):
         chosen = pos[tok]
@@ -453,7 +455,7 @@ def _chat_logprobs(c: CompletionOutput, top: int) -> dict:
     return {"content": content, "refusal": None}
 
 
-def _completion_logprobs(c: CompletionOutput, top: int) -> dict:
+def completion_logprobs(c: CompletionOutput, top: int) -> dict:
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = 0
     for tok, pos in zip(c.token_ids, c.logprobs or []):

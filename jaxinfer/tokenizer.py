@@ -473,6 +473,15 @@ class Tokenizer:
         """The token as the vocabulary spells it (``"Ġthe"``, ``"▁the"``, ``"<0x0A>"``)."""
         return self._pieces[self._checked([id])[0]]
 
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes as the vocabulary holds them, special tokens included (their text):
+        what a grammar engine needs to walk the vocabulary."""
+        return list(self._bytes)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self._special
+
     def is_special(self, id: int) -> bool:
         """Whether ``decode(..., skip_special_tokens=True)`` drops this id (control tokens)."""
         return int(id) in self._special
