@@ -17,7 +17,6 @@ place), ``has_unfinished()``, ``num_running()``, ``num_waiting()``, ``kv_usage()
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import queue
 import threading
@@ -103,8 +102,6 @@ class EngineLoop:
         self._jobs: dict[int, Job] = {}  # engine thread only: live jobs by id
         self._owner: dict[int, tuple[Job, int]] = {}  # engine thread only: id(row) -> (job, position)
         self._stopping = False
-        self._incremental = hasattr(self.engine, "step")
-        self._unfed: collections.deque = collections.deque()  # compat path: rows not yet given to run()
         self._thread = threading.Thread(target=self._main, name="jaxinfer-engine", daemon=True)
         self.error: BaseException | None = None  # what killed the engine thread, if anything
 
@@ -139,22 +136,12 @@ class EngineLoop:
 
     def counts(self) -> tuple[int, int, float]:
         """(running, waiting, kv usage in [0, 1]) for the gauges; engine thread only."""
-        if self._incremental:
-            return self.engine.num_running(), self.engine.num_waiting(), float(self.engine.kv_usage())
-        # TEMPORARY (until PagedEngine.step lands): the current engine reports nothing, so
-        # count from our side: rows in flight fill the slots first.
-        running = min(self._rows_in_flight, self.engine.max_num_seqs)
-        alloc = getattr(self.engine, "allocator", None)
-        usage = alloc.num_used / max(alloc.num_pages - 1, 1) if alloc is not None else 0.0
-        return running, self._rows_in_flight - running, usage
+        return self.engine.num_running(), self.engine.num_waiting(), float(self.engine.kv_usage())
 
     # ------------------------------------------------------------------ engine thread
     def _main(self) -> None:
         try:
-            if self._incremental:
-                self._run_incremental()
-            else:
-                self._run_compat()
+            self._run_incremental()
         except BaseException as e:  # the engine broke: every waiting client gets an error
             self.error = e
             raise
@@ -207,22 +194,16 @@ class EngineLoop:
             for row in job.rows:
                 if job.on_row is not None:
                     job.on_row(row)
-                if self._incremental:
-                    self.engine.add(row)
-                elif hasattr(self.engine, "validate"):
-                    self.engine.validate(row)
+                self.engine.add(row)
         except InvalidRequest as e:
-            if self._incremental:
-                for row in job.rows:
-                    self.engine.abort(row)  # the rows added before the refused one
+            for row in job.rows:
+                self.engine.abort(row)  # the rows added before the refused one
             self._release(job.num_rows)
             job.sink(Failed(e))
             return False
         self._jobs[id(job)] = job
         for pos, row in enumerate(job.rows):
             self._owner[id(row)] = (job, pos)
-        if not self._incremental:
-            self._unfed.extend(job.rows)
         job.sink(Accepted())
         return True
 
@@ -230,25 +211,10 @@ class EngineLoop:
         if id(job) not in self._jobs or job.cancelled:
             return
         job.cancelled = True
-        if self._incremental:
-            for pos, row in enumerate(job.rows):
-                if pos not in job.finished:
-                    self.engine.abort(row)
-            self._forget(job)
-            return
-        # compat path: rows not yet given to run() are dropped; the others cannot be cancelled
-        # there, so they run to their end unheard and are released as they finish (_publish)
-        self._release(len(job.finished))  # rows that finished before the abort
-        unfed = {id(r) for r in self._unfed}
         for pos, row in enumerate(job.rows):
-            if id(row) in unfed:
-                self._owner.pop(id(row), None)
-                job.finished.add(pos)
-                self._release(1)
-        mine = {id(r) for r in job.rows}
-        self._unfed = collections.deque(r for r in self._unfed if id(r) not in mine)
-        if len(job.finished) == len(job.rows):
-            del self._jobs[id(job)]
+            if pos not in job.finished:
+                self.engine.abort(row)
+        self._forget(job)
 
     def _publish(self, finished_rows) -> None:
         """Deliver what each live job gained in the last step, and finish the jobs that are done."""
@@ -256,8 +222,6 @@ class EngineLoop:
             job, pos = self._owner.pop(id(row), (None, None))
             if job is not None:
                 job.finished.add(pos)
-                if job.cancelled:  # compat path: an aborted job's row ran to its end
-                    self._release(1)
         for job in list(self._jobs.values()):
             if job.cancelled:
                 if len(job.finished) == len(job.rows):
@@ -300,32 +264,3 @@ class EngineLoop:
     def _release(self, n: int) -> None:
         with self._lock:
             self._rows_in_flight -= n
-
-    # ------------------------------------------------------------------ TEMPORARY compat path
-    # The current PagedEngine has only run(iterable) -> finished rows. Until its incremental
-    # step() API lands (then this section goes away), drive run() with a generator fed by the
-    # command queue. run() pulls the generator once per scheduler iteration while its waiting
-    # queue has room, which is when new jobs join and deltas go out. The generator cannot say
-    # "nothing now" without ending the input, so when no job is waiting it ends, run() drains
-    # the rows it holds (their deltas arrive as they finish), and the next job starts a new
-    # run(). Aborted rows cannot be cancelled: they run to their end unheard.
-    def _run_compat(self) -> None:
-        while not self._stopping:
-            self._take_commands(block=True)
-            if self._stopping or not self._unfed:
-                continue
-            for row in self.engine.run(self._feed()):
-                self._publish([row])
-                if self._on_step is not None:
-                    self._on_step()
-            self._publish([])
-
-    def _feed(self):
-        while not self._stopping:
-            self._publish([])  # one scheduler iteration has run: deliver what grew
-            if self._on_step is not None:
-                self._on_step()
-            self._take_commands(block=False)
-            if not self._unfed:
-                return
-            yield self._unfed.popleft()
