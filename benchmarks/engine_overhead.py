@@ -15,7 +15,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 
@@ -46,23 +45,21 @@ def main():
 
     B, ps = a.batch, eng.allocator.page_size
     width = len_bucket_pages(-(-(a.prompt + a.new) // ps), eng.pages_per_seq)
-    table = jnp.asarray(np.arange(1, B * width + 1).reshape(B, width) % (eng.allocator.num_pages - 1) + 1, jnp.int32)
-    pos = jnp.full(B, a.prompt + a.new // 2, jnp.int32)  # the mean context of the engine run
-    wwidth = eng._window_width(width, 1)  # LOCAL layers' window pages (1 unused column without)
-    wpool = eng.window_allocator.num_pages if eng.window else 2
-    wtable = jnp.asarray(np.arange(1, B * wwidth + 1).reshape(B, wwidth) % (wpool - 1) + 1, jnp.int32)
-    wbase = jnp.maximum(0, pos - (eng.window or 1) + 1) // ps
+    batch = eng.idle_batch(B, width, 0)  # B decode rows, no prefill row
+    batch.table[:B] = np.arange(1, B * width + 1).reshape(B, width) % (eng.allocator.num_pages - 1) + 1
+    batch.positions[:] = a.prompt + a.new // 2  # the mean context of the engine run
+    batch.active[:] = True
+    if eng.window:
+        wpool = eng.window_allocator.num_pages
+        ww = batch.wtable.shape[1]
+        batch.wtable[:B] = np.arange(1, B * ww + 1).reshape(B, ww) % (wpool - 1) + 1
+        batch.wbase[:B] = max(0, a.prompt + a.new // 2 - eng.window + 1) // ps
 
     def bare_run():
-        toks = jnp.zeros(B, jnp.int32)
-        args = dict(cfg=llm.cfg, num_logprobs=-1)
         t0 = time.perf_counter()
         for _ in range(a.new):
-            toks, _, eng.k_pages, eng.v_pages, eng.state, eng._last_tokens = eng._decode(
-                llm.weights, toks, jnp.zeros(B, bool), eng._last_tokens, pos, table, wtable, wbase, eng.k_pages,
-                eng.v_pages, eng.state, jnp.zeros(B, jnp.int32), jnp.asarray(eng._stop_ids[:B]),
-                jnp.asarray(eng._min_tokens[:B]), **args)
-        jax.block_until_ready(toks)
+            out = eng.run_step(batch)
+        jax.block_until_ready(out.tokens)
         return B * a.new / (time.perf_counter() - t0)
 
     bare_run()

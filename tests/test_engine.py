@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import SamplingParams
+from jaxinfer import SamplingParams, kernels
 from jaxinfer import cache as kv
 from jaxinfer import sampling as smp
 from jaxinfer.errors import InvalidRequest
@@ -111,7 +111,6 @@ def test_max_tokens_capped_by_max_model_len(tiny_llm):
 
 
 def test_packed_step_donates_pools_and_slots(tiny_llm):
-    from jaxinfer import kernels
 
     eng = tiny_llm.engine  # the paged engine: page pools and per-slot device state donated
     k_old, v_old, slots_old = eng.k_pages, eng.v_pages, eng.slots
@@ -134,7 +133,8 @@ def test_static_decode_step_donates_the_cache(tiny_gguf):
     state = smp.make_sampling_state(params, [[1], [2]], cfg.vocab_size, default_seed=0, batch_size=B)
     stop_ids, min_tokens = (jnp.asarray(a) for a in smp.min_tokens_inputs(params, [2], batch_size=B))
     out = eng._decode(llm.weights, jnp.asarray([3, 4], jnp.int32), jnp.asarray([1, 1], jnp.int32), jnp.ones(B, jnp.int32),
-                      cache, state, stop_ids, min_tokens, cfg=cfg, num_logprobs=-1)
+                      cache, state, stop_ids, min_tokens, cfg=cfg, num_logprobs=-1,
+                      kernel_mode=kernels.current_mode())
     jax.block_until_ready(out)
     assert all(a.is_deleted() for a in cache.k + cache.v) and state.output_counts.is_deleted()
 

@@ -105,3 +105,20 @@ def test_engine_with_kernels_gives_the_reference_tokens(tiny_gguf):
     assert got == want
     plain8 = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, page_size=8, quantize="w8a8")
     assert got8 == [o.outputs[0].token_ids for o in plain8.generate(PROMPTS, sp, use_tqdm=False)]
+
+
+def test_kernel_mode_is_part_of_the_step_key(tiny_gguf):
+    """An executable traced on the reference path is never reused inside interpret_kernels()
+    (issue 14: the switch used to be thread-local state read only while tracing)."""
+    from jaxinfer import LLM, kernels
+
+    llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64)
+    eng = llm.engine
+    batch = eng.idle_batch(4, 8, 0)
+    eng.run_step(batch)
+    before = eng._step._cache_size()
+    eng.run_step(batch)
+    assert eng._step._cache_size() == before  # same shape, same mode: reused
+    with kernels.interpret_kernels():
+        eng.run_step(batch)
+    assert eng._step._cache_size() == before + 1  # same shape, other mode: its own executable

@@ -107,6 +107,7 @@ class PagedEngine:
         self._insert = jax.jit(insert_step, donate_argnames=("slots",))
         self._seqs: dict[int, Seq] = {}  # id(row) -> its sequence, for abort
         self._inflight: _InFlight | None = None
+        self.shapes_run: set[tuple] = set()  # (R, width, Tp, q, logprobs, prompt logprobs) of every step run
 
     # ------------------------------------------------------------------ reports
     @property
@@ -157,6 +158,8 @@ class PagedEngine:
 
     def run_step(self, batch: PackedBatch, *, num_logprobs: int = -1, prompt_logprobs: int = -1):
         """Run one packed step on the engine's pools and slots (donated); returns its StepOutput."""
+        self.shapes_run.add((batch.rows, batch.table.shape[1], batch.prefill_len, batch.q, num_logprobs,
+                             prompt_logprobs))
         out, self.k_pages, self.v_pages, self.slots = self._step(
             self.weights, batch, self.k_pages, self.v_pages, self.slots, cfg=self.cfg, num_logprobs=num_logprobs,
             prompt_logprobs=prompt_logprobs, kernel_mode=kernels.current_mode())

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import cache as kv
+from jaxinfer import kernels
 from jaxinfer import sampling as smp
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import InvalidRequest
@@ -75,9 +76,11 @@ class StaticEngine:
         self.max_num_seqs = max_num_seqs
         self.seed = seed
         donate = ("cache", "state")
-        self._prefill = jax.jit(prefill_step, static_argnames=("cfg", "num_logprobs"), donate_argnames=donate)
-        self._decode = jax.jit(decode_step, static_argnames=("cfg", "num_logprobs"), donate_argnames=donate)
-        self._prompt_lp = jax.jit(prompt_logprobs_step, static_argnames=("cfg", "num_top"))
+        # the kernel mode is static: an executable traced with one mode is never reused under another
+        static = ("cfg", "num_logprobs", "kernel_mode")
+        self._prefill = jax.jit(kernels.keyed(prefill_step), static_argnames=static, donate_argnames=donate)
+        self._decode = jax.jit(kernels.keyed(decode_step), static_argnames=static, donate_argnames=donate)
+        self._prompt_lp = jax.jit(kernels.keyed(prompt_logprobs_step), static_argnames=("cfg", "num_top", "kernel_mode"))
         self.last_cache_bytes = 0
 
     # ------------------------------------------------------------------ host loop
@@ -119,7 +122,7 @@ class StaticEngine:
             r.scheduled_time = now
         toks, lp, cache, state = self._prefill(
             self.weights, jnp.asarray(tokens), jnp.asarray(lens), cache, state, stop_ids, min_tokens,
-            cfg=cfg, num_logprobs=num_lp,
+            cfg=cfg, num_logprobs=num_lp, kernel_mode=kernels.current_mode(),
         )
         live = set(range(n))
         for i in range(max_new):
@@ -128,7 +131,8 @@ class StaticEngine:
                 positions = jnp.asarray(lens + i)
                 step = jnp.full((B,), i + 1, jnp.int32)
                 nxt = self._decode(self.weights, toks, positions, step, cache, state, stop_ids,
-                                   min_tokens, cfg=cfg, num_logprobs=num_lp)
+                                   min_tokens, cfg=cfg, num_logprobs=num_lp,
+                                   kernel_mode=kernels.current_mode())
             host_toks = np.asarray(toks)
             host_lp = jax.device_get(lp) if want_lp else None
             now = time.perf_counter()
@@ -154,7 +158,8 @@ class StaticEngine:
         toks = np.full((1, T), self.tokenizer.pad_id, np.int32)
         toks[0, : len(ids)] = ids
         chosen, ranks, top_ids, top_lp = jax.device_get(
-            self._prompt_lp(self.weights, jnp.asarray(toks), cfg=self.cfg, num_top=num_top)
+            self._prompt_lp(self.weights, jnp.asarray(toks), cfg=self.cfg, num_top=num_top,
+                            kernel_mode=kernels.current_mode())
         )
         out: list[dict[int, Logprob] | None] = [None]  # the first token has no prefix
         for t in range(1, len(ids)):
