@@ -10,8 +10,9 @@ in its own subprocess on the machine's 2 cores, makes one whole untimed pass fir
 compiles every shape the workload hits; oneDNN builds its kernels for every batch shape
 transformers meets), then ``--repeats`` timed passes; the median is reported.
 
-* jaxinfer: ``LLM(model, max_model_len=1024, max_num_seqs=64, quantize=..., kv_cache_dtype=...)``
-  and ``llm.generate``.
+* jaxinfer: ``LLM(model, max_model_len=1024, max_num_seqs=64, quantize=..., kv_cache_dtype=...,
+  enable_prefix_caching=False)`` and ``llm.generate`` (prefix caching off: the timed passes
+  repeat the warm pass's prompts, and reusing their pages would flatter us).
 * transformers: the GGUF dequantized to the dtype, padded ``generate`` on batches of 64 with
   left padding, ``torch.set_num_threads(2)``, ``inference_mode``; the requests in workload
   order and sorted by prompt length (less padding: its best), the better one reported.
@@ -52,7 +53,8 @@ def run_jaxinfer(model, opts, repeats):
     from jaxinfer import LLM, SamplingParams
 
     _, reqs, _ = _workload(model)
-    llm = LLM(model, max_model_len=1024, max_num_seqs=64, progress=False, **opts)
+    # prefix caching off: the timed passes repeat the warm pass's prompts, whose pages it would reuse
+    llm = LLM(model, max_model_len=1024, max_num_seqs=64, progress=False, enable_prefix_caching=False, **opts)
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     t0 = time.perf_counter()
