@@ -220,6 +220,32 @@ def context_error(line: int, kind: str, prompt_tokens: int, max_tokens: int, max
     )
 
 
+def encode_for(llm, kind: str, messages, prompts, params: SamplingParams, max_tokens_set: bool, *,
+               where: str = "") -> tuple[list[tuple[str | None, list[int]]], SamplingParams]:
+    """Token ids of a request's prompts (``llm.encode_chat`` / ``encode_prompt``) and its
+    params fitted to the context: the rules the batch job and the server share. A prompt or
+    max_tokens that cannot fit raises RequestError, its message prefixed by ``where``."""
+    try:
+        if kind == "chat":
+            encoded = [llm.encode_chat(messages, 0)]
+        else:
+            encoded = [llm.encode_prompt(p, k) for k, p in enumerate(prompts)]
+    except InvalidRequest as e:
+        code = "context_length_exceeded" if "max_model_len" in str(e) else "invalid_value"
+        raise RequestError(f"{where}{e}", code=code, param="messages" if kind == "chat" else "prompt") from None
+    longest = max(len(ids) for _, ids in encoded)
+    room = llm.max_model_len - longest
+    if max_tokens_set and params.max_tokens > room:
+        e = context_error(0, kind, longest, params.max_tokens, llm.max_model_len)
+        raise RequestError(where + e.message.removeprefix("line 0: "), code=e.code, param=e.param)
+    changes = {}
+    if params.max_tokens > room:  # a default, not asked for: generation runs to the context end
+        changes.update(max_tokens=room, min_tokens=min(params.min_tokens, room))
+    if params.top_k > llm.cfg.vocab_size:  # the same distribution; keeps per-row ints small
+        changes["top_k"] = 0
+    return encoded, dataclasses.replace(params, **changes) if changes else params
+
+
 class _Fields:
     """Typed reads of body fields; None (JSON null) means "not given"."""
 

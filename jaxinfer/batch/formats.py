@@ -162,23 +162,5 @@ class _PromptsFormat:
 
 def _encode(llm, req: oai.BatchRequest) -> tuple[list[tuple[str | None, list[int]]], SamplingParams]:
     """Token ids of a request's prompts, and its params fitted to the context."""
-    try:
-        if req.kind == "chat":
-            prompts = [llm.encode_chat(req.messages, 0)]
-        else:
-            prompts = [llm.encode_prompt(p, k) for k, p in enumerate(req.prompts)]
-    except InvalidRequest as e:
-        code = "context_length_exceeded" if "max_model_len" in str(e) else "invalid_value"
-        param = "messages" if req.kind == "chat" else "prompt"
-        raise oai.RequestError(f"line {req.line}: {e}", code=code, param=param) from None
-    p = req.params
-    longest = max(len(ids) for _, ids in prompts)
-    room = llm.max_model_len - longest
-    if req.max_tokens_set and p.max_tokens > room:
-        raise oai.context_error(req.line, req.kind, longest, p.max_tokens, llm.max_model_len)
-    changes = {}
-    if p.max_tokens > room:  # a default, not asked for: generation runs to the context end
-        changes.update(max_tokens=room, min_tokens=min(p.min_tokens, room))
-    if p.top_k > llm.cfg.vocab_size:  # the same distribution; keeps per-row ints small
-        changes["top_k"] = 0
-    return prompts, dataclasses.replace(p, **changes) if changes else p
+    return oai.encode_for(llm, req.kind, req.messages, req.prompts, req.params, req.max_tokens_set,
+                          where=f"line {req.line}: ")

@@ -216,27 +216,7 @@ class Server:
 
     def _encode(self, req: schema.ParsedRequest):
         """Token ids of the prompts, and the params fitted to the context (the batch job's rules)."""
-        llm = self.llm
-        try:
-            if req.kind == "chat":
-                prompts = [llm.encode_chat(req.messages, 0)]
-            else:
-                prompts = [llm.encode_prompt(p, k) for k, p in enumerate(req.prompts)]
-        except InvalidRequest as e:
-            code = "context_length_exceeded" if "max_model_len" in str(e) else "invalid_value"
-            raise oai.RequestError(str(e), code=code, param="messages" if req.kind == "chat" else "prompt") from None
-        p = req.params
-        longest = max(len(ids) for _, ids in prompts)
-        room = llm.max_model_len - longest
-        if req.max_tokens_set and p.max_tokens > room:
-            e = oai.context_error(0, req.kind, longest, p.max_tokens, llm.max_model_len)
-            raise oai.RequestError(e.message.removeprefix("line 0: "), code=e.code, param=e.param)
-        changes = {}
-        if p.max_tokens > room:  # a default, not asked for: generation runs to the context end
-            changes.update(max_tokens=room, min_tokens=min(p.min_tokens, room))
-        if p.top_k > llm.cfg.vocab_size:  # the same distribution; keeps per-row ints small
-            changes["top_k"] = 0
-        return prompts, dataclasses.replace(p, **changes) if changes else p
+        return oai.encode_for(self.llm, req.kind, req.messages, req.prompts, req.params, req.max_tokens_set)
 
     def _grammar(self, req: schema.ParsedRequest, num_rows: int):
         """Check a request's structured output; the callback that gives each of its rows a matcher.
