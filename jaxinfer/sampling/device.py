@@ -328,6 +328,34 @@ def _row_uniforms(key: jax.Array, step: jax.Array) -> jax.Array:
     return jax.vmap(one)(key, step)
 
 
+def filter_threshold(xp: jax.Array, bmax: jax.Array, state: SamplingState, vocab_size: int):
+    """(t f32[B], m f32[B], thr f32[B]): each row's temperature (1 for greedy rows), the row
+    max of z = xp / t, and the threshold that top-k, top-p and min-p leave: the sampler draws
+    from softmax(z) over the entries with z >= thr. xp f32[B, Vp] penalised logits padded with
+    -inf, bmax f32[B, Vp / _FINE] their block maxima."""
+    B = xp.shape[0]
+    greedy = state.temperature <= 0.0
+    with jax.named_scope("filter"):
+        t = jnp.where(greedy, 1.0, state.temperature)  # f32[B]
+        m = jnp.max(bmax, axis=1) / t  # row max of z = x / t (division by t > 0 is monotone)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        thr = jax.lax.cond(
+            jnp.any(state.top_k > 0) | jnp.any(state.top_p < 1.0),
+            lambda: _topk_topp_threshold(xp, bmax, t, m, state.top_k, state.top_p, vocab_size),
+            lambda: jnp.full((B,), -jnp.inf, jnp.float32),
+        )
+        # min-p keeps p >= min_p * p_max, i.e. z >= max + log(min_p): no sort needed, and
+        # as a ratio to the max it is unchanged by the renormalisation after top-k/top-p.
+        thr = jnp.maximum(thr, jnp.where(state.min_p > 0, m + jnp.log(state.min_p), -jnp.inf))
+    return t, m, thr
+
+
+def penalised(logits: jax.Array, state: SamplingState) -> jax.Array:
+    """f32[B, V] logits with the penalties applied, skipped (same result) when no row has any."""
+    logits = logits.astype(jnp.float32)
+    return jax.lax.cond(_has_penalties(state), lambda: apply_penalties(logits, state), lambda: logits)
+
+
 def sample(logits: jax.Array, state: SamplingState, step: jax.Array) -> jax.Array:
     """i32[B] next tokens from logits f32[B, V].
 
@@ -351,18 +379,7 @@ def sample(logits: jax.Array, state: SamplingState, step: jax.Array) -> jax.Arra
     greedy = state.temperature <= 0.0  # bool[B]
 
     def random_rows():
-        with jax.named_scope("filter"):
-            t = jnp.where(greedy, 1.0, state.temperature)  # f32[B]
-            m = jnp.max(bmax, axis=1) / t  # row max of z = x / t (division by t > 0 is monotone)
-            m = jnp.where(jnp.isfinite(m), m, 0.0)
-            thr = jax.lax.cond(
-                jnp.any(state.top_k > 0) | jnp.any(state.top_p < 1.0),
-                lambda: _topk_topp_threshold(xp, bmax, t, m, state.top_k, state.top_p, V),
-                lambda: jnp.full((B,), -jnp.inf, jnp.float32),
-            )
-            # min-p keeps p >= min_p * p_max, i.e. z >= max + log(min_p): no sort needed, and
-            # as a ratio to the max it is unchanged by the renormalisation after top-k/top-p.
-            thr = jnp.maximum(thr, jnp.where(state.min_p > 0, m + jnp.log(state.min_p), -jnp.inf))
+        t, m, thr = filter_threshold(xp, bmax, state, V)
 
         def weight(xs):  # f32[B, ..., C] slice of xp -> unnormalised probabilities
             z = xs / _rows(t, xs.ndim)

@@ -1,0 +1,121 @@
+"""Speculative verification on device: given the target's logits at a row's k + 1 block
+positions and the k drafted tokens, how many drafts the row accepts and which token follows.
+
+Position j of a block is shaped exactly as ``sample`` would shape the token at step
+``step + j``: the ``min_tokens`` mask at that step, penalties over the output counts plus the
+drafts before j (the ones that must be accepted for j to matter), temperature, top-k, top-p
+and min-p. Greedy rows (temperature 0) accept the longest prefix of drafts equal to the argmax
+and then take the argmax, so greedy output equals decoding without speculation token for
+token. Sampled rows run rejection sampling (a point-mass draft distribution when the drafts
+come without probabilities, e.g. prompt lookup), so their tokens are distributed exactly as
+without speculation. A row's uniforms are a function of its seed and step only.
+
+The accept/resample core is ``pallas_kernels.spec_verify`` (kernel or reference, chosen by
+the caller's kernel mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.sampling.device import (
+    SamplingState,
+    _FINE,
+    _argmax,
+    filter_threshold,
+    mask_tokens_before_min,
+    penalised,
+)
+from pallas_kernels import spec_verify as sv
+
+_LANES = 128  # the vocabulary is padded (with -inf) to a multiple of this
+_SPEC_STREAM = 0x5BEC  # folded into a row's key: verification's uniforms, apart from sample's
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Verified:
+    accepted: jax.Array  # i32[B] drafted tokens accepted (0..num_drafts[b])
+    tokens: jax.Array  # i32[B, k+1] the accepted drafts, then the new token at index accepted; -1 after
+    state: SamplingState  # output counts updated with tokens[b, :accepted + 1]
+
+
+def _block_size(Vp: int) -> sv.BlockSizes:
+    for c in (2048, 1024, 512, 256, 128):
+        if Vp % c == 0:
+            return sv.BlockSizes(c)
+    raise AssertionError(Vp)
+
+
+def _uniforms(key: jax.Array, step: jax.Array, J: int) -> jax.Array:
+    """f32[B, J, 3] from key u32[B, 2] and step i32[B]: position j's from (seed, step + j)."""
+
+    def one(k, s):
+        k = jax.random.wrap_key_data(k, impl="threefry2x32")
+        ks = jax.vmap(lambda j: jax.random.fold_in(jax.random.fold_in(k, s + j), _SPEC_STREAM))(jnp.arange(J))
+        return jax.vmap(lambda kk: jax.random.uniform(kk, (3,), jnp.float32))(ks)
+
+    return jax.vmap(one)(key, step)
+
+
+def _positions(state: SamplingState, drafts: jax.Array, J: int) -> SamplingState:
+    """The state of every block position as a batch of B * J rows: position j's output counts
+    include drafts[:, :j]."""
+    B, V = state.output_counts.shape
+    rep = lambda a: jnp.repeat(a, J, axis=0)  # noqa: E731
+    onehot = jax.nn.one_hot(drafts, V, dtype=jnp.int32)  # i32[B, k, V]
+    before = jnp.concatenate([jnp.zeros((B, 1, V), jnp.int32), jnp.cumsum(onehot, axis=1)], axis=1)
+    counts = (state.output_counts[:, None] + before).reshape(B * J, V)
+    return SamplingState(**{f.name: rep(getattr(state, f.name)) for f in dataclasses.fields(state)
+                            if f.name != "output_counts"}, output_counts=counts)
+
+
+def shape_block(logits, drafts, state, step, stop_ids, min_tokens):
+    """(z f32[B, J, Vp], thr f32[B, J], greedy bool[B], argmax i32[B, J]): the sampler's view of
+    each block position, the vocabulary padded with -inf to a multiple of 128."""
+    B, J, V = logits.shape
+    flat_state = _positions(state, drafts, J)
+    rep = lambda a: jnp.repeat(a, J, axis=0)  # noqa: E731
+    flat_step = (step[:, None] + jnp.arange(J)[None]).reshape(B * J)
+    x = mask_tokens_before_min(logits.reshape(B * J, V).astype(jnp.float32), rep(stop_ids), flat_step,
+                               rep(min_tokens))
+    x = penalised(x, flat_state)
+    pad = -V % max(_LANES, _FINE)
+    xp = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x
+    bmax = jnp.max(xp.reshape(B * J, -1, _FINE), axis=2)
+    t, _, thr = filter_threshold(xp, bmax, flat_state, V)
+    z = xp / t[:, None]
+    amax = _argmax(xp, bmax, V)
+    greedy = state.temperature <= 0.0
+    return z.reshape(B, J, -1), thr.reshape(B, J), greedy, amax.reshape(B, J)
+
+
+def verify_block(logits, drafts, num_drafts, state: SamplingState, step, stop_ids, min_tokens, *,
+                 draft_probs=None, use_kernel: bool = False, interpret: bool = False) -> Verified:
+    """Verify a block of drafts. logits f32[B, k+1, V] (the target's raw logits at the block's
+    positions), drafts i32[B, k], num_drafts i32[B] (rows may carry fewer, even 0), step i32[B]
+    tokens the row has generated before the block, stop_ids i32[B, W] / min_tokens i32[B] as in
+    ``mask_tokens_before_min``, draft_probs f32[B, k, V] or None (point-mass drafts).
+    use_kernel / interpret: run the Pallas kernel (TPU, or interpreted) instead of the reference."""
+    B, J, V = logits.shape
+    drafts = jnp.clip(drafts, 0, V - 1).astype(jnp.int32)
+    z, thr, greedy, amax = shape_block(logits, drafts, state, step, stop_ids, min_tokens)
+    Vp = z.shape[-1]
+    q = None
+    if draft_probs is not None:
+        q = jnp.pad(draft_probs.astype(jnp.float32), ((0, 0), (0, 0), (0, Vp - V))) if Vp > V else draft_probs
+    u = _uniforms(state.key, step, J)
+    fn = sv.spec_verify_kernel if use_kernel else sv.spec_verify_reference
+    accepted, nxt = fn(z, thr, drafts, num_drafts.astype(jnp.int32), u, greedy, q,
+                       block_sizes=_block_size(Vp), interpret=interpret)
+    # greedy rows take the sampler's own argmax (identical to the kernel's first maximum)
+    nxt = jnp.where(greedy, jnp.take_along_axis(amax, accepted[:, None], axis=1)[:, 0], nxt)
+    j = jnp.arange(J)[None]
+    full = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    tokens = jnp.where(j < accepted[:, None], full, jnp.where(j == accepted[:, None], nxt[:, None], -1))
+    emitted = jnp.sum(jax.nn.one_hot(jnp.where(tokens >= 0, tokens, V), V + 1, dtype=jnp.int32), axis=1)[:, :V]
+    state = dataclasses.replace(state, output_counts=state.output_counts + emitted)
+    return Verified(accepted, tokens.astype(jnp.int32), state)

@@ -1,0 +1,30 @@
+"""Blockwise speculative verification: how many of k drafted tokens a row accepts, and the
+token that follows them, from the target's logits at the k + 1 positions.
+
+Inputs are the target's logits already shaped by the sampler (penalties, min-tokens mask,
+temperature) as z f32[B, k+1, V], and each position's filter threshold thr f32[B, k+1]
+(top-k, top-p and min-p keep z >= thr). Greedy rows accept the longest prefix of drafts equal
+to the argmax and add the argmax after it (Stern et al. 2018); sampled rows run rejection
+sampling against the draft's distribution (a point mass when ``draft_probs`` is None), so the
+output is distributed exactly as sampling from the target alone.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels._common import platform
+from pallas_kernels.spec_verify.common import BlockSizes
+from pallas_kernels.spec_verify.kernel import spec_verify_kernel
+from pallas_kernels.spec_verify.reference import spec_verify_reference
+
+__all__ = ["BlockSizes", "spec_verify", "spec_verify_kernel", "spec_verify_reference"]
+
+
+def spec_verify(z, thr, drafts, num_drafts, uniforms, greedy, draft_probs=None, *,
+                block_sizes: BlockSizes | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Dispatch: the Pallas kernel on TPU (or anywhere with interpret=True), else the reference
+    (CPU, and GPU, which has no variant of this kernel)."""
+    use = interpret or platform() == "tpu"
+    fn = spec_verify_kernel if use else spec_verify_reference
+    return fn(z, thr, drafts, num_drafts, uniforms, greedy, draft_probs, block_sizes=block_sizes, interpret=interpret)
