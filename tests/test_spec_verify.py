@@ -185,8 +185,9 @@ def test_draft_equal_to_target_accepts_everything():
     B, k, V = 64, 3, 200
     logits = jnp.asarray(rng.normal(size=(B, k + 1, V)), jnp.float32)
     p = jax.nn.softmax(logits[:, :k], -1)
-    drafts = jnp.asarray([[rng.choice(V, p=np.asarray(p[b, j], np.float64) / float(p[b, j].sum()))
-                           for j in range(k)] for b in range(B)], jnp.int32)
+    p64 = np.asarray(p, np.float64)
+    p64 /= p64.sum(-1, keepdims=True)
+    drafts = jnp.asarray([[rng.choice(V, p=p64[b, j]) for j in range(k)] for b in range(B)], jnp.int32)
     state = _state([SamplingParams(temperature=1.0, seed=b) for b in range(B)], V)
     stop, mins = _no_min(B)
     out = _verify(logits, drafts, jnp.full(B, k, jnp.int32), state, jnp.zeros(B, jnp.int32), stop, mins, draft_probs=p)
