@@ -18,6 +18,7 @@ from jaxinfer.cache import KV_CACHE_DTYPES
 from jaxinfer.config import default_dtype
 from jaxinfer.engine.paged import EngineConfig, PagedEngine, Scheduling
 from jaxinfer.engine.rows import Row
+from jaxinfer.engine.speculative import SpeculativeConfig
 from jaxinfer.engine.static import StaticEngine
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.loaders import checkpoint
@@ -52,7 +53,8 @@ class LLM:
                  num_pages: int | None = None, kv_cache_bytes: int = 2 << 30,
                  prefill_chunk: int = 512, enable_prefix_caching: bool = True,
                  scheduling: str = "fcfs", windowed_kv: bool = True, quantize: str | None = None,
-                 quant_group: int | None = None, kv_cache_dtype: str = "auto"):
+                 quant_group: int | None = None, kv_cache_dtype: str = "auto",
+                 speculative_config: dict | str | None = None):
         dtype = dtype or default_dtype()
         if dtype == "auto":
             dtype = default_dtype()
@@ -63,6 +65,9 @@ class LLM:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         qcfg = quant.quant_config(quantize, quant_group)  # bad options fail before the download
+        spec = SpeculativeConfig.parse(speculative_config)  # likewise (layer count checked once loaded)
+        if spec is not None and engine != "paged":
+            raise InvalidRequest(f"speculative decoding needs the paged engine, not {engine!r}")
         self.model_path = registry.resolve(model, progress=progress)
         loaded = checkpoint.load(self.model_path, dtype=dtype, quantize=qcfg)
         self.cfg, self.weights, self.tokenizer = loaded.cfg, loaded.weights, loaded.tokenizer
@@ -89,7 +94,7 @@ class LLM:
                                 prefix_caching=enable_prefix_caching, scheduling=sched, windowed_kv=windowed_kv,
                                 kv_cache_dtype=kv_cache_dtype)
             self.engine = PagedEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
-                                      config=ecfg, seed=seed)
+                                      config=ecfg, seed=seed, speculative=spec)
         else:
             raise InvalidRequest(f"engine must be 'paged' or 'static', got {engine!r}")
         self._request_counter = 0
@@ -230,6 +235,8 @@ class LLM:
             finished_time=max(r.finished_time for r in rows),
             num_generated_tokens=sum(len(r.token_ids) for r in rows),
             token_times=tuple(rows[0].token_times),
+            spec_drafted_tokens=sum(r.spec_drafted for r in rows),
+            spec_accepted_tokens=sum(r.spec_accepted for r in rows),
         )
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, plp, comps, True, metrics)
 

@@ -39,6 +39,12 @@ class RequestMetrics:
     finished_time: float | None = None
     num_generated_tokens: int = 0
     token_times: tuple[float, ...] = ()  # when each token of the first sample reached the host
+    spec_drafted_tokens: int = 0  # speculative decoding: tokens drafted for this request's samples
+    spec_accepted_tokens: int = 0  # and accepted by verification
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_accepted_tokens / self.spec_drafted_tokens if self.spec_drafted_tokens else None
 
     @property
     def time_in_queue(self) -> float | None:

@@ -33,9 +33,13 @@ def step_shapes(sched: Scheduler, *, rows_needed: int, max_pages: int, prefill_t
 
 
 def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_per_seq: int,
-                max_num_seqs: int, prefill_chunk: int, want_targets: bool) -> PackedBatch:
+                max_num_seqs: int, prefill_chunk: int, want_targets: bool,
+                drafts: dict[int, list[int]] | None = None) -> PackedBatch:
     """The host arrays of one step (numpy; jit moves them). Inflight bookkeeping is the
-    caller's: this only reads the sequences."""
+    caller's: this only reads the sequences. With ``drafts`` (slot -> the row's drafted
+    tokens, at most q - 1), a decode row carries its last token then its drafts at the
+    following positions; its unused queries repeat the last position and write to the
+    scratch page. ``last_q[r]`` is then the row's number of drafts."""
     ps, W = sched.page_size, sched.window
     rows_needed = max((s.slot for s in plan.decode), default=-1) + 1
     n_pre = sum(g.n for g in plan.prefill)
@@ -63,18 +67,25 @@ def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_
             wbase[r], row = sched.window_row(seq)
             wtable[r, : len(row)] = row
 
-    for s in plan.decode:  # q == 1: the row's input is its last token (or the one in flight)
+    for s in plan.decode:  # the row's input is its last token (or the one in flight), then its drafts
         r = s.slot
         toks = s.tokens
         pos = len(toks) - 1 + s.inflight
         i = r * q
+        d = drafts.get(r, []) if drafts is not None else []
         tokens[i] = toks[-1]
         active[r] = True
         use_prev[r] = s.inflight > 0
-        positions[i] = pos
-        wpage[i] = s.pages[pos // ps]
-        if W:
-            wwpage[i] = s.window_pages[pos // ps]
+        last_q[r] = len(d)
+        for j in range(q):
+            p = pos + min(j, len(d))
+            positions[i + j] = p
+            if j <= len(d):
+                if j:
+                    tokens[i + j] = d[j - 1]
+                wpage[i + j] = s.pages[p // ps]
+                if W:
+                    wwpage[i + j] = s.window_pages[p // ps]
         table[r, : len(s.pages)] = s.pages
         put_window(r, s)
     off = R * q

@@ -30,7 +30,8 @@ from jaxinfer.engine import buckets
 from jaxinfer.engine.batch import build_batch, window_width
 from jaxinfer.engine.rows import Row, position_logprobs, record_token
 from jaxinfer.engine.scheduler import Scheduler, Scheduling, Seq, window_pool_pages
-from jaxinfer.engine.step import STOP_ID_WIDTH, SlotState, insert_step, make_slots, packed_step
+from jaxinfer.engine.speculative import SpecMethod, SpeculativeConfig, SpecStats, ngram_propose
+from jaxinfer.engine.step import STOP_ID_WIDTH, SlotState, insert_step, make_slots, packed_step, spec_step
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.packed import PackedBatch
 
@@ -72,7 +73,8 @@ class PagedEngine:
     """Continuous-batching engine over one model."""
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, max_model_len: int,
-                 config: EngineConfig = EngineConfig(), seed: int = 0):
+                 config: EngineConfig = EngineConfig(), seed: int = 0,
+                 speculative: SpeculativeConfig | None = None):
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.max_model_len = max_model_len
         self.config = config
@@ -105,6 +107,13 @@ class PagedEngine:
                              static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode"),
                              donate_argnames=("k_pages", "v_pages", "slots"))
         self._insert = jax.jit(insert_step, donate_argnames=("slots",))
+        # speculative decoding (engine.speculative): decode rows carry k + 1 queries, verified on device
+        self.spec = SpeculativeConfig.parse(speculative, cfg.n_layers)
+        self.spec_stats = SpecStats(self.spec.num_speculative_tokens) if self.spec else None
+        self._spec_step = jax.jit(functools.partial(spec_step, windowed=self.windowed),
+                                  static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode",
+                                                   "draft_layers"),
+                                  donate_argnames=("k_pages", "v_pages", "slots"))
         self._seqs: dict[int, Seq] = {}  # id(row) -> its sequence, for abort
         self._inflight: _InFlight | None = None
         self.shapes_run: set[tuple] = set()  # (R, width, Tp, q, logprobs, prompt logprobs) of every step run
@@ -120,7 +129,7 @@ class PagedEngine:
 
     def num_compilations(self) -> int:
         """Executables compiled so far by the engine's jitted steps."""
-        return self._step._cache_size() + self._insert._cache_size()
+        return self._step._cache_size() + self._insert._cache_size() + self._spec_step._cache_size()
 
     def num_running(self) -> int:
         return sum(s is not None for s in self.sched.slots)
@@ -213,6 +222,8 @@ class PagedEngine:
     def step(self) -> list[Row]:
         """One scheduler iteration: dispatch the next packed step, then read the previous
         one's tokens while it runs. Returns the rows that finished."""
+        if self.spec is not None:
+            return self._spec_iteration()
         nxt = self._dispatch() if self.sched.has_work() else None
         done = self._consume(self._inflight) if self._inflight is not None else []
         self._inflight = nxt
@@ -295,6 +306,99 @@ class PagedEngine:
                 r.prompt_logprobs.append(position_logprobs(
                     self.tokenizer, r.prompt_ids[target], float(chosen[at + t]), int(ranks[at + t]),
                     top_ids[at + t][:k], top_lp[at + t][:k]))
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _propose(self, decoding) -> dict:
+        """Drafts per decoding sequence (at most what its max_tokens leaves room for)."""
+        spec, pad = self.spec, self.tokenizer.pad_id
+        drafts = {}
+        for s in decoding:
+            budget = min(spec.num_speculative_tokens, s.row.max_new - len(s.row.token_ids) - 1)
+            if budget <= 0:
+                continue
+            if spec.method == SpecMethod.NGRAM:
+                d = ngram_propose(s.tokens, budget, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            else:  # early_exit: placeholders, drafted on device inside the step
+                d = [pad] * budget
+            if d:
+                drafts[s] = d
+        return drafts
+
+    def _spec_iteration(self) -> list[Row]:
+        """One synchronous iteration with speculation: drafts are proposed from the tokens the
+        host holds, the block is verified on device, and the accepted tokens are read back
+        before the next iteration is planned. Steps whose batch is above
+        ``disable_by_batch_size``, or where no row has a draft, run as plain decode steps."""
+        if self._inflight is not None:  # left over from before speculation was enabled
+            done, self._inflight = self._consume(self._inflight), None
+            return done
+        if not self.sched.has_work():
+            return []
+        spec, stats = self.spec, self.spec_stats
+        decoding = [s for s in self.sched.slots if s is not None and s.state.value == "decode"]
+        drafts = self._propose(decoding) if 0 < len(decoding) <= spec.disable_by_batch_size else {}
+        if not drafts:
+            stats.disabled_steps += bool(decoding)
+            fl = self._dispatch()
+            return self._consume(fl) if fl is not None else []
+        for s, d in drafts.items():
+            s.lookahead = len(d)
+        plan = self.sched.plan()
+        for s in drafts:
+            s.lookahead = 0
+        for seq in plan.inserted:
+            self._insert_row(seq)
+        rows = {s.slot: drafts[s] for s in plan.decode if s in drafts}
+        want_plp = [g.seq.row.params.prompt_logprobs for g in plan.prefill if g.seq.wants_prompt_logprobs]
+        q = spec.num_speculative_tokens + 1
+        batch = build_batch(plan, self.sched, q=q, pad_id=self.tokenizer.pad_id, pages_per_seq=self.pages_per_seq,
+                            max_num_seqs=self.max_num_seqs, prefill_chunk=self.config.prefill_chunk,
+                            want_targets=bool(want_plp), drafts=rows)
+        num_lp = buckets.logprob_bucket([s.row.params.logprobs for s in plan.decode])
+        plp = buckets.logprob_bucket(want_plp)
+        draft_layers = spec.num_layers if spec.method == SpecMethod.EARLY_EXIT else 0
+        self.shapes_run.add((batch.rows, batch.table.shape[1], batch.prefill_len, q, num_lp, plp))
+        out, self.k_pages, self.v_pages, self.slots = self._spec_step(
+            self.weights, batch, self.k_pages, self.v_pages, self.slots, cfg=self.cfg, num_logprobs=num_lp,
+            prompt_logprobs=plp, kernel_mode=kernels.current_mode(), draft_layers=draft_layers)
+        self.sched.prefill_done(plan.prefill)
+        plp_segments, at = [], 0
+        for g in plan.prefill:
+            if g.seq.wants_prompt_logprobs:
+                plp_segments.append((g.seq, g.start, g.n, at))
+            at += g.n
+        if plp_segments:
+            self._record_prompt_logprobs(_InFlight([], plp_segments, None), jax.device_get(out.prompt_logprobs))
+        if not plan.decode:
+            return []
+        self.stats["decode_steps"] += 1
+        stats.steps += 1
+        toks, accepted = np.asarray(out.tokens), np.asarray(out.accepted)
+        host_lp = jax.device_get(out.logprobs) if out.logprobs is not None else None
+        now = time.perf_counter()
+        done = []
+        for seq in plan.decode:
+            if seq.slot < 0 or seq.row.checker.finished:
+                continue
+            r, b = seq.row, seq.slot
+            n, a = len(rows.get(b, [])), int(accepted[b])
+            stats.record(n, a)
+            r.spec_drafted += n
+            r.spec_accepted += a
+            finished = False
+            for j in range(a + 1):
+                seq.computed = len(seq.tokens)  # the input of position j is in the pages now
+                lp_j = None if host_lp is None else tuple(x[:, j] for x in host_lp)
+                if record_token(r, int(toks[b, j]), lp_j, b, now, self.tokenizer):
+                    finished = True
+                    break
+            if finished:
+                self.sched.release(seq)
+                self._seqs.pop(id(r), None)
+                done.append(r)
+            else:
+                self.sched.register_full_pages(seq)
+        return done
 
     # ------------------------------------------------------------------ slots
     def _insert_row(self, seq: Seq) -> None:

@@ -30,6 +30,8 @@ class Row:
     token_times: list[float] = dataclasses.field(default_factory=list)  # when each token arrived
     # params.prompt_logprobs set: one entry per prompt token (None for the first), filled by prefill
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    spec_drafted: int = 0  # speculative decoding: tokens drafted for this row
+    spec_accepted: int = 0  # and accepted
 
 
 def record_token(r: Row, tok: int, host_lp, b: int, now: float, tokenizer) -> bool:

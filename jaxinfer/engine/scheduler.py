@@ -59,6 +59,7 @@ class Seq:
     window_lo: int = 0  # first logical page still held in window_pages
     chain: bytes = ROOT_HASH  # hash chain after the registered pages
     inflight: int = 0  # tokens sampled on device that the host has not read yet (0 or 1)
+    lookahead: int = 0  # drafted tokens this step writes past its last token (speculative decoding)
     preemptions: int = 0
     aborted: bool = False
 
@@ -234,7 +235,7 @@ class Scheduler:
         for seq in sorted(decoding, key=lambda s: s.arrival):
             if seq.slot < 0 or seq.state != SeqState.DECODE:
                 continue  # preempted below while making room for an earlier sequence
-            pos = len(seq.tokens) - 1 + seq.inflight
+            pos = len(seq.tokens) - 1 + seq.inflight + seq.lookahead
             while pos // ps >= len(seq.pages):
                 if self.allocator.num_free == 0:
                     victim = max(self.running(), key=lambda s: s.arrival)

@@ -118,3 +118,88 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
                 logits = mod.unembed(weights, h[:, R * Q :], cfg)[0]
                 plp = token_logprobs(logits, batch.targets, prompt_logprobs)
     return StepOutput(new, lp, row_logits, plp), cache.k, cache.v, slots
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecOutput:
+    tokens: jax.Array  # i32[R, q] each row's accepted drafts, then its new token; -1 after
+    accepted: jax.Array  # i32[R] drafts accepted per row
+    logprobs: tuple | None  # (chosen f32[R, q], rank i32[R, q], top ids i32[R, q, n], top logprobs f32[R, q, n])
+    prompt_logprobs: tuple | None
+
+
+def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cfg, windowed, use_kernels,
+                       num_layers: int):
+    """Fill each decode row's draft columns with the greedy tokens of the model's first
+    num_layers layers (plus final norm and head), one position at a time; their keys and
+    values go to the same pages the verification pass then rewrites -> (tokens i32[N], pools)."""
+    R, Q = batch.rows, batch.q
+    toks = batch.tokens[: R * Q].reshape(R, Q)
+    pos = batch.positions[: R * Q].reshape(R, Q)
+    wp = batch.write_page[: R * Q].reshape(R, Q)
+    wwp = batch.write_wpage[: R * Q].reshape(R, Q)
+    head = dict(weights, layers=weights["layers"][:num_layers])
+    none = jnp.zeros(0, jnp.int32)
+    cur, drafts = toks[:, 0], []
+    for j in range(Q - 1):
+        sub = PackedBatch(tokens=cur, positions=pos[:, j], write_page=wp[:, j], write_wpage=wwp[:, j],
+                          active=batch.active, use_prev=jnp.zeros(R, bool), last_q=jnp.zeros(R, jnp.int32),
+                          table=batch.table, wtable=batch.wtable, wbase=batch.wbase, seg=none,
+                          hist_end=jnp.int32(0), targets=none, rows=R, q=1)
+        cache = PackedKV(k_pages, v_pages, sub, windowed, use_kernels)
+        h, cache = mod.forward(head, cur[None], None, cache, cfg=cfg, positions=pos[None, :, j])
+        k_pages, v_pages = cache.k, cache.v
+        cur = jnp.argmax(mod.unembed(weights, h[0][:, None], cfg)[:, 0], axis=-1).astype(jnp.int32)
+        drafts.append(cur)
+    toks = toks.at[:, 1:].set(jnp.stack(drafts, axis=1))
+    return batch.tokens.at[: R * Q].set(toks.reshape(-1)), k_pages, v_pages
+
+
+def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, *, cfg, windowed,
+              num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode, draft_layers: int = 0):
+    """One speculative scheduler iteration -> (SpecOutput, k_pages, v_pages, slots).
+
+    Decode row r (slot r) carries q = k + 1 queries: its last token, then its drafts
+    (``batch.last_q[r]`` of them are real; the rest write to the scratch page). With
+    draft_layers > 0 the drafts are made here first (early exit). One forward pass over every
+    row and the prefill row, then ``sampling.verify_block`` accepts a prefix of each row's
+    drafts and adds one token; the slot state advances by what was emitted."""
+    with kernels.traced_with(kernel_mode):
+        mod = family_module(cfg.family)
+        R, Q = batch.rows, batch.q
+        use_kernels = kernel_mode != kernels.KernelMode.OFF
+        tokens = batch.tokens
+        if draft_layers:
+            with jax.named_scope("early_exit_draft"):
+                tokens, k_pages, v_pages = _early_exit_drafts(mod, weights, batch, k_pages, v_pages, cfg=cfg,
+                                                              windowed=windowed, use_kernels=use_kernels,
+                                                              num_layers=draft_layers)
+            batch = dataclasses.replace(batch, tokens=tokens)
+        cache = PackedKV(k_pages, v_pages, batch, windowed, use_kernels)
+        h, cache = mod.forward(weights, tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
+        with jax.named_scope("verify"):
+            row_logits = mod.unembed(weights, h[0, : R * Q].reshape(R, Q, -1), cfg)  # f32[R, Q, V]
+            sub = jax.tree.map(lambda a: a[:R], slots)
+            drafts = tokens[: R * Q].reshape(R, Q)[:, 1:]
+            ver = smp.verify_block(row_logits, drafts, batch.last_q, sub.sampling, sub.generated, sub.stop_ids,
+                                   sub.min_tokens, use_kernel=use_kernels,
+                                   interpret=kernel_mode == kernels.KernelMode.INTERPRET)
+            new_last = jnp.take_along_axis(ver.tokens, ver.accepted[:, None], axis=1)[:, 0]
+            upd = SlotState(ver.state, new_last, sub.stop_ids, sub.min_tokens, sub.generated + ver.accepted + 1)
+            keep = lambda n, o: jnp.where(batch.active.reshape((R,) + (1,) * (n.ndim - 1)), n, o)  # noqa: E731
+            sub = jax.tree.map(keep, upd, sub)
+            slots = jax.tree.map(lambda a, s: a.at[:R].set(s), slots, sub)
+        lp = plp = None
+        if num_logprobs >= 0:
+            flat = row_logits.reshape(R * Q, -1)
+            toks = jnp.maximum(ver.tokens.reshape(-1), 0)
+            chosen, top_ids, top_lp = smp.logprobs_of(flat, toks, num_logprobs)
+            picked = jnp.take_along_axis(flat, toks[:, None], axis=1)
+            rank = 1 + jnp.sum(flat > picked, axis=-1)
+            lp = tuple(a.reshape((R, Q) + a.shape[1:]) for a in (chosen, rank, top_ids, top_lp))
+        if prompt_logprobs >= 0 and batch.prefill_len:
+            with jax.named_scope("prompt_logprobs"):
+                logits = mod.unembed(weights, h[:, R * Q :], cfg)[0]
+                plp = token_logprobs(logits, batch.targets, prompt_logprobs)
+    return SpecOutput(ver.tokens, ver.accepted, lp, plp), cache.k, cache.v, slots

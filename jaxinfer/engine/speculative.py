@@ -1,0 +1,148 @@
+"""Speculative decoding's host side: the configuration (vLLM's ``speculative_config``), the
+prompt-lookup proposer, and the acceptance statistics.
+
+Every method proposes a deterministic block of drafts, so verification treats them as a point
+mass (accept draft x with probability p(x), resample from p without x on rejection): lossless
+in every sampling mode (see ``sampling.verify``). Where drafts come from:
+
+* ``ngram``: the longest suffix of the sequence (prompt + output), between
+  ``prompt_lookup_min`` and ``prompt_lookup_max`` tokens, that occurred earlier; the tokens that
+  followed its latest earlier occurrence are the drafts. Host only, no model.
+* ``early_exit``: the model's own first ``num_layers`` layers, final norm and head, run
+  greedily k times inside the same jitted step before the block is verified; their keys and
+  values go to the target's own pages (the verification pass rewrites them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from collections.abc import Mapping, Sequence
+
+from jaxinfer.errors import InvalidRequest
+
+
+class SpecMethod(str, enum.Enum):
+    NGRAM = "ngram"
+    EARLY_EXIT = "early_exit"
+
+
+_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "num_layers",
+           "disable_by_batch_size"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: SpecMethod
+    num_speculative_tokens: int  # k: drafted tokens per row and step
+    prompt_lookup_max: int = 4  # ngram: longest suffix looked up
+    prompt_lookup_min: int = 1  # ngram: shortest suffix looked up
+    num_layers: int | None = None  # early_exit: layers that draft
+    disable_by_batch_size: int = 4  # steps with more decoding rows than this run without speculation
+
+    @classmethod
+    def parse(cls, spec, n_layers: int | None = None) -> "SpeculativeConfig | None":
+        """From a dict or a JSON string (or None / an existing config), validated."""
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            out = spec
+        else:
+            if isinstance(spec, str):
+                try:
+                    spec = json.loads(spec)
+                except json.JSONDecodeError as e:
+                    raise InvalidRequest(f"speculative_config is not valid JSON: {e}") from None
+            if not isinstance(spec, Mapping):
+                raise InvalidRequest(f"speculative_config must be an object, got {type(spec).__name__}")
+            unknown = sorted(set(spec) - _FIELDS)
+            if unknown:
+                raise InvalidRequest(f"speculative_config has unknown field(s) {unknown}; known: {sorted(_FIELDS)}")
+            if "method" not in spec:
+                raise InvalidRequest("speculative_config needs a 'method': one of "
+                                     + ", ".join(m.value for m in SpecMethod))
+            try:
+                method = SpecMethod(spec["method"])
+            except ValueError:
+                raise InvalidRequest(f"speculative_config method must be one of "
+                                     f"{', '.join(m.value for m in SpecMethod)}, got {spec['method']!r}") from None
+            kw = {k: v for k, v in spec.items() if k != "method"}
+            for name, v in kw.items():
+                if not isinstance(v, int) or isinstance(v, bool):
+                    raise InvalidRequest(f"speculative_config {name} must be an integer, got {v!r}")
+            if "num_speculative_tokens" not in kw:
+                raise InvalidRequest("speculative_config needs num_speculative_tokens (k >= 1)")
+            out = cls(method=method, **kw)
+        if out is not None:
+            out.check(n_layers)
+        return out
+
+    def check(self, n_layers: int | None = None) -> None:
+        k = self.num_speculative_tokens
+        if not 1 <= k <= 16:
+            raise InvalidRequest(f"speculative_config num_speculative_tokens must be in [1, 16], got {k}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InvalidRequest(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.disable_by_batch_size < 1:
+            raise InvalidRequest(f"speculative_config disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+        if self.method == SpecMethod.EARLY_EXIT:
+            if self.num_layers is None:
+                raise InvalidRequest("speculative_config method early_exit needs num_layers")
+            if n_layers is not None and not 1 <= self.num_layers < n_layers:
+                raise InvalidRequest(f"speculative_config num_layers must be in [1, {n_layers - 1}] "
+                                     f"(the model has {n_layers} layers), got {self.num_layers}")
+        elif self.num_layers is not None:
+            raise InvalidRequest(f"speculative_config num_layers applies to early_exit, not {self.method.value}")
+
+
+def ngram_propose(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup: for n from max_n down to min_n, find the latest earlier occurrence of the
+    last n tokens and return (up to) k tokens that followed it; [] if no suffix recurs."""
+    L = len(tokens)
+    toks = list(tokens)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        suffix = toks[L - n:]
+        for start in range(L - n - 1, -1, -1):  # latest occurrence first
+            if toks[start:start + n] == suffix:
+                follow = toks[start + n:start + n + k]
+                if follow:
+                    return follow
+    return []
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Acceptance counters: per step, per row, by draft position."""
+
+    k: int
+    steps: int = 0  # verification steps run (each verifies every decoding row's block)
+    rows: int = 0  # row-blocks verified
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0  # tokens produced by verification steps (accepted + one per row)
+    disabled_steps: int = 0  # decode steps run without speculation (batch too large, no drafts)
+    by_position: list[int] = dataclasses.field(default_factory=list)  # blocks whose draft j was accepted
+    drafted_by_position: list[int] = dataclasses.field(default_factory=list)  # blocks with a draft j
+
+    def __post_init__(self):
+        self.by_position = self.by_position or [0] * self.k
+        self.drafted_by_position = self.drafted_by_position or [0] * self.k
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.rows += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += accepted + 1
+        for j in range(accepted):
+            self.by_position[j] += 1
+        for j in range(drafted):
+            self.drafted_by_position[j] += 1
+
+    def summary(self) -> dict:
+        rate = self.accepted / self.drafted if self.drafted else 0.0
+        return {"spec_steps": self.steps, "spec_disabled_steps": self.disabled_steps,
+                "spec_drafted_tokens": self.drafted, "spec_accepted_tokens": self.accepted,
+                "spec_acceptance_rate": round(rate, 4),
+                "spec_mean_accepted_length": round(self.emitted / self.rows, 4) if self.rows else 0.0,
+                "spec_acceptance_by_position": [round(a / d, 4) if d else 0.0
+                                                for a, d in zip(self.by_position, self.drafted_by_position)]}
