@@ -1,0 +1,123 @@
+"""Speculative decoding against plain decoding on the real SmolLM2, in one process, methods
+interleaved per repeat so the machine's load falls on all of them alike; medians reported.
+
+    python benchmarks/spec_decode.py --repeats 3 --json benchmarks/spec_decode.json
+
+* batch 1, input-grounded prompts (copy or quote a passage, edit or annotate code), greedy,
+  up to 128 new tokens, one request at a time: off, ngram (k=4, lookup 1-4), early_exit;
+* batch 1, general chat prompts: off, early_exit, ngram;
+* batch 16 (16 chat prompts at once): off against ngram with its default disable_by_batch_size.
+Every mode's greedy tokens are checked equal to plain decoding's before anything is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+
+GROUNDED = [
+    "Copy the following passage exactly, word for word:\n\nThe history of the printing press begins in "
+    "the fifteenth century, when Johannes Gutenberg combined movable metal type, oil-based ink and a "
+    "wooden screw press. His workshop in Mainz produced the famous Bible around 1455, and within fifty "
+    "years presses were running in more than two hundred European cities.",
+    "Add type hints to this function and return the whole function:\n\n"
+    "def moving_average(values, window):\n    result = []\n    total = 0\n    for i, v in enumerate(values):\n"
+    "        total += v\n        if i >= window:\n            total -= values[i - window]\n"
+    "        if i >= window - 1:\n            result.append(total / window)\n    return result\n",
+    "Quote the first two sentences of this text, then say who wrote it:\n\n\"It was the best of times, it was "
+    "the worst of times, it was the age of wisdom, it was the age of foolishness, it was the epoch of belief, "
+    "it was the epoch of incredulity.\" (Charles Dickens, A Tale of Two Cities)",
+    "Add a docstring to this Python function and return the full code:\n\n"
+    "def clamp(x, lo, hi):\n    if x < lo:\n        return lo\n    if x > hi:\n        return hi\n    return x\n",
+]
+CHAT = [
+    "Write a short story about a robot who learns to paint.",
+    "What are three tips for staying productive when working from home?",
+    "Explain how a rainbow forms, in simple words.",
+    "Give me a recipe for a quick vegetarian pasta dinner.",
+]
+
+
+def _cpu() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except Exception:
+        return platform.processor()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--early-exit-layers", type=int, default=24)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    from jaxinfer import LLM, SamplingParams
+
+    modes = {
+        "off": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
+        "early_exit": {"method": "early_exit", "num_speculative_tokens": 2, "num_layers": args.early_exit_layers},
+    }
+    llms = {m: LLM(args.model, progress=False, max_model_len=1024, max_num_seqs=16, speculative_config=c)
+            for m, c in modes.items()}
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    convs = lambda ps: [[{"role": "user", "content": p}] for p in ps]  # noqa: E731
+
+    def one_at_a_time(llm, prompts):
+        n, t0 = 0, time.perf_counter()
+        toks = []
+        for c in convs(prompts):
+            o = llm.chat([c], sp, use_tqdm=False)[0].outputs[0]
+            n += len(o.token_ids)
+            toks.append(o.token_ids)
+        return n / (time.perf_counter() - t0), toks
+
+    def batched(llm, prompts):
+        t0 = time.perf_counter()
+        outs = llm.chat(convs(prompts), sp, use_tqdm=False)
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        return n / (time.perf_counter() - t0), [o.outputs[0].token_ids for o in outs]
+
+    cases = {
+        "batch1_grounded": (one_at_a_time, GROUNDED, ["off", "ngram", "early_exit"]),
+        "batch1_chat": (one_at_a_time, CHAT, ["off", "early_exit", "ngram"]),
+        "batch16_chat": (batched, (CHAT * 4)[:16], ["off", "ngram"]),
+    }
+    results = {}
+    for name, (run, prompts, ms) in cases.items():
+        ref = None
+        for m in ms:  # warm pass: compiles, and checks greedy equality with plain decoding
+            _, toks = run(llms[m], prompts)
+            ref = toks if ref is None else ref
+            assert toks == ref, f"{name}: {m} differs from plain decoding"
+            llms[m].engine.spec_stats and llms[m].engine.spec_stats.__init__(llms[m].engine.spec.num_speculative_tokens)
+        rates = {m: [] for m in ms}
+        for _ in range(args.repeats):
+            for m in ms:
+                rates[m].append(run(llms[m], prompts)[0])
+        res = {m: {"tok_s_median": round(statistics.median(r), 2), "tok_s": [round(x, 2) for x in r]} for m, r in rates.items()}
+        for m in ms:
+            st = llms[m].engine.spec_stats
+            if st is not None:
+                res[m]["acceptance"] = st.summary()
+                st.__init__(st.k)
+            res[m]["speedup"] = round(res[m]["tok_s_median"] / res["off"]["tok_s_median"], 3)
+        results[name] = res
+        print(name, json.dumps(res))
+    info = {"cpu": _cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "repeats": args.repeats,
+            "max_tokens": args.max_tokens, "modes": modes, "results": results}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(info, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

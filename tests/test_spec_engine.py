@@ -1,0 +1,159 @@
+"""Speculative decoding through the engine on the real checkpoints: greedy output with
+speculation equals the transformers goldens and decoding without it, token for token, for
+every method, batched with mixed acceptance; blocks that cross max_tokens, stop strings and
+EOS end at the right token; logprobs, preemption, prefix caching and the int8 KV cache hold;
+bad configurations get one clear error."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.speculative import SpeculativeConfig, ngram_propose
+from jaxinfer.errors import InvalidRequest
+
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2-135m-instruct.json").read_text())["prompts"]
+GEMMA = json.loads((Path(__file__).parent / "golden" / "gemma-3-270m.json").read_text())["prompts"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 16}
+EARLY = {"method": "early_exit", "num_speculative_tokens": 2, "num_layers": 24, "disable_by_batch_size": 16}
+MIXED = [  # input-grounded prompts (drafts accepted) among open ones (drafts mostly rejected)
+    "Copy exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat.",
+    "Tell me about the moon.",
+    "def f(x):\n    return x + 1\n\ndef g(x):\n    return x + 1\n\ndef h(x):\n",
+    "Name three colours.",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "Why is the sky blue?",
+    "red green blue red green blue red green blue",
+    "Write a haiku about rain.",
+]
+
+
+@pytest.fixture(scope="module")
+def ngram_llm(smollm2_gguf):
+    return LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=NGRAM)
+
+
+def _greedy(n, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, **kw)
+
+
+def test_ngram_lookup_by_hand():
+    assert ngram_propose([1, 2, 3, 9, 1, 2, 3], 2, 1, 3) == [9, 1]  # suffix 1 2 3 seen at 0
+    assert ngram_propose([5, 1, 2, 7, 1, 2], 3, 1, 4) == [7, 1, 2]
+    assert ngram_propose([1, 2, 3, 4], 2, 1, 3) == []  # nothing recurs
+    assert ngram_propose([4, 4, 4], 5, 1, 2) == [4]  # the latest occurrence, cut at the end
+    assert ngram_propose([3, 1, 2, 8, 3, 1, 2], 1, 2, 2) == [8]
+
+
+@pytest.mark.parametrize("spec", [NGRAM, EARLY], ids=["ngram", "early_exit"])
+def test_greedy_equals_transformers_goldens(smollm2_gguf, spec):
+    llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=spec)
+    sp = SamplingParams(temperature=0.0, max_tokens=len(GOLDEN[0]["greedy_ids"]), ignore_eos=True,
+                        skip_special_tokens=False)
+    outs = llm.generate([c["prompt_ids"] for c in GOLDEN], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [c["greedy_ids"] for c in GOLDEN]
+    st = llm.engine.spec_stats
+    assert st.steps > 0 and st.drafted > 0 and st.accepted > 0  # speculation really ran
+
+
+@pytest.mark.slow  # 30 s: a second real model loaded and compiled with speculation
+def test_gemma_goldens_with_ngram(gemma3_gguf):
+    llm = LLM(str(gemma3_gguf), max_model_len=1024, progress=False, speculative_config=NGRAM)
+    sp = SamplingParams(temperature=0.0, max_tokens=len(GEMMA[0]["greedy_ids"]), ignore_eos=True,
+                        skip_special_tokens=False)
+    outs = llm.generate([c["prompt_ids"] for c in GEMMA], sp, use_tqdm=False)  # past_window crosses the window
+    exact = sum(o.outputs[0].token_ids == c["greedy_ids"] for c, o in zip(GEMMA, outs))
+    assert exact >= len(GEMMA) - 1  # the golden test's allowance (one near-tie prompt)
+    assert llm.engine.spec_stats.accepted > 0
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_batched_mixed_acceptance_equals_plain(ngram_llm, smollm2_llm, batch):
+    sp = _greedy(40)
+    prompts = MIXED[:batch]
+    want = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, sp, use_tqdm=False)]
+    before = ngram_llm.engine.spec_stats.summary()
+    got = [o.outputs[0].token_ids for o in ngram_llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    after = ngram_llm.engine.spec_stats
+    assert after.accepted > before["spec_accepted_tokens"]
+    assert after.drafted - before["spec_drafted_tokens"] > after.accepted - before["spec_accepted_tokens"]  # some rejected
+
+
+def test_blocks_end_at_max_tokens_stop_strings_and_eos(ngram_llm, smollm2_llm):
+    prompt = "Repeat after me ten times: apple banana cherry apple banana cherry apple banana cherry"
+    full = smollm2_llm.generate([prompt], _greedy(60), use_tqdm=False)[0].outputs[0]
+    # max_tokens that lands inside an accepted block
+    for n in (5, 6, 7, 13):
+        a = smollm2_llm.generate([prompt], _greedy(n), use_tqdm=False)[0].outputs[0]
+        b = ngram_llm.generate([prompt], _greedy(n), use_tqdm=False)[0]
+        assert b.outputs[0].token_ids == a.token_ids and len(a.token_ids) == n
+        assert b.outputs[0].finish_reason == "length" and b.metrics.num_generated_tokens == n
+    # a stop string in the middle of the repeated text
+    stop = full.text[len(full.text) // 2:][:7]
+    a = smollm2_llm.generate([prompt], _greedy(60, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    b = ngram_llm.generate([prompt], _greedy(60, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, a.finish_reason) and a.finish_reason == "stop"
+    # EOS: a chat answer that ends by itself
+    conv = [{"role": "user", "content": "Copy exactly: one two three four."}]
+    a = smollm2_llm.chat(conv, _greedy(64), use_tqdm=False)[0].outputs[0]
+    b = ngram_llm.chat(conv, _greedy(64), use_tqdm=False)[0].outputs[0]
+    assert a.finish_reason == "stop" and (b.token_ids, b.finish_reason, b.text) == (a.token_ids, a.finish_reason, a.text)
+
+
+def test_logprobs_of_accepted_tokens_equal_plain(ngram_llm, smollm2_llm):
+    prompt = MIXED[0]
+    sp = _greedy(24, logprobs=3)
+    a = smollm2_llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    b = ngram_llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    assert a.token_ids == b.token_ids
+    for pa, pb in zip(a.logprobs, b.logprobs):
+        assert list(pa) == list(pb)
+        for t in pa:
+            assert abs(pa[t].logprob - pb[t].logprob) < 1e-3 and pa[t].rank == pb[t].rank
+    assert abs(a.cumulative_logprob - b.cumulative_logprob) < 1e-2
+
+
+def test_preemption_prefix_cache_and_int8_kv(smollm2_gguf):
+    """A pool too small for every row preempts; the repeated prompts hit the prefix cache; the
+    KV cache is int8. Speculation on and off agree under the same engine settings."""
+    kw = dict(max_model_len=256, progress=False, num_pages=12, page_size=16, kv_cache_dtype="int8", max_num_seqs=4)
+    plain = LLM(str(smollm2_gguf), **kw)
+    spec = LLM(str(smollm2_gguf), speculative_config=NGRAM, **kw)
+    prompts = [MIXED[0], MIXED[4], MIXED[0], MIXED[6]]
+    sp = _greedy(48, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    assert spec.engine.stats["preemptions"] > 0 and spec.engine.stats["cached_prompt_tokens"] > 0
+    assert spec.engine.allocator.num_used == 0 or spec.engine.allocator.check_invariants() is None
+
+
+def test_sampled_rows_run_and_report_acceptance(ngram_llm):
+    outs = ngram_llm.generate([MIXED[0]] * 3, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=32, seed=5),
+                              use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) > 0 for o in outs)
+    assert [o.outputs[0].token_ids for o in outs][0] == outs[0].outputs[0].token_ids  # same seed, same tokens
+    m = outs[0].metrics
+    assert m.spec_drafted_tokens >= m.spec_accepted_tokens >= 0
+
+
+@pytest.mark.parametrize("cfg,msg", [
+    ({"method": "medusa2", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be in \[1, 16\]"),
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"method": "early_exit", "num_speculative_tokens": 2}, "needs num_layers"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 3}, "unknown field"),
+    ("{not json", "not valid JSON"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+])
+def test_bad_config_is_one_clear_error(cfg, msg):
+    with pytest.raises(InvalidRequest, match=msg):
+        SpeculativeConfig.parse(cfg, 30)
+
+
+def test_early_exit_layers_checked_against_the_model(smollm2_gguf):
+    with pytest.raises(InvalidRequest, match=r"num_layers must be in \[1, 29\]"):
+        LLM(str(smollm2_gguf), progress=False, speculative_config={"method": "early_exit", "num_speculative_tokens": 2,
+                                                                     "num_layers": 30})
