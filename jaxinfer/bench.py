@@ -78,6 +78,9 @@ def run_bench(llm, spec: WorkloadSpec, *, warmup: bool = True, ttft_slo: float |
     before = eng.num_compilations() if hasattr(eng, "num_compilations") else 0
     prompts = [{"prompt_token_ids": r.prompt_ids} for r in reqs]
     sps = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    stats = getattr(eng, "spec_stats", None)
+    if stats is not None:
+        stats.__init__(stats.k)  # count the timed run only
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sps, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -101,6 +104,8 @@ def run_bench(llm, spec: WorkloadSpec, *, warmup: bool = True, ttft_slo: float |
     out["compilations"] = {"warmup": compiled_warmup, "during_run": after - before, "total": after}
     out["weights_bytes"], out["kv_bytes_per_token"] = int(weights_bytes), kv_tok
     out["engine"] = dict(getattr(eng, "stats", {}))
+    if stats is not None:
+        out["speculative"] = stats.summary()
     out["workload"] = dataclasses.asdict(spec)
     out["peaks"] = peaks
     return out
@@ -117,6 +122,12 @@ def format_summary(s: dict) -> str:
     if "mfu" in s:
         lines.append(f"  MFU {100 * s['mfu']:.1f}%  MBU {100 * s.get('mbu', 0):.1f}%  "
                      f"(peaks {s['peaks']['flops'] / 1e9:.0f} GFLOP/s, {s['peaks']['bytes_s'] / 1e9:.1f} GB/s)")
+    if "speculative" in s:
+        sp = s["speculative"]
+        lines.append(f"  speculative: {sp['spec_accepted_tokens']}/{sp['spec_drafted_tokens']} drafts accepted "
+                     f"({100 * sp['spec_acceptance_rate']:.1f}%), {sp['spec_mean_accepted_length']:.2f} tokens per "
+                     f"verified block, by position {sp['spec_acceptance_by_position']}, "
+                     f"{sp['spec_disabled_steps']} steps without speculation")
     c = s["compilations"]
     lines.append(f"  compilations: {c['warmup']} in warm-up, {c['during_run']} during the run, {c['total']} total")
     return "\n".join(lines)

@@ -49,13 +49,17 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--scheduling", choices=["fcfs", "spf"], default="fcfs")
     p.add_argument("--engine", choices=["paged", "static"], default="paged")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        "(methods: ngram with prompt_lookup_min/max, early_exit with num_layers; "
+                        "disable_by_batch_size, default 4)")
 
 
 def _engine_kwargs(a) -> dict:
     return dict(quantize=a.quantize, quant_group=a.quant_group,
                 max_num_seqs=a.max_num_seqs, page_size=a.page_size, num_pages=a.num_pages,
                 prefill_chunk=a.prefill_chunk, enable_prefix_caching=not a.no_prefix_caching,
-                scheduling=a.scheduling, engine=a.engine)
+                scheduling=a.scheduling, engine=a.engine, speculative_config=a.speculative_config)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
     _add_sampling(g)
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
     b = sub.add_parser(
         "batch", help="answer every request of a file into a JSONL file, resumably",
@@ -163,7 +169,8 @@ def cmd_generate(a) -> int:
 
     sp = _sampling(a)  # invalid values fail before the model loads
     llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
-              progress=not a.json, quantize=a.quantize, quant_group=a.quant_group)
+              progress=not a.json, quantize=a.quantize, quant_group=a.quant_group,
+              speculative_config=a.speculative_config)
     t0 = time.perf_counter()
     if a.chat is not None:
         out = llm.chat([{"role": "user", "content": a.chat}], sp, use_tqdm=False)[0]
@@ -179,6 +186,8 @@ def cmd_generate(a) -> int:
             "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
             "ttft_s": m.ttft, "tokens_per_s": (len(c.token_ids) - 1) / decode_s if decode_s > 0 else None,
             "wall_s": wall,
+            **({"spec_drafted_tokens": m.spec_drafted_tokens, "spec_accepted_tokens": m.spec_accepted_tokens}
+               if a.speculative_config else {}),
         }, ensure_ascii=False))
     else:
         print(c.text)

@@ -157,3 +157,25 @@ def test_early_exit_layers_checked_against_the_model(smollm2_gguf):
     with pytest.raises(InvalidRequest, match=r"num_layers must be in \[1, 29\]"):
         LLM(str(smollm2_gguf), progress=False, speculative_config={"method": "early_exit", "num_speculative_tokens": 2,
                                                                      "num_layers": 30})
+
+
+@pytest.mark.parametrize("cmd", ["generate", "batch", "bench", "warmup"])
+def test_cli_bad_speculative_config_exits_2(cmd, tmp_path, capsys):
+    from jaxinfer.cli import main
+
+    src = tmp_path / "in.txt"
+    src.write_text("hello\n")
+    args = {"generate": ["generate", "--prompt", "hi"], "batch": ["batch", str(src), "-o", str(tmp_path / "o.jsonl")],
+            "bench": ["bench"], "warmup": ["warmup"]}[cmd]
+    assert main(args + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}']) == 2
+    err = capsys.readouterr().err
+    assert "num_speculative_tokens must be in [1, 16], got 0" in err and err.count("\n") == 1
+
+
+def test_cli_generate_with_speculation_reports_acceptance(smollm2_gguf, capsys):
+    from jaxinfer.cli import main
+
+    assert main(["generate", "--model", str(smollm2_gguf), "--prompt", MIXED[6], "--max-tokens", "16", "--json",
+                 "--speculative-config", json.dumps(NGRAM)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["spec_drafted_tokens"] >= out["spec_accepted_tokens"] > 0

@@ -115,6 +115,7 @@ class BatchSummary:
     interrupted: int | None = None  # the signal that stopped the run, if one did
     process_index: int = 0
     process_count: int = 1
+    speculative: dict | None = None  # this process's acceptance counters (engine.speculative.SpecStats)
 
     @property
     def complete(self) -> bool:
@@ -133,6 +134,7 @@ class BatchSummary:
                          "wall_s": self.wall_s, "output_tokens_per_s": self.run.output_tokens / wall,
                          "requests_per_s": self.run.answered / wall},
             "latency": {name: h.summary() for name, h in self.latency.items()},
+            **({"speculative": self.speculative} if self.speculative is not None else {}),
         }
 
     def to_json(self) -> dict:

@@ -180,8 +180,17 @@ class PagedEngine:
         the scratch page only, with every slot idle."""
         before = self.num_compilations()
         ps, W = self.allocator.page_size, self.window
+        spec_rows = buckets.bucket(self.spec.disable_by_batch_size, buckets.BATCH_BUCKETS, self.max_num_seqs) \
+            if self.spec else 0
         for R, w, Tp in self.warmup_shapes(max_prompt_len, max_len):
             self.run_step(self.idle_batch(R, w, Tp))
+            if 0 < R <= spec_rows:  # the verification step of each shape speculation can run at
+                q = self.spec.num_speculative_tokens + 1
+                draft_layers = self.spec.num_layers if self.spec.method == SpecMethod.EARLY_EXIT else 0
+                _, self.k_pages, self.v_pages, self.slots = self._spec_step(
+                    self.weights, self.idle_batch(R, w, Tp, q=q), self.k_pages, self.v_pages, self.slots,
+                    cfg=self.cfg, num_logprobs=-1, prompt_logprobs=-1, kernel_mode=kernels.current_mode(),
+                    draft_layers=draft_layers)
         self.slots = make_slots(self.cfg.vocab_size, self.max_num_seqs, self.seed)  # warm-up sampled into idle slots
         dummy = jax.tree.map(lambda a: a[:1], self.slots)
         self.slots = self._insert(self.slots, jnp.int32(0), dummy)
