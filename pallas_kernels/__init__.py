@@ -8,6 +8,9 @@ One small package per op:
                     values read from a page pool through each sequence's page table.
   quant_matmul      int8 x int8 -> int32 matmul with per-token and per-channel scales, and
                     weight-only int8 / packed-int4 matmuls that dequantize inside the kernel.
+  spec_verify       blockwise speculative verification: accepted lengths and the next token
+                    per row from the target's logits at k + 1 positions (greedy prefix match
+                    or rejection sampling), streamed over the vocabulary.
 
 Each package exports, for its op ``op``:
   ``op``            dispatch: the Pallas kernel on TPU/GPU (or anywhere with
