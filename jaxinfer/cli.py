@@ -129,6 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine(w)
     w.add_argument("--max-prompt-len", type=int, default=None)
 
+    tm = sub.add_parser("train-medusa", help="train Medusa heads for speculative decoding (self-distillation)")
+    tm.add_argument("model_name", metavar="MODEL", help="registry name or path of the model the heads serve")
+    tm.add_argument("--out", required=True, help="directory for the heads (Orbax checkpoint + medusa.json)")
+    tm.add_argument("--heads", type=int, default=3)
+    tm.add_argument("--steps", type=int, default=600)
+    tm.add_argument("--batch", type=int, default=128, help="positions per step")
+    tm.add_argument("--lr", type=float, default=1e-3)
+    tm.add_argument("--max-tokens", type=int, default=128, help="length of the model's own answers")
+    tm.add_argument("--data", default=None, help='JSONL of {"prompt", "split": "train"|"heldout"} (default: the '
+                                                 "packaged prompt set)")
+    tm.add_argument("--seed", type=int, default=0)
+
     sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                         description="Endpoints: /v1/chat/completions, /v1/completions (streamed as server-sent "
                                     "events with stream=true), /v1/models, /health, /version, /tokenize, "
@@ -281,6 +293,15 @@ def cmd_serve(a) -> int:
     return 0
 
 
+def cmd_train_medusa(a) -> int:
+    from jaxinfer.train_medusa import train_medusa
+
+    report = train_medusa(a.model_name, a.out, num_heads=a.heads, steps=a.steps, batch=a.batch, lr=a.lr,
+                          max_tokens=a.max_tokens, data=a.data, seed=a.seed)
+    print(json.dumps(report))
+    return 0
+
+
 def cmd_models(a) -> int:
     from jaxinfer import registry
 
@@ -310,7 +331,7 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
         return {"generate": cmd_generate, "batch": cmd_batch, "bench": cmd_bench, "warmup": cmd_warmup,
-                "models": cmd_models, "serve": cmd_serve, "fetch": cmd_fetch,
+                "models": cmd_models, "serve": cmd_serve, "fetch": cmd_fetch, "train-medusa": cmd_train_medusa,
                 "convert": cmd_convert}[a.cmd](a)
     except JaxinferError as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)

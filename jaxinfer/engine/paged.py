@@ -110,6 +110,15 @@ class PagedEngine:
         # speculative decoding (engine.speculative): decode rows carry k + 1 queries, verified on device
         self.spec = SpeculativeConfig.parse(speculative, cfg.n_layers)
         self.spec_stats = SpecStats(self.spec.num_speculative_tokens) if self.spec else None
+        self._heads = None
+        if self.spec is not None and self.spec.method == SpecMethod.MEDUSA:
+            from jaxinfer.models import medusa
+
+            self._heads, _ = medusa.load_heads(self.spec.model, cfg)
+            if self.spec.num_speculative_tokens > self._heads["w"].shape[0]:
+                raise InvalidRequest(f"speculative_config num_speculative_tokens="
+                                     f"{self.spec.num_speculative_tokens} needs as many Medusa heads; "
+                                     f"{self.spec.model} has {self._heads['w'].shape[0]}")
         self._spec_step = jax.jit(functools.partial(spec_step, windowed=self.windowed),
                                   static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode",
                                                    "draft_layers"),
@@ -189,7 +198,7 @@ class PagedEngine:
                 draft_layers = self.spec.num_layers if self.spec.method == SpecMethod.EARLY_EXIT else 0
                 _, self.k_pages, self.v_pages, self.slots = self._spec_step(
                     self.weights, self.idle_batch(R, w, Tp, q=q), self.k_pages, self.v_pages, self.slots,
-                    cfg=self.cfg, num_logprobs=-1, prompt_logprobs=-1, kernel_mode=kernels.current_mode(),
+                    self._heads, cfg=self.cfg, num_logprobs=-1, prompt_logprobs=-1, kernel_mode=kernels.current_mode(),
                     draft_layers=draft_layers)
         self.slots = make_slots(self.cfg.vocab_size, self.max_num_seqs, self.seed)  # warm-up sampled into idle slots
         dummy = jax.tree.map(lambda a: a[:1], self.slots)
@@ -327,9 +336,11 @@ class PagedEngine:
                 continue
             if spec.method == SpecMethod.NGRAM:
                 d = ngram_propose(s.tokens, budget, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            elif spec.method == SpecMethod.MEDUSA:  # the heads' guesses from the previous step
+                d = list(s.drafts[:budget])
             else:  # early_exit: placeholders, drafted on device inside the step
                 d = [pad] * budget
-            if d:
+            if d or spec.method == SpecMethod.MEDUSA:  # medusa rows need the step that runs the heads
                 drafts[s] = d
         return drafts
 
@@ -348,6 +359,8 @@ class PagedEngine:
         drafts = self._propose(decoding) if 0 < len(decoding) <= spec.disable_by_batch_size else {}
         if not drafts:
             stats.disabled_steps += bool(decoding)
+            for s in decoding:
+                s.drafts = []  # stale after a step without the heads
             fl = self._dispatch()
             return self._consume(fl) if fl is not None else []
         for s, d in drafts.items():
@@ -368,8 +381,8 @@ class PagedEngine:
         draft_layers = spec.num_layers if spec.method == SpecMethod.EARLY_EXIT else 0
         self.shapes_run.add((batch.rows, batch.table.shape[1], batch.prefill_len, q, num_lp, plp))
         out, self.k_pages, self.v_pages, self.slots = self._spec_step(
-            self.weights, batch, self.k_pages, self.v_pages, self.slots, cfg=self.cfg, num_logprobs=num_lp,
-            prompt_logprobs=plp, kernel_mode=kernels.current_mode(), draft_layers=draft_layers)
+            self.weights, batch, self.k_pages, self.v_pages, self.slots, self._heads, cfg=self.cfg,
+            num_logprobs=num_lp, prompt_logprobs=plp, kernel_mode=kernels.current_mode(), draft_layers=draft_layers)
         self.sched.prefill_done(plan.prefill)
         plp_segments, at = [], 0
         for g in plan.prefill:
@@ -383,6 +396,7 @@ class PagedEngine:
         self.stats["decode_steps"] += 1
         stats.steps += 1
         toks, accepted = np.asarray(out.tokens), np.asarray(out.accepted)
+        nxt = np.asarray(out.next_drafts) if out.next_drafts is not None else None
         host_lp = jax.device_get(out.logprobs) if out.logprobs is not None else None
         now = time.perf_counter()
         done = []
@@ -391,7 +405,9 @@ class PagedEngine:
                 continue
             r, b = seq.row, seq.slot
             n, a = len(rows.get(b, [])), int(accepted[b])
-            stats.record(n, a)
+            if n:
+                stats.record(n, a)
+            seq.drafts = [] if nxt is None else nxt[b].tolist()
             r.spec_drafted += n
             r.spec_accepted += a
             finished = False

@@ -11,6 +11,9 @@ in every sampling mode (see ``sampling.verify``). Where drafts come from:
 * ``early_exit``: the model's own first ``num_layers`` layers, final norm and head, run
   greedily k times inside the same jitted step before the block is verified; their keys and
   values go to the target's own pages (the verification pass rewrites them).
+* ``medusa``: K trained heads (``models.medusa``, from ``model``) on the hidden state of each
+  verified position, read out by the model's own LM head in the same matmul as the
+  verification logits; the heads at the accepted position give the next block's drafts.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ from jaxinfer.errors import InvalidRequest
 class SpecMethod(str, enum.Enum):
     NGRAM = "ngram"
     EARLY_EXIT = "early_exit"
+    MEDUSA = "medusa"
 
 
 _FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "num_layers",
-           "disable_by_batch_size"}
+           "disable_by_batch_size", "model"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +44,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # ngram: shortest suffix looked up
     num_layers: int | None = None  # early_exit: layers that draft
     disable_by_batch_size: int = 4  # steps with more decoding rows than this run without speculation
+    model: str | None = None  # medusa: the heads directory (``jaxinfer train-medusa``)
 
     @classmethod
     def parse(cls, spec, n_layers: int | None = None) -> "SpeculativeConfig | None":
@@ -66,8 +71,10 @@ class SpeculativeConfig:
                 raise InvalidRequest(f"speculative_config method must be one of "
                                      f"{', '.join(m.value for m in SpecMethod)}, got {spec['method']!r}") from None
             kw = {k: v for k, v in spec.items() if k != "method"}
+            if "model" in kw and not isinstance(kw["model"], str):
+                raise InvalidRequest(f"speculative_config model must be a path, got {kw['model']!r}")
             for name, v in kw.items():
-                if not isinstance(v, int) or isinstance(v, bool):
+                if name != "model" and (not isinstance(v, int) or isinstance(v, bool)):
                     raise InvalidRequest(f"speculative_config {name} must be an integer, got {v!r}")
             if "num_speculative_tokens" not in kw:
                 raise InvalidRequest("speculative_config needs num_speculative_tokens (k >= 1)")
@@ -93,6 +100,11 @@ class SpeculativeConfig:
                                      f"(the model has {n_layers} layers), got {self.num_layers}")
         elif self.num_layers is not None:
             raise InvalidRequest(f"speculative_config num_layers applies to early_exit, not {self.method.value}")
+        if self.method == SpecMethod.MEDUSA and not self.model:
+            raise InvalidRequest("speculative_config method medusa needs model: a heads directory "
+                                 "(made by jaxinfer train-medusa)")
+        if self.method != SpecMethod.MEDUSA and self.model is not None:
+            raise InvalidRequest(f"speculative_config model applies to medusa, not {self.method.value}")
 
 
 def ngram_propose(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:

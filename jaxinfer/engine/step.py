@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxinfer import kernels
 from jaxinfer import sampling as smp
 from jaxinfer.models.packed import PackedBatch, PackedKV
+from jaxinfer.models import medusa
 from jaxinfer.models.registry import family_module
 
 STOP_ID_WIDTH = 16  # per-row stop ids masked before min_tokens (EOS ids + stop_token_ids)
@@ -127,6 +128,7 @@ class SpecOutput:
     accepted: jax.Array  # i32[R] drafts accepted per row
     logprobs: tuple | None  # (chosen f32[R, q], rank i32[R, q], top ids i32[R, q, n], top logprobs f32[R, q, n])
     prompt_logprobs: tuple | None
+    next_drafts: jax.Array | None = None  # i32[R, K] medusa: the heads' drafts for each row's next block
 
 
 def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cfg, windowed, use_kernels,
@@ -156,7 +158,7 @@ def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cf
     return batch.tokens.at[: R * Q].set(toks.reshape(-1)), k_pages, v_pages
 
 
-def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, *, cfg, windowed,
+def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, heads=None, *, cfg, windowed,
               num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode, draft_layers: int = 0):
     """One speculative scheduler iteration -> (SpecOutput, k_pages, v_pages, slots).
 
@@ -164,7 +166,9 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, *
     (``batch.last_q[r]`` of them are real; the rest write to the scratch page). With
     draft_layers > 0 the drafts are made here first (early exit). One forward pass over every
     row and the prefill row, then ``sampling.verify_block`` accepts a prefix of each row's
-    drafts and adds one token; the slot state advances by what was emitted."""
+    drafts and adds one token; the slot state advances by what was emitted. With Medusa
+    ``heads``, their logits come out of the same LM-head matmul as the verification logits,
+    and those at each row's accepted position are its next block's drafts."""
     with kernels.traced_with(kernel_mode):
         mod = family_module(cfg.family)
         R, Q = batch.rows, batch.q
@@ -179,13 +183,24 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, *
         cache = PackedKV(k_pages, v_pages, batch, windowed, use_kernels)
         h, cache = mod.forward(weights, tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
         with jax.named_scope("verify"):
-            row_logits = mod.unembed(weights, h[0, : R * Q].reshape(R, Q, -1), cfg)  # f32[R, Q, V]
+            hd = h[0, : R * Q].reshape(R, Q, -1)
+            if heads is None:
+                row_logits = mod.unembed(weights, hd, cfg)  # f32[R, Q, V]
+            else:  # one matmul for the verification logits and every head at every position
+                hk = medusa.head_hidden(heads, hd).astype(hd.dtype)  # [R, Q, K, D]
+                x = jnp.concatenate([hd[:, :, None], hk], axis=2)  # [R, Q, 1 + K, D]
+                both = mod.unembed(weights, x.reshape(R, -1, x.shape[-1]), cfg).reshape(x.shape[:3] + (-1,))
+                row_logits, head_logits = both[:, :, 0], both[:, :, 1:]  # f32[R, Q, V], f32[R, Q, K, V]
             sub = jax.tree.map(lambda a: a[:R], slots)
             drafts = tokens[: R * Q].reshape(R, Q)[:, 1:]
             ver = smp.verify_block(row_logits, drafts, batch.last_q, sub.sampling, sub.generated, sub.stop_ids,
                                    sub.min_tokens, use_kernel=use_kernels,
                                    interpret=kernel_mode == kernels.KernelMode.INTERPRET)
             new_last = jnp.take_along_axis(ver.tokens, ver.accepted[:, None], axis=1)[:, 0]
+            next_drafts = None
+            if heads is not None:
+                at = jnp.take_along_axis(head_logits, ver.accepted[:, None, None, None], axis=1)[:, 0]
+                next_drafts = jnp.argmax(at, axis=-1).astype(jnp.int32)  # i32[R, K]
             upd = SlotState(ver.state, new_last, sub.stop_ids, sub.min_tokens, sub.generated + ver.accepted + 1)
             keep = lambda n, o: jnp.where(batch.active.reshape((R,) + (1,) * (n.ndim - 1)), n, o)  # noqa: E731
             sub = jax.tree.map(keep, upd, sub)
@@ -202,4 +217,4 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, *
             with jax.named_scope("prompt_logprobs"):
                 logits = mod.unembed(weights, h[:, R * Q :], cfg)[0]
                 plp = token_logprobs(logits, batch.targets, prompt_logprobs)
-    return SpecOutput(ver.tokens, ver.accepted, lp, plp), cache.k, cache.v, slots
+    return SpecOutput(ver.tokens, ver.accepted, lp, plp, next_drafts), cache.k, cache.v, slots

@@ -1,0 +1,44 @@
+"""Writes medusa_prompts.jsonl: the chat prompts Medusa heads are trained on (by self-distillation)
+and held out on. Deterministic: tasks x topics, shuffled with a fixed seed; the last 20% are the
+held-out set (``"split": "heldout"``), whose topics the training prompts never mention.
+
+    python jaxinfer/data/make_medusa_prompts.py
+"""
+
+import json
+import random
+from pathlib import Path
+
+TASKS = [
+    "Explain {t} to a ten-year-old.", "Write a short poem about {t}.", "Give three interesting facts about {t}.",
+    "What are the pros and cons of {t}?", "Write a short story that involves {t}.",
+    "Summarize the history of {t} in a few sentences.", "How would you teach someone about {t}?",
+    "Write a product description for something related to {t}.", "What questions do people often ask about {t}?",
+    "Describe a typical day for someone who works with {t}.",
+]
+TOPICS = [
+    "volcanoes", "the water cycle", "honeybees", "electric cars", "the Roman Empire", "photosynthesis",
+    "chess", "black holes", "coffee", "the internet", "rainforests", "jazz music", "the moon landing",
+    "recycling", "dinosaurs", "the human heart", "origami", "solar panels", "the Olympic Games", "penguins",
+    "bread baking", "earthquakes", "the printing press", "vaccines", "mountain climbing", "the stock market",
+    "sharks", "video games", "gardening", "the Great Wall of China", "bicycles", "clouds",
+    # held-out topics (only in the last 8)
+    "lighthouses", "glaciers", "board games", "octopuses", "trains", "tea ceremonies", "kites", "deserts",
+]
+
+
+def main() -> None:
+    train_topics, held_topics = TOPICS[:-8], TOPICS[-8:]
+    rng = random.Random(0)
+    train = [{"prompt": task.format(t=t), "split": "train"} for t in train_topics for task in TASKS]
+    held = [{"prompt": task.format(t=t), "split": "heldout"} for t in held_topics for task in TASKS]
+    rng.shuffle(train)
+    rng.shuffle(held)
+    held = held[:64]
+    out = Path(__file__).with_name("medusa_prompts.jsonl")
+    out.write_text("".join(json.dumps(r) + "\n" for r in train + held))
+    print(f"{out}: {len(train)} training prompts, {len(held)} held out")
+
+
+if __name__ == "__main__":
+    main()
