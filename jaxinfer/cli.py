@@ -51,15 +51,28 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["paged", "static"], default="paged")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                        "(methods: ngram with prompt_lookup_min/max, early_exit with num_layers; "
-                        "disable_by_batch_size, default 4)")
+                        "(methods: ngram with prompt_lookup_min/max, early_exit with num_layers, medusa with "
+                        "model; disable_by_batch_size, default 4)")
+    _add_parallel(p)
+
+
+def _add_parallel(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the weights and KV heads split over")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="(not supported yet: 1)")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="(not supported yet: 1)")
 
 
 def _engine_kwargs(a) -> dict:
     return dict(quantize=a.quantize, quant_group=a.quant_group,
                 max_num_seqs=a.max_num_seqs, page_size=a.page_size, num_pages=a.num_pages,
                 prefill_chunk=a.prefill_chunk, enable_prefix_caching=not a.no_prefix_caching,
-                scheduling=a.scheduling, engine=a.engine, speculative_config=a.speculative_config)
+                scheduling=a.scheduling, engine=a.engine, speculative_config=a.speculative_config,
+                **_parallel_kwargs(a))
+
+
+def _parallel_kwargs(a) -> dict:
+    return dict(tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
+                data_parallel_size=a.data_parallel_size)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    _add_parallel(g)
 
     b = sub.add_parser(
         "batch", help="answer every request of a file into a JSONL file, resumably",
@@ -182,7 +196,7 @@ def cmd_generate(a) -> int:
     sp = _sampling(a)  # invalid values fail before the model loads
     llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
               progress=not a.json, quantize=a.quantize, quant_group=a.quant_group,
-              speculative_config=a.speculative_config)
+              speculative_config=a.speculative_config, **_parallel_kwargs(a))
     t0 = time.perf_counter()
     if a.chat is not None:
         out = llm.chat([{"role": "user", "content": a.chat}], sp, use_tqdm=False)[0]

@@ -54,7 +54,8 @@ class LLM:
                  prefill_chunk: int = 512, enable_prefix_caching: bool = True,
                  scheduling: str = "fcfs", windowed_kv: bool = True, quantize: str | None = None,
                  quant_group: int | None = None, kv_cache_dtype: str = "auto",
-                 speculative_config: dict | str | None = None):
+                 speculative_config: dict | str | None = None, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None):
         dtype = dtype or default_dtype()
         if dtype == "auto":
             dtype = default_dtype()
@@ -66,11 +67,27 @@ class LLM:
             raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         qcfg = quant.quant_config(quantize, quant_group)  # bad options fail before the download
         spec = SpeculativeConfig.parse(speculative_config)  # likewise (layer count checked once loaded)
+        mesh = _parallel_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, mesh)
+        if mesh is not None and engine != "paged":
+            raise InvalidRequest(f"tensor parallelism needs the paged engine, not {engine!r}")
         if spec is not None and engine != "paged":
             raise InvalidRequest(f"speculative decoding needs the paged engine, not {engine!r}")
         self.model_path = registry.resolve(model, progress=progress)
-        loaded = checkpoint.load(self.model_path, dtype=dtype, quantize=qcfg)
+        shardings_fn = None
+        if mesh is not None:
+            from jaxinfer.sharding import tensor_parallel_plan, weight_shardings
+
+            def shardings_fn(specs, cfg):  # each device receives only its shard while loading
+                tensor_parallel_plan(cfg, mesh.shape["model"])  # bad sizes fail before any tensor is read
+                return weight_shardings(specs, mesh)
+        loaded = checkpoint.load(self.model_path, dtype=dtype, quantize=qcfg, shardings_fn=shardings_fn)
         self.cfg, self.weights, self.tokenizer = loaded.cfg, loaded.weights, loaded.tokenizer
+        self.mesh = mesh
+        self.parallel = None
+        if mesh is not None:
+            from jaxinfer.sharding import tensor_parallel_plan
+
+            self.parallel = tensor_parallel_plan(self.cfg, mesh.shape["model"])
         if max_model_len is None:
             max_model_len = self.cfg.max_position
         if not 1 < max_model_len <= self.cfg.max_position:
@@ -94,7 +111,7 @@ class LLM:
                                 prefix_caching=enable_prefix_caching, scheduling=sched, windowed_kv=windowed_kv,
                                 kv_cache_dtype=kv_cache_dtype)
             self.engine = PagedEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
-                                      config=ecfg, seed=seed, speculative=spec)
+                                      config=ecfg, seed=seed, speculative=spec, mesh=mesh)
         else:
             raise InvalidRequest(f"engine must be 'paged' or 'static', got {engine!r}")
         self._request_counter = 0
@@ -274,6 +291,9 @@ class LLM:
             "kv_bytes_seq_dense": cfg.kv_bytes(n, kvd, windowed=False),
             "dtype": cfg.dtype,
             "num_params": cfg.num_params(),
+            # tensor parallelism: devices, heads per device, and whether KV heads are split
+            # (KV pools then hold kv_cache_bytes / tensor_parallel_size per device) or replicated
+            "parallel": self.parallel,
         }
 
 
@@ -288,6 +308,30 @@ class _Pending:
     arrival: float
     rows: list = dataclasses.field(default_factory=list)
     remaining: int = 0
+
+
+def _parallel_mesh(tp: int, pp: int, dp: int, mesh):
+    """The device mesh for the parallel sizes (None: one device, as without them)."""
+    import jax
+
+    for name, v in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp), ("data_parallel_size", dp)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise InvalidRequest(f"{name} must be an integer >= 1, got {v!r}")
+    if pp > 1 or dp > 1:
+        raise InvalidRequest("pipeline_parallel_size and data_parallel_size > 1 are not supported yet; "
+                             "tensor_parallel_size is")
+    if mesh is not None:
+        if set(mesh.axis_names) != {"data", "model"} or mesh.shape["data"] != 1:
+            raise InvalidRequest(f"mesh must have axes ('data', 'model') with data 1, got {dict(mesh.shape)}")
+        return mesh if mesh.shape["model"] > 1 else None
+    if tp == 1:
+        return None
+    devices = jax.devices()
+    if tp > len(devices):
+        raise InvalidRequest(f"tensor_parallel_size={tp} needs {tp} devices; {len(devices)} available")
+    from jaxinfer.sharding import make_mesh
+
+    return make_mesh(data=1, model=tp, devices=devices[:tp])
 
 
 def _enable_compilation_cache() -> None:

@@ -62,3 +62,28 @@ def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
     if data * model != len(devices):
         raise ValueError(f"mesh {data=} x {model=} needs {data * model} devices, have {len(devices)}")
     return Mesh(np.array(devices).reshape(data, model), ("data", "model"))
+
+
+def kv_pool_sharding(mesh: Mesh, n_kv_heads: int):
+    """NamedSharding of a page pool ([P, K, ...], int8 values and scales alike): split over KV
+    heads when the model axis divides them, else replicated (each device then keeps every KV
+    head and only the query heads are split)."""
+    m = mesh.shape.get("model", 1)
+    return NamedSharding(mesh, PartitionSpec(None, "model" if n_kv_heads % m == 0 else None))
+
+
+def tensor_parallel_plan(cfg, tp: int) -> dict:
+    """How a model splits over ``tp`` devices, checked: query heads must divide (the attention
+    output's all-reduce needs whole heads per device); KV heads are split when they divide,
+    else replicated; the MLP and vocabulary are split when they divide, else replicated."""
+    from jaxinfer.errors import InvalidRequest
+
+    if tp < 1:
+        raise InvalidRequest(f"tensor_parallel_size must be >= 1, got {tp}")
+    if cfg.n_heads % tp:
+        raise InvalidRequest(f"tensor_parallel_size={tp} must divide the model's {cfg.n_heads} query heads")
+    return {"tensor_parallel_size": tp, "query_heads_per_device": cfg.n_heads // tp,
+            "kv_heads": "split" if cfg.n_kv_heads % tp == 0 else "replicated",
+            "kv_heads_per_device": cfg.n_kv_heads // tp if cfg.n_kv_heads % tp == 0 else cfg.n_kv_heads,
+            "mlp": "split" if cfg.d_ff % tp == 0 else "replicated",
+            "vocab": "split" if cfg.vocab_size % tp == 0 else "replicated"}

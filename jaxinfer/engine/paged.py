@@ -74,7 +74,7 @@ class PagedEngine:
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, max_model_len: int,
                  config: EngineConfig = EngineConfig(), seed: int = 0,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, mesh=None):
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.max_model_len = max_model_len
         self.config = config
@@ -102,6 +102,15 @@ class PagedEngine:
         cache = kv.init_paged_cache(cfg, num_pages, ps, kv_dtype, num_window_pages=num_window_pages)
         self.k_pages, self.v_pages, self.windowed = cache.k, cache.v, cache.windowed
         self.slots = make_slots(cfg.vocab_size, config.max_num_seqs, seed)
+        self.mesh = mesh
+        if mesh is not None:  # tensor parallel: pools split over KV heads (or replicated), slots replicated
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            from jaxinfer.sharding import kv_pool_sharding
+
+            pool = kv_pool_sharding(mesh, cfg.n_kv_heads)
+            self.k_pages, self.v_pages = jax.device_put((self.k_pages, self.v_pages), pool)
+            self.slots = jax.device_put(self.slots, NamedSharding(mesh, PartitionSpec()))
         # one partial per engine, so each engine's jit caches (and compile counts) are its own
         self._step = jax.jit(functools.partial(packed_step, windowed=self.windowed),
                              static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode"),
@@ -201,6 +210,10 @@ class PagedEngine:
                     self._heads, cfg=self.cfg, num_logprobs=-1, prompt_logprobs=-1, kernel_mode=kernels.current_mode(),
                     draft_layers=draft_layers)
         self.slots = make_slots(self.cfg.vocab_size, self.max_num_seqs, self.seed)  # warm-up sampled into idle slots
+        if self.mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            self.slots = jax.device_put(self.slots, NamedSharding(self.mesh, PartitionSpec()))
         dummy = jax.tree.map(lambda a: a[:1], self.slots)
         self.slots = self._insert(self.slots, jnp.int32(0), dummy)
         jax.block_until_ready(self.k_pages)
