@@ -76,6 +76,8 @@ class LLM:
         _enable_compilation_cache()
         self.seed = seed
         self.progress = progress
+        self._grammar_compiler = None  # guided.GrammarCompiler, made on the first structured-output request
+        self._grammars: dict[str, str] = {}  # repr(GuidedDecoding) -> compiled grammar
         if engine == "static":
             self.engine = StaticEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
                                        max_num_seqs=max_num_seqs, seed=seed, kv_cache_dtype=kv_cache_dtype)
@@ -105,6 +107,7 @@ class LLM:
         items = _normalize_prompts(prompts)
         params = _normalize_params(sampling_params, len(items))
         reqs = [(str(i), *self.encode_prompt(p, i), sp) for i, (p, sp) in enumerate(zip(items, params))]
+        self.check_guided(params)
         return self._run_all(reqs, use_tqdm)
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool | None = None,
@@ -114,6 +117,7 @@ class LLM:
         params = _normalize_params(sampling_params, len(convs))
         reqs = [(str(i), *self.encode_chat(c, i, add_generation_prompt=add_generation_prompt), sp)
                 for i, (c, sp) in enumerate(zip(convs, params))]
+        self.check_guided(params)
         return self._run_all(reqs, use_tqdm)
 
     def encode_prompt(self, p, i: int | str = 0) -> tuple[str | None, list[int]]:
@@ -201,7 +205,36 @@ class LLM:
             row = self._make_row(toks, _sample_params(p, j, default_seed_for(self.seed, index)), index * 1024 + j)
             row.owner = req
             req.rows.append(row)
+        if p.guided_decoding is not None:
+            for row, m in zip(req.rows, self.guided_matchers(p.guided_decoding, p.n)):
+                row.guided = m
         return req
+
+    def check_guided(self, params) -> None:
+        """Compile every structured-output constraint among params up front (InvalidRequest
+        naming what is wrong), so a bad grammar fails before any generation."""
+        for sp in params:
+            if sp.guided_decoding is not None:
+                self.compile_grammar(sp.guided_decoding)
+
+    def compile_grammar(self, spec) -> str:
+        """A GuidedDecoding's grammar compiled against this model's vocabulary (cached)."""
+        from jaxinfer.guided import GrammarCompiler
+
+        if not getattr(self.engine, "supports_guided_decoding", False):
+            raise InvalidRequest("structured output (guided_decoding) needs the paged engine")
+        key = repr(spec)
+        if key not in self._grammars:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.cfg.vocab_size)
+            self._grammars[key] = self._grammar_compiler.check(spec)
+        return self._grammars[key]
+
+    def guided_matchers(self, spec, n: int) -> list:
+        """n independent GrammarMatchers for one constraint (one per sample of a request)."""
+        self.compile_grammar(spec)
+        first = self._grammar_compiler.matcher(self._grammars[repr(spec)])
+        return [first] + [first.copy() for _ in range(n - 1)]
 
     def _make_row(self, toks, sp: SamplingParams, request_index: int) -> Row:
         cap = self.max_model_len - len(toks)

@@ -32,6 +32,8 @@ from jaxinfer.sampling.device import (  # noqa: F401 (re-exported, private ones 
     SamplingState,
     _topk_topp_threshold,
     apply_penalties,
+    apply_token_bitmask,
+    bitmask_words,
     default_seed_for,
     logprobs_of,
     make_sampling_state,
@@ -42,5 +44,5 @@ from jaxinfer.sampling.device import (  # noqa: F401 (re-exported, private ones 
     update_counts,
     write_rows,
 )
-from jaxinfer.sampling.params import GREEDY_TEMPERATURE, MAX_LOGPROBS, SamplingParams  # noqa: F401
+from jaxinfer.sampling.params import GREEDY_TEMPERATURE, MAX_LOGPROBS, GuidedDecoding, SamplingParams  # noqa: F401
 from jaxinfer.sampling.stop import StopChecker  # noqa: F401
