@@ -42,7 +42,7 @@ class Features:
     vllm_fields: bool  # accept vLLM's extra fields at all (the batch format does not, yet)
 
 
-Features.BATCH = Features(stream=False, structured_output=False, vllm_fields=False)
+Features.BATCH = Features(stream=False, structured_output=True, vllm_fields=True)
 Features.SERVER = Features(stream=True, structured_output=True, vllm_fields=True)
 
 
