@@ -170,7 +170,10 @@ def encode_for(llm, kind: str, messages, prompts, params: SamplingParams, max_to
         try:
             llm.compile_grammar(params.guided_decoding)
         except InvalidRequest as e:
-            raise RequestError(f"{where}{e}", param="response_format" if kind == "chat" else "guided_json") from None
+            g = params.guided_decoding
+            param = ("response_format" if kind == "chat" else "guided_json") if g.json is not None else \
+                "guided_regex" if g.regex is not None else "guided_choice" if g.choice is not None else "guided_grammar"
+            raise RequestError(f"{where}{e}", param=param) from None
     longest = max(len(ids) for _, ids in encoded)
     room = llm.max_model_len - longest
     if max_tokens_set and params.max_tokens > room:
