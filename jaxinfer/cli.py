@@ -209,7 +209,8 @@ def cmd_batch(a) -> int:
     who = f"process {me} of {count}: " if count > 1 else ""
     r, run, wall = s.result, s.run, max(s.wall_s, 1e-9)
     print(f"{who}{r.answered} of {s.total} requests answered ({r.ok} ok, {r.failed} failed), {r.input_tokens} input "
-          f"and {r.output_tokens} output tokens -> {a.output}", file=sys.stderr)
+          f"and {r.output_tokens} output tokens -> {a.output}"
+          + (f"; {r.repetitions} sequences ended by repetition detection" if r.repetitions else ""), file=sys.stderr)
     print(f"{who}this run: {run.answered} requests ({s.before} answered before), {run.output_tokens} output tokens "
           f"in {wall:.1f} s: {run.output_tokens / wall:.1f} output tok/s, {run.answered / wall:.2f} req/s",
           file=sys.stderr)

@@ -126,6 +126,13 @@ class JsonSchemaFormat(_Model):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
+class RepetitionBody(_Model):
+    """Opt-in loop detection (``SamplingParams.repetition_detection``)."""
+
+    max_period: Annotated[StrictInt, Field(ge=1, le=1024)] = 32
+    min_repeats: Annotated[StrictInt, Field(ge=2, le=1024)] = 4
+
+
 class ResponseFormat(_Model):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -162,6 +169,7 @@ class _Request(_Model):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)] | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     ignore_eos: StrictBool | None = None
+    repetition_detection: RepetitionBody | None = None  # ours: ends a looping row, finish_reason "repetition"
     # vLLM's structured output and beam search
     guided_json: Union[dict[str, Any], StrictStr] | None = None
     guided_regex: StrictStr | None = None
@@ -278,6 +286,7 @@ def _resolve(kind: str, req: _Request, features: Features, where: str, defaults:
         "top_k": pick("top_k", 0), "min_p": float(pick("min_p", 0.0)),
         "repetition_penalty": float(pick("repetition_penalty", 1.0)),
         "min_tokens": pick("min_tokens", 0), "ignore_eos": pick("ignore_eos", False), "logprobs": top_logprobs,
+        "repetition_detection": req.repetition_detection.model_dump() if req.repetition_detection else None,
     }
     if kw["min_tokens"] > max_tokens:
         which = "" if max_tokens_set else ", the default"

@@ -368,3 +368,17 @@ def test_server_answers_after_the_fuzz(http):
     assert http.get("/health").status_code == 200
     r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_repetition_detection_ends_a_loop_and_is_counted(server, client):
+    key = ("jaxinfer:request_success_total", frozenset({("finished_reason", "repetition")}))
+    before = metric_samples(server[0]).get(key, 0)
+    # the grammar forces a loop; min_tokens keeps EOS away (and the detector off) for 10 tokens
+    r = client.completions.create(model="tiny", prompt="ab", max_tokens=60, temperature=0, extra_body={
+        "guided_regex": "(ab)+", "min_tokens": 10, "repetition_detection": {"max_period": 4, "min_repeats": 3}})
+    c = r.choices[0]
+    assert c.finish_reason == "repetition" and 10 < r.usage.completion_tokens < 60 and re.fullmatch("(ab)*a?", c.text)  # a prefix of the language
+    assert metric_samples(server[0])[key] == before + 1
+    bad = httpx.post(f"{server[0]}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"prompt": "x", "repetition_detection": {"min_repeats": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("repetition_detection")

@@ -158,7 +158,7 @@ def _note(done: set, tally: Tally, fmt, rec: dict, key: tuple, mine) -> None:
     if key not in done:
         done.add(key)
         if mine(key):
-            tally.add(fmt.ok(rec), fmt.tokens(rec))
+            tally.add(fmt.ok(rec), fmt.tokens(rec), _repetitions(rec))
 
 
 def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, summary: BatchSummary, *,
@@ -176,7 +176,7 @@ def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, su
 
     def record(rec: dict, outs=()) -> None:
         log.append(rec)
-        summary.run.add(fmt.ok(rec), fmt.tokens(rec))
+        summary.run.add(fmt.ok(rec), fmt.tokens(rec), _repetitions(rec))
         for o in outs:
             m = o.metrics
             for name, value in (("ttft_s", m.ttft), ("tpot_s", m.tpot), ("e2e_s", m.e2e), ("queue_s", m.time_in_queue)):
@@ -228,6 +228,14 @@ def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, su
             summary.interrupted = stop.signum
     finally:
         bar.close()
+
+
+def _repetitions(rec: dict) -> int:
+    """Sequences of a result line (either format) that repetition detection ended."""
+    if "finish_reason" in rec:  # quick mode: one sequence per line
+        return rec["finish_reason"] == "repetition"
+    body = (rec.get("response") or {}).get("body") or {}
+    return sum(c.get("finish_reason") == "repetition" for c in body.get("choices", ()))
 
 
 def _finish_output(out: Path, fmt, order: str) -> None:

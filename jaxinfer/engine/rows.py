@@ -47,6 +47,10 @@ def record_token(r: Row, tok: int, host_lp, b: int, now: float, tokenizer) -> bo
     r.checker.update(tok, r.detok.add(tok))
     if r.guided is not None and not r.checker.finished and not r.guided.accept(tok):
         r.checker.end("stop")  # the grammar allowed nothing the sampler could take (e.g. EOS masked)
+    rep = r.params.repetition_detection
+    if (rep is not None and not r.checker.finished and len(r.token_ids) > r.params.min_tokens
+            and rep.repeating(r.token_ids)):
+        r.checker.end("repetition")
     if r.checker.finished:
         r.finished_time = now
         return True

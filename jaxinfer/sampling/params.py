@@ -102,6 +102,35 @@ class GuidedDecoding:
 
 
 @dataclasses.dataclass(frozen=True)
+class RepetitionDetection:
+    """End a row stuck in a loop: when its last ``period * min_repeats`` tokens are one block of
+    ``period`` tokens (1 <= period <= max_period) repeated ``min_repeats`` times, it finishes
+    with ``finish_reason == "repetition"``. ``min_tokens`` generated tokens are never checked."""
+
+    max_period: int = 32
+    min_repeats: int = 4
+
+    def __post_init__(self):
+        for name, lo in (("max_period", 1), ("min_repeats", 2)):
+            value = _check_int(f"repetition_detection.{name}", getattr(self, name))
+            if value < lo:
+                raise InvalidRequest(f"repetition_detection.{name} must be >= {lo}, got {value}")
+            object.__setattr__(self, name, value)
+
+    def repeating(self, ids) -> bool:
+        """Whether the sequence ids (a list of ints) ends in a repeated block."""
+        last = ids[-1] if ids else None
+        for p in range(1, self.max_period + 1):
+            n = p * self.min_repeats
+            if n > len(ids):
+                return False
+            # a block repeated k times: every token equals the one p before it, over n - p tokens
+            if ids[-1 - p] == last and ids[-n + p:] == ids[-n:-p]:
+                return True
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters (vLLM's names, defaults and ranges).
 
@@ -131,6 +160,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # structured output: a GuidedDecoding, or a dict of its fields (vLLM's GuidedDecodingParams)
     guided_decoding: GuidedDecoding | dict | None = None
+    # opt-in loop detection: a RepetitionDetection, or a dict of its fields
+    repetition_detection: RepetitionDetection | dict | None = None
 
     def __post_init__(self):
         def put(name, value):  # frozen: normalised values go in through object.__setattr__
@@ -225,6 +256,16 @@ class SamplingParams:
         elif g is not None and not isinstance(g, GuidedDecoding):
             raise InvalidRequest(f"guided_decoding must be a GuidedDecoding or a dict, got {_describe(g)}")
         put("guided_decoding", g)
+
+        r = self.repetition_detection
+        if isinstance(r, dict):
+            unknown = sorted(set(r) - {"max_period", "min_repeats"})
+            if unknown:
+                raise InvalidRequest(f"repetition_detection takes max_period and min_repeats, got {unknown}")
+            r = RepetitionDetection(**r)
+        elif r is not None and not isinstance(r, RepetitionDetection):
+            raise InvalidRequest(f"repetition_detection must be a RepetitionDetection or a dict, got {_describe(r)}")
+        put("repetition_detection", r)
 
     @property
     def greedy(self) -> bool:
