@@ -169,6 +169,48 @@ class LLM:
             bar.close()
         return [outs[rid] for rid, *_ in reqs]
 
+    def stream(self, prompt, sampling_params: SamplingParams | None = None, *, chat: bool = False):
+        """One request's text as it is generated: yields each new piece of text (str), in
+        order, until the request finishes; ``self.last_stream_output`` is then its
+        RequestOutput. prompt: as for ``generate`` (``chat=True``: a conversation, a list of
+        {"role", "content"} dicts). n must be 1. The engine must not be running other work."""
+        sp = sampling_params or SamplingParams()
+        if sp.n != 1:
+            raise InvalidRequest(f"stream takes n=1, got n={sp.n}")
+        if chat:
+            text, toks = self.encode_chat(prompt, 0)
+        else:
+            items = _normalize_prompts(prompt)
+            if len(items) != 1:
+                raise InvalidRequest(f"stream takes one prompt, got {len(items)}")
+            text, toks = self.encode_prompt(items[0], 0)
+        if not hasattr(self.engine, "step"):
+            raise InvalidRequest("stream needs the paged engine")
+        self.check_guided([sp])
+        req = self.new_request("0", text, toks, sp, time.perf_counter())
+        (row,) = req.rows
+        self.last_stream_output = None
+        self.engine.add(row)
+        sent = 0
+        try:
+            while True:
+                done = self.engine.step()
+                out = row.checker.output_text
+                if len(out) > sent:
+                    yield out[sent:]
+                    sent = len(out)
+                if any(r is row for r in done):
+                    break
+                if not self.engine.has_unfinished():
+                    raise RuntimeError("the engine went idle before the request finished")
+        except BaseException:
+            if not row.checker.finished:
+                self.engine.abort(row)  # the caller stopped reading: free the row's pages
+                while self.engine.has_unfinished():
+                    self.engine.step()
+            raise
+        self.last_stream_output = self._output(req)
+
     def generate_stream(self, requests, *, window: int | None = None, on_sequence_done=None):
         """Yield a RequestOutput as soon as each request finishes (completion order).
 
