@@ -169,6 +169,15 @@ class LLM:
             bar.close()
         return [outs[rid] for rid, *_ in reqs]
 
+    def beam_search(self, prompts, params) -> list:
+        """Beam search (``beam.BeamSearchParams``) for one prompt or many; a
+        ``beam.BeamSearchOutput`` per prompt, its best beams first. See ``jaxinfer.beam``."""
+        from jaxinfer.beam import beam_search
+
+        if not hasattr(self.engine, "step"):
+            raise InvalidRequest("beam_search needs the paged engine")
+        return beam_search(self, prompts, params)
+
     def stream(self, prompt, sampling_params: SamplingParams | None = None, *, chat: bool = False):
         """One request's text as it is generated: yields each new piece of text (str), in
         order, until the request finishes; ``self.last_stream_output`` is then its
