@@ -74,12 +74,9 @@ def beam_score(prompt_len: int, token_ids: list[int], cum_logprob: float, eos_id
     return cum_logprob / max(n, 1) ** length_penalty
 
 
-def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Beam search for each prompt (as for ``LLM.generate``); see the module docstring."""
-    from jaxinfer.llm import _normalize_prompts
-
-    items = _normalize_prompts(prompts)
-    encoded = [llm.encode_prompt(p, i)[1] for i, p in enumerate(items)]
+def beam_search(llm, encoded: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """Beam search for each prompt's token ids on ``llm`` (an LLM: its ``generate``, tokenizer
+    and max_model_len); see the module docstring."""
     eos = frozenset(llm.tokenizer.eos_ids)
     score = lambda b: beam_score(len(b.prompt_token_ids), b.token_ids, b.cum_logprob, eos,  # noqa: E731
                                  params.length_penalty)

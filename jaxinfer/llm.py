@@ -176,7 +176,8 @@ class LLM:
 
         if not hasattr(self.engine, "step"):
             raise InvalidRequest("beam_search needs the paged engine")
-        return beam_search(self, prompts, params)
+        encoded = [self.encode_prompt(p, i)[1] for i, p in enumerate(_normalize_prompts(prompts))]
+        return beam_search(self, encoded, params)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None, *, chat: bool = False):
         """One request's text as it is generated: yields each new piece of text (str), in
