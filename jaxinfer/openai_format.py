@@ -5,7 +5,7 @@ Pure functions over JSON values; nothing here loads a model.
 * ``parse_envelope`` reads one input line (``{"custom_id", "method", "url", "body"}``) and
   returns its custom_id and object, or a ``LineError`` when the line cannot be answered under a
   custom_id (malformed JSON, no usable custom_id).
-* ``parse_request`` validates the envelope of a line that has a custom_id, and its body with the
+* ``openai_schema.parse_request`` validates the envelope of a line that has a custom_id, and its body with the
   server's pydantic models (``openai_schema.parse_body``, one request schema for both), and
   returns a ``BatchRequest`` (prompts or messages, ``SamplingParams``, structured output in
   ``params.guided_decoding``), or raises ``RequestError``, which is answered with a 400
@@ -118,29 +118,6 @@ def parse_envelope(raw: bytes, line: int) -> tuple[str, dict] | LineError:
 def duplicate_error(line: int, custom_id: str, first_line: int) -> LineError:
     return LineError(line, "duplicate_custom_id",
                      f"line {line}: custom_id {_short(custom_id)} was already used on line {first_line}")
-
-
-def parse_request(custom_id: str, obj: dict, line: int, defaults: Mapping[str, Any] | None = None) -> BatchRequest:
-    """Validate the envelope and body of one line. ``defaults``: SamplingParams fields applied
-    when the body does not set them (e.g. from the command line), over OpenAI's defaults."""
-    where = f"line {line}: "
-    method = obj.get("method")
-    if method != "POST":
-        raise RequestError(f'{where}method must be "POST", got {_short(method)}', code="invalid_method", param="method")
-    url = obj.get("url")
-    kind = URLS.get(url) if isinstance(url, str) else None
-    if kind is None:
-        raise RequestError(f"{where}unknown url {_short(url)}; expected one of {', '.join(URLS)}",
-                           code="invalid_url", param="url")
-    from jaxinfer import openai_schema  # the schema builds on this module's limits and errors
-
-    req = openai_schema.parse_body(kind, obj.get("body"), features=openai_schema.Features.BATCH, where=where,
-                                   defaults=defaults)
-    params = req.params
-    if req.guided is not None:
-        params = dataclasses.replace(params, guided_decoding=req.guided)
-    return BatchRequest(custom_id, line, kind, req.messages, req.prompts, params, req.max_tokens_set,
-                        req.top_logprobs)
 
 
 def context_error(line: int, kind: str, prompt_tokens: int, max_tokens: int, max_model_len: int) -> RequestError:

@@ -7,7 +7,7 @@ raises ``openai_format.RequestError`` (answered with a 400 and OpenAI's error bo
 fields and bad values are refused; JSON null means "not given". ``Features`` says what the
 caller can serve: the batch job (``Features.BATCH``) refuses streaming, structured output and the
 fields vLLM adds to OpenAI's (``guided_*``, ``use_beam_search``), exactly as
-``openai_format.parse_request`` does; the server (``Features.SERVER``) streams, and serves
+``parse_request`` does (it is the batch job's parser); the server (``Features.SERVER``) streams, and serves
 structured output where its engine can.
 """
 
@@ -24,7 +24,8 @@ from pydantic_core import PydanticCustomError
 
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.guided import GuidedDecoding
-from jaxinfer.openai_format import (DEFAULT_MAX_TOKENS, MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS, MAX_N,
+from jaxinfer.openai_format import (DEFAULT_MAX_TOKENS, MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS, MAX_N, URLS,
+                                    BatchRequest,
                                     MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_STOP, MAX_TOP_K, ROLES, RequestError,
                                     _short)
 from jaxinfer.sampling import SamplingParams
@@ -236,6 +237,26 @@ def parse_body(kind: str, body: Any, *, features: Features = Features.SERVER, wh
     except ValidationError as e:
         raise _request_error(e, where) from None
     return _resolve(kind, req, features, where, dict(defaults or {}))
+
+
+def parse_request(custom_id: str, obj: dict, line: int, defaults: Mapping[str, Any] | None = None) -> BatchRequest:
+    """Validate the envelope and body of one line. ``defaults``: SamplingParams fields applied
+    when the body does not set them (e.g. from the command line), over OpenAI's defaults."""
+    where = f"line {line}: "
+    method = obj.get("method")
+    if method != "POST":
+        raise RequestError(f'{where}method must be "POST", got {_short(method)}', code="invalid_method", param="method")
+    url = obj.get("url")
+    kind = URLS.get(url) if isinstance(url, str) else None
+    if kind is None:
+        raise RequestError(f"{where}unknown url {_short(url)}; expected one of {', '.join(URLS)}",
+                           code="invalid_url", param="url")
+    req = parse_body(kind, obj.get("body"), features=Features.BATCH, where=where, defaults=defaults)
+    params = req.params
+    if req.guided is not None:
+        params = dataclasses.replace(params, guided_decoding=req.guided)
+    return BatchRequest(custom_id, line, kind, req.messages, req.prompts, params, req.max_tokens_set,
+                        req.top_logprobs)
 
 
 def _resolve(kind: str, req: _Request, features: Features, where: str, defaults: dict) -> ParsedRequest:

@@ -1,6 +1,6 @@
 """The pydantic request schema against the batch format's hand-written checks.
 
-``openai_format.parse_request`` is what the batch job runs today; ``openai_schema.parse_body``
+``openai_schema.parse_request`` is what the batch job runs; ``openai_schema.parse_body``
 with ``Features.BATCH`` must accept and refuse the same bodies and, where it accepts, produce
 the same request (messages, prompts, SamplingParams, logprobs). Two deliberate differences are
 left out of the corpus and tested on their own: ``0`` for the booleans ``stream`` and ``echo``
@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from jaxinfer import openai_format as oai
 from jaxinfer.openai_schema import (REQUEST_MODELS, ChatCompletion, Completion, Features, ParsedRequest, error_body,
+                                    parse_request,
                                     parse_body)
 
 URL = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
@@ -67,7 +68,7 @@ def _corpus():
 
 def _old(kind, body):
     try:
-        return oai.parse_request("x", {"method": "POST", "url": URL[kind], "body": body}, 1)
+        return parse_request("x", {"method": "POST", "url": URL[kind], "body": body}, 1)
     except oai.RequestError as e:
         return e
 

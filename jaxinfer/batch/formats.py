@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 
 from jaxinfer import openai_format as oai
+from jaxinfer import openai_schema as schema
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.sampling import SamplingParams
 
@@ -62,7 +63,7 @@ class _OpenAIFormat:
             return oai.line_error_line(env)
         cid, obj = env
         try:
-            req = oai.parse_request(cid, obj, n, self.defaults)
+            req = schema.parse_request(cid, obj, n, self.defaults)
             prompts, params = _encode(llm, req)
         except oai.RequestError as e:
             return oai.error_response_line(cid, e)
