@@ -82,6 +82,7 @@ class BatchRequest:
     params: SamplingParams
     max_tokens_set: bool  # False: params.max_tokens is a default, to be capped to the context
     top_logprobs: int | None  # None: no logprobs; chat: top_logprobs; completion: logprobs
+    beam: object = None  # beam.BeamSearchParams when use_beam_search: its n beams are the choices
 
 
 # ------------------------------------------------------------------------------------ parsing

@@ -22,6 +22,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
                       ValidationError, model_validator)
 from pydantic_core import PydanticCustomError
 
+from jaxinfer.beam import BeamSearchParams
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.guided import GuidedDecoding
 from jaxinfer.openai_format import (DEFAULT_MAX_TOKENS, MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS, MAX_N, URLS,
@@ -40,10 +41,11 @@ class Features:
 
     stream: bool
     structured_output: bool
-    vllm_fields: bool  # accept vLLM's extra fields at all (the batch format does not, yet)
+    vllm_fields: bool  # accept vLLM's extra fields at all
+    beam_search: bool = False  # use_beam_search=true (the batch job runs those lines after the rest)
 
 
-Features.BATCH = Features(stream=False, structured_output=True, vllm_fields=True)
+Features.BATCH = Features(stream=False, structured_output=True, vllm_fields=True, beam_search=True)
 Features.SERVER = Features(stream=True, structured_output=True, vllm_fields=True)
 
 
@@ -176,7 +178,8 @@ class _Request(_Model):
     guided_regex: StrictStr | None = None
     guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
     guided_grammar: StrictStr | None = None
-    use_beam_search: Annotated[StrictBool | None, _neutral(False)] = None
+    use_beam_search: StrictBool | None = None  # n beams; the batch job only (Features.beam_search)
+    length_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None  # beam search's
 
 
 class ChatCompletionRequest(_Request):
@@ -218,6 +221,7 @@ class ParsedRequest:
     guided: GuidedDecoding | None = None
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
+    beam: BeamSearchParams | None = None  # use_beam_search: n beams of params.max_tokens
 
 
 def parse_body(kind: str, body: Any, *, features: Features = Features.SERVER, where: str = "",
@@ -256,7 +260,7 @@ def parse_request(custom_id: str, obj: dict, line: int, defaults: Mapping[str, A
     if req.guided is not None:
         params = dataclasses.replace(params, guided_decoding=req.guided)
     return BatchRequest(custom_id, line, kind, req.messages, req.prompts, params, req.max_tokens_set,
-                        req.top_logprobs)
+                        req.top_logprobs, req.beam)
 
 
 def _resolve(kind: str, req: _Request, features: Features, where: str, defaults: dict) -> ParsedRequest:
@@ -323,8 +327,23 @@ def _resolve(kind: str, req: _Request, features: Features, where: str, defaults:
         except InvalidRequest as e:
             raise bad(str(e), "response_format" if fmt is not None and fmt.type != "text" else "guided_json") from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    beam = None
+    if req.use_beam_search:
+        if not features.beam_search:
+            raise bad("use_beam_search=true is not supported here", "use_beam_search", "unsupported_parameter")
+        for name, given in (("logprobs", top_logprobs is not None), ("guided decoding", guided is not None),
+                            ("temperature", req.temperature not in (None, 0)), ("stop", req.stop is not None)):
+            if given:
+                raise bad(f"use_beam_search does not combine with {name}", "use_beam_search", "unsupported_parameter")
+        try:
+            beam = BeamSearchParams(beam_width=n, max_tokens=max_tokens, ignore_eos=params.ignore_eos,
+                                    length_penalty=float(req.length_penalty if req.length_penalty is not None else 1.0))
+        except InvalidRequest as e:
+            raise bad(str(e), "n") from None
+    elif req.length_penalty is not None:
+        raise bad("length_penalty needs use_beam_search=true", "length_penalty")
     return ParsedRequest(kind, messages, prompts, params, max_tokens_set, top_logprobs, guided, bool(req.stream),
-                         include_usage)
+                         include_usage, beam)
 
 
 def _guided(req: _Request) -> GuidedDecoding | None:

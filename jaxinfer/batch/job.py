@@ -189,6 +189,8 @@ def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, su
             last_postfix[0] = now
             bar.set_postfix_str(f"{summary.run.output_tokens / max(now - started, 1e-9):.1f} out tok/s", refresh=False)
 
+    beams = []  # use_beam_search lines: run after the rest (beam search drives the engine itself)
+
     def requests():
         seq = 0
         for n, raw in _lines(inp):
@@ -201,6 +203,9 @@ def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, su
             w = fmt.work(llm, n, key, parsed)
             if isinstance(w, dict):
                 record(w)
+                continue
+            if w.beam is not None:
+                beams.append(w)
                 continue
             seq += 1
             w.outs, w.left = [None] * len(w.prompts), len(w.prompts)
@@ -219,6 +224,11 @@ def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, su
                     if not w.left:
                         del pending[seq]
                         record(w.finish(w.outs), w.outs)
+                    stop.check()
+                for w in beams:
+                    if stop.stopping:
+                        break
+                    record(w.finish(w.beam_outputs(llm)))
                     stop.check()
             finally:
                 stop.disarm()
