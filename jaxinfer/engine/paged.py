@@ -223,7 +223,8 @@ class PagedEngine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[Row]:
         """One scheduler iteration: dispatch the next packed step, then read the previous
-        one's tokens while it runs. Returns the rows that finished."""
+        one's tokens while it runs (first, when that step sampled for a constrained row: its
+        next mask needs the token). Returns the rows that finished."""
         done = []
         if self._inflight is not None and any(s.row.guided is not None for s in self._inflight.plan_decode):
             # a constrained row's next mask depends on the token in flight: read it first
