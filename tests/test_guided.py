@@ -241,3 +241,14 @@ def test_llm_bad_grammar_fails_before_generating(tiny_llm):
         tiny_llm.generate(["x"], SamplingParams(guided_decoding={"regex": "(["}), use_tqdm=False)
     with pytest.raises(InvalidRequest, match="guided_decoding"):
         SamplingParams(guided_decoding={"jsn": {}})
+
+
+def test_steps_without_a_constrained_row_run_without_the_mask(tiny_llm):
+    from jaxinfer.sampling import SamplingParams
+
+    eng = tiny_llm.engine
+    eng.shapes_run.clear()
+    tiny_llm.generate(["one", "two"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert eng.shapes_run and not any("guided" in s for s in eng.shapes_run)
+    tiny_llm.generate(["one"], SamplingParams(max_tokens=4, guided_decoding={"choice": ["ab", "cd"]}), use_tqdm=False)
+    assert any("guided" in s for s in eng.shapes_run)
