@@ -85,10 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="raw text prompt")
     src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
     _add_sampling(g)
-    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--json", action="store_true", help="print one JSON object (implies --no-stream)")
+    g.add_argument("--no-stream", action="store_true", help="print the text once it is complete")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     _add_parallel(g)
+
+    ch = sub.add_parser("chat", help="an interactive multi-turn chat in the terminal (reads stdin; /exit ends)")
+    _add_model(ch)
+    _add_sampling(ch)
+    ch.add_argument("--system", default=None, help="a system message starting the conversation")
 
     b = sub.add_parser(
         "batch", help="answer every request of a file into a JSONL file, resumably",
@@ -198,6 +204,12 @@ def cmd_generate(a) -> int:
               progress=not a.json, quantize=a.quantize, quant_group=a.quant_group,
               speculative_config=a.speculative_config, **_parallel_kwargs(a))
     t0 = time.perf_counter()
+    if not a.json and not a.no_stream and hasattr(llm.engine, "step"):
+        prompt = [{"role": "user", "content": a.chat}] if a.chat is not None else a.prompt
+        for piece in llm.stream(prompt, sp, chat=a.chat is not None):
+            print(piece, end="", flush=True)
+        print()
+        return 0
     if a.chat is not None:
         out = llm.chat([{"role": "user", "content": a.chat}], sp, use_tqdm=False)[0]
     else:
@@ -218,6 +230,38 @@ def cmd_generate(a) -> int:
     else:
         print(c.text)
     return 0
+
+
+def cmd_chat(a) -> int:
+    """Read user turns from stdin, one a line; stream each reply; keep the whole conversation."""
+    from jaxinfer import LLM
+    from jaxinfer.errors import JaxinferError
+
+    sp = _sampling(a)
+    llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
+              progress=False, quantize=a.quantize, quant_group=a.quant_group)
+    conv = [{"role": "system", "content": a.system}] if a.system else []
+    tty = sys.stdin.isatty()
+    while True:
+        if tty:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        conv.append({"role": "user", "content": line.rstrip("\n")})
+        reply = []
+        try:
+            for piece in llm.stream(conv, sp, chat=True):
+                print(piece, end="", flush=True)
+                reply.append(piece)
+        except JaxinferError as e:  # e.g. the conversation outgrew the context: say so, keep going
+            print(f"jaxinfer: error: {e}", file=sys.stderr)
+            conv.pop()
+            continue
+        print(flush=True)
+        conv.append({"role": "assistant", "content": "".join(reply)})
 
 
 def cmd_batch(a) -> int:
@@ -244,7 +288,8 @@ def cmd_batch(a) -> int:
     who = f"process {me} of {count}: " if count > 1 else ""
     r, run, wall = s.result, s.run, max(s.wall_s, 1e-9)
     print(f"{who}{r.answered} of {s.total} requests answered ({r.ok} ok, {r.failed} failed), {r.input_tokens} input "
-          f"and {r.output_tokens} output tokens -> {a.output}", file=sys.stderr)
+          f"and {r.output_tokens} output tokens -> {a.output}"
+          + (f"; {r.repetitions} sequences ended by repetition detection" if r.repetitions else ""), file=sys.stderr)
     print(f"{who}this run: {run.answered} requests ({s.before} answered before), {run.output_tokens} output tokens "
           f"in {wall:.1f} s: {run.output_tokens / wall:.1f} output tok/s, {run.answered / wall:.2f} req/s",
           file=sys.stderr)
@@ -344,8 +389,9 @@ def main(argv=None) -> int:
 
     a = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "batch": cmd_batch, "bench": cmd_bench, "warmup": cmd_warmup,
-                "models": cmd_models, "serve": cmd_serve, "fetch": cmd_fetch, "train-medusa": cmd_train_medusa,
+        return {"generate": cmd_generate, "chat": cmd_chat, "batch": cmd_batch, "bench": cmd_bench,
+                "warmup": cmd_warmup, "models": cmd_models, "serve": cmd_serve, "fetch": cmd_fetch,
+                "train-medusa": cmd_train_medusa,
                 "convert": cmd_convert}[a.cmd](a)
     except JaxinferError as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)

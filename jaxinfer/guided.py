@@ -19,65 +19,12 @@ stop check.
 from __future__ import annotations
 
 import dataclasses
-import json
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.errors import InvalidRequest
+from jaxinfer.sampling.device import apply_token_bitmask, bitmask_words  # noqa: F401 (re-exported)
+from jaxinfer.sampling.params import GuidedDecoding  # noqa: F401 (re-exported)
 
-# JSON output without free-form whitespace between tokens: the model cannot stall on spaces,
-# and the output is the compact form every JSON parser reads.
-_JSON_OPTIONS = {"whitespace_flexible": False}
-
-
-@dataclasses.dataclass(frozen=True)
-class GuidedDecoding:
-    """One output constraint; exactly one field is set.
-
-    json: a JSON schema (a dict, or its JSON text); ``{"type": "object"}`` is OpenAI's
-    json_object. regex: the whole output matches it. choice: the output is one of these
-    strings. grammar: a Lark grammar (llguidance's dialect) whose ``start`` rule is the output.
-    """
-
-    json: dict | str | None = None
-    regex: str | None = None
-    choice: tuple[str, ...] | None = None
-    grammar: str | None = None
-
-    def __post_init__(self):
-        given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
-        if len(given) != 1:
-            raise InvalidRequest(f"guided decoding takes exactly one of json, regex, choice, grammar; got {given}")
-        if self.choice is not None:
-            choice = tuple(self.choice)
-            if not choice or not all(isinstance(c, str) and c for c in choice):
-                raise InvalidRequest("guided choice must be a non-empty list of non-empty strings")
-            object.__setattr__(self, "choice", choice)
-
-    def llguidance_grammar(self) -> str:
-        """The grammar in llguidance's own (JSON) form."""
-        import llguidance
-
-        if self.json is not None:
-            schema = self.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as e:
-                    raise InvalidRequest(f"guided json is not valid JSON: {e.msg}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise InvalidRequest("guided json must be a JSON schema (an object)")
-            try:
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
-            except ValueError as e:
-                raise InvalidRequest(f"invalid JSON schema: {e}") from None
-        if self.regex is not None:
-            return llguidance.LLMatcher.grammar_from_regex(self.regex)
-        if self.choice is not None:
-            # every choice is a Lark string literal: JSON string escapes are Lark's too
-            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
-        return llguidance.LLMatcher.grammar_from_lark(self.grammar)
 
 
 class GrammarCompiler:
@@ -215,27 +162,6 @@ def _kind(spec: GuidedDecoding) -> str:
         next(f.name for f in dataclasses.fields(spec) if getattr(spec, f.name) is not None)]
 
 
-def bitmask_words(vocab_size: int) -> int:
-    return -(-vocab_size // 32)
-
-
 def allocate_bitmask(batch: int, vocab_size: int) -> np.ndarray:
     """int32[B, ceil(V/32)], every token allowed."""
     return np.full((batch, bitmask_words(vocab_size)), -1, np.int32)
-
-
-def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array, has_mask: jax.Array) -> jax.Array:
-    """Disallowed tokens to -inf, in the rows that have a mask.
-
-    logits f32[B, V]; bitmask i32[B, ceil(V/32)] (bit t % 32 of word t // 32 set: token t is
-    allowed); has_mask bool[B]. Rows with has_mask False come back unchanged.
-    """
-    B, V = logits.shape
-    if bitmask.shape != (B, bitmask_words(V)) or has_mask.shape != (B,):
-        raise ValueError(f"{bitmask.shape=} must be ({B}, {bitmask_words(V)}) and {has_mask.shape=} ({B},) "
-                         f"for {logits.shape=}")
-    with jax.named_scope("apply_token_bitmask"):
-        shifts = jnp.arange(32, dtype=jnp.int32)
-        bits = (bitmask[:, :, None] >> shifts) & 1  # i32[B, V/32, 32]: bit j of word w is token 32w + j
-        allowed = bits.reshape(B, -1)[:, :V].astype(bool) | ~has_mask[:, None]
-        return jnp.where(allowed, logits, -jnp.inf)

@@ -98,6 +98,8 @@ class LLM:
         _enable_compilation_cache()
         self.seed = seed
         self.progress = progress
+        self._grammar_compiler = None  # guided.GrammarCompiler, made on the first structured-output request
+        self._grammars: dict[str, str] = {}  # repr(GuidedDecoding) -> compiled grammar
         if engine == "static":
             self.engine = StaticEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
                                        max_num_seqs=max_num_seqs, seed=seed, kv_cache_dtype=kv_cache_dtype)
@@ -127,6 +129,7 @@ class LLM:
         items = _normalize_prompts(prompts)
         params = _normalize_params(sampling_params, len(items))
         reqs = [(str(i), *self.encode_prompt(p, i), sp) for i, (p, sp) in enumerate(zip(items, params))]
+        self.check_guided(params)
         return self._run_all(reqs, use_tqdm)
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool | None = None,
@@ -136,6 +139,7 @@ class LLM:
         params = _normalize_params(sampling_params, len(convs))
         reqs = [(str(i), *self.encode_chat(c, i, add_generation_prompt=add_generation_prompt), sp)
                 for i, (c, sp) in enumerate(zip(convs, params))]
+        self.check_guided(params)
         return self._run_all(reqs, use_tqdm)
 
     def encode_prompt(self, p, i: int | str = 0) -> tuple[str | None, list[int]]:
@@ -187,6 +191,58 @@ class LLM:
             bar.close()
         return [outs[rid] for rid, *_ in reqs]
 
+    def beam_search(self, prompts, params) -> list:
+        """Beam search (``beam.BeamSearchParams``) for one prompt or many; a
+        ``beam.BeamSearchOutput`` per prompt, its best beams first. See ``jaxinfer.beam``."""
+        from jaxinfer.beam import beam_search
+
+        if not hasattr(self.engine, "step"):
+            raise InvalidRequest("beam_search needs the paged engine")
+        encoded = [self.encode_prompt(p, i)[1] for i, p in enumerate(_normalize_prompts(prompts))]
+        return beam_search(self, encoded, params)
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None, *, chat: bool = False):
+        """One request's text as it is generated: yields each new piece of text (str), in
+        order, until the request finishes; ``self.last_stream_output`` is then its
+        RequestOutput. prompt: as for ``generate`` (``chat=True``: a conversation, a list of
+        {"role", "content"} dicts). n must be 1. The engine must not be running other work."""
+        sp = sampling_params or SamplingParams()
+        if sp.n != 1:
+            raise InvalidRequest(f"stream takes n=1, got n={sp.n}")
+        if chat:
+            text, toks = self.encode_chat(prompt, 0)
+        else:
+            items = _normalize_prompts(prompt)
+            if len(items) != 1:
+                raise InvalidRequest(f"stream takes one prompt, got {len(items)}")
+            text, toks = self.encode_prompt(items[0], 0)
+        if not hasattr(self.engine, "step"):
+            raise InvalidRequest("stream needs the paged engine")
+        self.check_guided([sp])
+        req = self.new_request("0", text, toks, sp, time.perf_counter())
+        (row,) = req.rows
+        self.last_stream_output = None
+        self.engine.add(row)
+        sent = 0
+        try:
+            while True:
+                done = self.engine.step()
+                out = row.checker.output_text
+                if len(out) > sent:
+                    yield out[sent:]
+                    sent = len(out)
+                if any(r is row for r in done):
+                    break
+                if not self.engine.has_unfinished():
+                    raise RuntimeError("the engine went idle before the request finished")
+        except BaseException:
+            if not row.checker.finished:
+                self.engine.abort(row)  # the caller stopped reading: free the row's pages
+                while self.engine.has_unfinished():
+                    self.engine.step()
+            raise
+        self.last_stream_output = self._output(req)
+
     def generate_stream(self, requests, *, window: int | None = None, on_sequence_done=None):
         """Yield a RequestOutput as soon as each request finishes (completion order).
 
@@ -223,7 +279,36 @@ class LLM:
             row = self._make_row(toks, _sample_params(p, j, default_seed_for(self.seed, index)), index * 1024 + j)
             row.owner = req
             req.rows.append(row)
+        if p.guided_decoding is not None:
+            for row, m in zip(req.rows, self.guided_matchers(p.guided_decoding, p.n)):
+                row.guided = m
         return req
+
+    def check_guided(self, params) -> None:
+        """Compile every structured-output constraint among params up front (InvalidRequest
+        naming what is wrong), so a bad grammar fails before any generation."""
+        for sp in params:
+            if sp.guided_decoding is not None:
+                self.compile_grammar(sp.guided_decoding)
+
+    def compile_grammar(self, spec) -> str:
+        """A GuidedDecoding's grammar compiled against this model's vocabulary (cached)."""
+        from jaxinfer.guided import GrammarCompiler
+
+        if not getattr(self.engine, "supports_guided_decoding", False):
+            raise InvalidRequest("structured output (guided_decoding) needs the paged engine")
+        key = repr(spec)
+        if key not in self._grammars:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.cfg.vocab_size)
+            self._grammars[key] = self._grammar_compiler.check(spec)
+        return self._grammars[key]
+
+    def guided_matchers(self, spec, n: int) -> list:
+        """n independent GrammarMatchers for one constraint (one per sample of a request)."""
+        self.compile_grammar(spec)
+        first = self._grammar_compiler.matcher(self._grammars[repr(spec)])
+        return [first] + [first.copy() for _ in range(n - 1)]
 
     def _make_row(self, toks, sp: SamplingParams, request_index: int) -> Row:
         cap = self.max_model_len - len(toks)

@@ -7,7 +7,7 @@ raises ``openai_format.RequestError`` (answered with a 400 and OpenAI's error bo
 fields and bad values are refused; JSON null means "not given". ``Features`` says what the
 caller can serve: the batch job (``Features.BATCH``) refuses streaming, structured output and the
 fields vLLM adds to OpenAI's (``guided_*``, ``use_beam_search``), exactly as
-``openai_format.parse_request`` does; the server (``Features.SERVER``) streams, and serves
+``parse_request`` does (it is the batch job's parser); the server (``Features.SERVER``) streams, and serves
 structured output where its engine can.
 """
 
@@ -22,9 +22,11 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
                       ValidationError, model_validator)
 from pydantic_core import PydanticCustomError
 
+from jaxinfer.beam import BeamSearchParams
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.guided import GuidedDecoding
-from jaxinfer.openai_format import (DEFAULT_MAX_TOKENS, MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS, MAX_N,
+from jaxinfer.openai_format import (DEFAULT_MAX_TOKENS, MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS, MAX_N, URLS,
+                                    BatchRequest,
                                     MAX_PROMPTS, MAX_REPETITION_PENALTY, MAX_STOP, MAX_TOP_K, ROLES, RequestError,
                                     _short)
 from jaxinfer.sampling import SamplingParams
@@ -39,10 +41,11 @@ class Features:
 
     stream: bool
     structured_output: bool
-    vllm_fields: bool  # accept vLLM's extra fields at all (the batch format does not, yet)
+    vllm_fields: bool  # accept vLLM's extra fields at all
+    beam_search: bool = False  # use_beam_search=true (the batch job runs those lines after the rest)
 
 
-Features.BATCH = Features(stream=False, structured_output=False, vllm_fields=False)
+Features.BATCH = Features(stream=False, structured_output=True, vllm_fields=True, beam_search=True)
 Features.SERVER = Features(stream=True, structured_output=True, vllm_fields=True)
 
 
@@ -126,6 +129,13 @@ class JsonSchemaFormat(_Model):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
+class RepetitionBody(_Model):
+    """Opt-in loop detection (``SamplingParams.repetition_detection``)."""
+
+    max_period: Annotated[StrictInt, Field(ge=1, le=1024)] = 32
+    min_repeats: Annotated[StrictInt, Field(ge=2, le=1024)] = 4
+
+
 class ResponseFormat(_Model):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -162,12 +172,14 @@ class _Request(_Model):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)] | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     ignore_eos: StrictBool | None = None
+    repetition_detection: RepetitionBody | None = None  # ours: ends a looping row, finish_reason "repetition"
     # vLLM's structured output and beam search
     guided_json: Union[dict[str, Any], StrictStr] | None = None
     guided_regex: StrictStr | None = None
     guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
     guided_grammar: StrictStr | None = None
-    use_beam_search: Annotated[StrictBool | None, _neutral(False)] = None
+    use_beam_search: StrictBool | None = None  # n beams; the batch job only (Features.beam_search)
+    length_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None  # beam search's
 
 
 class ChatCompletionRequest(_Request):
@@ -209,6 +221,7 @@ class ParsedRequest:
     guided: GuidedDecoding | None = None
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
+    beam: BeamSearchParams | None = None  # use_beam_search: n beams of params.max_tokens
 
 
 def parse_body(kind: str, body: Any, *, features: Features = Features.SERVER, where: str = "",
@@ -228,6 +241,26 @@ def parse_body(kind: str, body: Any, *, features: Features = Features.SERVER, wh
     except ValidationError as e:
         raise _request_error(e, where) from None
     return _resolve(kind, req, features, where, dict(defaults or {}))
+
+
+def parse_request(custom_id: str, obj: dict, line: int, defaults: Mapping[str, Any] | None = None) -> BatchRequest:
+    """Validate the envelope and body of one line. ``defaults``: SamplingParams fields applied
+    when the body does not set them (e.g. from the command line), over OpenAI's defaults."""
+    where = f"line {line}: "
+    method = obj.get("method")
+    if method != "POST":
+        raise RequestError(f'{where}method must be "POST", got {_short(method)}', code="invalid_method", param="method")
+    url = obj.get("url")
+    kind = URLS.get(url) if isinstance(url, str) else None
+    if kind is None:
+        raise RequestError(f"{where}unknown url {_short(url)}; expected one of {', '.join(URLS)}",
+                           code="invalid_url", param="url")
+    req = parse_body(kind, obj.get("body"), features=Features.BATCH, where=where, defaults=defaults)
+    params = req.params
+    if req.guided is not None:
+        params = dataclasses.replace(params, guided_decoding=req.guided)
+    return BatchRequest(custom_id, line, kind, req.messages, req.prompts, params, req.max_tokens_set,
+                        req.top_logprobs, req.beam)
 
 
 def _resolve(kind: str, req: _Request, features: Features, where: str, defaults: dict) -> ParsedRequest:
@@ -278,6 +311,7 @@ def _resolve(kind: str, req: _Request, features: Features, where: str, defaults:
         "top_k": pick("top_k", 0), "min_p": float(pick("min_p", 0.0)),
         "repetition_penalty": float(pick("repetition_penalty", 1.0)),
         "min_tokens": pick("min_tokens", 0), "ignore_eos": pick("ignore_eos", False), "logprobs": top_logprobs,
+        "repetition_detection": req.repetition_detection.model_dump() if req.repetition_detection else None,
     }
     if kw["min_tokens"] > max_tokens:
         which = "" if max_tokens_set else ", the default"
@@ -293,8 +327,23 @@ def _resolve(kind: str, req: _Request, features: Features, where: str, defaults:
         except InvalidRequest as e:
             raise bad(str(e), "response_format" if fmt is not None and fmt.type != "text" else "guided_json") from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    beam = None
+    if req.use_beam_search:
+        if not features.beam_search:
+            raise bad("use_beam_search=true is not supported here", "use_beam_search", "unsupported_parameter")
+        for name, given in (("logprobs", top_logprobs is not None), ("guided decoding", guided is not None),
+                            ("temperature", req.temperature not in (None, 0)), ("stop", req.stop is not None)):
+            if given:
+                raise bad(f"use_beam_search does not combine with {name}", "use_beam_search", "unsupported_parameter")
+        try:
+            beam = BeamSearchParams(beam_width=n, max_tokens=max_tokens, ignore_eos=params.ignore_eos,
+                                    length_penalty=float(req.length_penalty if req.length_penalty is not None else 1.0))
+        except InvalidRequest as e:
+            raise bad(str(e), "n") from None
+    elif req.length_penalty is not None:
+        raise bad("length_penalty needs use_beam_search=true", "length_penalty")
     return ParsedRequest(kind, messages, prompts, params, max_tokens_set, top_logprobs, guided, bool(req.stream),
-                         include_usage)
+                         include_usage, beam)
 
 
 def _guided(req: _Request) -> GuidedDecoding | None:

@@ -23,7 +23,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None  # "stop" | "length"
+    finish_reason: str | None  # "stop" | "length" | "repetition"
     stop_reason: str | int | None = None
 
     def finished(self) -> bool:

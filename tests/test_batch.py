@@ -290,3 +290,43 @@ def test_latency_percentiles_within_one_percent():
         exact = np.percentile(xs, q, method="inverted_cdf")
         assert s[f"p{q}"] == pytest.approx(exact, rel=0.011)
     assert Latency().summary() == {"count": 0}
+
+
+def test_structured_output_in_a_batch_file(tiny_llm, tmp_path):
+    import jsonschema
+
+    schema = {"type": "object", "required": ["k"], "additionalProperties": False,
+              "properties": {"k": {"enum": ["x", "yy"]}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "k", "schema": schema, "strict": True}}
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        chat("c-json", "a k", max_tokens=30, seed=1, response_format=fmt),
+        completion("p-choice", "pick", max_tokens=8, n=2, seed=2, guided_choice=["left", "right"]),
+        chat("c-bad", "x", max_tokens=8, guided_regex="(["),
+        chat("c-free", "x", max_tokens=4, temperature=0, ignore_eos=True),
+    ])
+    _run(tiny_llm, inp, tmp_path / "out.jsonl")
+    rows = by_id(read_jsonl(tmp_path / "out.jsonl"))
+    body = check_ok(rows["c-json"], "chat", 1)
+    jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
+    body = check_ok(rows["p-choice"], "completion", 2)
+    assert {c["text"] for c in body["choices"]} <= {"left", "right"}
+    check_400(rows["c-bad"], "c-bad", "invalid_value", "guided_regex", 3)
+    assert check_ok(rows["c-free"], "chat", 1)["usage"]["completion_tokens"] == 4
+
+
+def test_beam_search_lines(tiny_llm, tmp_path):
+    from jaxinfer.beam import BeamSearchParams
+
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        completion("p-beam", "Hello world", n=3, max_tokens=4, use_beam_search=True, ignore_eos=True),
+        completion("p-free", "Hello world", max_tokens=4, temperature=0, ignore_eos=True),
+        completion("p-bad", "x", n=2, use_beam_search=True, logprobs=2),
+    ])
+    _run(tiny_llm, inp, tmp_path / "out.jsonl")
+    rows = by_id(read_jsonl(tmp_path / "out.jsonl"))
+    body = check_ok(rows["p-beam"], "completion", 3)
+    want = tiny_llm.beam_search("Hello world", BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True))[0]
+    assert [c["text"] for c in body["choices"]] == [s.text for s in want.sequences]
+    assert body["usage"]["completion_tokens"] == 12
+    check_ok(rows["p-free"], "completion", 1)
+    check_400(rows["p-bad"], "p-bad", "unsupported_parameter", "use_beam_search", 3)

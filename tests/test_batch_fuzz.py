@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from jaxinfer import batch as jb
 from jaxinfer import openai_format as oai
 from jaxinfer.batch import run_batch
+from jaxinfer.openai_schema import parse_request
 from tests.batch_testing import read_jsonl
 
 odd_text = st.one_of(
@@ -115,7 +116,7 @@ def test_fuzzed_lines_parse_or_fail_cleanly(tiny_llm, raw):
         return
     cid, obj = env
     try:
-        req = oai.parse_request(cid, obj, 7, {"max_tokens": 2})
+        req = parse_request(cid, obj, 7, {"max_tokens": 2})
         prompts, params = jb._encode(tiny_llm, req)
     except oai.RequestError as e:
         assert e.message.startswith("line 7: ") and e.code

@@ -209,3 +209,42 @@ def test_readme_says_the_python_snippet_samples_while_the_cli_is_greedy():
     note = readme[snippet_end: snippet_end + 600]
     assert SamplingParams().temperature == 1.0 and "defaults to `temperature=1.0`" in note
     assert build_parser().parse_args(["generate", "--prompt", "x"]).temperature == 0.0 and "CLI is greedy" in note
+
+
+def test_generate_streams_the_same_text_as_no_stream(capsys, tiny):
+    argv = ["generate", "--model", str(tiny), "--prompt", "Hello world", "--max-tokens", "8"]
+    assert main(argv + ["--no-stream"]) == 0
+    whole = capsys.readouterr().out
+    assert main(argv) == 0
+    assert capsys.readouterr().out == whole
+
+
+def test_llm_stream_yields_pieces_in_order(tiny):
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(str(tiny), progress=False)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    pieces = list(llm.stream("Hello world", sp))
+    want = llm.generate("Hello world", sp, use_tqdm=False)[0].outputs[0]
+    assert len(pieces) > 1 and "".join(pieces) == want.text == llm.last_stream_output.outputs[0].text
+    g = llm.stream("Hello world", sp)
+    next(g)
+    g.close()  # a reader that stops early frees the row
+    assert not llm.engine.has_unfinished() and llm.engine.num_running() == 0
+
+
+def test_chat_keeps_the_conversation(capsys, monkeypatch, tiny):
+    import io
+
+    from jaxinfer import LLM, SamplingParams
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi there\n\nTell me more\n/exit\nnever read\n"))
+    assert main(["chat", "--model", str(tiny), "--max-tokens", "6", "--system", "Be brief."]) == 0
+    lines = capsys.readouterr().out.split("\n")
+    llm = LLM(str(tiny), progress=False)
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    first = llm.chat(conv, sp, use_tqdm=False)[0].outputs[0].text
+    conv += [{"role": "assistant", "content": first}, {"role": "user", "content": "Tell me more"}]
+    second = llm.chat(conv, sp, use_tqdm=False)[0].outputs[0].text
+    assert "\n".join(lines[:-1]) == f"{first}\n{second}"

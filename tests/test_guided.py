@@ -201,3 +201,54 @@ def test_batch_bitmask_equals_row_by_row(tokenizer, extra_vocab):
             np.testing.assert_array_equal(batch.bitmask[b], want[0])
     assert not batch.fill([None, None])
     assert not batch.has_mask.any()
+
+
+# ------------------------------------------------------------------ in the engine, through LLM
+
+LLM_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "tag"],
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                             "tag": {"enum": ["a", "bb", "ccc"]}}}
+
+
+def test_llm_structured_rows_share_the_batch_with_free_rows(tiny_llm):
+    from jaxinfer.sampling import SamplingParams
+
+    free = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in tiny_llm.generate(["one", "two"], free, use_tqdm=False)]
+    params = [free, free]
+    params += [SamplingParams(max_tokens=40, temperature=1.0, seed=s, guided_decoding={"json": LLM_SCHEMA})
+               for s in range(6)]
+    params += [SamplingParams(max_tokens=10, temperature=1.0, seed=s, n=2, guided_decoding={"choice": ["yes", "no"]})
+               for s in range(2)]
+    params += [SamplingParams(max_tokens=12, temperature=1.0, seed=s, guided_decoding={"regex": r"[a-c]{2}[0-9]"})
+               for s in range(3)]
+    outs = tiny_llm.generate(["one", "two"] + ["x"] * (len(params) - 2), params, use_tqdm=False)
+    # the unconstrained rows are untouched by their constrained neighbours
+    assert [o.outputs[0].token_ids for o in outs[:2]] == alone
+    for o in outs[2:8]:
+        assert o.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(o.outputs[0].text), LLM_SCHEMA)
+    for o in outs[8:10]:
+        assert [c.text in ("yes", "no") for c in o.outputs] == [True, True]
+    for o in outs[10:]:
+        assert re.fullmatch(r"[a-c]{2}[0-9]", o.outputs[0].text), o.outputs[0].text
+
+
+def test_llm_bad_grammar_fails_before_generating(tiny_llm):
+    from jaxinfer.sampling import SamplingParams
+
+    with pytest.raises(InvalidRequest, match="regex"):
+        tiny_llm.generate(["x"], SamplingParams(guided_decoding={"regex": "(["}), use_tqdm=False)
+    with pytest.raises(InvalidRequest, match="guided_decoding"):
+        SamplingParams(guided_decoding={"jsn": {}})
+
+
+def test_steps_without_a_constrained_row_run_without_the_mask(tiny_llm):
+    from jaxinfer.sampling import SamplingParams
+
+    eng = tiny_llm.engine
+    eng.shapes_run.clear()
+    tiny_llm.generate(["one", "two"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert eng.shapes_run and not any("guided" in s for s in eng.shapes_run)
+    tiny_llm.generate(["one"], SamplingParams(max_tokens=4, guided_decoding={"choice": ["ab", "cd"]}), use_tqdm=False)
+    assert any("guided" in s for s in eng.shapes_run)

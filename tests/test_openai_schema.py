@@ -1,12 +1,13 @@
 """The pydantic request schema against the batch format's hand-written checks.
 
-``openai_format.parse_request`` is what the batch job runs today; ``openai_schema.parse_body``
+``openai_schema.parse_request`` is what the batch job runs; ``openai_schema.parse_body``
 with ``Features.BATCH`` must accept and refuse the same bodies and, where it accepts, produce
 the same request (messages, prompts, SamplingParams, logprobs). Two deliberate differences are
 left out of the corpus and tested on their own: ``0`` for the booleans ``stream`` and ``echo``
 (which ``v in (None, False)`` let through) and a malformed ``stream_options`` (ignored today).
 """
 
+import dataclasses
 import itertools
 
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from jaxinfer import openai_format as oai
 from jaxinfer.openai_schema import (REQUEST_MODELS, ChatCompletion, Completion, Features, ParsedRequest, error_body,
+                                    parse_request,
                                     parse_body)
 
 URL = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
@@ -66,7 +68,7 @@ def _corpus():
 
 def _old(kind, body):
     try:
-        return oai.parse_request("x", {"method": "POST", "url": URL[kind], "body": body}, 1)
+        return parse_request("x", {"method": "POST", "url": URL[kind], "body": body}, 1)
     except oai.RequestError as e:
         return e
 
@@ -85,8 +87,9 @@ def _agree(kind, body):
         assert new.message.startswith("line 1: ")
         return False
     assert isinstance(new, ParsedRequest)
-    for f in ("kind", "messages", "prompts", "params", "max_tokens_set", "top_logprobs"):
+    for f in ("kind", "messages", "prompts", "max_tokens_set", "top_logprobs"):
         assert getattr(old, f) == getattr(new, f), (f, body)
+    assert old.params == dataclasses.replace(new.params, guided_decoding=new.guided), body
     return True
 
 
@@ -111,13 +114,15 @@ def test_schema_agrees_on_generated_bodies(kind, data):
     _agree(kind, {**BASE[kind], **extra})
 
 
-def test_deliberate_differences():
-    # 0 is not a boolean: the schema refuses what `v in (None, False)` let through
-    for kind, name in [("chat", "stream"), ("completion", "echo")]:
-        body = {**BASE[kind], name: 0}
-        assert isinstance(_old(kind, body), oai.BatchRequest) and isinstance(_new(kind, body), oai.RequestError)
-    body = {**BASE["chat"], "stream_options": 5}
-    assert isinstance(_old("chat", body), oai.BatchRequest) and isinstance(_new("chat", body), oai.RequestError)
+def test_the_batch_format_is_the_schema():
+    # 0 is not a boolean; stream_options must be an object: one schema, so both paths refuse
+    for kind, name, value in [("chat", "stream", 0), ("completion", "echo", 0), ("chat", "stream_options", 5)]:
+        body = {**BASE[kind], name: value}
+        assert isinstance(_old(kind, body), oai.RequestError) and isinstance(_new(kind, body), oai.RequestError)
+    # structured output rides in the batch request's params
+    req = _old("chat", {**BASE["chat"], "response_format": {"type": "json_object"}})
+    assert req.params.guided_decoding.json == {"type": "object"}
+    assert _old("completion", {**BASE["completion"], "guided_choice": ["a", "b"]}).params.guided_decoding.choice == ("a", "b")
 
 
 @pytest.mark.parametrize("body,param,code", [
@@ -143,8 +148,8 @@ def test_server_features_parse_streaming_and_structured_output():
                 {"response_format": {"type": "json_schema"}}, {"stream_options": {"include_usage": 1}}]:
         with pytest.raises(oai.RequestError):
             parse_body("chat", {**BASE["chat"], **bad})
-    with pytest.raises(oai.RequestError, match="unrecognized"):
-        parse_body("chat", {**BASE["chat"], "guided_regex": "a"}, features=Features.BATCH)
+    with pytest.raises(oai.RequestError, match="stream"):
+        parse_body("chat", {**BASE["chat"], "stream": True}, features=Features.BATCH)
 
 
 def test_builders_produce_schema_valid_bodies(tiny_llm):

@@ -6,10 +6,13 @@ API's behaviour, not the words. Everything is bounded: few requests, few tokens,
 """
 
 import asyncio
+import concurrent.futures
 import json
+import re
 import time
 
 import httpx2 as httpx  # the openai client's own HTTP library
+import jsonschema
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -184,12 +187,48 @@ def test_bad_requests_get_400_with_openai_error_body(server, body, param):
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
 
 
-def test_structured_output_is_refused_until_the_engine_masks(server, llm):
-    if getattr(llm.engine, "supports_guided_decoding", False):
-        pytest.skip("the engine applies grammar masks: tests/test_engine_loop.py covers the outputs")
-    r = httpx.post(f"{server[0]}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   json={"messages": CHAT, "response_format": {"type": "json_object"}})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok", "n"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 999}}}
+
+
+def test_json_schema_outputs_validate_over_many_seeds(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        rs = list(pool.map(lambda s: _chat(client, max_tokens=80, temperature=1.0, seed=s, response_format=fmt),
+                           range(16)))
+    for r in rs:
+        (c,) = r.choices
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+
+
+def test_json_object_and_unconstrained_rows_share_the_batch(client):
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        free = [pool.submit(_chat, client, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+                for _ in range(3)]
+        obj = [pool.submit(_chat, client, max_tokens=120, temperature=0.8, seed=s,
+                           response_format={"type": "json_object"}) for s in range(3)]
+        for f in free:
+            assert f.result().choices[0].finish_reason == "length" and f.result().usage.completion_tokens == 12
+        for f in obj:
+            c = f.result().choices[0]
+            if c.finish_reason == "stop":  # an object may outgrow max_tokens; one that ends must parse
+                assert isinstance(json.loads(c.message.content), dict)
+
+
+def test_guided_choice_and_regex_stay_inside_the_language(client):
+    for s in range(6):
+        r = client.completions.create(model="tiny", prompt="Pick:", max_tokens=10, temperature=1.0, seed=s,
+                                      extra_body={"guided_choice": ["red", "green", "blue sky"]})
+        assert r.choices[0].text in {"red", "green", "blue sky"} and r.choices[0].finish_reason == "stop"
+        r = _chat(client, max_tokens=20, temperature=1.0, seed=s, extra_body={"guided_regex": r"[0-9]{2}-[a-z]{1,3}"})
+        assert re.fullmatch(r"[0-9]{2}-[a-z]{1,3}", r.choices[0].message.content)
+    # streamed, the pieces concatenate to a sentence of the grammar
+    chunks = list(_chat(client, max_tokens=20, temperature=1.0, seed=3, stream=True,
+                        extra_body={"guided_grammar": 'start: "a" ("b" | "cd")+ "!"'}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert re.fullmatch(r"a(b|cd)+!", text) or chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_malformed_json_is_a_400(server):
@@ -329,3 +368,17 @@ def test_server_answers_after_the_fuzz(http):
     assert http.get("/health").status_code == 200
     r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_repetition_detection_ends_a_loop_and_is_counted(server, client):
+    key = ("jaxinfer:request_success_total", frozenset({("finished_reason", "repetition")}))
+    before = metric_samples(server[0]).get(key, 0)
+    # the grammar forces a loop; min_tokens keeps EOS away (and the detector off) for 10 tokens
+    r = client.completions.create(model="tiny", prompt="ab", max_tokens=60, temperature=0, extra_body={
+        "guided_regex": "(ab)+", "min_tokens": 10, "repetition_detection": {"max_period": 4, "min_repeats": 3}})
+    c = r.choices[0]
+    assert c.finish_reason == "repetition" and 10 < r.usage.completion_tokens < 60 and re.fullmatch("(ab)*a?", c.text)  # a prefix of the language
+    assert metric_samples(server[0])[key] == before + 1
+    bad = httpx.post(f"{server[0]}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"prompt": "x", "repetition_detection": {"min_repeats": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("repetition_detection")

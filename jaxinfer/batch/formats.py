@@ -7,9 +7,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import time
 from collections.abc import Callable
 
 from jaxinfer import openai_format as oai
+from jaxinfer import openai_schema as schema
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.sampling import SamplingParams
 
@@ -26,6 +28,19 @@ class _Work:
     finish: Callable[[list], dict]  # RequestOutput per prompt -> result line
     outs: list = dataclasses.field(default_factory=list)
     left: int = 0
+    beam: object = None  # beam.BeamSearchParams: run by ``beam_outputs`` after the sampled lines
+
+    def beam_outputs(self, llm) -> list:
+        """A use_beam_search line's RequestOutput per prompt, its beams (best first) the choices."""
+        from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+        t0 = time.perf_counter()
+        beam = dataclasses.replace(self.beam, max_tokens=self.params.max_tokens)  # fitted to the context
+        res = llm.beam_search([{"prompt_token_ids": ids} for _, ids in self.prompts], beam)
+        return [RequestOutput(str(k), text, ids, None,
+                              [CompletionOutput(j, b.text, b.token_ids, b.cum_logprob, None, b.finish_reason)
+                               for j, b in enumerate(r.sequences)], True, RequestMetrics(arrival_time=t0))
+                for k, ((text, ids), r) in enumerate(zip(self.prompts, res))]
 
 
 def _shard_of_id(custom_id: str) -> int:
@@ -62,7 +77,7 @@ class _OpenAIFormat:
             return oai.line_error_line(env)
         cid, obj = env
         try:
-            req = oai.parse_request(cid, obj, n, self.defaults)
+            req = schema.parse_request(cid, obj, n, self.defaults)
             prompts, params = _encode(llm, req)
         except oai.RequestError as e:
             return oai.error_response_line(cid, e)
@@ -72,7 +87,7 @@ class _OpenAIFormat:
         def finish(outs):
             return oai.result_line(cid, build(req, outs, model))
 
-        return _Work(key, prompts, params, finish)
+        return _Work(key, prompts, params, finish, beam=req.beam)
 
     @staticmethod
     def key_of(rec: dict) -> tuple:

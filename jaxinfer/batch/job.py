@@ -160,7 +160,7 @@ def _note(done: set, tally: Tally, fmt, rec: dict, key: tuple, mine) -> None:
     if key not in done:
         done.add(key)
         if mine(key):
-            tally.add(fmt.ok(rec), fmt.tokens(rec))
+            tally.add(fmt.ok(rec), fmt.tokens(rec), _repetitions(rec))
 
 
 def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, summary: BatchSummary, *,
@@ -178,7 +178,7 @@ def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, su
 
     def record(rec: dict, outs=()) -> None:
         log.append(rec)
-        summary.run.add(fmt.ok(rec), fmt.tokens(rec))
+        summary.run.add(fmt.ok(rec), fmt.tokens(rec), _repetitions(rec))
         for o in outs:
             m = o.metrics
             for name, value in (("ttft_s", m.ttft), ("tpot_s", m.tpot), ("e2e_s", m.e2e), ("queue_s", m.time_in_queue)):
@@ -190,6 +190,8 @@ def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, su
         if now - last_postfix[0] > 0.5:
             last_postfix[0] = now
             bar.set_postfix_str(f"{summary.run.output_tokens / max(now - started, 1e-9):.1f} out tok/s", refresh=False)
+
+    beams = []  # use_beam_search lines: run after the rest (beam search drives the engine itself)
 
     def requests():
         seq = 0
@@ -203,6 +205,9 @@ def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, su
             w = fmt.work(llm, n, key, parsed)
             if isinstance(w, dict):
                 record(w)
+                continue
+            if w.beam is not None:
+                beams.append(w)
                 continue
             seq += 1
             w.outs, w.left = [None] * len(w.prompts), len(w.prompts)
@@ -222,6 +227,11 @@ def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, su
                         del pending[seq]
                         record(w.finish(w.outs), w.outs)
                     stop.check()
+                for w in beams:
+                    if stop.stopping:
+                        break
+                    record(w.finish(w.beam_outputs(llm)))
+                    stop.check()
             finally:
                 stop.disarm()
         except _Interrupted:  # also when it lands in the finally, before disarm
@@ -230,6 +240,14 @@ def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, su
             summary.interrupted = stop.signum
     finally:
         bar.close()
+
+
+def _repetitions(rec: dict) -> int:
+    """Sequences of a result line (either format) that repetition detection ended."""
+    if "finish_reason" in rec:  # quick mode: one sequence per line
+        return rec["finish_reason"] == "repetition"
+    body = (rec.get("response") or {}).get("body") or {}
+    return sum(c.get("finish_reason") == "repetition" for c in body.get("choices", ()))
 
 
 def _finish_output(out: Path, fmt, order: str) -> None:

@@ -17,12 +17,14 @@ class Tally:
     failed: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
+    repetitions: int = 0  # sequences ended by repetition detection (finish_reason "repetition")
 
-    def add(self, ok: bool, tokens: tuple[int, int]) -> None:
+    def add(self, ok: bool, tokens: tuple[int, int], repetitions: int = 0) -> None:
         self.ok += ok
         self.failed += not ok
         self.input_tokens += tokens[0]
         self.output_tokens += tokens[1]
+        self.repetitions += repetitions
 
     def merge(self, other: Tally) -> None:
         for f in dataclasses.fields(self):
@@ -129,6 +131,7 @@ class BatchSummary:
             "requests": {"total": self.total, "ok": self.result.ok, "failed": self.result.failed,
                          "answered_before_this_run": self.before},
             "input_tokens": self.result.input_tokens, "output_tokens": self.result.output_tokens,
+            "repetitions": self.result.repetitions,
             "this_run": {"requests": self.run.answered, "ok": self.run.ok, "failed": self.run.failed,
                          "input_tokens": self.run.input_tokens, "output_tokens": self.run.output_tokens,
                          "wall_s": self.wall_s, "output_tokens_per_s": self.run.output_tokens / wall,

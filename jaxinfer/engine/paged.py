@@ -70,7 +70,16 @@ class _InFlight:
 
 
 class PagedEngine:
-    """Continuous-batching engine over one model."""
+    """Continuous-batching engine over one model.
+
+    Structured output: a row whose ``guided`` is a grammar matcher (``guided.GrammarMatcher``:
+    ``fill_bitmask(out)``, ``accept(token)``) samples only what its grammar allows. Its mask is
+    filled on the host from the matcher and applied inside the jitted step; steps with no
+    constrained row run without any mask. A constrained row's mask needs its previous token,
+    so while one is running the host reads each step's tokens before dispatching the next.
+    """
+
+    supports_guided_decoding = True
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, max_model_len: int,
                  config: EngineConfig = EngineConfig(), seed: int = 0,
@@ -134,6 +143,7 @@ class PagedEngine:
                                   donate_argnames=("k_pages", "v_pages", "slots"))
         self._seqs: dict[int, Seq] = {}  # id(row) -> its sequence, for abort
         self._inflight: _InFlight | None = None
+        self._bitmask: np.ndarray | None = None  # i32[S, V/32] structured-output masks, made on first use
         self.shapes_run: set[tuple] = set()  # (R, width, Tp, q, logprobs, prompt logprobs) of every step run
 
     # ------------------------------------------------------------------ reports
@@ -183,12 +193,13 @@ class PagedEngine:
                            wtable=z(rows + 1, ww), wbase=z(rows + 1), seg=np.full(prefill, -1, np.int32),
                            hist_end=np.int32(0), targets=np.full(prefill, -1, np.int32), rows=rows, q=q)
 
-    def run_step(self, batch: PackedBatch, *, num_logprobs: int = -1, prompt_logprobs: int = -1):
-        """Run one packed step on the engine's pools and slots (donated); returns its StepOutput."""
+    def run_step(self, batch: PackedBatch, *, num_logprobs: int = -1, prompt_logprobs: int = -1, guide=None):
+        """Run one packed step on the engine's pools and slots (donated); returns its StepOutput.
+        guide: None, or (bitmask i32[R, V/32], has_mask bool[R]) for the decode rows."""
         self.shapes_run.add((batch.rows, batch.table.shape[1], batch.prefill_len, batch.q, num_logprobs,
-                             prompt_logprobs))
+                             prompt_logprobs) + (("guided",) if guide is not None else ()))
         out, self.k_pages, self.v_pages, self.slots = self._step(
-            self.weights, batch, self.k_pages, self.v_pages, self.slots, cfg=self.cfg, num_logprobs=num_logprobs,
+            self.weights, batch, self.k_pages, self.v_pages, self.slots, guide, cfg=self.cfg, num_logprobs=num_logprobs,
             prompt_logprobs=prompt_logprobs, kernel_mode=kernels.current_mode())
         return out
 
@@ -252,11 +263,18 @@ class PagedEngine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[Row]:
         """One scheduler iteration: dispatch the next packed step, then read the previous
-        one's tokens while it runs. Returns the rows that finished."""
+        one's tokens while it runs (first, when that step sampled for a constrained row: its
+        next mask needs the token). Returns the rows that finished."""
         if self.spec is not None:
             return self._spec_iteration()
+        done = []
+        if self._inflight is not None and any(s.row.guided is not None for s in self._inflight.plan_decode):
+            # a constrained row's next mask depends on the token in flight: read it first
+            done = self._consume(self._inflight)
+            self._inflight = None
         nxt = self._dispatch() if self.sched.has_work() else None
-        done = self._consume(self._inflight) if self._inflight is not None else []
+        if self._inflight is not None:
+            done = self._consume(self._inflight)
         self._inflight = nxt
         return done
 
@@ -288,7 +306,7 @@ class PagedEngine:
                             want_targets=bool(want_plp))
         num_lp = buckets.logprob_bucket([s.row.params.logprobs for s in plan.decode])
         plp = buckets.logprob_bucket(want_plp)
-        out = self.run_step(batch, num_logprobs=num_lp, prompt_logprobs=plp)
+        out = self.run_step(batch, num_logprobs=num_lp, prompt_logprobs=plp, guide=self._guide(plan.decode, batch.rows))
         for s in plan.decode:
             s.inflight += 1
         self.sched.prefill_done(plan.prefill)
@@ -300,6 +318,20 @@ class PagedEngine:
                 plp_segments.append((g.seq, g.start, g.n, at))
             at += g.n
         return _InFlight(plan.decode, plp_segments, out)
+
+    def _guide(self, decode: list[Seq], R: int):
+        """The decode rows' structured-output masks (bitmask i32[R, V/32], has_mask bool[R]), or
+        None when no row is constrained. Decode row r is slot r."""
+        guided = [s for s in decode if s.row.guided is not None]
+        if not guided:
+            return None
+        if self._bitmask is None:
+            self._bitmask = np.full((self.max_num_seqs, -(-self.cfg.vocab_size // 32)), -1, np.int32)
+        has = np.zeros(R, np.bool_)
+        for s in guided:
+            s.row.guided.fill_bitmask(self._bitmask[s.slot])
+            has[s.slot] = True
+        return self._bitmask[:R].copy(), has
 
     def _consume(self, fl: _InFlight) -> list[Row]:
         out = fl.out
@@ -369,7 +401,10 @@ class PagedEngine:
             return []
         spec, stats = self.spec, self.spec_stats
         decoding = [s for s in self.sched.slots if s is not None and s.state.value == "decode"]
-        drafts = self._propose(decoding) if 0 < len(decoding) <= spec.disable_by_batch_size else {}
+        # a row under a grammar makes this a plain step: its mask is applied there, and drafts
+        # are not checked against grammars
+        drafts = self._propose(decoding) if 0 < len(decoding) <= spec.disable_by_batch_size and \
+            not any(s.row.guided is not None for s in decoding) else {}
         if not drafts:
             stats.disabled_steps += bool(decoding)
             for s in decoding:

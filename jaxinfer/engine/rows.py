@@ -30,6 +30,7 @@ class Row:
     token_times: list[float] = dataclasses.field(default_factory=list)  # when each token arrived
     # params.prompt_logprobs set: one entry per prompt token (None for the first), filled by prefill
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    guided: object = None  # structured output: the row's guided.GrammarMatcher (None: unconstrained)
     spec_drafted: int = 0  # speculative decoding: tokens drafted for this row
     spec_accepted: int = 0  # and accepted
 
@@ -46,6 +47,12 @@ def record_token(r: Row, tok: int, host_lp, b: int, now: float, tokenizer) -> bo
         r.cumulative_logprob += float(chosen)
         r.logprobs.append(position_logprobs(tokenizer, tok, float(chosen), int(rank), top_ids[: r.params.logprobs], top_lps))
     r.checker.update(tok, r.detok.add(tok))
+    if r.guided is not None and not r.checker.finished and not r.guided.accept(tok):
+        r.checker.end("stop")  # the grammar allowed nothing the sampler could take (e.g. EOS masked)
+    rep = r.params.repetition_detection
+    if (rep is not None and not r.checker.finished and len(r.token_ids) > r.params.min_tokens
+            and rep.repeating(r.token_ids)):
+        r.checker.end("repetition")
     if r.checker.finished:
         r.finished_time = now
         return True

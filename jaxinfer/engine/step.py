@@ -56,10 +56,15 @@ def insert_step(slots: SlotState, slot, row: SlotState) -> SlotState:
     return jax.tree.map(lambda a, r: a.at[slot].set(r[0]), slots, row)
 
 
-def sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs):
+def sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs, guide=None):
     """The one sampling step of both engines: logits f32[B, V] -> tokens i32[B], logprobs
-    (or None when num_logprobs < 0), and the state with the new tokens counted."""
+    (or None when num_logprobs < 0), and the state with the new tokens counted.
+
+    guide: None (no row is constrained: no mask work at all), or (bitmask i32[B, V/32],
+    has_mask bool[B]), the structured-output rows' allowed tokens."""
     masked = smp.mask_tokens_before_min(logits, stop_ids, step, min_tokens)
+    if guide is not None:
+        masked = smp.apply_token_bitmask(masked, *guide)
     tokens = smp.sample(masked, state, step)
     state = smp.update_counts(state, tokens)
     if num_logprobs < 0:  # logprobs not requested by any row: skip the log-softmax
@@ -80,9 +85,13 @@ def token_logprobs(logits, targets, num_top: int):
     return chosen, ranks, top_ids[:, :num_top], top_lp[:, :num_top]
 
 
-def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, *, cfg, windowed,
+def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, guide=None, *, cfg, windowed,
                 num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode):
     """One scheduler iteration on device -> (StepOutput, k_pages, v_pages, slots).
+
+    guide: None, or (bitmask i32[R, V/32], has_mask bool[R]) for the decode rows when any is
+    constrained (structured output). None and arrays are different pytrees, so a batch with
+    no constrained row runs an executable without the mask.
 
     Decode row r is slot r. Its first query token is the host's, or, where use_prev, the
     token the previous step sampled for that slot (still on device: the host reads it while
@@ -107,7 +116,7 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
                     logits = mod.unembed(weights, hd, cfg)[:, 0]
                 sub = jax.tree.map(lambda a: a[:R], slots)
                 new, lp, sampling = sample_step(logits, sub.sampling, sub.generated, sub.stop_ids,
-                                                sub.min_tokens, num_logprobs)
+                                                sub.min_tokens, num_logprobs, guide)
                 upd = SlotState(sampling, new, sub.stop_ids, sub.min_tokens, sub.generated + 1)
                 # idle slots (and ones still prefilling) keep their state: seeds and penalties
                 # must not see steps they took no part in

@@ -32,6 +32,8 @@ from jaxinfer.sampling.device import (  # noqa: F401 (re-exported, private ones 
     SamplingState,
     _topk_topp_threshold,
     apply_penalties,
+    apply_token_bitmask,
+    bitmask_words,
     filter_threshold,
     penalised,
     default_seed_for,
@@ -45,5 +47,5 @@ from jaxinfer.sampling.device import (  # noqa: F401 (re-exported, private ones 
     write_rows,
 )
 from jaxinfer.sampling.verify import Verified, verify_block  # noqa: F401
-from jaxinfer.sampling.params import GREEDY_TEMPERATURE, MAX_LOGPROBS, SamplingParams  # noqa: F401
+from jaxinfer.sampling.params import GREEDY_TEMPERATURE, MAX_LOGPROBS, GuidedDecoding, RepetitionDetection, SamplingParams  # noqa: F401
 from jaxinfer.sampling.stop import StopChecker  # noqa: F401

@@ -464,3 +464,25 @@ def mask_tokens_before_min(
         return jnp.where(stop_ids & active[:, None], -jnp.inf, logits)
     ids = jnp.where(active[:, None] & (stop_ids >= 0), stop_ids, V)  # V is dropped below
     return logits.at[jnp.arange(B)[:, None], ids].set(-jnp.inf, mode="drop")
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Words of a token bitmask row: int32[ceil(V/32)]."""
+    return -(-vocab_size // 32)
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array, has_mask: jax.Array) -> jax.Array:
+    """Disallowed tokens to -inf, in the rows that have a mask (structured output).
+
+    logits f32[B, V]; bitmask i32[B, ceil(V/32)] (bit t % 32 of word t // 32 set: token t is
+    allowed); has_mask bool[B]. Rows with has_mask False come back unchanged.
+    """
+    B, V = logits.shape
+    if bitmask.shape != (B, bitmask_words(V)) or has_mask.shape != (B,):
+        raise ValueError(f"{bitmask.shape=} must be ({B}, {bitmask_words(V)}) and {has_mask.shape=} ({B},) "
+                         f"for {logits.shape=}")
+    with jax.named_scope("apply_token_bitmask"):
+        shifts = jnp.arange(32, dtype=jnp.int32)
+        bits = (bitmask[:, :, None] >> shifts) & 1  # i32[B, V/32, 32]: bit j of word w is token 32w + j
+        allowed = bits.reshape(B, -1)[:, :V].astype(bool) | ~has_mask[:, None]
+        return jnp.where(allowed, logits, -jnp.inf)

@@ -4,6 +4,7 @@ ranges and defaults). Every bad value is an ``InvalidRequest`` naming the field.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 from collections.abc import Sequence
@@ -46,6 +47,89 @@ def _check_bool(name: str, value) -> bool:
     return bool(value)
 
 
+# JSON output without free-form whitespace between tokens: the model cannot stall on spaces,
+# and the output is the compact form every JSON parser reads.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class GuidedDecoding:
+    """One output constraint; exactly one field is set.
+
+    json: a JSON schema (a dict, or its JSON text); ``{"type": "object"}`` is OpenAI's
+    json_object. regex: the whole output matches it. choice: the output is one of these
+    strings. grammar: a Lark grammar (llguidance's dialect) whose ``start`` rule is the output.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
+        if len(given) != 1:
+            raise InvalidRequest(f"guided decoding takes exactly one of json, regex, choice, grammar; got {given}")
+        if self.choice is not None:
+            choice = tuple(self.choice)
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise InvalidRequest("guided choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", choice)
+
+    def llguidance_grammar(self) -> str:
+        """The grammar in llguidance's own (JSON) form."""
+        import llguidance
+
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise InvalidRequest(f"guided json is not valid JSON: {e.msg}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequest("guided json must be a JSON schema (an object)")
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+            except ValueError as e:
+                raise InvalidRequest(f"invalid JSON schema: {e}") from None
+        if self.regex is not None:
+            return llguidance.LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            # every choice is a Lark string literal: JSON string escapes are Lark's too
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        return llguidance.LLMatcher.grammar_from_lark(self.grammar)
+
+
+@dataclasses.dataclass(frozen=True)
+class RepetitionDetection:
+    """End a row stuck in a loop: when its last ``period * min_repeats`` tokens are one block of
+    ``period`` tokens (1 <= period <= max_period) repeated ``min_repeats`` times, it finishes
+    with ``finish_reason == "repetition"``. ``min_tokens`` generated tokens are never checked."""
+
+    max_period: int = 32
+    min_repeats: int = 4
+
+    def __post_init__(self):
+        for name, lo in (("max_period", 1), ("min_repeats", 2)):
+            value = _check_int(f"repetition_detection.{name}", getattr(self, name))
+            if value < lo:
+                raise InvalidRequest(f"repetition_detection.{name} must be >= {lo}, got {value}")
+            object.__setattr__(self, name, value)
+
+    def repeating(self, ids) -> bool:
+        """Whether the sequence ids (a list of ints) ends in a repeated block."""
+        last = ids[-1] if ids else None
+        for p in range(1, self.max_period + 1):
+            n = p * self.min_repeats
+            if n > len(ids):
+                return False
+            # a block repeated k times: every token equals the one p before it, over n - p tokens
+            if ids[-1 - p] == last and ids[-n + p:] == ids[-n:-p]:
+                return True
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters (vLLM's names, defaults and ranges).
@@ -74,6 +158,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured output: a GuidedDecoding, or a dict of its fields (vLLM's GuidedDecodingParams)
+    guided_decoding: GuidedDecoding | dict | None = None
+    # opt-in loop detection: a RepetitionDetection, or a dict of its fields
+    repetition_detection: RepetitionDetection | dict | None = None
 
     def __post_init__(self):
         def put(name, value):  # frozen: normalised values go in through object.__setattr__
@@ -158,6 +246,26 @@ class SamplingParams:
 
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             put(name, _check_bool(name, getattr(self, name)))
+
+        g = self.guided_decoding
+        if isinstance(g, dict):
+            unknown = sorted(set(g) - {f.name for f in dataclasses.fields(GuidedDecoding)})
+            if unknown:
+                raise InvalidRequest(f"guided_decoding takes json, regex, choice or grammar, got {unknown}")
+            g = GuidedDecoding(**{k: v for k, v in g.items() if v is not None})
+        elif g is not None and not isinstance(g, GuidedDecoding):
+            raise InvalidRequest(f"guided_decoding must be a GuidedDecoding or a dict, got {_describe(g)}")
+        put("guided_decoding", g)
+
+        r = self.repetition_detection
+        if isinstance(r, dict):
+            unknown = sorted(set(r) - {"max_period", "min_repeats"})
+            if unknown:
+                raise InvalidRequest(f"repetition_detection takes max_period and min_repeats, got {unknown}")
+            r = RepetitionDetection(**r)
+        elif r is not None and not isinstance(r, RepetitionDetection):
+            raise InvalidRequest(f"repetition_detection must be a RepetitionDetection or a dict, got {_describe(r)}")
+        put("repetition_detection", r)
 
     @property
     def greedy(self) -> bool:

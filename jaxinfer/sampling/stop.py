@@ -102,6 +102,11 @@ class StopChecker:
         self._emitted = upto
         return delta
 
+    def end(self, reason: str) -> str:
+        """Finish now for a reason found outside the checker (a grammar, repetition); returns
+        the text held back for stop strings."""
+        return self._finish(reason, None)
+
     def _finish(self, reason: str, stop_reason) -> str:
         self.finish_reason = reason
         self.stop_reason = stop_reason

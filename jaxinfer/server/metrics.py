@@ -1,6 +1,7 @@
 """The server's Prometheus metrics, named as vLLM names them with our ``jaxinfer:`` prefix.
 
-Counters: ``request_success_total`` (one per finished sequence, by finish reason),
+Counters: ``request_success_total`` (one per finished sequence, by finish reason: stop, length,
+repetition (repetition detection), abort),
 ``prompt_tokens_total`` and ``generation_tokens_total`` (counted when a request finishes, so a
 cancelled request adds nothing). Gauges: ``num_requests_running``, ``num_requests_waiting``
 (sequences), ``kv_cache_usage_perc`` (0..1). Histograms of TTFT, TPOT and end-to-end latency,
