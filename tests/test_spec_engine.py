@@ -179,3 +179,19 @@ def test_cli_generate_with_speculation_reports_acceptance(smollm2_gguf, capsys):
                  "--speculative-config", json.dumps(NGRAM)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["spec_drafted_tokens"] >= out["spec_accepted_tokens"] > 0
+
+
+def test_grammar_constrained_rows_speculate_within_their_grammar(ngram_llm, smollm2_llm):
+    """Drafts of a row under a JSON schema are cut to what the grammar allows and every block
+    position is masked by the grammar's state there: the same tokens as without speculation,
+    valid JSON, and drafts really accepted."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    conv = [{"role": "user", "content": 'Copy this JSON exactly: {"name": "Alice Johnson", "age": 30}'}]
+    sp = SamplingParams(temperature=0, max_tokens=40, guided_decoding={"json": schema})
+    a = smollm2_llm.chat(conv, sp, use_tqdm=False)[0].outputs[0]
+    before = ngram_llm.engine.spec_stats.accepted
+    b = ngram_llm.chat(conv, sp, use_tqdm=False)[0]
+    assert b.outputs[0].token_ids == a.token_ids and b.outputs[0].text == a.text
+    assert json.loads(b.outputs[0].text)["age"] == 30
+    assert ngram_llm.engine.spec_stats.accepted > before and b.metrics.spec_accepted_tokens > 0

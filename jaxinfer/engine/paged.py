@@ -389,6 +389,24 @@ class PagedEngine:
                 drafts[s] = d
         return drafts
 
+    def _block_guide(self, decode, rows: dict, R: int, q: int):
+        """Structured-output masks of every block position (bitmask i32[R, q, V/32], has_mask
+        bool[R]): position j's is the grammar's state after the row's drafts before j (the
+        drafts were cut to what the grammar allows). None when no row is constrained."""
+        constrained = [s for s in decode if s.row.guided is not None]
+        if not constrained:
+            return None
+        masks = np.full((R, q, -(-self.cfg.vocab_size // 32)), -1, np.int32)
+        has = np.zeros(R, np.bool_)
+        for s in constrained:
+            m = s.row.guided.copy()
+            m.fill_bitmask(masks[s.slot, 0])
+            for j, tok in enumerate(rows.get(s.slot, [])):
+                m.accept(tok)
+                m.fill_bitmask(masks[s.slot, j + 1])
+            has[s.slot] = True
+        return masks, has
+
     def _spec_iteration(self) -> list[Row]:
         """One synchronous iteration with speculation: drafts are proposed from the tokens the
         host holds, the block is verified on device, and the accepted tokens are read back
@@ -401,10 +419,15 @@ class PagedEngine:
             return []
         spec, stats = self.spec, self.spec_stats
         decoding = [s for s in self.sched.slots if s is not None and s.state.value == "decode"]
-        # a row under a grammar makes this a plain step: its mask is applied there, and drafts
-        # are not checked against grammars
+        constrained = [s for s in decoding if s.row.guided is not None]
+        # early-exit drafts are made on device, where no grammar can check them: such steps run plain
         drafts = self._propose(decoding) if 0 < len(decoding) <= spec.disable_by_batch_size and \
-            not any(s.row.guided is not None for s in decoding) else {}
+            not (constrained and spec.method == SpecMethod.EARLY_EXIT) else {}
+        for s in constrained:  # a row under a grammar drafts only what its grammar allows
+            if s in drafts:
+                drafts[s] = _grammar_prefix(s.row.guided, drafts[s])
+                if not drafts[s] and spec.method == SpecMethod.NGRAM:
+                    del drafts[s]
         if not drafts:
             stats.disabled_steps += bool(decoding)
             for s in decoding:
@@ -428,8 +451,9 @@ class PagedEngine:
         plp = buckets.logprob_bucket(want_plp)
         draft_layers = spec.num_layers if spec.method == SpecMethod.EARLY_EXIT else 0
         self.shapes_run.add((batch.rows, batch.table.shape[1], batch.prefill_len, q, num_lp, plp))
+        guide = self._block_guide(plan.decode, rows, batch.rows, q)
         out, self.k_pages, self.v_pages, self.slots = self._spec_step(
-            self.weights, batch, self.k_pages, self.v_pages, self.slots, self._heads, cfg=self.cfg,
+            self.weights, batch, self.k_pages, self.v_pages, self.slots, self._heads, guide, cfg=self.cfg,
             num_logprobs=num_lp, prompt_logprobs=plp, kernel_mode=kernels.current_mode(), draft_layers=draft_layers)
         self.sched.prefill_done(plan.prefill)
         plp_segments, at = [], 0
@@ -487,3 +511,12 @@ class PagedEngine:
         new = SlotState(sampling, jnp.zeros(1, jnp.int32), jnp.asarray(stop_ids), jnp.asarray(mins, jnp.int32),
                         jnp.asarray([len(row.token_ids)], jnp.int32))
         self.slots = self._insert(self.slots, jnp.int32(seq.slot), new)
+
+
+def _grammar_prefix(matcher, drafts: list[int]) -> list[int]:
+    """The longest prefix of drafts that a copy of the row's grammar matcher accepts."""
+    m = matcher.copy()
+    for j, tok in enumerate(drafts):
+        if not m.accept(tok):
+            return drafts[:j]
+    return drafts

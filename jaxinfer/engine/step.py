@@ -167,7 +167,8 @@ def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cf
     return batch.tokens.at[: R * Q].set(toks.reshape(-1)), k_pages, v_pages
 
 
-def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, heads=None, *, cfg, windowed,
+def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, heads=None, guide=None, *,
+              cfg, windowed,
               num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode, draft_layers: int = 0):
     """One speculative scheduler iteration -> (SpecOutput, k_pages, v_pages, slots).
 
@@ -177,7 +178,9 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, h
     row and the prefill row, then ``sampling.verify_block`` accepts a prefix of each row's
     drafts and adds one token; the slot state advances by what was emitted. With Medusa
     ``heads``, their logits come out of the same LM-head matmul as the verification logits,
-    and those at each row's accepted position are its next block's drafts."""
+    and those at each row's accepted position are its next block's drafts. guide: None, or the
+    structured-output masks of every block position (bitmask i32[R, q, V/32], has_mask bool[R]),
+    applied to the logits verification reads (logprobs stay the raw model's)."""
     with kernels.traced_with(kernel_mode):
         mod = family_module(cfg.family)
         R, Q = batch.rows, batch.q
@@ -202,7 +205,13 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, h
                 row_logits, head_logits = both[:, :, 0], both[:, :, 1:]  # f32[R, Q, V], f32[R, Q, K, V]
             sub = jax.tree.map(lambda a: a[:R], slots)
             drafts = tokens[: R * Q].reshape(R, Q)[:, 1:]
-            ver = smp.verify_block(row_logits, drafts, batch.last_q, sub.sampling, sub.generated, sub.stop_ids,
+            shaped = row_logits
+            if guide is not None:
+                bm, has = guide
+                V = row_logits.shape[-1]
+                shaped = smp.apply_token_bitmask(row_logits.reshape(R * Q, V), bm.reshape(R * Q, -1),
+                                                 jnp.repeat(has, Q)).reshape(R, Q, V)
+            ver = smp.verify_block(shaped, drafts, batch.last_q, sub.sampling, sub.generated, sub.stop_ids,
                                    sub.min_tokens, use_kernel=use_kernels,
                                    interpret=kernel_mode == kernels.KernelMode.INTERPRET)
             new_last = jnp.take_along_axis(ver.tokens, ver.accepted[:, None], axis=1)[:, 0]
