@@ -5,7 +5,7 @@ interleaved per repeat so the machine's load falls on all of them alike; medians
 
 * batch 1, input-grounded prompts (copy or quote a passage, edit or annotate code), greedy,
   up to 128 new tokens, one request at a time: off, ngram (k=4, lookup 1-4), early_exit;
-* batch 1, general chat prompts: off, early_exit, ngram;
+* batch 1, general chat prompts: off, early_exit, ngram, medusa (k=3, the committed heads);
 * batch 16 (16 chat prompts at once): off against ngram with its default disable_by_batch_size.
 Every mode's greedy tokens are checked equal to plain decoding's before anything is timed.
 """
@@ -56,6 +56,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--early-exit-layers", type=int, default=24)
+    ap.add_argument("--medusa", default="checkpoints/medusa-smollm2-135m-instruct",
+                    help="Medusa heads directory (jaxinfer train-medusa); skipped if missing")
+    ap.add_argument("--only", nargs="*", default=None, help="cases to run (default: all)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -66,6 +69,10 @@ def main() -> None:
         "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
         "early_exit": {"method": "early_exit", "num_speculative_tokens": 2, "num_layers": args.early_exit_layers},
     }
+    import os
+
+    if os.path.isdir(args.medusa):
+        modes["medusa"] = {"method": "medusa", "num_speculative_tokens": 3, "model": args.medusa}
     llms = {m: LLM(args.model, progress=False, max_model_len=1024, max_num_seqs=16, speculative_config=c)
             for m, c in modes.items()}
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -88,11 +95,13 @@ def main() -> None:
 
     cases = {
         "batch1_grounded": (one_at_a_time, GROUNDED, ["off", "ngram", "early_exit"]),
-        "batch1_chat": (one_at_a_time, CHAT, ["off", "early_exit", "ngram"]),
+        "batch1_chat": (one_at_a_time, CHAT, ["off", "early_exit", "ngram"] + (["medusa"] if "medusa" in modes else [])),
         "batch16_chat": (batched, (CHAT * 4)[:16], ["off", "ngram"]),
     }
     results = {}
     for name, (run, prompts, ms) in cases.items():
+        if args.only and name not in args.only:
+            continue
         ref = None
         for m in ms:  # warm pass: compiles, and checks greedy equality with plain decoding
             _, toks = run(llms[m], prompts)
