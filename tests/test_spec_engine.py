@@ -17,6 +17,8 @@ GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2-135m-instruct.j
 GEMMA = json.loads((Path(__file__).parent / "golden" / "gemma-3-270m.json").read_text())["prompts"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 16}
 EARLY = {"method": "early_exit", "num_speculative_tokens": 2, "num_layers": 24, "disable_by_batch_size": 16}
+MEDUSA = {"method": "medusa", "num_speculative_tokens": 3, "disable_by_batch_size": 16,
+          "model": str(Path(__file__).parent.parent / "checkpoints" / "medusa-smollm2-135m-instruct")}
 MIXED = [  # input-grounded prompts (drafts accepted) among open ones (drafts mostly rejected)
     "Copy exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat.",
     "Tell me about the moon.",
@@ -46,7 +48,7 @@ def test_ngram_lookup_by_hand():
     assert ngram_propose([3, 1, 2, 8, 3, 1, 2], 1, 2, 2) == [8]
 
 
-@pytest.mark.parametrize("spec", [NGRAM, EARLY], ids=["ngram", "early_exit"])
+@pytest.mark.parametrize("spec", [NGRAM, EARLY, MEDUSA], ids=["ngram", "early_exit", "medusa"])
 def test_greedy_equals_transformers_goldens(smollm2_gguf, spec):
     llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=spec)
     sp = SamplingParams(temperature=0.0, max_tokens=len(GOLDEN[0]["greedy_ids"]), ignore_eos=True,
