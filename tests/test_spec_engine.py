@@ -15,6 +15,7 @@ from jaxinfer.errors import InvalidRequest
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2-135m-instruct.json").read_text())["prompts"]
 GEMMA = json.loads((Path(__file__).parent / "golden" / "gemma-3-270m.json").read_text())["prompts"]
+KV_BYTES = 256 << 20  # page pools of 256 MB (the default 2 GB each would crowd a test worker's memory)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 16}
 EARLY = {"method": "early_exit", "num_speculative_tokens": 2, "num_layers": 24, "disable_by_batch_size": 16}
 MEDUSA = {"method": "medusa", "num_speculative_tokens": 3, "disable_by_batch_size": 16,
@@ -33,7 +34,7 @@ MIXED = [  # input-grounded prompts (drafts accepted) among open ones (drafts mo
 
 @pytest.fixture(scope="module")
 def ngram_llm(smollm2_gguf):
-    return LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=NGRAM)
+    return LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=NGRAM, kv_cache_bytes=KV_BYTES)
 
 
 def _greedy(n, **kw):
@@ -50,7 +51,7 @@ def test_ngram_lookup_by_hand():
 
 @pytest.mark.parametrize("spec", [NGRAM, EARLY, MEDUSA], ids=["ngram", "early_exit", "medusa"])
 def test_greedy_equals_transformers_goldens(smollm2_gguf, spec):
-    llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=spec)
+    llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=spec, kv_cache_bytes=KV_BYTES)
     sp = SamplingParams(temperature=0.0, max_tokens=len(GOLDEN[0]["greedy_ids"]), ignore_eos=True,
                         skip_special_tokens=False)
     outs = llm.generate([c["prompt_ids"] for c in GOLDEN], sp, use_tqdm=False)
@@ -61,7 +62,7 @@ def test_greedy_equals_transformers_goldens(smollm2_gguf, spec):
 
 @pytest.mark.slow  # 30 s: a second real model loaded and compiled with speculation
 def test_gemma_goldens_with_ngram(gemma3_gguf):
-    llm = LLM(str(gemma3_gguf), max_model_len=1024, progress=False, speculative_config=NGRAM)
+    llm = LLM(str(gemma3_gguf), max_model_len=1024, progress=False, speculative_config=NGRAM, kv_cache_bytes=KV_BYTES)
     sp = SamplingParams(temperature=0.0, max_tokens=len(GEMMA[0]["greedy_ids"]), ignore_eos=True,
                         skip_special_tokens=False)
     outs = llm.generate([c["prompt_ids"] for c in GEMMA], sp, use_tqdm=False)  # past_window crosses the window

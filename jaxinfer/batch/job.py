@@ -134,7 +134,7 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
                 fmt.reset()
             with stop:
                 _run(llm, fmt, inp, log, stop, done, summary, mine_shard=(me, P), progress=progress)
-            stats = getattr(llm.engine, "spec_stats", None)
+            stats = getattr(getattr(llm, "engine", None), "spec_stats", None)
             summary.speculative = stats.summary() if stats is not None else None
         elif log.fd is None:  # nothing to answer (an empty input): the output still appears
             for _ in log.open(fmt):
