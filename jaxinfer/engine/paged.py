@@ -312,12 +312,7 @@ class PagedEngine:
         self.sched.prefill_done(plan.prefill)
         if plan.decode:
             self.stats["decode_steps"] += 1
-        plp_segments, at = [], 0
-        for g in plan.prefill:  # where each segment sits in the prefill row
-            if g.seq.wants_prompt_logprobs:
-                plp_segments.append((g.seq, g.start, g.n, at))
-            at += g.n
-        return _InFlight(plan.decode, plp_segments, out)
+        return _InFlight(plan.decode, _prompt_logprob_segments(plan), out)
 
     def _guide(self, decode: list[Seq], R: int):
         """The decode rows' structured-output masks (bitmask i32[R, V/32], has_mask bool[R]), or
@@ -456,11 +451,7 @@ class PagedEngine:
             self.weights, batch, self.k_pages, self.v_pages, self.slots, self._heads, guide, cfg=self.cfg,
             num_logprobs=num_lp, prompt_logprobs=plp, kernel_mode=kernels.current_mode(), draft_layers=draft_layers)
         self.sched.prefill_done(plan.prefill)
-        plp_segments, at = [], 0
-        for g in plan.prefill:
-            if g.seq.wants_prompt_logprobs:
-                plp_segments.append((g.seq, g.start, g.n, at))
-            at += g.n
+        plp_segments = _prompt_logprob_segments(plan)
         if plp_segments:
             self._record_prompt_logprobs(_InFlight([], plp_segments, None), jax.device_get(out.prompt_logprobs))
         if not plan.decode:
@@ -520,3 +511,13 @@ def _grammar_prefix(matcher, drafts: list[int]) -> list[int]:
         if not m.accept(tok):
             return drafts[:j]
     return drafts
+
+
+def _prompt_logprob_segments(plan) -> list:
+    """(seq, start, n, offset in the prefill row) of each segment whose prompt logprobs come back."""
+    out, at = [], 0
+    for g in plan.prefill:
+        if g.seq.wants_prompt_logprobs:
+            out.append((g.seq, g.start, g.n, at))
+        at += g.n
+    return out
