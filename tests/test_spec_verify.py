@@ -241,3 +241,18 @@ def test_kernel_input_errors_name_the_problem():
     with pytest.raises(ValueError, match="drafts must be"):
         spec_verify_reference(z, jnp.zeros((2, 3)), jnp.zeros((2, 3), jnp.int32), jnp.zeros(2, jnp.int32),
                               jnp.zeros((2, 3, 3)), jnp.zeros(2, bool), block_sizes=BlockSizes(128))
+
+
+def test_row_without_drafts_draws_as_the_plain_sampler():
+    """num_drafts = 0: the new token is exactly sample()'s at that step (same uniforms), so a
+    seeded row's output does not depend on whether its step ran with speculation."""
+    rng = np.random.default_rng(7)
+    B, k, V = 6, 3, 300
+    logits = jnp.asarray(rng.normal(size=(B, k + 1, V)), jnp.float32)
+    state = _state([SamplingParams(temperature=0.9, top_k=50, seed=b) for b in range(B)], V)
+    stop, mins = _no_min(B)
+    step = jnp.arange(B, dtype=jnp.int32)
+    out = _verify(logits, jnp.asarray(rng.integers(0, V, (B, k)), jnp.int32), jnp.zeros(B, jnp.int32), state, step,
+                  stop, mins)
+    np.testing.assert_array_equal(out.accepted, 0)
+    np.testing.assert_array_equal(out.tokens[:, 0], _sample(logits[:, 0], state, step))

@@ -8,7 +8,8 @@ and min-p. Greedy rows (temperature 0) accept the longest prefix of drafts equal
 and then take the argmax, so greedy output equals decoding without speculation token for
 token. Sampled rows run rejection sampling (a point-mass draft distribution when the drafts
 come without probabilities, e.g. prompt lookup), so their tokens are distributed exactly as
-without speculation. A row's uniforms are a function of its seed and step only.
+without speculation. A row's uniforms are a function of its seed and step only, and a row
+with no drafts in a block draws with the plain sampler's own uniforms.
 
 The accept/resample core is ``pallas_kernels.spec_verify`` (kernel or reference, chosen by
 the caller's kernel mode).
@@ -28,6 +29,7 @@ from jaxinfer.sampling.device import (
     filter_threshold,
     mask_tokens_before_min,
     penalised,
+    sample,
 )
 from pallas_kernels import spec_verify as sv
 
@@ -113,6 +115,11 @@ def verify_block(logits, drafts, num_drafts, state: SamplingState, step, stop_id
                        block_sizes=_block_size(Vp), interpret=interpret)
     # greedy rows take the sampler's own argmax (identical to the kernel's first maximum)
     nxt = jnp.where(greedy, jnp.take_along_axis(amax, accepted[:, None], axis=1)[:, 0], nxt)
+    # a row without drafts draws exactly the token a plain step would (the sampler's own
+    # uniforms), so whether its step ran with speculation, which depends on the other rows,
+    # never changes its seeded output
+    plain = sample(mask_tokens_before_min(logits[:, 0].astype(jnp.float32), stop_ids, step, min_tokens), state, step)
+    nxt = jnp.where(num_drafts == 0, plain, nxt)
     j = jnp.arange(J)[None]
     full = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
     tokens = jnp.where(j < accepted[:, None], full, jnp.where(j == accepted[:, None], nxt[:, None], -1))
