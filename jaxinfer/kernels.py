@@ -1,19 +1,30 @@
 """Where the engine meets ``pallas_kernels``: which ops run as Pallas kernels, decided at trace time.
 
-On TPU and GPU the model's hot ops run as the Pallas kernels: decode attention reads the page
-pools through the page tables (``pallas_kernels.paged_attention``) instead of gathering each
-row's pages into a dense copy, and quantized matmuls run as the int8 / weight-only kernels
-(``pallas_kernels.quant_matmul``). On CPU, where Pallas does not compile, the pure-JAX paths
-stay: the cache's gather + ``layers.attention``, and ``QuantArray.matmul`` (XLA's native
-s8 x s8 -> s32 dot).
+On TPU and GPU the model's hot ops run as the Pallas kernels, one dispatch function here per op:
+
+* ``ragged_paged_attention``: the packed engine step's attention (``models.packed``), every
+  decode row (1..q queries) and every prompt chunk of the prefill row in one call that reads
+  each sequence's pages in place (``pallas_kernels.ragged_paged_attention``), windowed layers
+  included; int8 KV pools keep the pure-JAX blockwise path.
+* ``paged_decode_attention``: one decode token per row over a ``cache.PagedKVCache``
+  (``layers.cache_attention``, the model-level paged forward) (``pallas_kernels.paged_attention``).
+* ``quant_matmul``: quantized matmuls as the int8 / weight-only kernels
+  (``pallas_kernels.quant_matmul``).
+
+On CPU, where Pallas does not compile, the pure-JAX paths stay (``KernelMode.OFF``): the packed
+step's blockwise gather, the cache's gather + ``layers.attention``, and ``QuantArray.matmul``
+(XLA's native s8 x s8 -> s32 dot).
 
 ``interpret_kernels()`` forces the kernel path in Pallas interpret mode on any backend, so
 the seam itself is tested on CPU: a model or engine built and traced inside it runs every
 kernel it would run on a TPU. The choice is read while tracing; an executable already
-compiled keeps the path it was traced with.
+compiled keeps the path it was traced with (the engine's steps take the mode as a static
+argument, so it is part of their cache key).
 
-Kept out of the kernel path (the reference serves): windowed layers whose page table starts
-at a per-row base page (the kernel indexes tables from logical page 0), and int8 KV pools.
+Kept out of the kernel path (the reference serves): int8 KV pools, and, for
+``paged_decode_attention``, windowed layers whose page table starts at a per-row base page
+(that kernel indexes tables from logical page 0; the packed step lays such tables out by
+logical page before its ragged call).
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import jax.numpy as jnp
 from pallas_kernels import _common
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import quant_matmul as qm
+from pallas_kernels import ragged_paged_attention as rpa
 
 _state = threading.local()
 
@@ -128,3 +140,13 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale, w
                              window=window, softcap=softcap, keys_transposed=True,
                              interpret=_interpret())
     return out[:, None]
+
+
+def ragged_paged_attention(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, *, scale, window, softcap):
+    """Query segments of any length over their sequences' pages (q [T, N, H] packed, keys
+    stored transposed as jaxinfer's paged cache keeps them) -> [T, N, H]: the packed step's
+    decode rows and prefill segments in one call. See ``pallas_kernels.ragged_paged_attention``."""
+    return rpa.ragged_paged_attention(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, scale=scale,
+                                      window=window, softcap=softcap, keys_transposed=True,
+                                      interpret=_interpret())
+

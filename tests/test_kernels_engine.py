@@ -122,3 +122,109 @@ def test_kernel_mode_is_part_of_the_step_key(tiny_gguf):
     with kernels.interpret_kernels():
         eng.run_step(batch)
     assert eng._step._cache_size() == before + 1  # same shape, other mode: its own executable
+
+
+# ----------------------------------------------------------------------------- packed step
+# Sequences of one hand-built packed step over page size 8, each as (cached positions,
+# query positions, full-pool pages, window-pool base, window-pool pages):
+#   A  a verification row: 13 cached, three teacher-forced queries at 13, 14, 15;
+#   B  a decode row: 5 cached, one real query and two padding queries (scratch page);
+#   C  prefill segment 0: a chunk at 9..14 continuing 9 cached positions;
+#   D  prefill segment 1: a fresh prompt at 0..4; then three padding tokens.
+_SEQS = {"A": (13, range(13, 16), [3, 7], 1, [0, 4]), "B": (5, [5], [9], 0, [2]),
+         "C": (9, range(9, 15), [5, 1], 0, [6, 3]), "D": (0, range(5), [11], 0, [8])}
+
+
+def _hand_packed_batch():
+    from jaxinfer.models.packed import PackedBatch
+
+    R, Q, Tp, ps = 2, 3, 14, 8
+    i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
+    pos, page, wpage = [], [], []
+    for name in "AB":
+        _, qpos, pages, base, wpages = _SEQS[name]
+        qpos = list(qpos) + [qpos[-1]] * (Q - len(qpos))
+        pos += qpos
+        page += [pages[p // ps] for p in qpos[: len(_SEQS[name][1])]] + [0] * (Q - len(_SEQS[name][1]))
+        wpage += [wpages[p // ps - base] for p in qpos[: len(_SEQS[name][1])]] + [0] * (Q - len(_SEQS[name][1]))
+    seg = []
+    for k, name in enumerate("CD"):
+        _, qpos, pages, base, wpages = _SEQS[name]
+        pos += list(qpos)
+        page += [pages[p // ps] for p in qpos]
+        wpage += [wpages[p // ps - base] for p in qpos]
+        seg += [k] * len(qpos)
+    pad = Tp - len(seg)
+    pos, page, wpage, seg = pos + [0] * pad, page + [0] * pad, wpage + [0] * pad, seg + [-1] * pad
+    A, B, C = _SEQS["A"], _SEQS["B"], _SEQS["C"]
+    table = [A[2], B[2] + [0], C[2]]
+    wtable = [A[4], B[4] + [0], C[4]]
+    return PackedBatch(
+        tokens=i32(np.random.default_rng(3).integers(0, 97, R * Q + Tp)), positions=i32(pos),
+        write_page=i32(page), write_wpage=i32(wpage), active=jnp.ones(R, bool), use_prev=jnp.zeros(R, bool),
+        last_q=i32([2, 0]), table=i32(table), wtable=i32(wtable), wbase=i32([A[3], B[3], C[3]]), seg=i32(seg),
+        hist_end=jnp.int32(C[0]), targets=i32([-1] * Tp), rows=R, q=Q, max_segments=3)
+
+
+def _hand_pools(cfg, windowed, ps=8, P=12, seed=2):
+    """NaN everywhere but the cached positions of each sequence, which hold random keys and
+    values (what earlier steps wrote; attention does not care where they came from)."""
+    rng = np.random.default_rng(seed)
+    K, H = cfg.n_kv_heads, cfg.head_dim
+    ks, vs = [], []
+    for w in windowed:
+        k = np.full((P, K, H, ps), np.nan, np.float32)
+        v = np.full((P, K, ps, H), np.nan, np.float32)
+        for cached, _, pages, base, wpages in _SEQS.values():
+            for p in range(cached):
+                if w and p // ps < base:
+                    continue
+                pg = (wpages[p // ps - base]) if w else pages[p // ps]
+                k[pg, :, :, p % ps] = rng.normal(size=(K, H))
+                v[pg, :, p % ps] = rng.normal(size=(K, H))
+        ks.append(jnp.asarray(k))
+        vs.append(jnp.asarray(v))
+    return ks, vs
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_packed_step_through_the_ragged_kernel_equals_reference(family):
+    """Decode rows of 1 and 3 queries (teacher-forced) and a prefill row of two prompt chunks
+    (one continuing cached pages) in one packed step over NaN-poisoned pools: the ragged
+    kernel (interpret mode) gives the logits of the pure-JAX path at every real position."""
+    from jaxinfer.models.packed import PackedKV
+
+    if family == "llama":
+        mod, cfg = llama, ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2,
+                                      n_heads=6, n_kv_heads=2, head_dim=8, d_ff=64)
+        windowed = (False, False)
+    else:  # a LOCAL layer over its own windowed pool (tables from a base page), soft-capped logits
+        L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
+        mod, cfg = gemma3, ModelConfig(
+            family=Family.GEMMA3, vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2,
+            head_dim=8, d_ff=64, rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=1e4),
+            layer_kinds=(L, G), sliding_window=4, query_pre_attn_scalar=12.0, attn_logit_softcap=2.0)
+        windowed = (True, False)
+    w = init_weights(mod.weight_specs(cfg), cfg, jax.random.key(0), scale=0.2)
+    batch = _hand_packed_batch()
+    ks, vs = _hand_pools(cfg, windowed)
+
+    def make_step(use_kernels):
+        def step(w, ks, vs):
+            cache = PackedKV(ks, vs, batch, windowed, use_kernels)
+            h, cache = mod.forward(w, batch.tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
+            return mod.unembed(w, h, cfg)[0], cache.k, cache.v
+        return step
+
+    ref, ref_k, _ = jax.jit(make_step(False))(w, ks, vs)
+    assert _pallas_calls(make_step(False), w, ks, vs) == 0
+    with kernels.interpret_kernels():
+        assert _pallas_calls(make_step(True), w, ks, vs) == cfg.n_layers
+        got, got_k, _ = jax.jit(make_step(True))(w, ks, vs)
+    real = np.asarray(batch.seg) >= 0
+    real = np.concatenate([[True] * 3 + [True, False, False], real])  # B's padding queries are scratch
+    assert np.isfinite(np.asarray(got)[real]).all()
+    assert_close(got[real], ref[real])  # the kernel tests' one table (float32: 5e-6)
+    for a, b in zip(got_k, ref_k):  # the same keys at the same slots (page 0: the padding tokens' scratch)
+        np.testing.assert_allclose(np.asarray(a)[1:], np.asarray(b)[1:], atol=2e-5, rtol=2e-5)
+

@@ -40,7 +40,7 @@ def _hand(q_start, q_len, kv_len, T, **opts):
     S = len(q_start)
     table = jnp.array([[2, 0]] * S, jnp.int32)
     q = jnp.ones((T, 1, 1), jnp.float32)
-    a = lambda x: jnp.array(x, jnp.int32)  # noqa: E731
+    a = lambda x: jnp.array(x, jnp.int32)
     ref = jax.jit(functools.partial(rpa.ragged_paged_attention_reference, scale=1.0, **opts))
     return np.asarray(ref(q, k, v, table, a(q_start), a(q_len), a(kv_len))).ravel()
 
@@ -67,7 +67,7 @@ def test_reference_hand_window_softcap_unused_segment():
 def test_reference_hand_gqa_heads_share_pages():
     k, v = _hand_pool()
     q = jnp.array([[[1.0], [0.0]]], jnp.float32)  # two query heads on the one kv head
-    a = lambda x: jnp.array(x, jnp.int32)  # noqa: E731
+    a = lambda x: jnp.array(x, jnp.int32)
     out = rpa.ragged_paged_attention_reference(q, k, v, a([[2, 0]]), a([0]), a([1]), a([3]), scale=1.0)
     np.testing.assert_allclose(np.asarray(out).ravel(), [22 / 4, 14 / 3], rtol=1e-6)
 
@@ -100,7 +100,7 @@ def _segments_case(rng, segs, *, K, N, H, page_size, dtype=jnp.float32, keys_tra
     q = np.full((T, N, H), np.nan, np.float32)
     for (q_len, _, _), s in zip(segs, starts):
         q[s : s + q_len] = rng.normal(size=(q_len, N, H))
-    a = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    a = lambda x: jnp.asarray(x, jnp.int32)
     args = (jnp.asarray(q, dtype), kp, vp, table, a(starts), a([s[0] for s in segs]), a(kv))
     return args, kd, vd
 
