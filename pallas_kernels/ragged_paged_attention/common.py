@@ -37,7 +37,7 @@ def validate(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, *, scale, 
     """Checks shapes and options; returns the scale to use."""
     check(q.ndim == 3, f"q must be [T, N, H]; got {q.shape=}")
     check(v_pages.ndim == 4, f"v_pages must be [P, K, page_size, H]; got {v_pages.shape=}")
-    T, N, H = q.shape
+    _, N, H = q.shape
     P, K, page_size, Hv = v_pages.shape
     want = (P, K, H, page_size) if keys_transposed else (P, K, page_size, H)
     check(

@@ -100,7 +100,7 @@ def _prepare(q, page_table, q_start, q_len, kv_len, *, K, block_sizes):
 
 def _scatter_back(o, tok, T, N, H, dtype):
     """Item tiles o [I, K, bq * G, H] back to the packed tokens [T, N, H] (0 where none)."""
-    I, K, M, _ = o.shape
+    I, K, _, _ = o.shape
     bq = tok.shape[1]
     o = o[:, :, : bq * (N // K)].reshape(I, K, bq, N // K, H).transpose(0, 2, 1, 3, 4)
     out = jnp.zeros((T, N, H), dtype)
