@@ -8,6 +8,9 @@ On TPU and GPU the model's hot ops run as the Pallas kernels, one dispatch funct
   included; int8 KV pools keep the pure-JAX blockwise path.
 * ``paged_decode_attention``: one decode token per row over a ``cache.PagedKVCache``
   (``layers.cache_attention``, the model-level paged forward) (``pallas_kernels.paged_attention``).
+* ``prefill_attention``: prompts that start from 0 attending to their own new keys (the static
+  engine's prefill, perplexity, calibration: ``layers.attend_layer`` without a cache to read)
+  (``pallas_kernels.flash_attention``).
 * ``quant_matmul``: quantized matmuls as the int8 / weight-only kernels
   (``pallas_kernels.quant_matmul``).
 
@@ -38,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _common
+from pallas_kernels import flash_attention as fa
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import quant_matmul as qm
 from pallas_kernels import ragged_paged_attention as rpa
@@ -150,3 +154,10 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, q_start, q_len, kv_l
                                       window=window, softcap=softcap, keys_transposed=True,
                                       interpret=_interpret())
 
+
+def prefill_attention(q, k, v, q_start, *, scale, window, softcap):
+    """Causal attention of prompts that start from 0 over their own new keys (q [B, T, N, H],
+    k, v [B, T, K, H]; q_start i32[B], 0 by that contract) -> [B, T, N, H]: the flash kernel,
+    for the prefill-only steps (static engine's prefill, perplexity, calibration)."""
+    return fa.flash_attention(q, k, v, q_start, None, scale=scale, causal=True, window=window, softcap=softcap,
+                              interpret=_interpret())

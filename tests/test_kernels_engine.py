@@ -228,3 +228,33 @@ def test_packed_step_through_the_ragged_kernel_equals_reference(family):
     for a, b in zip(got_k, ref_k):  # the same keys at the same slots (page 0: the padding tokens' scratch)
         np.testing.assert_allclose(np.asarray(a)[1:], np.asarray(b)[1:], atol=2e-5, rtol=2e-5)
 
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_prefill_only_forward_through_flash_attention_equals_reference(family):
+    """A forward with no cache to read (every row a prompt from 0: the static engine's
+    prefill, perplexity, calibration) runs the flash-attention kernel per layer on TPU/GPU;
+    in interpret mode it gives the logits of the pure-JAX attention."""
+    if family == "llama":
+        mod, cfg = llama, ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2,
+                                      n_heads=6, n_kv_heads=2, head_dim=8, d_ff=64)
+    else:  # a sliding-window layer and soft-capped logits
+        L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
+        mod, cfg = gemma3, ModelConfig(
+            family=Family.GEMMA3, vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2,
+            head_dim=8, d_ff=64, rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=1e4),
+            layer_kinds=(L, G), sliding_window=4, query_pre_attn_scalar=12.0, attn_logit_softcap=2.0)
+    w = init_weights(mod.weight_specs(cfg), cfg, jax.random.key(0), scale=0.2)
+    toks = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
+
+    def make_step():
+        def step(w, toks):
+            h, _ = mod.forward(w, toks, jnp.zeros(2, jnp.int32), None, cfg=cfg)
+            return mod.unembed(w, h, cfg)
+        return step
+
+    ref = jax.jit(make_step())(w, toks)
+    assert _pallas_calls(make_step(), w, toks) == 0
+    with kernels.interpret_kernels():
+        assert _pallas_calls(make_step(), w, toks) == cfg.n_layers
+        got = jax.jit(make_step())(w, toks)
+    assert_close(got, ref)  # the kernel tests' one table (float32: 5e-6)
