@@ -107,6 +107,24 @@ def test_engine_with_kernels_gives_the_reference_tokens(tiny_gguf):
     assert got8 == [o.outputs[0].token_ids for o in plain8.generate(PROMPTS, sp, use_tqdm=False)]
 
 
+def test_engine_chunked_prefill_among_decode_rows_through_the_ragged_kernel(tiny_gguf):
+    """Small prefill chunks make steps that mix decode rows with a chunk continuing its cached
+    pages and fresh prompts; through the ragged kernel (interpret mode) the engine gives the
+    reference path's tokens and logprobs."""
+    prompts = PROMPTS + ["The capital of France is Paris and the capital of Spain is Madrid and " * 2]
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+    kw = dict(progress=False, max_num_seqs=4, max_model_len=96, page_size=8, prefill_chunk=16)
+    ref = LLM(str(tiny_gguf), **kw).generate(prompts, sp, use_tqdm=False)
+    with kernels.interpret_kernels():
+        got = LLM(str(tiny_gguf), **kw).generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    for g, r in zip(got, ref):
+        for lg, lr in zip(g.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert lg.keys() == lr.keys()
+            np.testing.assert_allclose([x.logprob for x in lg.values()], [x.logprob for x in lr.values()],
+                                       atol=1e-4)
+
+
 def test_kernel_mode_is_part_of_the_step_key(tiny_gguf):
     """An executable traced on the reference path is never reused inside interpret_kernels()
     (issue 14: the switch used to be thread-local state read only while tracing)."""
