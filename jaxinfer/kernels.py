@@ -146,13 +146,22 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale, w
     return out[:, None]
 
 
+def ragged_paged_attention_fits(page_size: int, dtype) -> bool:
+    """Whether the ragged kernel takes pools of this page size and dtype here (else the
+    caller keeps its pure-JAX path)."""
+    return rpa.kernel_fits(page_size, dtype)
+
+
 def ragged_paged_attention(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, *, scale, window, softcap):
     """Query segments of any length over their sequences' pages (q [T, N, H] packed, keys
     stored transposed as jaxinfer's paged cache keeps them) -> [T, N, H]: the packed step's
-    decode rows and prefill segments in one call. See ``pallas_kernels.ragged_paged_attention``."""
-    return rpa.ragged_paged_attention(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, scale=scale,
-                                      window=window, softcap=softcap, keys_transposed=True,
-                                      interpret=_interpret())
+    decode rows and prefill segments in one call. See ``pallas_kernels.ragged_paged_attention``.
+    Queries are cast to the pools' dtype (a float32 model over bfloat16 pools multiplies in
+    bfloat16, accumulating in float32) and the output back to q's."""
+    out = rpa.ragged_paged_attention(q.astype(k_pages.dtype), k_pages, v_pages, page_table, q_start, q_len, kv_len,
+                                     scale=scale, window=window, softcap=softcap, keys_transposed=True,
+                                     interpret=_interpret())
+    return out.astype(q.dtype)
 
 
 def prefill_attention(q, k, v, q_start, *, scale, window, softcap):

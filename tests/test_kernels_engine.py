@@ -143,48 +143,43 @@ def test_kernel_mode_is_part_of_the_step_key(tiny_gguf):
 
 
 # ----------------------------------------------------------------------------- packed step
-# Sequences of one hand-built packed step over page size 8, each as (cached positions,
-# query positions, full-pool pages, window-pool base, window-pool pages):
+# Sequences of one hand-built packed step, each as (cached positions, query positions,
+# full-pool pages, first position its window-pool table holds, window-pool pages from there):
 #   A  a verification row: 13 cached, three teacher-forced queries at 13, 14, 15;
-#   B  a decode row: 5 cached, one real query and two padding queries (scratch page);
+#   B  a decode row: 5 cached, one real query and two padding queries (scratch page 0);
 #   C  prefill segment 0: a chunk at 9..14 continuing 9 cached positions;
 #   D  prefill segment 1: a fresh prompt at 0..4; then three padding tokens.
-_SEQS = {"A": (13, range(13, 16), [3, 7], 1, [0, 4]), "B": (5, [5], [9], 0, [2]),
+# Page lists are long enough for pages of 8; pages of 16 use their first entries.
+_SEQS = {"A": (13, range(13, 16), [3, 7], 8, [4, 10]), "B": (5, [5], [9], 0, [2]),
          "C": (9, range(9, 15), [5, 1], 0, [6, 3]), "D": (0, range(5), [11], 0, [8])}
 
 
-def _hand_packed_batch():
+def _hand_packed_batch(ps):
     from jaxinfer.models.packed import PackedBatch
 
-    R, Q, Tp, ps = 2, 3, 14, 8
+    R, Q, Tp = 2, 3, 14
     i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
-    pos, page, wpage = [], [], []
-    for name in "AB":
-        _, qpos, pages, base, wpages = _SEQS[name]
-        qpos = list(qpos) + [qpos[-1]] * (Q - len(qpos))
-        pos += qpos
-        page += [pages[p // ps] for p in qpos[: len(_SEQS[name][1])]] + [0] * (Q - len(_SEQS[name][1]))
-        wpage += [wpages[p // ps - base] for p in qpos[: len(_SEQS[name][1])]] + [0] * (Q - len(_SEQS[name][1]))
-    seg = []
-    for k, name in enumerate("CD"):
-        _, qpos, pages, base, wpages = _SEQS[name]
-        pos += list(qpos)
-        page += [pages[p // ps] for p in qpos]
-        wpage += [wpages[p // ps - base] for p in qpos]
-        seg += [k] * len(qpos)
+    pos, page, wpage, seg = [], [], [], []
+    for name in "ABCD":
+        _, qpos, pages, wstart, wpages = _SEQS[name]
+        qpos, base = list(qpos), wstart // ps
+        pad = Q - len(qpos) if name in "AB" else 0  # a decode row's padding queries repeat its last position
+        pos += qpos + [qpos[-1]] * pad
+        page += [pages[p // ps] for p in qpos] + [0] * pad
+        wpage += [wpages[p // ps - base] for p in qpos] + [0] * pad
+        seg += [] if name in "AB" else [int(name == "D")] * len(qpos)
     pad = Tp - len(seg)
     pos, page, wpage, seg = pos + [0] * pad, page + [0] * pad, wpage + [0] * pad, seg + [-1] * pad
     A, B, C = _SEQS["A"], _SEQS["B"], _SEQS["C"]
-    table = [A[2], B[2] + [0], C[2]]
-    wtable = [A[4], B[4] + [0], C[4]]
     return PackedBatch(
         tokens=i32(np.random.default_rng(3).integers(0, 97, R * Q + Tp)), positions=i32(pos),
         write_page=i32(page), write_wpage=i32(wpage), active=jnp.ones(R, bool), use_prev=jnp.zeros(R, bool),
-        last_q=i32([2, 0]), table=i32(table), wtable=i32(wtable), wbase=i32([A[3], B[3], C[3]]), seg=i32(seg),
-        hist_end=jnp.int32(C[0]), targets=i32([-1] * Tp), rows=R, q=Q, max_segments=3)
+        last_q=i32([2, 0]), table=i32([A[2], B[2] + [0], C[2]]), wtable=i32([A[4], B[4] + [0], C[4]]),
+        wbase=i32([A[3] // ps, B[3] // ps, C[3] // ps]), seg=i32(seg), hist_end=jnp.int32(C[0]),
+        targets=i32([-1] * Tp), rows=R, q=Q, max_segments=3)
 
 
-def _hand_pools(cfg, windowed, ps=8, P=12, seed=2):
+def _hand_pools(cfg, windowed, ps, P=12, seed=2, dtype=jnp.float32):
     """NaN everywhere but the cached positions of each sequence, which hold random keys and
     values (what earlier steps wrote; attention does not care where they came from)."""
     rng = np.random.default_rng(seed)
@@ -193,23 +188,24 @@ def _hand_pools(cfg, windowed, ps=8, P=12, seed=2):
     for w in windowed:
         k = np.full((P, K, H, ps), np.nan, np.float32)
         v = np.full((P, K, ps, H), np.nan, np.float32)
-        for cached, _, pages, base, wpages in _SEQS.values():
-            for p in range(cached):
-                if w and p // ps < base:
-                    continue
-                pg = (wpages[p // ps - base]) if w else pages[p // ps]
+        for cached, _, pages, wstart, wpages in _SEQS.values():
+            base = wstart // ps
+            for p in range(base * ps if w else 0, cached):
+                pg = wpages[p // ps - base] if w else pages[p // ps]
                 k[pg, :, :, p % ps] = rng.normal(size=(K, H))
                 v[pg, :, p % ps] = rng.normal(size=(K, H))
-        ks.append(jnp.asarray(k))
-        vs.append(jnp.asarray(v))
+        ks.append(jnp.asarray(k, dtype))
+        vs.append(jnp.asarray(v, dtype))
     return ks, vs
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_packed_step_through_the_ragged_kernel_equals_reference(family):
+@pytest.mark.parametrize("family,pool_dtype,ps", [("llama", jnp.float32, 8), ("gemma3", jnp.float32, 8),
+                                                  ("gemma3", jnp.bfloat16, 16)])
+def test_packed_step_through_the_ragged_kernel_equals_reference(family, pool_dtype, ps):
     """Decode rows of 1 and 3 queries (teacher-forced) and a prefill row of two prompt chunks
     (one continuing cached pages) in one packed step over NaN-poisoned pools: the ragged
-    kernel (interpret mode) gives the logits of the pure-JAX path at every real position."""
+    kernel (interpret mode) gives the logits of the pure-JAX path at every real position.
+    Over bfloat16 pools of a float32 model the kernel multiplies in bfloat16."""
     from jaxinfer.models.packed import PackedKV
 
     if family == "llama":
@@ -224,8 +220,8 @@ def test_packed_step_through_the_ragged_kernel_equals_reference(family):
             layer_kinds=(L, G), sliding_window=4, query_pre_attn_scalar=12.0, attn_logit_softcap=2.0)
         windowed = (True, False)
     w = init_weights(mod.weight_specs(cfg), cfg, jax.random.key(0), scale=0.2)
-    batch = _hand_packed_batch()
-    ks, vs = _hand_pools(cfg, windowed)
+    batch = _hand_packed_batch(ps)
+    ks, vs = _hand_pools(cfg, windowed, ps, dtype=pool_dtype)
 
     def make_step(use_kernels):
         def step(w, ks, vs):
@@ -242,9 +238,11 @@ def test_packed_step_through_the_ragged_kernel_equals_reference(family):
     real = np.asarray(batch.seg) >= 0
     real = np.concatenate([[True] * 3 + [True, False, False], real])  # B's padding queries are scratch
     assert np.isfinite(np.asarray(got)[real]).all()
-    assert_close(got[real], ref[real])  # the kernel tests' one table (float32: 5e-6)
+    assert_close(got[real], ref[real], pool_dtype)  # the kernel tests' one table (float32: 5e-6)
     for a, b in zip(got_k, ref_k):  # the same keys at the same slots (page 0: the padding tokens' scratch)
-        np.testing.assert_allclose(np.asarray(a)[1:], np.asarray(b)[1:], atol=2e-5, rtol=2e-5)
+        a, b = np.asarray(a, np.float32)[1:], np.asarray(b, np.float32)[1:]
+        tol = 2e-5 if pool_dtype == jnp.float32 else 2e-2  # bfloat16: one rounding of the key apart
+        np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

@@ -230,3 +230,13 @@ def test_kernel_page_size_messages():
         rpa.ragged_paged_attention_tpu(q, pool, pool, table, one * 0, one, one, interpret=True)
     with pytest.raises(ValueError, match=r"page_size=12 must be a power of 2 >= 16 on GPU"):
         rpa.ragged_paged_attention_gpu(q, pool, pool, table, one * 0, one, one, interpret=True)
+
+
+def test_kernel_fits_asks_what_the_variants_check(monkeypatch):
+    from pallas_kernels.ragged_paged_attention import kernel as rk
+
+    assert rpa.kernel_fits(8, jnp.float32) and rpa.kernel_fits(16, jnp.bfloat16)  # CPU: the TPU variant
+    assert not rpa.kernel_fits(8, jnp.bfloat16) and not rpa.kernel_fits(12, jnp.float32)
+    monkeypatch.setattr(rk, "kernel_target", lambda: "gpu")
+    assert rpa.kernel_fits(16, jnp.float32) and rpa.kernel_fits(32, jnp.bfloat16)
+    assert not rpa.kernel_fits(8, jnp.float32) and not rpa.kernel_fits(24, jnp.float32)

@@ -103,7 +103,8 @@ class PackedKV:
         table, base = (b.wtable, b.wbase) if self._is_windowed(layer) else (b.table, None)
         opts = {"scale": scale, "window": window, "softcap": softcap}
         outs = []
-        if self.use_kernels and not isinstance(ks[layer], QuantKV):
+        if (self.use_kernels and not isinstance(ks[layer], QuantKV)
+                and kernels.ragged_paged_attention_fits(ps, ks[layer].dtype)):
             page = b.write_wpage if self._is_windowed(layer) else b.write_page
             return ragged_kernel_attention(q, ks[layer], vs[layer], b, table, base, page, **opts), cache
         if R:

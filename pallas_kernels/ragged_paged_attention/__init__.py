@@ -21,6 +21,7 @@ import jax
 from pallas_kernels._common import use_kernel
 from pallas_kernels.ragged_paged_attention.common import BlockSizes
 from pallas_kernels.ragged_paged_attention.kernel import (
+    kernel_fits,
     ragged_paged_attention_gpu,
     ragged_paged_attention_kernel,
     ragged_paged_attention_tpu,
@@ -29,6 +30,7 @@ from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attenti
 
 __all__ = [
     "BlockSizes",
+    "kernel_fits",
     "ragged_paged_attention",
     "ragged_paged_attention_gpu",
     "ragged_paged_attention_kernel",

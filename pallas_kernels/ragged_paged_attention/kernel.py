@@ -38,6 +38,7 @@ from pallas_kernels._common import (
     cdiv,
     check,
     is_pow2,
+    kernel_target,
     next_pow2,
     pad_axis,
     pick_variant,
@@ -284,6 +285,15 @@ def ragged_paged_attention_gpu(q, k_pages, v_pages, page_table, q_start, q_len, 
 
 
 VARIANTS = {"tpu": ragged_paged_attention_tpu, "gpu": ragged_paged_attention_gpu}
+
+
+def kernel_fits(page_size: int, dtype) -> bool:
+    """Whether this platform's variant takes pages of page_size for pools of dtype (the
+    checks the variants make, asked before calling): TPU tiles need a multiple of the
+    dtype's sublane count, Triton dot tiles a power of two >= 16."""
+    if kernel_target() == "gpu":
+        return is_pow2(page_size) and page_size >= 16
+    return page_size % sublane(dtype) == 0
 
 
 def ragged_paged_attention_kernel(
