@@ -125,6 +125,22 @@ def test_engine_chunked_prefill_among_decode_rows_through_the_ragged_kernel(tiny
                                        atol=1e-4)
 
 
+@pytest.mark.slow  # about a minute of interpret-mode compiles; the hand-built packed step covers q > 1 by default
+def test_speculative_rows_through_the_ragged_kernel_give_the_reference_tokens(tiny_gguf):
+    """n-gram drafts make verification rows of up to 4 queries (some padded): through the
+    ragged kernel (interpret mode) the engine emits the reference path's tokens."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 16}
+    prompts = ["a b c a b c a b c a b c a b", "1 2 3 4 1 2 3 4 1 2 3 4 1 2"]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kw = dict(progress=False, max_num_seqs=4, max_model_len=64, page_size=8, speculative_config=spec)
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_gguf), **kw).generate(prompts, sp, use_tqdm=False)]
+    with kernels.interpret_kernels():
+        llm = LLM(str(tiny_gguf), **kw)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert llm.engine.spec_stats.drafted > 0  # verification rows really ran
+    assert got == want
+
+
 def test_kernel_mode_is_part_of_the_step_key(tiny_gguf):
     """An executable traced on the reference path is never reused inside interpret_kernels()
     (issue 14: the switch used to be thread-local state read only while tracing)."""
