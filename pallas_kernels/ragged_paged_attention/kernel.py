@@ -65,7 +65,8 @@ def _update(q, k, v, start, qpos0, nq, carry, *, G, scale, window, softcap, keys
     s = s * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
-    row_token = lax.broadcasted_iota(jnp.int32, (M, bk), 0) // G
+    rows = lax.broadcasted_iota(jnp.int32, (M, bk), 0)
+    row_token = rows // G if G > 1 else rows  # rows token-major: row r is token r // G, head r % G
     kpos = start + lax.broadcasted_iota(jnp.int32, (M, bk), 1)
     mask = visible(row_token, kpos, qpos0, nq, window)
     s = jnp.where(mask, s, MASK_VALUE)
