@@ -102,11 +102,10 @@ class PackedKV:
         R, Q, Tp = b.rows, b.q, b.prefill_len
         table, base = (b.wtable, b.wbase) if self._is_windowed(layer) else (b.table, None)
         opts = {"scale": scale, "window": window, "softcap": softcap}
-        outs = []
         if (self.use_kernels and not isinstance(ks[layer], QuantKV)
                 and kernels.ragged_paged_attention_fits(ps, ks[layer].dtype)):
-            page = b.write_wpage if self._is_windowed(layer) else b.write_page
             return ragged_kernel_attention(q, ks[layer], vs[layer], b, table, base, page, **opts), cache
+        outs = []
         if R:
             qd = q[0, : R * Q].reshape(R, Q, *q.shape[2:])
             pos = b.positions[: R * Q].reshape(R, Q)
