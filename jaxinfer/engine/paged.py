@@ -196,7 +196,8 @@ class PagedEngine:
         return PackedBatch(tokens=z(N), positions=z(N), write_page=z(N), write_wpage=z(N),
                            active=np.zeros(rows, np.bool_), use_prev=np.zeros(rows, np.bool_), last_q=z(rows), table=z(rows + 1, width),
                            wtable=z(rows + 1, ww), wbase=z(rows + 1), seg=np.full(prefill, -1, np.int32),
-                           hist_end=np.int32(0), targets=np.full(prefill, -1, np.int32), rows=rows, q=q)
+                           hist_end=np.int32(0), targets=np.full(prefill, -1, np.int32), rows=rows, q=q,
+                           max_segments=min(prefill, self.max_num_seqs))
 
     def run_step(self, batch: PackedBatch, *, num_logprobs: int = -1, prompt_logprobs: int = -1, guide=None):
         """Run one packed step on the engine's pools and slots (donated); returns its StepOutput.
