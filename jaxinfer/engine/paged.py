@@ -128,7 +128,7 @@ class PagedEngine:
             functools.partial(packed_step, windowed=self.windowed),
             static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode"),
             donate_argnames=("k_pages", "v_pages", "slots")))
-        self._insert = self._compiles.counted(jax.jit(insert_step, donate_argnames=("slots",)))
+        self._insert = self._compiles.counted(jax.jit(functools.partial(insert_step), donate_argnames=("slots",)))
         # speculative decoding (engine.speculative): decode rows carry k + 1 queries, verified on device
         self.spec = SpeculativeConfig.parse(speculative, cfg.n_layers)
         self.spec_stats = SpecStats(self.spec.num_speculative_tokens) if self.spec else None
