@@ -174,31 +174,41 @@ def micro_batches(batch: PackedBatch, stages: int) -> list[tuple[int, int, Packe
     return out
 
 
-def _tick(s: int, m: int | None, mbs, layout: PipelineLayout, cfg, use_kernels: bool, width: int,
-          recv, h, ks, vs, layers, x, batch):
+def _tick(s: int, m: int | None, layout: PipelineLayout, cfg, use_kernels: bool, width: int,
+          recv, ks, vs, layers, x, batch):
     """Stage s's work in one tick: micro-batch m through its layers (None: idle) -> (the
-    activations it sends on [width, D], final hidden h, pools)."""
-    send = jnp.zeros((width, x.shape[-1]), x.dtype)
+    activations it hands on [width, D], and for every pool slot the new keys and values
+    [width, K, H] with the page and in-page offset i32[width] each goes to).
+
+    The pools are only read here: this runs inside a conditional, where an in-place write
+    would copy the whole pool; the caller stores what comes back (idle rows on the scratch
+    page 0). A stage's layers never read each other's pools, so deferring the writes to the
+    end of the tick changes nothing."""
+    K, H = cfg.n_kv_heads, cfg.head_dim
+    n_slots = len(ks)
+    out = jnp.zeros((width, x.shape[-1]), x.dtype)
+    knew = [jnp.zeros((width, K, H), x.dtype) for _ in range(n_slots)]
+    vnew = [jnp.zeros((width, K, H), x.dtype) for _ in range(n_slots)]
+    pages = [jnp.zeros(width, jnp.int32) for _ in range(n_slots)]
+    offs = [jnp.zeros(width, jnp.int32) for _ in range(n_slots)]
     if m is None:
-        return send, h, ks, vs
-    start, n, _ = mbs[m]
-    sub = micro_batches(batch, layout.stages)[m][2]  # sliced from this body's own batch
+        return out, knew, vnew, pages, offs
+    start, n, sub = micro_batches(batch, layout.stages)[m]
     span = layout.layers_of(s)
     xin = x[:, start : start + n] if s == 0 else recv[None, :n]
     slot = [layout.pool_slot(i) for i in span]
-    cache = PackedKV([ks[p] for p in slot], [vs[p] for p in slot], sub,
-                     tuple(layout.windowed[i] for i in span), use_kernels)
+    cache = PackedKV([ks[p] for p in slot], [vs[p] for p in slot], sub, tuple(layout.windowed[i] for i in span),
+                     use_kernels, defer_writes=True)
     mod = family_module(cfg.family)
     y, cache = mod.decoder_layers(layers[: len(span)], xin, sub.positions[None], None, cache, cfg=cfg,
                                   first=span.start)
-    ks, vs = list(ks), list(vs)
-    for j, p in enumerate(slot):
-        ks[p], vs[p] = cache.k[j], cache.v[j]
-    if s == layout.stages - 1:
-        h = h.at[:, start : start + n].set(y)
-    else:
-        send = send.at[:n].set(y[0])
-    return send, h, ks, vs
+    ps = vs[0].shape[2]
+    for (k, v), i, p in zip(cache.written, span, slot):
+        knew[p] = knew[p].at[:n].set(k[0].astype(x.dtype))
+        vnew[p] = vnew[p].at[:n].set(v[0].astype(x.dtype))
+        pages[p] = pages[p].at[:n].set(sub.write_wpage if layout.windowed[i] else sub.write_page)
+        offs[p] = offs[p].at[:n].set(sub.positions % ps)
+    return out.at[:n].set(y[0]), knew, vnew, pages, offs
 
 
 def pipeline_forward(layout: PipelineLayout, weights: dict, tokens, batch: PackedBatch, k_pages, v_pages, *,
@@ -212,6 +222,7 @@ def pipeline_forward(layout: PipelineLayout, weights: dict, tokens, batch: Packe
     M = len(mbs)
     width = max(n for _, n, _ in mbs)
     right = [(s, s + 1) for s in range(S - 1)]
+    every = slice(None)
 
     def body(layers, x, batch, ks, vs):
         first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731  this stage's block of each slot
@@ -221,11 +232,18 @@ def pipeline_forward(layout: PipelineLayout, weights: dict, tokens, batch: Packe
         recv = jnp.zeros((width, x.shape[-1]), x.dtype)
         for t in range(M + S - 1):
             with jax.named_scope(f"pipeline_tick{t}"):
-                branches = [functools.partial(_tick, s, t - s if 0 <= t - s < M else None, mbs, layout, cfg,
+                branches = [functools.partial(_tick, s, t - s if 0 <= t - s < M else None, layout, cfg,
                                               use_kernels, width) for s in range(S)]
-                send, h, ks, vs = jax.lax.switch(stage, branches, recv, h, ks, vs, layers, x, batch)
+                out, knew, vnew, pages, offs = jax.lax.switch(stage, branches, recv, ks, vs, layers, x, batch)
+                ks = [kv._store(a, (pg[None], every, every, of[None]), kn[None])
+                      for a, kn, pg, of in zip(ks, knew, pages, offs)]
+                vs = [kv._store(a, (pg[None], every, of[None]), vn[None]) for a, vn, pg, of in zip(vs, vnew, pages, offs)]
+                m = t - (S - 1)  # the micro-batch the last stage finished
+                if 0 <= m < M:
+                    start, n, _ = mbs[m]
+                    h = h.at[:, start : start + n].set(jnp.where(stage == S - 1, out[None, :n], h[:, start : start + n]))
                 if t < M + S - 2:
-                    recv = jax.lax.ppermute(send, STAGE, right)
+                    recv = jax.lax.ppermute(out, STAGE, right)
         with jax.named_scope("pipeline_broadcast"):  # the last stage's hidden states, around the ring
             for k in range(S - 1):
                 got = jax.lax.ppermute(h, STAGE, [((k - 1) % S, k)])
