@@ -29,8 +29,7 @@ _COMMON = textwrap.dedent("""
     path, layouts, atol = sys.argv[1], sys.argv[2].split(","), float(sys.argv[3])
     check_hlo = len(sys.argv) > 4 and sys.argv[4] == "hlo"
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1, prompt_logprobs=1)
-    prompts = ["The capital of France is", "def fib(n):", "Once upon a time there was", "1, 2, 3, 4,",
-               "Water boils at"]
+    prompts = ["The capital of France is", "def fib(n):", "Once upon a time there was", "1, 2, 3, 4,"]
     ref = None
 
     def first_lp(entries):
@@ -114,8 +113,8 @@ def tiny_deep(tmp_path_factory, smollm2_gguf):
     return out
 
 
-def test_tiny_pipeline_2_and_tp2_x_pp2_uneven_equal_one_device(tiny_deep):
-    out = _run(tiny_deep[5], "1x1,2x1,2x2", "hlo")
+def test_tiny_tp2_x_pp2_uneven_equals_one_device(tiny_deep):
+    out = _run(tiny_deep[5], "1x1,2x2", "hlo")
     assert "[[0, 3], [3, 5]]" in out
 
 
