@@ -65,6 +65,9 @@ _COMMON = textwrap.dedent("""
                 assert sh.index[0] == slice(stage_of[sh.device.id], stage_of[sh.device.id] + 1), (sh.device, sh.index)
         for leaf in jax.tree.leaves({k: v for k, v in e.weights.items() if k != "layers"}):
             assert {d.id for d in leaf.sharding.device_set} == set(stage_of)
+        old = e.k_pages[0]
+        e.run_step(e.idle_batch(4, 8, 0))
+        assert old.is_deleted()  # the stacked pools are donated to the pipelined step
         if check_hlo:  # a step with decode rows and a prefill row: 2 decode micro-batches + 1
             batch = e.idle_batch(4, 8, 32)
             txt = e._step.lower(e.weights, batch, e.k_pages, e.v_pages, e.slots, cfg=e.cfg, num_logprobs=-1,
@@ -188,3 +191,59 @@ def test_cli_pipeline_size_beyond_devices_exits_2(tiny_gguf, capsys):
 
     assert main(["generate", "--model", str(tiny_gguf), "--prompt", "x", "--pipeline-parallel-size", "64"]) == 2
     assert "needs 64 devices" in capsys.readouterr().err
+
+
+def test_stage_bounds_and_pool_slots():
+    from jaxinfer.engine.pipeline import PipelineLayout
+    from jaxinfer.sharding import stage_bounds
+
+    assert stage_bounds(30, 4) == (0, 8, 16, 23, 30)
+    assert stage_bounds(5, 2) == (0, 3, 5) and stage_bounds(4, 4) == (0, 1, 2, 3, 4)
+    with pytest.raises(InvalidRequest, match="pipeline_parallel_size=5 is larger than the model's 4 layers"):
+        stage_bounds(4, 5)
+    # Gemma 3 270M's pattern (GLOBAL: 5, 11, 17) over 2 stages: one stacked slot list per pool kind
+    windowed = tuple((i + 1) % 6 != 0 for i in range(18))
+    lay = PipelineLayout(None, stage_bounds(18, 2), windowed)
+    assert (lay.slots, lay.full_slots, lay.window_slots) == (9, 2, 8)
+    assert [lay.pool_slot(i) for i in (5, 11, 17)] == [0, 0, 1]
+    assert [lay.pool_slot(i) for i in (0, 8, 9, 16)] == [2, 9, 2, 8]
+    assert lay.report()["padding_layer_slots"] == [0, 0]
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_rows_attention_with_own_new_keys_equals_dense_reference(window):
+    """The pipeline's decode attention (pages hold each row's positions before its query; the
+    query's own key and value come beside them) against the dense reference attention. The
+    pages the rows do not own, and the query's own slot in its page, hold NaN."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxinfer.models.layers import attention
+    from jaxinfer.models.packed import paged_rows_attention
+
+    B, K, G, H, ps, per_row = 3, 2, 2, 8, 4, 4
+    N, S = K * G, ps * per_row
+    lengths = np.array([1, 7, 16])  # the query sits at position length - 1
+    r = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(r[0], (B, 1, N, H))
+    keys = jax.random.normal(r[1], (B, S, K, H))
+    vals = jax.random.normal(r[2], (B, S, K, H))
+    table = 1 + np.arange(B * per_row).reshape(B, per_row)  # page 0: scratch
+    kpool = np.full((1 + B * per_row, K, H, ps), np.nan, np.float32)
+    vpool = np.full((1 + B * per_row, K, ps, H), np.nan, np.float32)
+    for b in range(B):
+        for t in range(lengths[b] - 1):  # every earlier position written; the query's own is not
+            kpool[table[b, t // ps], :, :, t % ps] = keys[b, t]
+            vpool[table[b, t // ps], :, t % ps, :] = vals[b, t]
+    pos = jnp.asarray(lengths - 1)[:, None]
+    own = (keys[jnp.arange(B), lengths - 1][:, None], vals[jnp.arange(B), lengths - 1][:, None])
+    got = paged_rows_attention(q, jnp.asarray(kpool), jnp.asarray(vpool), jnp.asarray(table), None, pos, pos[:, 0],
+                               scale=H**-0.5, window=window, own=own)
+    seen = np.arange(S)[None] < lengths[:, None]
+    kpos = np.where(seen, np.arange(S)[None], 1 << 30)
+    dense_k = jnp.where(seen[:, :, None, None], keys, 0.0).transpose(0, 2, 3, 1)
+    dense_v = jnp.where(seen[:, :, None, None], vals, 0.0).transpose(0, 2, 1, 3)
+    want = attention(q, dense_k, dense_v, pos, jnp.asarray(kpos), scale=H**-0.5, window=window)
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

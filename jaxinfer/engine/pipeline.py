@@ -29,7 +29,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer import cache as kv
@@ -255,8 +254,3 @@ def pipeline_forward(layout: PipelineLayout, weights: dict, tokens, batch: Packe
     fn = jax.shard_map(body, mesh=layout.mesh, in_specs=(stacked, PartitionSpec(), PartitionSpec(), stacked, stacked),
                        out_specs=(PartitionSpec(), stacked, stacked), axis_names={STAGE}, check_vma=False)
     return fn(weights["layers"], x, batch, k_pages, v_pages)
-
-
-def stage_devices(layout: PipelineLayout) -> list[list[int]]:
-    """Device ids of each stage (for reports and tests)."""
-    return [[d.id for d in np.asarray(layout.mesh.devices[:, s, :]).reshape(-1)] for s in range(layout.stages)]
