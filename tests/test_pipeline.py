@@ -129,14 +129,14 @@ def test_tiny_pipeline_4_uneven_equal_one_device(tiny_deep):
 @pytest.mark.slow
 def test_smollm2_pipeline_2_and_tp3_x_pp2_equal_one_device(smollm2_gguf):
     """30 layers over 2 stages; with TP 3 inside each stage (9 query heads, 3 KV heads)."""
-    out = _run(smollm2_gguf, "1x1,2x1,2x3")
+    out = _run(smollm2_gguf, "1x1,2x1,2x3", "hlo")
     assert "[[0, 15], [15, 30]]" in out
 
 
 @pytest.mark.slow
 def test_gemma3_pipeline_2_equals_one_device(gemma3_gguf):
     """18 layers, LOCAL and GLOBAL ones mixed within each stage, windowed pools per stage."""
-    out = _run(gemma3_gguf, "1x1,2x1")
+    out = _run(gemma3_gguf, "1x1,2x1", "hlo")
     assert "[[0, 9], [9, 18]]" in out
 
 
