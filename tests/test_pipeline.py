@@ -27,7 +27,8 @@ _COMMON = textwrap.dedent("""
 
     assert len(jax.devices()) == 8
     path, layouts, atol = sys.argv[1], sys.argv[2].split(","), float(sys.argv[3])
-    check_hlo = len(sys.argv) > 4 and sys.argv[4] == "hlo"
+    check_hlo = "hlo" in sys.argv[4:]
+    kv_dtype = "int8" if "int8" in sys.argv[4:] else "auto"
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time there was", "1, 2, 3, 4,"]
     ref = None
@@ -38,7 +39,7 @@ _COMMON = textwrap.dedent("""
     for layout in layouts:
         pp, tp = (int(x) for x in layout.split("x"))
         llm = LLM(path, progress=False, max_model_len=256, max_num_seqs=4, kv_cache_bytes=64 << 20,
-                  tensor_parallel_size=tp, pipeline_parallel_size=pp)
+                  kv_cache_dtype=kv_dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp)
         outs = llm.generate(prompts, sp, use_tqdm=False)
         toks = [o.outputs[0].token_ids for o in outs]
         lps = [first_lp(o.outputs[0].logprobs) for o in outs]
@@ -65,7 +66,7 @@ _COMMON = textwrap.dedent("""
                 assert sh.index[0] == slice(stage_of[sh.device.id], stage_of[sh.device.id] + 1), (sh.device, sh.index)
         for leaf in jax.tree.leaves({k: v for k, v in e.weights.items() if k != "layers"}):
             assert {d.id for d in leaf.sharding.device_set} == set(stage_of)
-        old = e.k_pages[0]
+        old = jax.tree.leaves(e.k_pages)[0]
         e.run_step(e.idle_batch(4, 8, 0))
         assert old.is_deleted()  # the stacked pools are donated to the pipelined step
         if check_hlo:  # a step with decode rows and a prefill row: 2 decode micro-batches + 1
@@ -124,6 +125,12 @@ def test_tiny_tp2_x_pp2_uneven_equals_one_device(tiny_deep):
 def test_tiny_pipeline_4_uneven_equal_one_device(tiny_deep):
     out = _run(tiny_deep[7], "1x1,4x1", "hlo")
     assert "[[0, 2], [2, 4], [4, 6], [6, 7]]" in out
+
+
+def test_tiny_pipeline_2_with_int8_kv_equals_one_device_int8(tiny_deep):
+    """int8 page pools (values and scales) stacked by stage; a decode row's own new key is
+    read back as the pool would store it."""
+    _run(tiny_deep[5], "1x1,2x1", "int8")
 
 
 @pytest.mark.slow
