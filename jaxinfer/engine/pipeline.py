@@ -236,11 +236,13 @@ def pipeline_forward(layout: PipelineLayout, weights: dict, tokens, batch: Packe
                 out, knew, vnew, pages, offs = jax.lax.switch(stage, branches, recv, ks, vs, layers, x, batch)
                 ks = [kv._store(a, (pg[None], every, every, of[None]), kn[None])
                       for a, kn, pg, of in zip(ks, knew, pages, offs)]
-                vs = [kv._store(a, (pg[None], every, of[None]), vn[None]) for a, vn, pg, of in zip(vs, vnew, pages, offs)]
+                vs = [kv._store(a, (pg[None], every, of[None]), vn[None])
+                      for a, vn, pg, of in zip(vs, vnew, pages, offs)]
                 m = t - (S - 1)  # the micro-batch the last stage finished
                 if 0 <= m < M:
                     start, n, _ = mbs[m]
-                    h = h.at[:, start : start + n].set(jnp.where(stage == S - 1, out[None, :n], h[:, start : start + n]))
+                    done = jnp.where(stage == S - 1, out[None, :n], h[:, start : start + n])
+                    h = h.at[:, start : start + n].set(done)
                 if t < M + S - 2:
                     recv = jax.lax.ppermute(out, STAGE, right)
         with jax.named_scope("pipeline_broadcast"):  # the last stage's hidden states, around the ring
