@@ -21,8 +21,11 @@ per-layer copy through memory (see ``benchmarks/RESULTS.md``, "decode attention"
 
 Windowed layers (Gemma's LOCAL layers) read their own pool through ``wtable`` from logical
 page ``wbase`` on, exactly as ``cache.PagedKVCache`` does; int8 pools dequantize each block as
-it is gathered. On TPU/GPU a q = 1 decode group over float full-length pools goes through the
-Pallas paged-attention kernel instead (``jaxinfer.kernels``).
+it is gathered. That is the CPU path (``KernelMode.OFF``). On TPU/GPU (and in Pallas interpret
+mode) a layer over float pools instead runs the whole step's attention, every decode row and
+every prefill segment, windowed layers included, as one ragged paged-attention kernel call that
+reads the pages in place (``ragged_kernel_attention``, ``jaxinfer.kernels``); int8 pools keep
+the blockwise path.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class PackedBatch:
     targets: jax.Array  # i32[Tp] next prompt token of each prefill-row token (-1: none): prompt logprobs
     rows: int = dataclasses.field(metadata={"static": True})  # R
     q: int = dataclasses.field(metadata={"static": True})
+    # most segments the prefill row may hold (0: Tp); the kernel path sizes its work list by it
+    max_segments: int = dataclasses.field(default=0, metadata={"static": True})
 
     @property
     def prefill_len(self) -> int:  # Tp
@@ -93,12 +98,12 @@ class PackedKV:
         """Write the layer's new keys/values k, v [1, N, K, H] at each token's page, then
         attend q [1, N, N_heads, H] as described in the module docstring -> (o, cache)."""
         b = self.batch
+        ps = self.v[layer].shape[2]
+        page = b.write_wpage if self._is_windowed(layer) else b.write_page
         ks, vs = list(self.k), list(self.v)
         if self.defer_writes:
             cache = dataclasses.replace(self, written=self.written + ((k, v),))
         else:
-            ps = self.v[layer].shape[2]
-            page = b.write_wpage if self._is_windowed(layer) else b.write_page
             off = b.positions % ps
             s = slice(None)
             ks[layer] = _store(ks[layer], (page[None], s, s, off[None]), k)
@@ -107,6 +112,10 @@ class PackedKV:
         R, Q, Tp = b.rows, b.q, b.prefill_len
         table, base = (b.wtable, b.wbase) if self._is_windowed(layer) else (b.table, None)
         opts = {"scale": scale, "window": window, "softcap": softcap}
+        # the kernel reads this step's keys from the pages: not with deferred writes
+        if (self.use_kernels and not self.defer_writes and not isinstance(ks[layer], QuantKV)
+                and kernels.ragged_paged_attention_fits(ps, ks[layer].dtype)):
+            return ragged_kernel_attention(q, ks[layer], vs[layer], b, table, base, page, **opts), cache
         outs = []
         if R:
             qd = q[0, : R * Q].reshape(R, Q, *q.shape[2:])
@@ -116,9 +125,6 @@ class PackedKV:
                 own = tuple(a[0, : R * Q].reshape(R, Q, *a.shape[2:]) for a in (k, v))
                 od = paged_rows_attention(qd, ks[layer], vs[layer], table[:R], rbase, pos, pos[:, 0], own=own,
                                           **opts)
-            elif (Q == 1 and self.use_kernels and not self._is_windowed(layer)
-                    and not isinstance(ks[layer], QuantKV)):
-                od = kernels.paged_decode_attention(qd, ks[layer], vs[layer], table[:R], pos[:, 0] + 1, **opts)
             else:
                 od = paged_rows_attention(qd, ks[layer], vs[layer], table[:R], rbase, pos, pos.max(axis=1) + 1,
                                           **opts)
@@ -276,3 +282,57 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
         ok = _visible(qpos_m, kpos[None], window)[0] & seen[None, :] & (seg_m == 0)[:, None]
         acc.add(_scores(qm, keys, softcap), ok[None, None], values)
     return _unfold(acc.result(), T, N, q.dtype)
+
+
+# ----------------------------------------------------------------------------- kernel path
+def _logical_table(table, base, width: int):
+    """Page-table rows i32[S, n] whose column c holds logical page base[s] + c (or c when
+    base is None) -> i32[S, width] indexed by logical page (0 where not held: the kernel
+    never dereferences a page outside what its queries see)."""
+    if base is None and table.shape[1] == width:
+        return table
+    S, n = table.shape
+    cols = jnp.arange(n, dtype=jnp.int32)[None, :] + (0 if base is None else base[:, None])
+    rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[:, None], (S, n))
+    return jnp.zeros((S, width), jnp.int32).at[rows, cols].set(table, mode="drop")
+
+
+def ragged_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, page, *, scale, window=None,
+                            softcap=None):
+    """The whole packed step's attention in one ragged paged-attention call (TPU/GPU, or
+    Pallas interpret mode): q [1, N, N_heads, H] -> [1, N, N_heads, H].
+
+    Segments: each decode row (its real queries: positions p0 .. p_max; the padding queries
+    that repeat p_max are left out, their output is 0 and nothing reads it), then each
+    segment of the prefill row. Every segment reads its sequence's pages, which already hold
+    this step's keys: a decode row its table row; a prefill segment the pages its tokens were
+    just written to (``page``, by position), and segment 0 also its history in table[R].
+    Windowed layers' tables start at logical page ``base``; they are laid out by logical page
+    here, so the kernel's window mask alone decides what is read."""
+    R, Q, Tp = b.rows, b.q, b.prefill_len
+    ps = vpool.shape[2]
+    T = R * Q + Tp
+    width = table.shape[1] + (-(-Tp // ps) if Tp else 0)  # the prefill row's chunks may pass the table
+    tables, starts, lens, kv_lens = [], [], [], []
+    if R:
+        pos = b.positions[: R * Q].reshape(R, Q)
+        last = pos.max(axis=1)
+        tables.append(_logical_table(table[:R], None if base is None else base[:R], width))
+        starts.append(jnp.arange(R, dtype=jnp.int32) * Q)
+        lens.append(last - pos[:, 0] + 1)
+        kv_lens.append(last + 1)
+    if Tp:
+        S = min(b.max_segments or Tp, Tp)
+        ppos = b.positions[R * Q :]
+        seg = jnp.where(b.seg >= 0, b.seg, S)  # padding tokens: out of range, dropped
+        tok = R * Q + jnp.arange(Tp, dtype=jnp.int32)
+        hist = _logical_table(table[R:], None if base is None else base[R:], width)
+        seg_table = jnp.zeros((S, width), jnp.int32).at[0].set(hist[0])
+        tables.append(seg_table.at[seg, ppos // ps].set(page[R * Q :], mode="drop"))
+        starts.append(jnp.full(S, T, jnp.int32).at[seg].min(tok, mode="drop"))
+        lens.append(jnp.zeros(S, jnp.int32).at[seg].add(1, mode="drop"))
+        kv_lens.append(jnp.zeros(S, jnp.int32).at[seg].max(ppos + 1, mode="drop"))
+    cat = lambda xs: jnp.concatenate(xs, axis=0)
+    out = kernels.ragged_paged_attention(q[0], kpool, vpool, cat(tables), cat(starts), cat(lens), cat(kv_lens),
+                                         scale=scale, window=window, softcap=softcap)
+    return out[None]
