@@ -58,7 +58,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
 
 def _add_parallel(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the weights and KV heads split over")
-    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="(not supported yet: 1)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="pipeline stages the layers (and their KV pages) split over")
     p.add_argument("--data-parallel-size", type=int, default=1, help="(not supported yet: 1)")
 
 

@@ -69,17 +69,18 @@ class LLM:
         spec = SpeculativeConfig.parse(speculative_config)  # likewise (layer count checked once loaded)
         mesh = _parallel_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, mesh)
         if mesh is not None and engine != "paged":
-            raise InvalidRequest(f"tensor parallelism needs the paged engine, not {engine!r}")
+            raise InvalidRequest(f"tensor and pipeline parallelism need the paged engine, not {engine!r}")
         if spec is not None and engine != "paged":
             raise InvalidRequest(f"speculative decoding needs the paged engine, not {engine!r}")
         self.model_path = registry.resolve(model, progress=progress)
         shardings_fn = None
         if mesh is not None:
-            from jaxinfer.sharding import tensor_parallel_plan, weight_shardings
+            from jaxinfer.sharding import pipeline_weight_shardings, stage_bounds, tensor_parallel_plan
 
             def shardings_fn(specs, cfg):  # each device receives only its shard while loading
                 tensor_parallel_plan(cfg, mesh.shape["model"])  # bad sizes fail before any tensor is read
-                return weight_shardings(specs, mesh)
+                # pipeline: each layer goes to its own stage's devices only
+                return pipeline_weight_shardings(specs, mesh, stage_bounds(cfg.n_layers, mesh.shape["stage"]))
         loaded = checkpoint.load(self.model_path, dtype=dtype, quantize=qcfg, shardings_fn=shardings_fn)
         self.cfg, self.weights, self.tokenizer = loaded.cfg, loaded.weights, loaded.tokenizer
         self.mesh = mesh
@@ -114,6 +115,9 @@ class LLM:
                                 kv_cache_dtype=kv_cache_dtype)
             self.engine = PagedEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
                                       config=ecfg, seed=seed, speculative=spec, mesh=mesh)
+            if self.engine.pipeline is not None:  # the weights now live stacked by stage
+                self.weights = self.engine.weights
+                self.parallel = dict(self.parallel, **self.engine.pipeline.report())
         else:
             raise InvalidRequest(f"engine must be 'paged' or 'static', got {engine!r}")
         self._request_counter = 0
@@ -377,7 +381,9 @@ class LLM:
             "dtype": cfg.dtype,
             "num_params": cfg.num_params(),
             # tensor parallelism: devices, heads per device, and whether KV heads are split
-            # (KV pools then hold kv_cache_bytes / tensor_parallel_size per device) or replicated
+            # (KV pools then hold kv_cache_bytes / tensor_parallel_size per device) or replicated;
+            # pipeline parallelism: the stages, their layers, padding slots of uneven splits
+            # (counted in weights_bytes and kv_cache_bytes), and where embedding and head live
             "parallel": self.parallel,
         }
 
@@ -396,27 +402,32 @@ class _Pending:
 
 
 def _parallel_mesh(tp: int, pp: int, dp: int, mesh):
-    """The device mesh for the parallel sizes (None: one device, as without them)."""
+    """The (data, stage, model) device mesh for the parallel sizes (None: one device, as
+    without them). The product of the sizes is the number of devices used."""
     import jax
 
     for name, v in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp), ("data_parallel_size", dp)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise InvalidRequest(f"{name} must be an integer >= 1, got {v!r}")
-    if pp > 1 or dp > 1:
-        raise InvalidRequest("pipeline_parallel_size and data_parallel_size > 1 are not supported yet; "
-                             "tensor_parallel_size is")
+    if dp > 1:
+        raise InvalidRequest("data_parallel_size > 1 is not supported yet; tensor_parallel_size and "
+                             "pipeline_parallel_size are")
     if mesh is not None:
-        if set(mesh.axis_names) != {"data", "model"} or mesh.shape["data"] != 1:
-            raise InvalidRequest(f"mesh must have axes ('data', 'model') with data 1, got {dict(mesh.shape)}")
-        return mesh if mesh.shape["model"] > 1 else None
-    if tp == 1:
+        if set(mesh.axis_names) != {"data", "stage", "model"} or mesh.shape["data"] != 1:
+            raise InvalidRequest(f"mesh must have axes ('data', 'stage', 'model') with data 1, got {dict(mesh.shape)}")
+        for name, v, axis in (("tensor_parallel_size", tp, "model"), ("pipeline_parallel_size", pp, "stage")):
+            if v != 1 and v != mesh.shape[axis]:
+                raise InvalidRequest(f"{name}={v} does not match the mesh's {axis} axis of {mesh.shape[axis]}")
+        return mesh if mesh.devices.size > 1 else None
+    if tp * pp == 1:
         return None
     devices = jax.devices()
-    if tp > len(devices):
-        raise InvalidRequest(f"tensor_parallel_size={tp} needs {tp} devices; {len(devices)} available")
+    if tp * pp > len(devices):
+        raise InvalidRequest(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {tp * pp} devices; "
+                             f"{len(devices)} available")
     from jaxinfer.sharding import make_mesh
 
-    return make_mesh(data=1, model=tp, devices=devices[:tp])
+    return make_mesh(data=1, stage=pp, model=tp, devices=devices[: tp * pp])
 
 
 def _enable_compilation_cache() -> None:

@@ -82,7 +82,7 @@ def test_smollm2_tensor_parallel_3_equals_one_device(smollm2_gguf):
 @pytest.mark.parametrize("kw,msg", [
     (dict(tensor_parallel_size=3), "must divide the model's 4 query heads"),
     (dict(tensor_parallel_size=0), "must be an integer >= 1"),
-    (dict(pipeline_parallel_size=2), "not supported yet"),
+    (dict(data_parallel_size=2), "not supported yet"),
 ])
 def test_bad_sizes_are_one_clear_error(tiny_gguf, kw, msg):
     if kw.get("tensor_parallel_size", 1) > 1 and len(__import__("jax").devices()) < kw["tensor_parallel_size"]:

@@ -109,23 +109,37 @@ class PagedEngine:
                                prefill_chunk=config.prefill_chunk, prefix_caching=config.prefix_caching,
                                scheduling=config.scheduling, window=self.window, num_window_pages=num_window_pages)
         self.allocator, self.window_allocator = self.sched.allocator, self.sched.window_allocator
-        cache = kv.init_paged_cache(cfg, num_pages, ps, kv_dtype, num_window_pages=num_window_pages)
-        self.k_pages, self.v_pages, self.windowed = cache.k, cache.v, cache.windowed
         self.slots = make_slots(cfg.vocab_size, config.max_num_seqs, seed)
         self.mesh = mesh
-        if mesh is not None:  # tensor parallel: pools split over KV heads (or replicated), slots replicated
+        self.pipeline = None
+        if mesh is not None and mesh.shape.get("stage", 1) > 1:
+            # pipeline parallel: each stage's devices hold only their layers' weights and pools
+            if speculative is not None:
+                raise InvalidRequest("speculative decoding with pipeline_parallel_size > 1 is not supported")
+            from jaxinfer.engine.pipeline import PipelineLayout, init_pools, stack_weights
+
+            self.windowed = tuple(num_window_pages is not None and cfg.layer_window(i) is not None
+                                  for i in range(cfg.n_layers))
+            self.pipeline = PipelineLayout.make(mesh, cfg.n_layers, self.windowed)
+            self.weights = stack_weights(weights, self.pipeline)
+            self.k_pages, self.v_pages = init_pools(cfg, self.pipeline, num_pages, ps, kv_dtype, num_window_pages)
+        else:
+            cache = kv.init_paged_cache(cfg, num_pages, ps, kv_dtype, num_window_pages=num_window_pages)
+            self.k_pages, self.v_pages, self.windowed = cache.k, cache.v, cache.windowed
+        if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
 
+            self.slots = jax.device_put(self.slots, NamedSharding(mesh, PartitionSpec()))
+        if mesh is not None and self.pipeline is None:  # tensor parallel: pools split over KV heads (or replicated)
             from jaxinfer.sharding import kv_pool_sharding
 
             pool = kv_pool_sharding(mesh, cfg.n_kv_heads)
             self.k_pages, self.v_pages = jax.device_put((self.k_pages, self.v_pages), pool)
-            self.slots = jax.device_put(self.slots, NamedSharding(mesh, PartitionSpec()))
         # one partial per engine, so each engine's jit caches are its own; the counter counts
         # the executables they build (engine.compiles)
         self._compiles = CompileCounter()
         self._step = self._compiles.counted(jax.jit(
-            functools.partial(packed_step, windowed=self.windowed),
+            functools.partial(packed_step, windowed=self.windowed, pipeline=self.pipeline),
             static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode"),
             donate_argnames=("k_pages", "v_pages", "slots")))
         self._insert = self._compiles.counted(jax.jit(functools.partial(insert_step), donate_argnames=("slots",)))

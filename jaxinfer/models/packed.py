@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from jaxinfer import kernels
 from jaxinfer.cache import QuantKV, _load, _store
+from jaxinfer.quant import dequantize_kv, quantize_kv
 
 BLOCK_POSITIONS = 256  # key positions per block of the running softmax
 _NEG = -1e30  # masked score: finite, so a block with nothing visible keeps the max finite
@@ -81,6 +82,12 @@ class PackedKV:
     batch: PackedBatch
     windowed: tuple[bool, ...] = dataclasses.field(default=(), metadata={"static": True})
     use_kernels: bool = dataclasses.field(default=False, metadata={"static": True})
+    # defer_writes: the pools are only read; each layer's new keys/values are collected in
+    # ``written`` (one (k, v) [1, N, K, H] per layer) for the caller to store, and the decode
+    # rows see their own new tokens from them. A pipeline stage runs its layers inside a
+    # conditional, where writing a pool in place would copy the whole pool.
+    defer_writes: bool = dataclasses.field(default=False, metadata={"static": True})
+    written: tuple = ()
 
     packed = True  # attend_layer hands the whole layer to ``attend``
 
@@ -93,24 +100,34 @@ class PackedKV:
         b = self.batch
         ps = self.v[layer].shape[2]
         page = b.write_wpage if self._is_windowed(layer) else b.write_page
-        off = b.positions % ps
-        s = slice(None)
         ks, vs = list(self.k), list(self.v)
-        ks[layer] = _store(ks[layer], (page[None], s, s, off[None]), k)
-        vs[layer] = _store(vs[layer], (page[None], s, off[None]), v)
-        cache = PackedKV(ks, vs, b, self.windowed, self.use_kernels)
+        if self.defer_writes:
+            cache = dataclasses.replace(self, written=self.written + ((k, v),))
+        else:
+            off = b.positions % ps
+            s = slice(None)
+            ks[layer] = _store(ks[layer], (page[None], s, s, off[None]), k)
+            vs[layer] = _store(vs[layer], (page[None], s, off[None]), v)
+            cache = PackedKV(ks, vs, b, self.windowed, self.use_kernels)
         R, Q, Tp = b.rows, b.q, b.prefill_len
         table, base = (b.wtable, b.wbase) if self._is_windowed(layer) else (b.table, None)
         opts = {"scale": scale, "window": window, "softcap": softcap}
-        if (self.use_kernels and not isinstance(ks[layer], QuantKV)
+        # the kernel reads this step's keys from the pages: not with deferred writes
+        if (self.use_kernels and not self.defer_writes and not isinstance(ks[layer], QuantKV)
                 and kernels.ragged_paged_attention_fits(ps, ks[layer].dtype)):
             return ragged_kernel_attention(q, ks[layer], vs[layer], b, table, base, page, **opts), cache
         outs = []
         if R:
             qd = q[0, : R * Q].reshape(R, Q, *q.shape[2:])
             pos = b.positions[: R * Q].reshape(R, Q)
-            od = paged_rows_attention(qd, ks[layer], vs[layer], table[:R], None if base is None else base[:R],
-                                      pos, pos.max(axis=1) + 1, **opts)
+            rbase = None if base is None else base[:R]
+            if self.defer_writes:  # pages hold the positions before the row's first query; its own come from k, v
+                own = tuple(a[0, : R * Q].reshape(R, Q, *a.shape[2:]) for a in (k, v))
+                od = paged_rows_attention(qd, ks[layer], vs[layer], table[:R], rbase, pos, pos[:, 0], own=own,
+                                          **opts)
+            else:
+                od = paged_rows_attention(qd, ks[layer], vs[layer], table[:R], rbase, pos, pos.max(axis=1) + 1,
+                                          **opts)
             outs.append(od.reshape(1, R * Q, *q.shape[2:]))
         if Tp:
             qp, kp, vp = q[:, R * Q :], k[:, R * Q :], v[:, R * Q :]
@@ -191,13 +208,16 @@ def _visible(qpos, kpos, window):
     return ok if window is None else ok & (delta < window)
 
 
-def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window=None, softcap=None):
+def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window=None, softcap=None, own=None):
     """Reference paged attention for rows of T queries: q [B, T, N, H] at positions
     qpos i32[B, T] over the pages table i32[B, n] (logical page base[b] + column, or the
     column itself when base is None) whose positions < end[b] are written -> [B, T, N, H].
 
     Reads the table one block of columns at a time into a running softmax; values at
-    positions >= end are zeroed as they are gathered, so stale or NaN pages never leak."""
+    positions >= end are zeroed as they are gathered, so stale or NaN pages never leak.
+    own: None, or the rows' own new keys and values ([B, T, K, H] each, at positions qpos)
+    not yet in the pages: keys at positions >= end are then masked in the pages and these
+    are attended to as one more block (stored as the pool would store them)."""
     B, T, N, H = q.shape
     K, ps = kpool.shape[1], kpool.shape[3]
     G = N // K
@@ -210,9 +230,26 @@ def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, wind
         if base is not None:
             kpos = kpos + base[:, None] * ps
         kpos = jnp.broadcast_to(kpos, (B, c * ps))
-        values = jnp.where((kpos < end[:, None])[:, None, :, None], values, 0.0)
-        acc.add(_scores(qm, keys, softcap), _visible(qpos_m, kpos, window)[:, None], values)
+        written = kpos < end[:, None]
+        values = jnp.where(written[:, None, :, None], values, 0.0)
+        ok = _visible(qpos_m, kpos, window)
+        if own is not None:
+            ok = ok & written[:, None, :]
+        acc.add(_scores(qm, keys, softcap), ok[:, None], values)
+    if own is not None:
+        keys, values = (_as_stored(a, pool) for a, pool in zip(own, (kpool, vpool)))
+        acc.add(_scores(qm, keys.transpose(0, 2, 3, 1), softcap), _visible(qpos_m, qpos, window)[:, None],
+                values.transpose(0, 2, 1, 3))
     return _unfold(acc.result(), T, N, q.dtype)
+
+
+def _as_stored(a, pool):
+    """New keys or values [B, T, K, H] as float32 after a round trip through the pool's
+    storage (int8 and its scales, or the pool's dtype), so they read as if from the pages."""
+    if isinstance(pool, QuantKV):
+        values, scale = quantize_kv(a, axis=-1)
+        return dequantize_kv(values, scale, jnp.float32, axis=-1)
+    return a.astype(pool.dtype).astype(jnp.float32)
 
 
 def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end, *, scale, window=None,
