@@ -4,8 +4,10 @@ workload time those rates bound.
 
     python benchmarks/dot_ceiling.py --m 64 256 512 --repeats 15
 
-Each (shape, M) is timed for every engine in turn (interleaved rounds, medians, 2 threads for
-torch as for XLA's 2 cores). The workload (128 requests, 18,742 prompt and 8,192 output
+Each engine runs in its own subprocess (in one process XLA's spinning thread pool starves
+torch's threads: torch read 3-20x slow that way), the engines alternate over ``--rounds``
+rounds, and each figure is the median over every round's timings (2 threads for torch as for
+XLA's 2 cores). The workload (128 requests, 18,742 prompt and 8,192 output
 tokens) spends its matmul FLOPs in prefill rows (every layer's projections, no LM head: a
 prompt's logits are only needed at its last token) and decode rows (projections plus the
 576 x 49,152 LM head); ``--workload`` prints the seconds each engine needs for those FLOPs
@@ -16,7 +18,10 @@ matmuls took time.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -66,32 +71,50 @@ def _time(fn, n):
     return out
 
 
+def measure(engine: str, ms, repeats: int) -> dict:
+    """Median seconds of each (shape, M) on one engine, in this process."""
+    shapes = dict(LAYER, lm_head=HEAD)
+    out = {}
+    for m in ms:
+        for name, (k, n) in shapes.items():
+            if engine == "xla f32":
+                fn = _xla(m, k, n)
+            else:
+                fn = _torch(m, k, n, {"torch f32": "float32", "torch bf16": "bfloat16"}[engine])
+            out[f"{name}@{m}"] = _time(fn, repeats)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, nargs="+", default=[64, 256, 512])
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--engines", nargs="+", default=["xla f32", "torch f32", "torch bf16"])
+    ap.add_argument("--worker")
     a = ap.parse_args()
+    if a.worker:
+        print("RESULT " + json.dumps(measure(a.worker, a.m, a.repeats)))
+        return
+    samples = {e: {} for e in a.engines}
+    for _ in range(a.rounds):
+        for e in a.engines:
+            p = subprocess.run([sys.executable, __file__, "--worker", e, "--repeats", str(a.repeats), "--m",
+                                *map(str, a.m)], capture_output=True, text=True)
+            line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                raise SystemExit(f"{e} failed: {p.stderr[-2000:]}")
+            for key, ts in json.loads(line[7:]).items():
+                samples[e].setdefault(key, []).extend(ts)
     shapes = dict(LAYER, lm_head=HEAD)
-    rates = {}  # (engine, M) -> FLOP-weighted GFLOP/s over a layer's projections, and the head's
+    rates = {}  # (engine, M) -> (GFLOP/s over a layer's projections, GFLOP/s of the LM head)
     print(f"{'shape':8s} {'M':>5s} " + " ".join(f"{e:>12s}" for e in a.engines) + "   (GFLOP/s, medians)")
     for m in a.m:
         layer_s = {e: 0.0 for e in a.engines}
         head_s = {e: 0.0 for e in a.engines}
         for name, (k, n) in shapes.items():
-            fns = {}
-            for e in a.engines:
-                if e == "xla f32":
-                    fns[e] = _xla(m, k, n)
-                else:
-                    fns[e] = _torch(m, k, n, e.split()[1].replace("f32", "float32").replace("bf16", "bfloat16"))
-            times = {e: [] for e in a.engines}
-            for _ in range(3):  # interleaved rounds
-                for e, fn in fns.items():
-                    times[e] += _time(fn, max(1, a.repeats // 3))
-            med = {e: statistics.median(t) for e, t in times.items()}
-            flops = 2 * m * k * n
-            print(f"{name:8s} {m:5d} " + " ".join(f"{flops / med[e] / 1e9:12.1f}" for e in a.engines), flush=True)
+            med = {e: statistics.median(samples[e][f"{name}@{m}"]) for e in a.engines}
+            print(f"{name:8s} {m:5d} " + " ".join(f"{2 * m * k * n / med[e] / 1e9:12.1f}" for e in a.engines))
             for e in a.engines:
                 if name == "lm_head":
                     head_s[e] += med[e]
