@@ -69,7 +69,9 @@ class LLM:
         spec = SpeculativeConfig.parse(speculative_config)  # likewise (layer count checked once loaded)
         mesh = _parallel_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, mesh)
         if mesh is not None and engine != "paged":
-            raise InvalidRequest(f"tensor parallelism needs the paged engine, not {engine!r}")
+            raise InvalidRequest(f"tensor and data parallelism need the paged engine, not {engine!r}")
+        if mesh is not None and mesh.shape["data"] > 1 and spec is not None:
+            raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")
         if spec is not None and engine != "paged":
             raise InvalidRequest(f"speculative decoding needs the paged engine, not {engine!r}")
         self.model_path = registry.resolve(model, progress=progress)
@@ -87,7 +89,8 @@ class LLM:
         if mesh is not None:
             from jaxinfer.sharding import tensor_parallel_plan
 
-            self.parallel = tensor_parallel_plan(self.cfg, mesh.shape["model"])
+            self.parallel = dict(tensor_parallel_plan(self.cfg, mesh.shape["model"]),
+                                 data_parallel_size=mesh.shape["data"])
         if max_model_len is None:
             max_model_len = self.cfg.max_position
         if not 1 < max_model_len <= self.cfg.max_position:
@@ -112,8 +115,14 @@ class LLM:
                                 kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk,
                                 prefix_caching=enable_prefix_caching, scheduling=sched, windowed_kv=windowed_kv,
                                 kv_cache_dtype=kv_cache_dtype)
-            self.engine = PagedEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
-                                      config=ecfg, seed=seed, speculative=spec, mesh=mesh)
+            if mesh is not None and mesh.shape["data"] > 1:  # max_num_seqs and the KV budget per replica
+                from jaxinfer.engine.data_parallel import DataParallelEngine
+
+                self.engine = DataParallelEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
+                                                 config=ecfg, seed=seed, mesh=mesh)
+            else:
+                self.engine = PagedEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
+                                          config=ecfg, seed=seed, speculative=spec, mesh=mesh)
         else:
             raise InvalidRequest(f"engine must be 'paged' or 'static', got {engine!r}")
         self._request_counter = 0
@@ -402,21 +411,22 @@ def _parallel_mesh(tp: int, pp: int, dp: int, mesh):
     for name, v in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp), ("data_parallel_size", dp)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise InvalidRequest(f"{name} must be an integer >= 1, got {v!r}")
-    if pp > 1 or dp > 1:
-        raise InvalidRequest("pipeline_parallel_size and data_parallel_size > 1 are not supported yet; "
-                             "tensor_parallel_size is")
+    if pp > 1:
+        raise InvalidRequest("pipeline_parallel_size > 1 is not supported yet; "
+                             "tensor_parallel_size and data_parallel_size are")
     if mesh is not None:
-        if set(mesh.axis_names) != {"data", "model"} or mesh.shape["data"] != 1:
-            raise InvalidRequest(f"mesh must have axes ('data', 'model') with data 1, got {dict(mesh.shape)}")
-        return mesh if mesh.shape["model"] > 1 else None
-    if tp == 1:
+        if set(mesh.axis_names) != {"data", "model"}:
+            raise InvalidRequest(f"mesh must have axes ('data', 'model'), got {dict(mesh.shape)}")
+        return mesh if mesh.size > 1 else None
+    if tp * dp == 1:
         return None
-    devices = jax.devices()
-    if tp > len(devices):
-        raise InvalidRequest(f"tensor_parallel_size={tp} needs {tp} devices; {len(devices)} available")
+    devices = jax.devices()  # every process's, under jax.distributed: one global mesh
+    if tp * dp > len(devices):
+        raise InvalidRequest(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {tp * dp} devices; "
+                             f"{len(devices)} available")
     from jaxinfer.sharding import make_mesh
 
-    return make_mesh(data=1, model=tp, devices=devices[:tp])
+    return make_mesh(data=dp, model=tp, devices=devices[: tp * dp])
 
 
 def _enable_compilation_cache() -> None:

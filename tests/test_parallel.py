@@ -26,8 +26,10 @@ _COMMON = textwrap.dedent("""
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1, logprobs=0)
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time there was"]
     ref = None
-    for tp in opt["sizes"]:
-        llm = LLM(path, progress=False, max_model_len=256, max_num_seqs=4, tensor_parallel_size=tp, **opt["llm"])
+    for size in opt["sizes"]:
+        dp, tp = (int(x) for x in size.split("x")) if "x" in size else (1, int(size))
+        llm = LLM(path, progress=False, max_model_len=256, max_num_seqs=4, tensor_parallel_size=tp,
+                  data_parallel_size=dp, **opt["llm"])
         outs = llm.generate(prompts, sp, use_tqdm=False)
         toks = [o.outputs[0].token_ids for o in outs]
         lp = np.array([[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs])
@@ -35,15 +37,20 @@ _COMMON = textwrap.dedent("""
         if ref is None:
             ref = (toks, lp, plp)
             continue
-        assert toks == ref[0], (tp, toks, ref[0])
+        assert toks == ref[0], (size, toks, ref[0])
         np.testing.assert_allclose(plp, ref[2], atol=opt["plp_atol"])
         np.testing.assert_allclose(lp, ref[1], atol=opt["lp_atol"])
         rep = llm.memory_report()["parallel"]
         e = llm.engine
-        spec = jax.tree.leaves(e.k_pages[0])[0].sharding.spec
+        spec = tuple(jax.tree.leaves(e.k_pages[0])[0].sharding.spec)
+        if dp > 1:  # pools [D, P, K, ...]: one replica's pages per data group
+            assert spec[0] == "data", spec
+            spec = spec[1:]
+            used = [len(s.running()) + s.stats["decode_steps"] for s in e.scheds]
+            assert all(used), ("every replica took work", used)
         k_heads = spec[1] if len(spec) > 1 else None
-        assert (k_heads == "model") == (rep["kv_heads"] == "split"), (rep, spec)
-        print("tp", tp, rep, "max |dlogprob|", np.abs(lp - ref[1]).max(), "prompt", np.abs(plp - ref[2]).max())
+        assert (k_heads == "model") == (rep["kv_heads"] == "split" and tp > 1), (rep, spec)
+        print("size", size, rep, "max |dlogprob|", np.abs(lp - ref[1]).max(), "prompt", np.abs(plp - ref[2]).max())
         if not opt["hlo"]:
             continue
         txt = e._step.lower(e.weights, e.idle_batch(4, 8, 0), e.k_pages, e.v_pages, e.slots, cfg=e.cfg,
@@ -52,7 +59,7 @@ _COMMON = textwrap.dedent("""
         for line in txt.splitlines():
             m = re.search(r"= (\\S+) (all-reduce|all-gather)(?:-start)?\\(", line)
             if m:
-                scope = re.search(r"layer(\\d+)/(attention|mlp)", line)
+                scope = re.search(r"layer(\\d+)/(?:\\w+_)?(attention|mlp)", line)
                 if scope:
                     per[(m.group(2), scope.group(2))] += 1
                 if m.group(2) == "all-gather":  # activations only: no weight is ever gathered
@@ -67,9 +74,9 @@ _COMMON = textwrap.dedent("""
 
 
 def _run(path, sizes: str, timeout=900, *, llm=None, plp_atol=2e-4, lp_atol=2e-4, hlo=True):
-    """sizes: "1,3": tensor-parallel sizes, the first the reference."""
+    """sizes: "1,3,2x3": tensor-parallel sizes or DATAxTENSOR, the first the reference."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    opt = dict(sizes=[int(x) for x in sizes.split(",")], llm=llm or {}, plp_atol=plp_atol, lp_atol=lp_atol, hlo=hlo)
+    opt = dict(sizes=sizes.split(","), llm=llm or {}, plp_atol=plp_atol, lp_atol=lp_atol, hlo=hlo)
     p = subprocess.run([sys.executable, "-c", _COMMON, str(path), json.dumps(opt)], env=env, capture_output=True,
                        text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
@@ -78,14 +85,18 @@ def _run(path, sizes: str, timeout=900, *, llm=None, plp_atol=2e-4, lp_atol=2e-4
 
 
 def test_tiny_tensor_parallel_2_and_4_equal_one_device(tiny_gguf):
-    """4 query heads, 2 KV heads: TP 2 splits the KV heads, TP 4 replicates them."""
-    out = _run(tiny_gguf, "1,2,4")
+    """4 query heads, 2 KV heads: TP 2 splits the KV heads, TP 4 replicates them; DP 2 x TP 2
+    runs two replicas (4 prompts spread over both) of TP 2."""
+    out = _run(tiny_gguf, "1,2,4,2x2")
     assert "'kv_heads': 'split'" in out and "'kv_heads': 'replicated'" in out
 
 
-def test_smollm2_tensor_parallel_3_equals_one_device(smollm2_gguf):
-    """9 query heads and 3 KV heads over 3 devices: one KV head each."""
-    _run(smollm2_gguf, "1,3")
+def test_smollm2_tensor_parallel_3_and_dp2_x_tp3_equal_one_device(smollm2_gguf):
+    """9 query heads and 3 KV heads over 3 devices: one KV head each; then two such replicas
+    over 6 devices, each with its own slots and pages (each replica's batch differs from the
+    one device's, so the float sums do too: logprobs within 2e-4)."""
+    out = _run(smollm2_gguf, "1,3,2x3")
+    assert "'data_parallel_size': 2" in out
 
 
 @pytest.mark.slow
@@ -116,9 +127,11 @@ def test_smollm2_w8a8_int8_kv_tensor_parallel_3_equals_one_device(smollm2_gguf):
     (dict(tensor_parallel_size=3), "must divide the model's 4 query heads"),
     (dict(tensor_parallel_size=0), "must be an integer >= 1"),
     (dict(pipeline_parallel_size=2), "not supported yet"),
+    (dict(data_parallel_size=0), "must be an integer >= 1"),
+    (dict(data_parallel_size=4, tensor_parallel_size=4), "needs 16 devices"),
 ])
 def test_bad_sizes_are_one_clear_error(tiny_gguf, kw, msg):
-    if kw.get("tensor_parallel_size", 1) > 1 and len(__import__("jax").devices()) < kw["tensor_parallel_size"]:
+    if kw == dict(tensor_parallel_size=3) and len(__import__("jax").devices()) < 3:
         msg = "needs 3 devices"
     with pytest.raises(InvalidRequest, match=msg):
         LLM(str(tiny_gguf), progress=False, **kw)
@@ -127,5 +140,5 @@ def test_bad_sizes_are_one_clear_error(tiny_gguf, kw, msg):
 def test_cli_bad_parallel_size_exits_2(capsys):
     from jaxinfer.cli import main
 
-    assert main(["generate", "--prompt", "x", "--data-parallel-size", "2"]) == 2
-    assert "not supported yet" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--data-parallel-size", "2", "--tensor-parallel-size", "8"]) == 2
+    assert "data_parallel_size=2 x tensor_parallel_size=8 needs 16 devices" in capsys.readouterr().err

@@ -490,18 +490,24 @@ class PagedEngine:
 
     # ------------------------------------------------------------------ slots
     def _insert_row(self, seq: Seq) -> None:
-        row, p = seq.row, seq.row.params
-        sampling = smp.make_sampling_state([p], [row.prompt_ids], self.cfg.vocab_size, default_seed=self.seed,
-                                           request_indices=[row.request_index])
-        if row.token_ids:  # recomputing after preemption: penalties must see what was generated
-            counts = np.bincount(row.token_ids, minlength=self.cfg.vocab_size).astype(np.int32)[None]
-            sampling = dataclasses.replace(sampling, output_counts=jnp.asarray(counts))
-        stop, mins = smp.min_tokens_inputs([p], self.tokenizer.eos_ids)
-        stop_ids = np.full((1, STOP_ID_WIDTH), -1, np.int32)
-        stop_ids[0, : min(stop.shape[1], STOP_ID_WIDTH)] = stop[0, :STOP_ID_WIDTH]
-        new = SlotState(sampling, jnp.zeros(1, jnp.int32), jnp.asarray(stop_ids), jnp.asarray(mins, jnp.int32),
-                        jnp.asarray([len(row.token_ids)], jnp.int32))
+        new = slot_state_for(seq.row, self.cfg.vocab_size, self.tokenizer.eos_ids, self.seed)
         self.slots = self._insert(self.slots, jnp.int32(seq.slot), new)
+
+
+def slot_state_for(row: Row, vocab_size: int, eos_ids, seed: int) -> SlotState:
+    """One sequence's slot state (batch 1): its sampling state (penalties counting what it
+    generated before a preemption), stop ids, min_tokens and step count."""
+    p = row.params
+    sampling = smp.make_sampling_state([p], [row.prompt_ids], vocab_size, default_seed=seed,
+                                       request_indices=[row.request_index])
+    if row.token_ids:  # recomputing after preemption: penalties must see what was generated
+        counts = np.bincount(row.token_ids, minlength=vocab_size).astype(np.int32)[None]
+        sampling = dataclasses.replace(sampling, output_counts=jnp.asarray(counts))
+    stop, mins = smp.min_tokens_inputs([p], eos_ids)
+    stop_ids = np.full((1, STOP_ID_WIDTH), -1, np.int32)
+    stop_ids[0, : min(stop.shape[1], STOP_ID_WIDTH)] = stop[0, :STOP_ID_WIDTH]
+    return SlotState(sampling, jnp.zeros(1, jnp.int32), jnp.asarray(stop_ids), jnp.asarray(mins, jnp.int32),
+                     jnp.asarray([len(row.token_ids)], jnp.int32))
 
 
 def _grammar_prefix(matcher, drafts: list[int]) -> list[int]:
