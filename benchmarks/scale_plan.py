@@ -70,23 +70,26 @@ def pick_layout(cfg: ModelConfig, slice_name: str) -> dict:
     chip, n = SLICES[slice_name]
     c = CHIPS[chip]
     per_host = min(c["per_host"], n)
+    hosts = max(n // c["per_host"], 1)
     tried = []
-    for wbytes, wname in ((2, "bf16"), (1, "int8")):
-        for pp in (1, 2, 4, 8):
-            for tp in (1, 2, 4, 8):
-                if tp > per_host or cfg.n_heads % tp or tp * pp > n or cfg.n_layers < pp:
-                    continue
-                kv_split = tp if cfg.n_kv_heads % tp == 0 else 1
-                kv_seq = cfg.kv_bytes(CTX, "bfloat16", windowed=True)
-                w_chip = weight_bytes(cfg, wbytes) / (tp * pp)
-                kv_chip = BATCH * kv_seq / (kv_split * pp)
-                fits = w_chip + kv_chip <= 0.9 * c["hbm"]
-                tried.append((wname, tp, pp, fits))
-                if fits:
-                    return dict(slice=slice_name, chips=n, tp=tp, pp=pp, dp=n // (tp * pp), weights=wname,
-                                kv="split" if kv_split > 1 else ("replicated" if tp > 1 else "one chip"),
-                                weights_per_chip_gib=w_chip / GiB, kv_per_seq_8k_gib=kv_seq / GiB,
-                                kv_per_chip_gib=kv_chip / GiB, kv_batch=BATCH, hbm_gib=c["hbm"] / GiB)
+    # BATCH sequences first; a slice too small for that many 8k sequences plans fewer
+    for batch in (BATCH, BATCH // 2, BATCH // 4, BATCH // 8):
+        for wbytes, wname in ((2, "bf16"), (1, "int8")):
+            for pp in (1, 2, 4, 8):
+                for tp in (1, 2, 4, 8):
+                    if tp > per_host or cfg.n_heads % tp or pp > hosts or tp * pp > n or cfg.n_layers < pp:
+                        continue
+                    kv_split = tp if cfg.n_kv_heads % tp == 0 else 1
+                    kv_seq = cfg.kv_bytes(CTX, "bfloat16", windowed=True)
+                    w_chip = weight_bytes(cfg, wbytes) / (tp * pp)
+                    kv_chip = batch * kv_seq / (kv_split * pp)
+                    fits = w_chip + kv_chip <= 0.9 * c["hbm"]
+                    tried.append((batch, wname, tp, pp, fits))
+                    if fits:
+                        return dict(slice=slice_name, chips=n, tp=tp, pp=pp, dp=n // (tp * pp), weights=wname,
+                                    kv="split" if kv_split > 1 else ("replicated" if tp > 1 else "one chip"),
+                                    weights_per_chip_gib=w_chip / GiB, kv_per_seq_8k_gib=kv_seq / GiB,
+                                    kv_per_chip_gib=kv_chip / GiB, batch=batch, hbm_gib=c["hbm"] / GiB)
     raise SystemExit(f"{cfg.name} fits nowhere on {slice_name}: {tried}")
 
 
@@ -176,7 +179,7 @@ def scaled_bytes(col: dict, cfg: ModelConfig) -> dict:
 
 
 def mbu(cfg: ModelConfig, lay: dict, coll_bytes_step: float, coll_count_step: float) -> dict:
-    """Decode at BATCH rows per replica: each step every chip reads its weights and its share
+    """Decode at the plan's batch rows per replica: each step every chip reads its weights and its share
     of the batch's KV (mean context 4k: half the 8k pools) from HBM; the step's collectives
     (per chip: the all-reduced bytes, ring all-reduce moving 2(tp-1)/tp of them, plus ~5 us of
     latency each) and, with PP, one boundary's activations per stage. MBU = HBM time / step time."""
@@ -187,10 +190,11 @@ def mbu(cfg: ModelConfig, lay: dict, coll_bytes_step: float, coll_count_step: fl
     tp, pp = lay["tp"], lay["pp"]
     ring = 2 * (tp - 1) / tp if tp > 1 else 0.0
     t_coll = coll_bytes_step * ring / c["ici_bw"] + 5e-6 * coll_count_step
-    t_pp = (pp - 1) * (BATCH * cfg.d_model * 2 / c["ici_bw"] + 5e-6)
+    B = lay["batch"]
+    t_pp = (pp - 1) * (B * cfg.d_model * 2 / c["ici_bw"] + 5e-6)
     step = t_hbm * pp + t_coll + t_pp  # one token of a row crosses every stage in turn
     return dict(t_hbm_ms=t_hbm * 1e3, t_collectives_ms=t_coll * 1e3, t_pp_ms=t_pp * 1e3, step_ms=step * 1e3,
-                mbu=t_hbm * pp / step, tok_s_per_replica=BATCH / step, tok_s_slice=BATCH / step * lay["dp"])
+                mbu=t_hbm * pp / step, tok_s_per_replica=B / step, tok_s_slice=B / step * lay["dp"])
 
 
 def main():
@@ -207,7 +211,7 @@ def main():
             col = cache[key]
             full = scaled_bytes(col, cfg)
             # a step of ROWS rows on one stage holds 1/pp of the layers
-            b_step = sum(v["bytes"] for v in full.values()) * BATCH / ROWS / lay["pp"]
+            b_step = sum(v["bytes"] for v in full.values()) * lay["batch"] / ROWS / lay["pp"]
             c_step = sum(v["count"] for v in full.values()) / lay["pp"]
             row = dict(model=name, **lay, collectives=full,
                        collective_bytes_per_token=sum(v["bytes"] for v in full.values()) / ROWS,
