@@ -420,12 +420,24 @@ def _parallel_mesh(tp: int, pp: int, dp: int, mesh):
         return mesh if mesh.size > 1 else None
     if tp * dp == 1:
         return None
-    devices = jax.devices()  # every process's, under jax.distributed: one global mesh
+    from jaxinfer.sharding import make_mesh
+
+    # Under jax.distributed: a layout that fits this process's devices stays on them (each
+    # process a mesh of its own; the batch job's split of input lines is then data
+    # parallelism across hosts). A bigger one is one global mesh over every process's
+    # devices, tensor parallel within a host (a model group never spans two processes) and
+    # data parallel across them; every process must then run the same requests (SPMD).
+    local = jax.local_devices()
+    if tp * dp <= len(local):
+        return make_mesh(data=dp, model=tp, devices=local[: tp * dp])
+    devices = jax.devices()
     if tp * dp > len(devices):
         raise InvalidRequest(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {tp * dp} devices; "
                              f"{len(devices)} available")
-    from jaxinfer.sharding import make_mesh
-
+    if len(local) % tp:
+        raise InvalidRequest(f"tensor_parallel_size={tp} must divide the {len(local)} devices of each process "
+                             "(a tensor-parallel group stays within one host)")
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     return make_mesh(data=dp, model=tp, devices=devices[: tp * dp])
 
 

@@ -191,7 +191,7 @@ class DataParallelEngine(PagedEngine):
         batch = jax.tree.map(lambda *a: np.stack(a), *batches)
         num_lp = buckets.logprob_bucket([s.row.params.logprobs for p in plans for s in p.decode])
         plp = buckets.logprob_bucket(want)
-        out = self.run_step(batch, num_logprobs=num_lp, prompt_logprobs=plp)
+        out = _host_readable(self.run_step(batch, num_logprobs=num_lp, prompt_logprobs=plp))
         for p, s in zip(plans, self.scheds):
             for seq in p.decode:
                 seq.inflight += 1
@@ -242,6 +242,17 @@ class DataParallelEngine(PagedEngine):
         self.slots = self._fresh_slots()
         jax.block_until_ready(self.k_pages)
         return self.num_compilations() - before
+
+
+def _host_readable(out):
+    """A step's output, readable on this host: on a mesh spanning several processes each holds
+    only its own replicas' rows, so they are gathered (every process plans every replica)."""
+    leaves = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
+    if all(x.is_fully_addressable for x in leaves):
+        return out
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(out, tiled=True)
 
 
 def kv_pool_spec(mesh, n_kv_heads: int) -> tuple:
