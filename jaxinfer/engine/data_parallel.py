@@ -29,15 +29,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer import cache as kv
 from jaxinfer import kernels
+from jaxinfer.config import ModelConfig
 from jaxinfer.engine import buckets
 from jaxinfer.engine.batch import build_batch, plan_shape
-from jaxinfer.engine.paged import EngineConfig, PagedEngine, _InFlight, _prompt_logprob_segments, slot_state_for
+from jaxinfer.engine.paged import (EngineConfig, PagedEngine, _InFlight, _prompt_logprob_segments, pool_sizes,
+                                   slot_state_for)
 from jaxinfer.engine.rows import Row, record_token
-from jaxinfer.engine.scheduler import Scheduler, window_pool_pages
+from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.step import make_slots, packed_step
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.packed import PackedBatch
-from jaxinfer.config import AttentionKind, ModelConfig
+from jaxinfer.sharding import kv_pool_sharding
 
 
 def data_parallel_step(weights, batch: PackedBatch, k_pages, v_pages, slots, *, mesh, cfg, windowed,
@@ -79,17 +81,7 @@ class DataParallelEngine(PagedEngine):
         ps = config.page_size
         self.pages_per_seq = -(-max_model_len // ps)
         self.kv_dtype = kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
-        W = cfg.sliding_window if config.windowed_kv else None
-        self.window = W if W and any(cfg.layer_window(i) for i in range(cfg.n_layers)) else None
-        window_bytes, num_window_pages = 0, None
-        if self.window:
-            num_window_pages = window_pool_pages(self.window, ps, config.max_num_seqs, config.prefill_chunk,
-                                                 self.pages_per_seq)
-            window_bytes = num_window_pages * ps * cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.LOCAL)
-        full = cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.GLOBAL if self.window else None)
-        num_pages = config.num_pages or max(2, min(
-            max(config.kv_cache_bytes - window_bytes, 0) // (max(full, 1) * ps),
-            2 * config.max_num_seqs * self.pages_per_seq + 1))
+        self.window, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, self.pages_per_seq)
         self.scheds = [Scheduler(max_num_seqs=config.max_num_seqs, page_size=ps, num_pages=num_pages,
                                  prefill_chunk=config.prefill_chunk, prefix_caching=config.prefix_caching,
                                  scheduling=config.scheduling, window=self.window,
@@ -98,8 +90,7 @@ class DataParallelEngine(PagedEngine):
         self.allocator, self.window_allocator = self.sched.allocator, self.sched.window_allocator
         cache = kv.init_paged_cache(cfg, num_pages, ps, kv_dtype, num_window_pages=num_window_pages)
         self.windowed = cache.windowed
-        one_pool = PartitionSpec(*kv_pool_spec(mesh, cfg.n_kv_heads))
-        pool = NamedSharding(mesh, PartitionSpec("data", *one_pool))
+        pool = NamedSharding(mesh, PartitionSpec("data", *kv_pool_sharding(mesh, cfg.n_kv_heads).spec))
         stack = lambda a: jnp.broadcast_to(a, (D,) + a.shape)  # noqa: E731
         self.k_pages, self.v_pages = jax.device_put(jax.tree.map(stack, (cache.k, cache.v)), pool)
         self._slot_sharding = NamedSharding(mesh, PartitionSpec("data"))
@@ -254,8 +245,3 @@ def _host_readable(out):
 
     return multihost_utils.process_allgather(out, tiled=True)
 
-
-def kv_pool_spec(mesh, n_kv_heads: int) -> tuple:
-    from jaxinfer.sharding import kv_pool_sharding
-
-    return tuple(kv_pool_sharding(mesh, n_kv_heads).spec)

@@ -92,18 +92,7 @@ class PagedEngine:
         ps = config.page_size
         self.pages_per_seq = -(-max_model_len // ps)
         self.kv_dtype = kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
-        W = cfg.sliding_window if config.windowed_kv else None
-        self.window = W if W and any(cfg.layer_window(i) for i in range(cfg.n_layers)) else None
-        window_bytes, num_window_pages = 0, None
-        if self.window:
-            num_window_pages = window_pool_pages(self.window, ps, config.max_num_seqs, config.prefill_chunk,
-                                                 self.pages_per_seq)
-            window_bytes = num_window_pages * ps * cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.LOCAL)
-        full_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.GLOBAL if self.window else None)
-        # enough for every slot at full length (plus room for cached prefixes), within budget
-        num_pages = config.num_pages or max(2, min(
-            max(config.kv_cache_bytes - window_bytes, 0) // (max(full_bytes_per_token, 1) * ps),
-            2 * config.max_num_seqs * self.pages_per_seq + 1))
+        self.window, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, self.pages_per_seq)
         self.sched = Scheduler(max_num_seqs=config.max_num_seqs, page_size=ps, num_pages=num_pages,
                                prefill_chunk=config.prefill_chunk, prefix_caching=config.prefix_caching,
                                scheduling=config.scheduling, window=self.window, num_window_pages=num_window_pages)
@@ -492,6 +481,24 @@ class PagedEngine:
     def _insert_row(self, seq: Seq) -> None:
         new = slot_state_for(seq.row, self.cfg.vocab_size, self.tokenizer.eos_ids, self.seed)
         self.slots = self._insert(self.slots, jnp.int32(seq.slot), new)
+
+
+def pool_sizes(cfg: ModelConfig, config: EngineConfig, kv_dtype, pages_per_seq: int):
+    """(window, full-length pages, window pages) of one engine's page pools: the window None
+    when no layer is windowed (or windowed_kv is off); enough full-length pages for every slot
+    at full length (plus room for cached prefixes), within the byte budget."""
+    ps = config.page_size
+    W = cfg.sliding_window if config.windowed_kv else None
+    window = W if W and any(cfg.layer_window(i) for i in range(cfg.n_layers)) else None
+    window_bytes, num_window_pages = 0, None
+    if window:
+        num_window_pages = window_pool_pages(window, ps, config.max_num_seqs, config.prefill_chunk, pages_per_seq)
+        window_bytes = num_window_pages * ps * cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.LOCAL)
+    full_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.GLOBAL if window else None)
+    num_pages = config.num_pages or max(2, min(
+        max(config.kv_cache_bytes - window_bytes, 0) // (max(full_bytes_per_token, 1) * ps),
+        2 * config.max_num_seqs * pages_per_seq + 1))
+    return window, num_pages, num_window_pages
 
 
 def slot_state_for(row: Row, vocab_size: int, eos_ids, seed: int) -> SlotState:
