@@ -123,6 +123,16 @@ def test_smollm2_w8a8_int8_kv_tensor_parallel_3_equals_one_device(smollm2_gguf):
          hlo=False)
 
 
+@pytest.mark.slow
+def test_tiny_int4_and_int8_tensor_parallel_2_equal_one_device(tiny_gguf):
+    """Weight-only int4 and int8 at TP 2: the packed int4 values and their group scales split
+    by whole groups, or replicate where one group would straddle two devices (the tiny
+    model's wo and w_down contract a single group); the weights are bitwise one device's and
+    only float sums differ."""
+    for q in ("int4", "int8"):
+        _run(tiny_gguf, "1,2", llm=dict(quantize=q), plp_atol=1e-4, lp_atol=1e-4, hlo=False)
+
+
 @pytest.mark.parametrize("kw,msg", [
     (dict(tensor_parallel_size=3), "must divide the model's 4 query heads"),
     (dict(tensor_parallel_size=0), "must be an integer >= 1"),

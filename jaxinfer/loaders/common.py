@@ -95,9 +95,9 @@ def place(leaf, sharding):
     from jaxinfer.quant import QuantArray
     from jaxinfer.sharding import quant_shardings
 
-    if isinstance(leaf, QuantArray):
+    if isinstance(leaf, QuantArray) and isinstance(sharding, jax.sharding.NamedSharding):
         return jax.device_put(leaf, quant_shardings(leaf, sharding))
-    return jax.device_put(leaf, sharding)
+    return jax.device_put(leaf, sharding)  # one device: every part goes there
 
 
 def make_quantizer(quantize, specs, cfg, tokenizer):
