@@ -31,6 +31,8 @@ import time
 VARIANTS = {
     "jaxinfer:float32": {},
     "jaxinfer:float32+kv8": {"kv_cache_dtype": "int8"},
+    "jaxinfer:float32+ps64": {"page_size": 64},  # KV pages of 64 positions (default 16)
+    "jaxinfer:float32+ps128": {"page_size": 128},
     "jaxinfer:w8a8": {"quantize": "w8a8"},
     "jaxinfer:w8a8+kv8": {"quantize": "w8a8", "kv_cache_dtype": "int8"},
     "transformers:bfloat16": {},

@@ -58,10 +58,11 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
 
 def _add_parallel(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the weights and KV heads split over")
-    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="(not supported yet: 1)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="pipeline stages the layers (and their KV pages) split over")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="replicas, each with its own slots and KV pages (max-num-seqs each); "
-                        "data x tensor parallel size devices in all")
+                        "data x pipeline x tensor parallel size devices in all")
 
 
 def _engine_kwargs(a) -> dict:
@@ -202,8 +203,10 @@ def cmd_generate(a) -> int:
     from jaxinfer import LLM
 
     sp = _sampling(a)  # invalid values fail before the model loads
+    # one prompt: as many decode slots as it has choices, so the page pool is sized for those
+    # sequences rather than the default 64 (allocating that pool was a quarter of start-up)
     llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
-              progress=not a.json, quantize=a.quantize, quant_group=a.quant_group,
+              progress=not a.json, quantize=a.quantize, quant_group=a.quant_group, max_num_seqs=max(sp.n, 1),
               speculative_config=a.speculative_config, **_parallel_kwargs(a))
     t0 = time.perf_counter()
     if not a.json and not a.no_stream and hasattr(llm.engine, "step"):
@@ -241,7 +244,7 @@ def cmd_chat(a) -> int:
 
     sp = _sampling(a)
     llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
-              progress=False, quantize=a.quantize, quant_group=a.quant_group)
+              progress=False, quantize=a.quantize, quant_group=a.quant_group, max_num_seqs=max(sp.n, 1))
     conv = [{"role": "system", "content": a.system}] if a.system else []
     tty = sys.stdin.isatty()
     while True:

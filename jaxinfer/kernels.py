@@ -1,19 +1,33 @@
 """Where the engine meets ``pallas_kernels``: which ops run as Pallas kernels, decided at trace time.
 
-On TPU and GPU the model's hot ops run as the Pallas kernels: decode attention reads the page
-pools through the page tables (``pallas_kernels.paged_attention``) instead of gathering each
-row's pages into a dense copy, and quantized matmuls run as the int8 / weight-only kernels
-(``pallas_kernels.quant_matmul``). On CPU, where Pallas does not compile, the pure-JAX paths
-stay: the cache's gather + ``layers.attention``, and ``QuantArray.matmul`` (XLA's native
-s8 x s8 -> s32 dot).
+On TPU and GPU the model's hot ops run as the Pallas kernels, one dispatch function here per op:
+
+* ``ragged_paged_attention``: the packed engine step's attention (``models.packed``), every
+  decode row (1..q queries) and every prompt chunk of the prefill row in one call that reads
+  each sequence's pages in place (``pallas_kernels.ragged_paged_attention``), windowed layers
+  included; int8 KV pools keep the pure-JAX blockwise path.
+* ``paged_decode_attention``: one decode token per row over a ``cache.PagedKVCache``
+  (``layers.cache_attention``, the model-level paged forward) (``pallas_kernels.paged_attention``).
+* ``prefill_attention``: prompts that start from 0 attending to their own new keys (the static
+  engine's prefill, perplexity, calibration: ``layers.attend_layer`` without a cache to read)
+  (``pallas_kernels.flash_attention``).
+* ``quant_matmul``: quantized matmuls as the int8 / weight-only kernels
+  (``pallas_kernels.quant_matmul``).
+
+On CPU, where Pallas does not compile, the pure-JAX paths stay (``KernelMode.OFF``): the packed
+step's blockwise gather, the cache's gather + ``layers.attention``, and ``QuantArray.matmul``
+(XLA's native s8 x s8 -> s32 dot).
 
 ``interpret_kernels()`` forces the kernel path in Pallas interpret mode on any backend, so
 the seam itself is tested on CPU: a model or engine built and traced inside it runs every
 kernel it would run on a TPU. The choice is read while tracing; an executable already
-compiled keeps the path it was traced with.
+compiled keeps the path it was traced with (the engine's steps take the mode as a static
+argument, so it is part of their cache key).
 
-Kept out of the kernel path (the reference serves): windowed layers whose page table starts
-at a per-row base page (the kernel indexes tables from logical page 0), and int8 KV pools.
+Kept out of the kernel path (the reference serves): int8 KV pools, and, for
+``paged_decode_attention``, windowed layers whose page table starts at a per-row base page
+(that kernel indexes tables from logical page 0; the packed step lays such tables out by
+logical page before its ragged call).
 """
 
 from __future__ import annotations
@@ -27,8 +41,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _common
+from pallas_kernels import flash_attention as fa
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import quant_matmul as qm
+from pallas_kernels import ragged_paged_attention as rpa
 
 _state = threading.local()
 
@@ -128,3 +144,29 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale, w
                              window=window, softcap=softcap, keys_transposed=True,
                              interpret=_interpret())
     return out[:, None]
+
+
+def ragged_paged_attention_fits(page_size: int, dtype) -> bool:
+    """Whether the ragged kernel takes pools of this page size and dtype here (else the
+    caller keeps its pure-JAX path)."""
+    return rpa.kernel_fits(page_size, dtype)
+
+
+def ragged_paged_attention(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, *, scale, window, softcap):
+    """Query segments of any length over their sequences' pages (q [T, N, H] packed, keys
+    stored transposed as jaxinfer's paged cache keeps them) -> [T, N, H]: the packed step's
+    decode rows and prefill segments in one call. See ``pallas_kernels.ragged_paged_attention``.
+    Queries are cast to the pools' dtype (a float32 model over bfloat16 pools multiplies in
+    bfloat16, accumulating in float32) and the output back to q's."""
+    out = rpa.ragged_paged_attention(q.astype(k_pages.dtype), k_pages, v_pages, page_table, q_start, q_len, kv_len,
+                                     scale=scale, window=window, softcap=softcap, keys_transposed=True,
+                                     interpret=_interpret())
+    return out.astype(q.dtype)
+
+
+def prefill_attention(q, k, v, q_start, *, scale, window, softcap):
+    """Causal attention of prompts that start from 0 over their own new keys (q [B, T, N, H],
+    k, v [B, T, K, H]; q_start i32[B], 0 by that contract) -> [B, T, N, H]: the flash kernel,
+    for the prefill-only steps (static engine's prefill, perplexity, calibration)."""
+    return fa.flash_attention(q, k, v, q_start, None, scale=scale, causal=True, window=window, softcap=softcap,
+                              interpret=_interpret())

@@ -69,7 +69,7 @@ class LLM:
         spec = SpeculativeConfig.parse(speculative_config)  # likewise (layer count checked once loaded)
         mesh = _parallel_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, mesh)
         if mesh is not None and engine != "paged":
-            raise InvalidRequest(f"tensor and data parallelism need the paged engine, not {engine!r}")
+            raise InvalidRequest(f"tensor, pipeline and data parallelism need the paged engine, not {engine!r}")
         if mesh is not None and mesh.shape["data"] > 1 and spec is not None:
             raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")
         if spec is not None and engine != "paged":
@@ -77,11 +77,12 @@ class LLM:
         self.model_path = registry.resolve(model, progress=progress)
         shardings_fn = None
         if mesh is not None:
-            from jaxinfer.sharding import tensor_parallel_plan, weight_shardings
+            from jaxinfer.sharding import pipeline_weight_shardings, stage_bounds, tensor_parallel_plan
 
             def shardings_fn(specs, cfg):  # each device receives only its shard while loading
                 tensor_parallel_plan(cfg, mesh.shape["model"])  # bad sizes fail before any tensor is read
-                return weight_shardings(specs, mesh)
+                # pipeline: each layer goes to its own stage's devices only
+                return pipeline_weight_shardings(specs, mesh, stage_bounds(cfg.n_layers, mesh.shape["stage"]))
         loaded = checkpoint.load(self.model_path, dtype=dtype, quantize=qcfg, shardings_fn=shardings_fn)
         self.cfg, self.weights, self.tokenizer = loaded.cfg, loaded.weights, loaded.tokenizer
         self.mesh = mesh
@@ -123,6 +124,9 @@ class LLM:
             else:
                 self.engine = PagedEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
                                           config=ecfg, seed=seed, speculative=spec, mesh=mesh)
+            if getattr(self.engine, "pipeline", None) is not None:  # the weights now live stacked by stage
+                self.weights = self.engine.weights
+                self.parallel = dict(self.parallel, **self.engine.pipeline.report())
         else:
             raise InvalidRequest(f"engine must be 'paged' or 'static', got {engine!r}")
         self._request_counter = 0
@@ -386,7 +390,9 @@ class LLM:
             "dtype": cfg.dtype,
             "num_params": cfg.num_params(),
             # tensor parallelism: devices, heads per device, and whether KV heads are split
-            # (KV pools then hold kv_cache_bytes / tensor_parallel_size per device) or replicated
+            # (KV pools then hold kv_cache_bytes / tensor_parallel_size per device) or replicated;
+            # pipeline parallelism: the stages, their layers, padding slots of uneven splits
+            # (counted in weights_bytes and kv_cache_bytes), and where embedding and head live
             "parallel": self.parallel,
         }
 
@@ -405,20 +411,27 @@ class _Pending:
 
 
 def _parallel_mesh(tp: int, pp: int, dp: int, mesh):
-    """The device mesh for the parallel sizes (None: one device, as without them)."""
+    """The (data, stage, model) device mesh for the parallel sizes (None: one device, as
+    without them). The product of the sizes is the number of devices used."""
     import jax
 
     for name, v in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp), ("data_parallel_size", dp)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise InvalidRequest(f"{name} must be an integer >= 1, got {v!r}")
-    if pp > 1:
-        raise InvalidRequest("pipeline_parallel_size > 1 is not supported yet; "
-                             "tensor_parallel_size and data_parallel_size are")
+    if dp > 1 and pp > 1:
+        raise InvalidRequest("data_parallel_size > 1 together with pipeline_parallel_size > 1 is not supported yet")
     if mesh is not None:
-        if set(mesh.axis_names) != {"data", "model"}:
-            raise InvalidRequest(f"mesh must have axes ('data', 'model'), got {dict(mesh.shape)}")
-        return mesh if mesh.size > 1 else None
-    if tp * dp == 1:
+        if set(mesh.axis_names) != {"data", "stage", "model"}:
+            raise InvalidRequest(f"mesh must have axes ('data', 'stage', 'model'), got {dict(mesh.shape)}")
+        for name, v, axis in (("tensor_parallel_size", tp, "model"), ("pipeline_parallel_size", pp, "stage"),
+                              ("data_parallel_size", dp, "data")):
+            if v != 1 and v != mesh.shape[axis]:
+                raise InvalidRequest(f"{name}={v} does not match the mesh's {axis} axis of {mesh.shape[axis]}")
+        if mesh.shape["data"] > 1 and mesh.shape["stage"] > 1:
+            raise InvalidRequest("a mesh with data and stage axes both > 1 is not supported yet")
+        return mesh if mesh.devices.size > 1 else None
+    n = tp * pp * dp
+    if n == 1:
         return None
     from jaxinfer.sharding import make_mesh
 
@@ -428,17 +441,18 @@ def _parallel_mesh(tp: int, pp: int, dp: int, mesh):
     # devices, tensor parallel within a host (a model group never spans two processes) and
     # data parallel across them; every process must then run the same requests (SPMD).
     local = jax.local_devices()
-    if tp * dp <= len(local):
-        return make_mesh(data=dp, model=tp, devices=local[: tp * dp])
+    if n <= len(local):
+        return make_mesh(data=dp, stage=pp, model=tp, devices=local[:n])
     devices = jax.devices()
-    if tp * dp > len(devices):
-        raise InvalidRequest(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {tp * dp} devices; "
-                             f"{len(devices)} available")
+    if n > len(devices):
+        sizes = " x ".join(f"{name}={v}" for name, v in (("data_parallel_size", dp), ("tensor_parallel_size", tp),
+                                                          ("pipeline_parallel_size", pp)) if v > 1)
+        raise InvalidRequest(f"{sizes} needs {n} devices; {len(devices)} available")
     if len(local) % tp:
         raise InvalidRequest(f"tensor_parallel_size={tp} must divide the {len(local)} devices of each process "
                              "(a tensor-parallel group stays within one host)")
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
-    return make_mesh(data=dp, model=tp, devices=devices[: tp * dp])
+    return make_mesh(data=dp, stage=pp, model=tp, devices=devices[:n])
 
 
 def _enable_compilation_cache() -> None:

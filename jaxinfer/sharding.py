@@ -1,6 +1,7 @@
 """Sharding by logical axes: one rules table maps logical axis names to mesh axes.
 
-The mesh is always passed in explicitly. ``spec_for`` refuses a rules table that maps two
+The mesh has three named axes: ``data`` (replicas), ``stage`` (pipeline stages) and ``model``
+(tensor parallelism). The mesh is always passed in explicitly. ``spec_for`` refuses a rules table that maps two
 dimensions of one array to the same mesh axis, and silently replicates a dimension the
 mesh axis does not divide (small models on big meshes), which keeps every config loadable.
 """
@@ -16,7 +17,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxinfer.quant import QuantArray, QuantScheme
 from jaxinfer.specs import is_spec
 
-# Megatron-style tensor parallelism over "model", batch over "data".
+# Megatron-style tensor parallelism over "model", batch over "data", and the stacked layer
+# axis of a pipeline's weights and page pools ([stages, ...], one layer of each stage per
+# array; see ``engine.pipeline``) over "stage".
 DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("batch", "data"),
     ("vocab", "model"),
@@ -25,7 +28,7 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("mlp", "model"),
     ("embed", None),
     ("head_dim", None),
-    ("layers", None),
+    ("layers", "stage"),
 )
 
 
@@ -85,20 +88,65 @@ def quant_shardings(qa: QuantArray, float_sharding: NamedSharding) -> QuantArray
                                smooth=None if qa.smooth is None else ns(i_ax))
 
 
-def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
+MESH_AXES = ("data", "stage", "model")
+
+
+def pipeline_weight_shardings(specs, mesh: Mesh, bounds: tuple[int, ...], rules: ShardingRules = ShardingRules()):
+    """Like ``weight_shardings``, but each layer's weights go to its own pipeline stage's
+    sub-mesh only (stage s holds layers [bounds[s], bounds[s + 1])); the rest (embedding,
+    final norm, LM head) to the whole mesh. With one stage this is ``weight_shardings``."""
+    if len(bounds) <= 2:
+        return weight_shardings(specs, mesh, rules)
+    out = weight_shardings({k: v for k, v in specs.items() if k != "layers"}, mesh, rules)
+    stage_of = [s for s in range(len(bounds) - 1) for _ in range(bounds[s], bounds[s + 1])]
+    out["layers"] = [weight_shardings(layer, stage_mesh(mesh, stage_of[i]), rules)
+                     for i, layer in enumerate(specs["layers"])]
+    return out
+
+
+def make_mesh(data: int = 1, model: int | None = None, devices=None, *, stage: int = 1) -> Mesh:
+    """A (data, stage, model) mesh over ``devices`` (default: all). Consecutive devices share a
+    stage, so tensor parallelism stays within neighbours (one host) and stages span them."""
     devices = list(devices if devices is not None else jax.devices())
-    model = model or len(devices) // data
-    if data * model != len(devices):
-        raise ValueError(f"mesh {data=} x {model=} needs {data * model} devices, have {len(devices)}")
-    return Mesh(np.array(devices).reshape(data, model), ("data", "model"))
+    model = model or len(devices) // (data * stage)
+    if data * stage * model != len(devices):
+        raise ValueError(f"mesh {data=} x {stage=} x {model=} needs {data * stage * model} devices, "
+                         f"have {len(devices)}")
+    return Mesh(np.array(devices).reshape(data, stage, model), MESH_AXES)
 
 
-def kv_pool_sharding(mesh: Mesh, n_kv_heads: int):
+def stage_mesh(mesh: Mesh, stage: int) -> Mesh:
+    """The (data, model) sub-mesh of one pipeline stage: where that stage's layers are loaded."""
+    return Mesh(mesh.devices[:, stage, :], ("data", "model"))
+
+
+def kv_pool_sharding(mesh: Mesh, n_kv_heads: int, *, stacked: bool = False):
     """NamedSharding of a page pool ([P, K, ...], int8 values and scales alike): split over KV
     heads when the model axis divides them, else replicated (each device then keeps every KV
-    head and only the query heads are split)."""
+    head and only the query heads are split). stacked: a pipeline's pool slot [stages, P, K,
+    ...], whose leading "layers" axis goes where the rules table sends it (the stage axis)."""
     m = mesh.shape.get("model", 1)
-    return NamedSharding(mesh, PartitionSpec(None, "model" if n_kv_heads % m == 0 else None))
+    heads = "model" if n_kv_heads % m == 0 else None
+    if stacked:
+        return NamedSharding(mesh, PartitionSpec(ShardingRules().mesh_axis("layers"), None, heads))
+    return NamedSharding(mesh, PartitionSpec(None, heads))
+
+
+def stage_bounds(n_layers: int, stages: int) -> tuple[int, ...]:
+    """Layer boundaries of ``stages`` contiguous pipeline stages: stage s runs layers
+    [b[s], b[s + 1]). Uneven counts give the first stages one layer more (30 over 4: 8, 8, 7, 7)."""
+    from jaxinfer.errors import InvalidRequest
+
+    if stages < 1:
+        raise InvalidRequest(f"pipeline_parallel_size must be >= 1, got {stages}")
+    if stages > n_layers:
+        raise InvalidRequest(f"pipeline_parallel_size={stages} is larger than the model's {n_layers} layers; "
+                             "each stage needs at least one layer")
+    per, extra = divmod(n_layers, stages)
+    bounds = [0]
+    for s in range(stages):
+        bounds.append(bounds[-1] + per + (s < extra))
+    return tuple(bounds)
 
 
 def tensor_parallel_plan(cfg, tp: int) -> dict:

@@ -107,6 +107,40 @@ def test_engine_with_kernels_gives_the_reference_tokens(tiny_gguf):
     assert got8 == [o.outputs[0].token_ids for o in plain8.generate(PROMPTS, sp, use_tqdm=False)]
 
 
+def test_engine_chunked_prefill_among_decode_rows_through_the_ragged_kernel(tiny_gguf):
+    """Small prefill chunks make steps that mix decode rows with a chunk continuing its cached
+    pages and fresh prompts; through the ragged kernel (interpret mode) the engine gives the
+    reference path's tokens and logprobs."""
+    prompts = PROMPTS + ["The capital of France is Paris and the capital of Spain is Madrid and " * 2]
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+    kw = dict(progress=False, max_num_seqs=4, max_model_len=96, page_size=8, prefill_chunk=16)
+    ref = LLM(str(tiny_gguf), **kw).generate(prompts, sp, use_tqdm=False)
+    with kernels.interpret_kernels():
+        got = LLM(str(tiny_gguf), **kw).generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    for g, r in zip(got, ref):
+        for lg, lr in zip(g.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert lg.keys() == lr.keys()
+            np.testing.assert_allclose([x.logprob for x in lg.values()], [x.logprob for x in lr.values()],
+                                       atol=1e-4)
+
+
+@pytest.mark.slow  # about a minute of interpret-mode compiles; the hand-built packed step covers q > 1 by default
+def test_speculative_rows_through_the_ragged_kernel_give_the_reference_tokens(tiny_gguf):
+    """n-gram drafts make verification rows of up to 4 queries (some padded): through the
+    ragged kernel (interpret mode) the engine emits the reference path's tokens."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 16}
+    prompts = ["a b c a b c a b c a b c a b", "1 2 3 4 1 2 3 4 1 2 3 4 1 2"]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kw = dict(progress=False, max_num_seqs=4, max_model_len=64, page_size=8, speculative_config=spec)
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_gguf), **kw).generate(prompts, sp, use_tqdm=False)]
+    with kernels.interpret_kernels():
+        llm = LLM(str(tiny_gguf), **kw)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert llm.engine.spec_stats.drafted > 0  # verification rows really ran
+    assert got == want
+
+
 def test_kernel_mode_is_part_of_the_step_key(tiny_gguf):
     """An executable traced on the reference path is never reused inside interpret_kernels()
     (issue 14: the switch used to be thread-local state read only while tracing)."""
@@ -122,3 +156,137 @@ def test_kernel_mode_is_part_of_the_step_key(tiny_gguf):
     with kernels.interpret_kernels():
         eng.run_step(batch)
     assert eng._step._cache_size() == before + 1  # same shape, other mode: its own executable
+
+
+# ----------------------------------------------------------------------------- packed step
+# Sequences of one hand-built packed step, each as (cached positions, query positions,
+# full-pool pages, first position its window-pool table holds, window-pool pages from there):
+#   A  a verification row: 13 cached, three teacher-forced queries at 13, 14, 15;
+#   B  a decode row: 5 cached, one real query and two padding queries (scratch page 0);
+#   C  prefill segment 0: a chunk at 9..14 continuing 9 cached positions;
+#   D  prefill segment 1: a fresh prompt at 0..4; then three padding tokens.
+# Page lists are long enough for pages of 8; pages of 16 use their first entries.
+_SEQS = {"A": (13, range(13, 16), [3, 7], 8, [4, 10]), "B": (5, [5], [9], 0, [2]),
+         "C": (9, range(9, 15), [5, 1], 0, [6, 3]), "D": (0, range(5), [11], 0, [8])}
+
+
+def _hand_packed_batch(ps):
+    from jaxinfer.models.packed import PackedBatch
+
+    R, Q, Tp = 2, 3, 14
+    i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
+    pos, page, wpage, seg = [], [], [], []
+    for name in "ABCD":
+        _, qpos, pages, wstart, wpages = _SEQS[name]
+        qpos, base = list(qpos), wstart // ps
+        pad = Q - len(qpos) if name in "AB" else 0  # a decode row's padding queries repeat its last position
+        pos += qpos + [qpos[-1]] * pad
+        page += [pages[p // ps] for p in qpos] + [0] * pad
+        wpage += [wpages[p // ps - base] for p in qpos] + [0] * pad
+        seg += [] if name in "AB" else [int(name == "D")] * len(qpos)
+    pad = Tp - len(seg)
+    pos, page, wpage, seg = pos + [0] * pad, page + [0] * pad, wpage + [0] * pad, seg + [-1] * pad
+    A, B, C = _SEQS["A"], _SEQS["B"], _SEQS["C"]
+    return PackedBatch(
+        tokens=i32(np.random.default_rng(3).integers(0, 97, R * Q + Tp)), positions=i32(pos),
+        write_page=i32(page), write_wpage=i32(wpage), active=jnp.ones(R, bool), use_prev=jnp.zeros(R, bool),
+        last_q=i32([2, 0]), table=i32([A[2], B[2] + [0], C[2]]), wtable=i32([A[4], B[4] + [0], C[4]]),
+        wbase=i32([A[3] // ps, B[3] // ps, C[3] // ps]), seg=i32(seg), hist_end=jnp.int32(C[0]),
+        targets=i32([-1] * Tp), rows=R, q=Q, max_segments=3)
+
+
+def _hand_pools(cfg, windowed, ps, P=12, seed=2, dtype=jnp.float32):
+    """NaN everywhere but the cached positions of each sequence, which hold random keys and
+    values (what earlier steps wrote; attention does not care where they came from)."""
+    rng = np.random.default_rng(seed)
+    K, H = cfg.n_kv_heads, cfg.head_dim
+    ks, vs = [], []
+    for w in windowed:
+        k = np.full((P, K, H, ps), np.nan, np.float32)
+        v = np.full((P, K, ps, H), np.nan, np.float32)
+        for cached, _, pages, wstart, wpages in _SEQS.values():
+            base = wstart // ps
+            for p in range(base * ps if w else 0, cached):
+                pg = wpages[p // ps - base] if w else pages[p // ps]
+                k[pg, :, :, p % ps] = rng.normal(size=(K, H))
+                v[pg, :, p % ps] = rng.normal(size=(K, H))
+        ks.append(jnp.asarray(k, dtype))
+        vs.append(jnp.asarray(v, dtype))
+    return ks, vs
+
+
+@pytest.mark.parametrize("family,pool_dtype,ps", [("llama", jnp.float32, 8), ("gemma3", jnp.float32, 8),
+                                                  ("gemma3", jnp.bfloat16, 16)])
+def test_packed_step_through_the_ragged_kernel_equals_reference(family, pool_dtype, ps):
+    """Decode rows of 1 and 3 queries (teacher-forced) and a prefill row of two prompt chunks
+    (one continuing cached pages) in one packed step over NaN-poisoned pools: the ragged
+    kernel (interpret mode) gives the logits of the pure-JAX path at every real position.
+    Over bfloat16 pools of a float32 model the kernel multiplies in bfloat16."""
+    from jaxinfer.models.packed import PackedKV
+
+    if family == "llama":
+        mod, cfg = llama, ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2,
+                                      n_heads=6, n_kv_heads=2, head_dim=8, d_ff=64)
+        windowed = (False, False)
+    else:  # a LOCAL layer over its own windowed pool (tables from a base page), soft-capped logits
+        L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
+        mod, cfg = gemma3, ModelConfig(
+            family=Family.GEMMA3, vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2,
+            head_dim=8, d_ff=64, rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=1e4),
+            layer_kinds=(L, G), sliding_window=4, query_pre_attn_scalar=12.0, attn_logit_softcap=2.0)
+        windowed = (True, False)
+    w = init_weights(mod.weight_specs(cfg), cfg, jax.random.key(0), scale=0.2)
+    batch = _hand_packed_batch(ps)
+    ks, vs = _hand_pools(cfg, windowed, ps, dtype=pool_dtype)
+
+    def make_step(use_kernels):
+        def step(w, ks, vs):
+            cache = PackedKV(ks, vs, batch, windowed, use_kernels)
+            h, cache = mod.forward(w, batch.tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
+            return mod.unembed(w, h, cfg)[0], cache.k, cache.v
+        return step
+
+    ref, ref_k, _ = jax.jit(make_step(False))(w, ks, vs)
+    assert _pallas_calls(make_step(False), w, ks, vs) == 0
+    with kernels.interpret_kernels():
+        assert _pallas_calls(make_step(True), w, ks, vs) == cfg.n_layers
+        got, got_k, _ = jax.jit(make_step(True))(w, ks, vs)
+    real = np.asarray(batch.seg) >= 0
+    real = np.concatenate([[True] * 3 + [True, False, False], real])  # B's padding queries are scratch
+    assert np.isfinite(np.asarray(got)[real]).all()
+    assert_close(got[real], ref[real], pool_dtype)  # the kernel tests' one table (float32: 5e-6)
+    for a, b in zip(got_k, ref_k):  # the same keys at the same slots (page 0: the padding tokens' scratch)
+        a, b = np.asarray(a, np.float32)[1:], np.asarray(b, np.float32)[1:]
+        tol = 2e-5 if pool_dtype == jnp.float32 else 2e-2  # bfloat16: one rounding of the key apart
+        np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_prefill_only_forward_through_flash_attention_equals_reference(family):
+    """A forward with no cache to read (every row a prompt from 0: the static engine's
+    prefill, perplexity, calibration) runs the flash-attention kernel per layer on TPU/GPU;
+    in interpret mode it gives the logits of the pure-JAX attention."""
+    if family == "llama":
+        mod, cfg = llama, ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2,
+                                      n_heads=6, n_kv_heads=2, head_dim=8, d_ff=64)
+    else:  # a sliding-window layer and soft-capped logits
+        L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
+        mod, cfg = gemma3, ModelConfig(
+            family=Family.GEMMA3, vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2,
+            head_dim=8, d_ff=64, rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=1e4),
+            layer_kinds=(L, G), sliding_window=4, query_pre_attn_scalar=12.0, attn_logit_softcap=2.0)
+    w = init_weights(mod.weight_specs(cfg), cfg, jax.random.key(0), scale=0.2)
+    toks = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
+
+    def make_step():
+        def step(w, toks):
+            h, _ = mod.forward(w, toks, jnp.zeros(2, jnp.int32), None, cfg=cfg)
+            return mod.unembed(w, h, cfg)
+        return step
+
+    ref = jax.jit(make_step())(w, toks)
+    assert _pallas_calls(make_step(), w, toks) == 0
+    with kernels.interpret_kernels():
+        assert _pallas_calls(make_step(), w, toks) == cfg.n_layers
+        got = jax.jit(make_step())(w, toks)
+    assert_close(got, ref)  # the kernel tests' one table (float32: 5e-6)

@@ -136,9 +136,9 @@ def test_tiny_int4_and_int8_tensor_parallel_2_equal_one_device(tiny_gguf):
 @pytest.mark.parametrize("kw,msg", [
     (dict(tensor_parallel_size=3), "must divide the model's 4 query heads"),
     (dict(tensor_parallel_size=0), "must be an integer >= 1"),
-    (dict(pipeline_parallel_size=2), "not supported yet"),
     (dict(data_parallel_size=0), "must be an integer >= 1"),
     (dict(data_parallel_size=4, tensor_parallel_size=4), "needs 16 devices"),
+    (dict(data_parallel_size=2, pipeline_parallel_size=2), "together with pipeline_parallel_size > 1 is not supported"),
 ])
 def test_bad_sizes_are_one_clear_error(tiny_gguf, kw, msg):
     if kw == dict(tensor_parallel_size=3) and len(__import__("jax").devices()) < 3:

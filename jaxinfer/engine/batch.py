@@ -125,4 +125,5 @@ def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_
             wtable[R, : len(row)] = row
     return PackedBatch(tokens=tokens, positions=positions, write_page=wpage, write_wpage=wwpage,
                        active=active, use_prev=use_prev, last_q=last_q, table=table, wtable=wtable, wbase=wbase, seg=seg,
-                       hist_end=np.int32(hist_end), targets=targets, rows=R, q=q)
+                       hist_end=np.int32(hist_end), targets=targets, rows=R, q=q,
+                       max_segments=min(Tp, max_num_seqs))

@@ -32,6 +32,7 @@ from jaxinfer import kernels
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import buckets
 from jaxinfer.engine.batch import build_batch, plan_shape
+from jaxinfer.engine.compiles import CompileCounter
 from jaxinfer.engine.paged import (EngineConfig, PagedEngine, _InFlight, _prompt_logprob_segments, pool_sizes,
                                    slot_state_for)
 from jaxinfer.engine.rows import Row, record_token
@@ -95,10 +96,13 @@ class DataParallelEngine(PagedEngine):
         self.k_pages, self.v_pages = jax.device_put(jax.tree.map(stack, (cache.k, cache.v)), pool)
         self._slot_sharding = NamedSharding(mesh, PartitionSpec("data"))
         self.slots = self._fresh_slots()
-        self._step = jax.jit(functools.partial(data_parallel_step, mesh=mesh, windowed=self.windowed),
-                             static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode"),
-                             donate_argnames=("k_pages", "v_pages", "slots"))
-        self._insert = jax.jit(_insert_replica, donate_argnames=("slots",))
+        self._compiles = CompileCounter()  # PagedEngine.num_compilations reads it
+        self._step = self._compiles.counted(jax.jit(
+            functools.partial(data_parallel_step, mesh=mesh, windowed=self.windowed),
+            static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode"),
+            donate_argnames=("k_pages", "v_pages", "slots")))
+        self._insert = self._compiles.counted(jax.jit(_insert_replica, donate_argnames=("slots",)))
+        self.pipeline = None
         self.spec, self.spec_stats, self._heads = None, None, None
         self._seqs: dict[int, tuple[int, object]] = {}  # id(row) -> (replica, its sequence)
         self._inflight = None
@@ -117,9 +121,6 @@ class DataParallelEngine(PagedEngine):
             for k, v in s.stats.items():  # peak_pages: the sum of the replicas' peaks
                 out[k] = out.get(k, 0) + v
         return out
-
-    def num_compilations(self) -> int:
-        return self._step._cache_size() + self._insert._cache_size()
 
     def num_running(self) -> int:
         return sum(s is not None for sc in self.scheds for s in sc.slots)

@@ -28,6 +28,7 @@ from jaxinfer import sampling as smp
 from jaxinfer.config import AttentionKind, ModelConfig
 from jaxinfer.engine import buckets
 from jaxinfer.engine.batch import build_batch, window_width
+from jaxinfer.engine.compiles import CompileCounter
 from jaxinfer.engine.rows import Row, position_logprobs, record_token
 from jaxinfer.engine.scheduler import Scheduler, Scheduling, Seq, window_pool_pages
 from jaxinfer.engine.speculative import SpecMethod, SpeculativeConfig, SpecStats, ngram_propose
@@ -97,23 +98,40 @@ class PagedEngine:
                                prefill_chunk=config.prefill_chunk, prefix_caching=config.prefix_caching,
                                scheduling=config.scheduling, window=self.window, num_window_pages=num_window_pages)
         self.allocator, self.window_allocator = self.sched.allocator, self.sched.window_allocator
-        cache = kv.init_paged_cache(cfg, num_pages, ps, kv_dtype, num_window_pages=num_window_pages)
-        self.k_pages, self.v_pages, self.windowed = cache.k, cache.v, cache.windowed
         self.slots = make_slots(cfg.vocab_size, config.max_num_seqs, seed)
         self.mesh = mesh
-        if mesh is not None:  # tensor parallel: pools split over KV heads (or replicated), slots replicated
+        self.pipeline = None
+        if mesh is not None and mesh.shape.get("stage", 1) > 1:
+            # pipeline parallel: each stage's devices hold only their layers' weights and pools
+            if speculative is not None:
+                raise InvalidRequest("speculative decoding with pipeline_parallel_size > 1 is not supported")
+            from jaxinfer.engine.pipeline import PipelineLayout, init_pools, stack_weights
+
+            self.windowed = tuple(num_window_pages is not None and cfg.layer_window(i) is not None
+                                  for i in range(cfg.n_layers))
+            self.pipeline = PipelineLayout.make(mesh, cfg.n_layers, self.windowed)
+            self.weights = stack_weights(weights, self.pipeline)
+            self.k_pages, self.v_pages = init_pools(cfg, self.pipeline, num_pages, ps, kv_dtype, num_window_pages)
+        else:
+            cache = kv.init_paged_cache(cfg, num_pages, ps, kv_dtype, num_window_pages=num_window_pages)
+            self.k_pages, self.v_pages, self.windowed = cache.k, cache.v, cache.windowed
+        if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
 
+            self.slots = jax.device_put(self.slots, NamedSharding(mesh, PartitionSpec()))
+        if mesh is not None and self.pipeline is None:  # tensor parallel: pools split over KV heads (or replicated)
             from jaxinfer.sharding import kv_pool_sharding
 
             pool = kv_pool_sharding(mesh, cfg.n_kv_heads)
             self.k_pages, self.v_pages = jax.device_put((self.k_pages, self.v_pages), pool)
-            self.slots = jax.device_put(self.slots, NamedSharding(mesh, PartitionSpec()))
-        # one partial per engine, so each engine's jit caches (and compile counts) are its own
-        self._step = jax.jit(functools.partial(packed_step, windowed=self.windowed),
-                             static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode"),
-                             donate_argnames=("k_pages", "v_pages", "slots"))
-        self._insert = jax.jit(insert_step, donate_argnames=("slots",))
+        # one partial per engine, so each engine's jit caches are its own; the counter counts
+        # the executables they build (engine.compiles)
+        self._compiles = CompileCounter()
+        self._step = self._compiles.counted(jax.jit(
+            functools.partial(packed_step, windowed=self.windowed, pipeline=self.pipeline),
+            static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode"),
+            donate_argnames=("k_pages", "v_pages", "slots")))
+        self._insert = self._compiles.counted(jax.jit(functools.partial(insert_step), donate_argnames=("slots",)))
         # speculative decoding (engine.speculative): decode rows carry k + 1 queries, verified on device
         self.spec = SpeculativeConfig.parse(speculative, cfg.n_layers)
         self.spec_stats = SpecStats(self.spec.num_speculative_tokens) if self.spec else None
@@ -126,10 +144,10 @@ class PagedEngine:
                 raise InvalidRequest(f"speculative_config num_speculative_tokens="
                                      f"{self.spec.num_speculative_tokens} needs as many Medusa heads; "
                                      f"{self.spec.model} has {self._heads['w'].shape[0]}")
-        self._spec_step = jax.jit(functools.partial(spec_step, windowed=self.windowed),
-                                  static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode",
-                                                   "draft_layers"),
-                                  donate_argnames=("k_pages", "v_pages", "slots"))
+        self._spec_step = self._compiles.counted(jax.jit(
+            functools.partial(spec_step, windowed=self.windowed),
+            static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode", "draft_layers"),
+            donate_argnames=("k_pages", "v_pages", "slots")))
         self._seqs: dict[int, Seq] = {}  # id(row) -> its sequence, for abort
         self._inflight: _InFlight | None = None
         self._bitmask: np.ndarray | None = None  # i32[S, V/32] structured-output masks, made on first use
@@ -145,8 +163,9 @@ class PagedEngine:
         return sum(a.nbytes for a in self.k_pages + self.v_pages)
 
     def num_compilations(self) -> int:
-        """Executables compiled so far by the engine's jitted steps."""
-        return self._step._cache_size() + self._insert._cache_size() + self._spec_step._cache_size()
+        """Executables built so far by the engine's jitted steps (each compiled, or loaded from
+        the persistent compilation cache): exact, see ``engine.compiles``."""
+        return self._compiles.count
 
     def num_running(self) -> int:
         return sum(s is not None for s in self.sched.slots)
@@ -180,7 +199,8 @@ class PagedEngine:
         return PackedBatch(tokens=z(N), positions=z(N), write_page=z(N), write_wpage=z(N),
                            active=np.zeros(rows, np.bool_), use_prev=np.zeros(rows, np.bool_), last_q=z(rows), table=z(rows + 1, width),
                            wtable=z(rows + 1, ww), wbase=z(rows + 1), seg=np.full(prefill, -1, np.int32),
-                           hist_end=np.int32(0), targets=np.full(prefill, -1, np.int32), rows=rows, q=q)
+                           hist_end=np.int32(0), targets=np.full(prefill, -1, np.int32), rows=rows, q=q,
+                           max_segments=min(prefill, self.max_num_seqs))
 
     def run_step(self, batch: PackedBatch, *, num_logprobs: int = -1, prompt_logprobs: int = -1, guide=None):
         """Run one packed step on the engine's pools and slots (donated); returns its StepOutput.

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jaxinfer import kernels
 from jaxinfer import sampling as smp
+from jaxinfer.engine.pipeline import pipeline_forward
 from jaxinfer.models.packed import PackedBatch, PackedKV
 from jaxinfer.models import medusa
 from jaxinfer.models.registry import family_module
@@ -86,8 +87,11 @@ def token_logprobs(logits, targets, num_top: int):
 
 
 def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, guide=None, *, cfg, windowed,
-                num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode):
+                num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode, pipeline=None):
     """One scheduler iteration on device -> (StepOutput, k_pages, v_pages, slots).
+
+    pipeline: None, or an ``engine.pipeline.PipelineLayout`` (static): the layers then run as
+    pipeline stages over micro-batches, with weights and pools stacked by stage.
 
     guide: None, or (bitmask i32[R, V/32], has_mask bool[R]) for the decode rows when any is
     constrained (structured output). None and arrays are different pytrees, so a batch with
@@ -103,8 +107,14 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
         if R:
             first = jnp.where(batch.use_prev, slots.last_tokens[:R], tokens[0 : R * Q : Q])
             tokens = tokens.at[0 : R * Q : Q].set(first)
-        cache = PackedKV(k_pages, v_pages, batch, windowed, kernel_mode != kernels.KernelMode.OFF)
-        h, cache = mod.forward(weights, tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
+        use_kernels = kernel_mode != kernels.KernelMode.OFF
+        if pipeline is None:
+            cache = PackedKV(k_pages, v_pages, batch, windowed, use_kernels)
+            h, cache = mod.forward(weights, tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
+            k_pages, v_pages = cache.k, cache.v
+        else:
+            h, k_pages, v_pages = pipeline_forward(pipeline, weights, tokens, batch, k_pages, v_pages, cfg=cfg,
+                                                   use_kernels=use_kernels)
         new = lp = row_logits = plp = None
         if R:
             with jax.named_scope("sample"):
@@ -127,7 +137,7 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
             with jax.named_scope("prompt_logprobs"):
                 logits = mod.unembed(weights, h[:, R * Q :], cfg)[0]
                 plp = token_logprobs(logits, batch.targets, prompt_logprobs)
-    return StepOutput(new, lp, row_logits, plp), cache.k, cache.v, slots
+    return StepOutput(new, lp, row_logits, plp), k_pages, v_pages, slots
 
 
 @jax.tree_util.register_dataclass

@@ -101,10 +101,19 @@ def forward(
     T = tokens.shape[1]
     if positions is None:
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # i32[B, T]
+    x = embed(weights, tokens, cfg)
+    return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache)
+
+
+def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
+                   first: int = 0, read_cache: bool = True):
+    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
+    -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools);
+    each layer's kind (local or global rotary and window) is the model layer's."""
     norm = functools.partial(rms_norm, eps=cfg.norm_eps, plus_one=True)
     inv_freq = {}  # one table per distinct rotary config (local / global)
-    x = embed(weights, tokens, cfg)
-    for i, w in enumerate(weights["layers"]):
+    for j, w in enumerate(layers):
+        i = first + j
         rope, window = cfg.layer_rope(i), cfg.layer_window(i)
         if rope not in inv_freq:
             inv_freq[rope] = jnp.asarray(rope_inv_freq(cfg.head_dim, rope))
@@ -113,7 +122,7 @@ def forward(
             h = norm(x, w["attn_norm"])
             q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
             q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
-            o, cache = attend_layer(cache, i, q, k, v, positions, start, inv_freq[rope], read_cache=read_cache,
+            o, cache = attend_layer(cache, j, q, k, v, positions, start, inv_freq[rope], read_cache=read_cache,
                                     scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
             x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
         with jax.named_scope(f"layer{i}/mlp"):

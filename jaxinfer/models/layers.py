@@ -177,6 +177,8 @@ def attend_layer(cache, layer: int, q, k, v, positions, start, inv_freq, *, read
         cache = cache.write_layer(layer, k, v, start)
         if read_cache:
             return cache_attention(cache, layer, q, positions, start + q.shape[1], **opts), cache
+    if kernels.enabled():  # a prefill-only step on TPU/GPU: keys at 0..T-1 of every row, no copy to transpose
+        return kernels.prefill_attention(q, k, v, positions[:, 0], **opts), cache
     return attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions, positions[0], **opts), cache
 
 

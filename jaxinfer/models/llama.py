@@ -83,16 +83,24 @@ def forward(
     T = tokens.shape[1]
     if positions is None:
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # i32[B, T]
+    x = embed(weights, tokens, cfg)
+    return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache)
+
+
+def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
+                   first: int = 0, read_cache: bool = True):
+    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
+    -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools)."""
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope))
     scale = cfg.head_dim**-0.5
-    x = embed(weights, tokens, cfg)
-    for i, w in enumerate(weights["layers"]):
+    for j, w in enumerate(layers):
+        i = first + j
         with jax.named_scope(f"layer{i}/attention"):
             h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
             q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
             if cfg.qkv_bias:
                 q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
-            o, cache = attend_layer(cache, i, q, k, v, positions, start, inv_freq, read_cache=read_cache,
+            o, cache = attend_layer(cache, j, q, k, v, positions, start, inv_freq, read_cache=read_cache,
                                     scale=scale)
             x = x + dot("BTNH,NHD->BTD", o, w["wo"])
         with jax.named_scope(f"layer{i}/mlp"):

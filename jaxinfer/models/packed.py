@@ -21,8 +21,11 @@ per-layer copy through memory (see ``benchmarks/RESULTS.md``, "decode attention"
 
 Windowed layers (Gemma's LOCAL layers) read their own pool through ``wtable`` from logical
 page ``wbase`` on, exactly as ``cache.PagedKVCache`` does; int8 pools dequantize each block as
-it is gathered. On TPU/GPU a q = 1 decode group over float full-length pools goes through the
-Pallas paged-attention kernel instead (``jaxinfer.kernels``).
+it is gathered. That is the CPU path (``KernelMode.OFF``). On TPU/GPU (and in Pallas interpret
+mode) a layer over float pools instead runs the whole step's attention, every decode row and
+every prefill segment, windowed layers included, as one ragged paged-attention kernel call that
+reads the pages in place (``ragged_kernel_attention``, ``jaxinfer.kernels``); int8 pools keep
+the blockwise path.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 
 from jaxinfer import kernels
 from jaxinfer.cache import QuantKV, _load, _store
+from jaxinfer.quant import dequantize_kv, quantize_kv
 
 BLOCK_POSITIONS = 256  # key positions per block of the running softmax
 _NEG = -1e30  # masked score: finite, so a block with nothing visible keeps the max finite
@@ -60,6 +64,8 @@ class PackedBatch:
     targets: jax.Array  # i32[Tp] next prompt token of each prefill-row token (-1: none): prompt logprobs
     rows: int = dataclasses.field(metadata={"static": True})  # R
     q: int = dataclasses.field(metadata={"static": True})
+    # most segments the prefill row may hold (0: Tp); the kernel path sizes its work list by it
+    max_segments: int = dataclasses.field(default=0, metadata={"static": True})
 
     @property
     def prefill_len(self) -> int:  # Tp
@@ -76,6 +82,12 @@ class PackedKV:
     batch: PackedBatch
     windowed: tuple[bool, ...] = dataclasses.field(default=(), metadata={"static": True})
     use_kernels: bool = dataclasses.field(default=False, metadata={"static": True})
+    # defer_writes: the pools are only read; each layer's new keys/values are collected in
+    # ``written`` (one (k, v) [1, N, K, H] per layer) for the caller to store, and the decode
+    # rows see their own new tokens from them. A pipeline stage runs its layers inside a
+    # conditional, where writing a pool in place would copy the whole pool.
+    defer_writes: bool = dataclasses.field(default=False, metadata={"static": True})
+    written: tuple = ()
 
     packed = True  # attend_layer hands the whole layer to ``attend``
 
@@ -88,25 +100,34 @@ class PackedKV:
         b = self.batch
         ps = self.v[layer].shape[2]
         page = b.write_wpage if self._is_windowed(layer) else b.write_page
-        off = b.positions % ps
-        s = slice(None)
         ks, vs = list(self.k), list(self.v)
-        ks[layer] = _store(ks[layer], (page[None], s, s, off[None]), k)
-        vs[layer] = _store(vs[layer], (page[None], s, off[None]), v)
-        cache = PackedKV(ks, vs, b, self.windowed, self.use_kernels)
+        if self.defer_writes:
+            cache = dataclasses.replace(self, written=self.written + ((k, v),))
+        else:
+            off = b.positions % ps
+            s = slice(None)
+            ks[layer] = _store(ks[layer], (page[None], s, s, off[None]), k)
+            vs[layer] = _store(vs[layer], (page[None], s, off[None]), v)
+            cache = PackedKV(ks, vs, b, self.windowed, self.use_kernels)
         R, Q, Tp = b.rows, b.q, b.prefill_len
         table, base = (b.wtable, b.wbase) if self._is_windowed(layer) else (b.table, None)
         opts = {"scale": scale, "window": window, "softcap": softcap}
+        # the kernel reads this step's keys from the pages: not with deferred writes
+        if (self.use_kernels and not self.defer_writes and not isinstance(ks[layer], QuantKV)
+                and kernels.ragged_paged_attention_fits(ps, ks[layer].dtype)):
+            return ragged_kernel_attention(q, ks[layer], vs[layer], b, table, base, page, **opts), cache
         outs = []
         if R:
             qd = q[0, : R * Q].reshape(R, Q, *q.shape[2:])
             pos = b.positions[: R * Q].reshape(R, Q)
-            if (Q == 1 and self.use_kernels and not self._is_windowed(layer)
-                    and not isinstance(ks[layer], QuantKV)):
-                od = kernels.paged_decode_attention(qd, ks[layer], vs[layer], table[:R], pos[:, 0] + 1, **opts)
+            rbase = None if base is None else base[:R]
+            if self.defer_writes:  # pages hold the positions before the row's first query; its own come from k, v
+                own = tuple(a[0, : R * Q].reshape(R, Q, *a.shape[2:]) for a in (k, v))
+                od = paged_rows_attention(qd, ks[layer], vs[layer], table[:R], rbase, pos, pos[:, 0], own=own,
+                                          **opts)
             else:
-                od = paged_rows_attention(qd, ks[layer], vs[layer], table[:R], None if base is None else base[:R],
-                                          pos, pos.max(axis=1) + 1, **opts)
+                od = paged_rows_attention(qd, ks[layer], vs[layer], table[:R], rbase, pos, pos.max(axis=1) + 1,
+                                          **opts)
             outs.append(od.reshape(1, R * Q, *q.shape[2:]))
         if Tp:
             qp, kp, vp = q[:, R * Q :], k[:, R * Q :], v[:, R * Q :]
@@ -187,13 +208,16 @@ def _visible(qpos, kpos, window):
     return ok if window is None else ok & (delta < window)
 
 
-def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window=None, softcap=None):
+def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window=None, softcap=None, own=None):
     """Reference paged attention for rows of T queries: q [B, T, N, H] at positions
     qpos i32[B, T] over the pages table i32[B, n] (logical page base[b] + column, or the
     column itself when base is None) whose positions < end[b] are written -> [B, T, N, H].
 
     Reads the table one block of columns at a time into a running softmax; values at
-    positions >= end are zeroed as they are gathered, so stale or NaN pages never leak."""
+    positions >= end are zeroed as they are gathered, so stale or NaN pages never leak.
+    own: None, or the rows' own new keys and values ([B, T, K, H] each, at positions qpos)
+    not yet in the pages: keys at positions >= end are then masked in the pages and these
+    are attended to as one more block (stored as the pool would store them)."""
     B, T, N, H = q.shape
     K, ps = kpool.shape[1], kpool.shape[3]
     G = N // K
@@ -206,9 +230,26 @@ def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, wind
         if base is not None:
             kpos = kpos + base[:, None] * ps
         kpos = jnp.broadcast_to(kpos, (B, c * ps))
-        values = jnp.where((kpos < end[:, None])[:, None, :, None], values, 0.0)
-        acc.add(_scores(qm, keys, softcap), _visible(qpos_m, kpos, window)[:, None], values)
+        written = kpos < end[:, None]
+        values = jnp.where(written[:, None, :, None], values, 0.0)
+        ok = _visible(qpos_m, kpos, window)
+        if own is not None:
+            ok = ok & written[:, None, :]
+        acc.add(_scores(qm, keys, softcap), ok[:, None], values)
+    if own is not None:
+        keys, values = (_as_stored(a, pool) for a, pool in zip(own, (kpool, vpool)))
+        acc.add(_scores(qm, keys.transpose(0, 2, 3, 1), softcap), _visible(qpos_m, qpos, window)[:, None],
+                values.transpose(0, 2, 1, 3))
     return _unfold(acc.result(), T, N, q.dtype)
+
+
+def _as_stored(a, pool):
+    """New keys or values [B, T, K, H] as float32 after a round trip through the pool's
+    storage (int8 and its scales, or the pool's dtype), so they read as if from the pages."""
+    if isinstance(pool, QuantKV):
+        values, scale = quantize_kv(a, axis=-1)
+        return dequantize_kv(values, scale, jnp.float32, axis=-1)
+    return a.astype(pool.dtype).astype(jnp.float32)
 
 
 def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end, *, scale, window=None,
@@ -241,3 +282,57 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
         ok = _visible(qpos_m, kpos[None], window)[0] & seen[None, :] & (seg_m == 0)[:, None]
         acc.add(_scores(qm, keys, softcap), ok[None, None], values)
     return _unfold(acc.result(), T, N, q.dtype)
+
+
+# ----------------------------------------------------------------------------- kernel path
+def _logical_table(table, base, width: int):
+    """Page-table rows i32[S, n] whose column c holds logical page base[s] + c (or c when
+    base is None) -> i32[S, width] indexed by logical page (0 where not held: the kernel
+    never dereferences a page outside what its queries see)."""
+    if base is None and table.shape[1] == width:
+        return table
+    S, n = table.shape
+    cols = jnp.arange(n, dtype=jnp.int32)[None, :] + (0 if base is None else base[:, None])
+    rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[:, None], (S, n))
+    return jnp.zeros((S, width), jnp.int32).at[rows, cols].set(table, mode="drop")
+
+
+def ragged_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, page, *, scale, window=None,
+                            softcap=None):
+    """The whole packed step's attention in one ragged paged-attention call (TPU/GPU, or
+    Pallas interpret mode): q [1, N, N_heads, H] -> [1, N, N_heads, H].
+
+    Segments: each decode row (its real queries: positions p0 .. p_max; the padding queries
+    that repeat p_max are left out, their output is 0 and nothing reads it), then each
+    segment of the prefill row. Every segment reads its sequence's pages, which already hold
+    this step's keys: a decode row its table row; a prefill segment the pages its tokens were
+    just written to (``page``, by position), and segment 0 also its history in table[R].
+    Windowed layers' tables start at logical page ``base``; they are laid out by logical page
+    here, so the kernel's window mask alone decides what is read."""
+    R, Q, Tp = b.rows, b.q, b.prefill_len
+    ps = vpool.shape[2]
+    T = R * Q + Tp
+    width = table.shape[1] + (-(-Tp // ps) if Tp else 0)  # the prefill row's chunks may pass the table
+    tables, starts, lens, kv_lens = [], [], [], []
+    if R:
+        pos = b.positions[: R * Q].reshape(R, Q)
+        last = pos.max(axis=1)
+        tables.append(_logical_table(table[:R], None if base is None else base[:R], width))
+        starts.append(jnp.arange(R, dtype=jnp.int32) * Q)
+        lens.append(last - pos[:, 0] + 1)
+        kv_lens.append(last + 1)
+    if Tp:
+        S = min(b.max_segments or Tp, Tp)
+        ppos = b.positions[R * Q :]
+        seg = jnp.where(b.seg >= 0, b.seg, S)  # padding tokens: out of range, dropped
+        tok = R * Q + jnp.arange(Tp, dtype=jnp.int32)
+        hist = _logical_table(table[R:], None if base is None else base[R:], width)
+        seg_table = jnp.zeros((S, width), jnp.int32).at[0].set(hist[0])
+        tables.append(seg_table.at[seg, ppos // ps].set(page[R * Q :], mode="drop"))
+        starts.append(jnp.full(S, T, jnp.int32).at[seg].min(tok, mode="drop"))
+        lens.append(jnp.zeros(S, jnp.int32).at[seg].add(1, mode="drop"))
+        kv_lens.append(jnp.zeros(S, jnp.int32).at[seg].max(ppos + 1, mode="drop"))
+    cat = lambda xs: jnp.concatenate(xs, axis=0)
+    out = kernels.ragged_paged_attention(q[0], kpool, vpool, cat(tables), cat(starts), cat(lens), cat(kv_lens),
+                                         scale=scale, window=window, softcap=softcap)
+    return out[None]

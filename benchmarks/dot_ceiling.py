@@ -1,0 +1,115 @@
+"""The matmul ceiling of the issue-10 workload on this CPU: XLA's float32 dot against torch's
+float32 and bfloat16 matmuls at SmolLM2-135M's weight shapes, side by side, and the
+workload time those rates bound.
+
+    python benchmarks/dot_ceiling.py --m 64 256 512 --repeats 15
+
+Each (shape, M) is timed for every engine in turn (interleaved rounds, medians, 2 threads for
+torch as for XLA's 2 cores). The workload (128 requests, 18,742 prompt and 8,192 output
+tokens) spends its matmul FLOPs in prefill rows (every layer's projections, no LM head: a
+prompt's logits are only needed at its last token) and decode rows (projections plus the
+576 x 49,152 LM head); ``--workload`` prints the seconds each engine needs for those FLOPs
+alone at its measured rates, i.e. the fastest it could run the workload if nothing but the
+matmuls took time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+# SmolLM2-135M: D 576, 9 query / 3 KV heads of 64, F 1536, V 49152, 30 layers
+LAYER = {"wq": (576, 576), "wk": (576, 192), "wv": (576, 192), "wo": (576, 576),
+         "w_gate": (576, 1536), "w_up": (576, 1536), "w_down": (1536, 576)}
+HEAD = (576, 49152)
+LAYERS = 30
+PROMPT_TOKENS, OUTPUT_TOKENS = 18742, 8192  # the workload of benchmarks/workload.py
+
+
+def _xla(m, k, n):
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+    w = jnp.asarray(rng.standard_normal((k, n), np.float32))
+    f = jax.jit(lambda x, w: x @ w)
+    f(x, w).block_until_ready()
+    return lambda: f(x, w).block_until_ready()
+
+
+def _torch(m, k, n, dtype):
+    import torch
+
+    torch.set_num_threads(2)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    x = torch.randn(m, k, dtype=dt)
+    w = torch.randn(k, n, dtype=dt)
+
+    def run():
+        with torch.inference_mode():
+            x @ w
+
+    run()
+    return run
+
+
+def _time(fn, n):
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", type=int, nargs="+", default=[64, 256, 512])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--engines", nargs="+", default=["xla f32", "torch f32", "torch bf16"])
+    a = ap.parse_args()
+    shapes = dict(LAYER, lm_head=HEAD)
+    rates = {}  # (engine, M) -> FLOP-weighted GFLOP/s over a layer's projections, and the head's
+    print(f"{'shape':8s} {'M':>5s} " + " ".join(f"{e:>12s}" for e in a.engines) + "   (GFLOP/s, medians)")
+    for m in a.m:
+        layer_s = {e: 0.0 for e in a.engines}
+        head_s = {e: 0.0 for e in a.engines}
+        for name, (k, n) in shapes.items():
+            fns = {}
+            for e in a.engines:
+                if e == "xla f32":
+                    fns[e] = _xla(m, k, n)
+                else:
+                    fns[e] = _torch(m, k, n, e.split()[1].replace("f32", "float32").replace("bf16", "bfloat16"))
+            times = {e: [] for e in a.engines}
+            for _ in range(3):  # interleaved rounds
+                for e, fn in fns.items():
+                    times[e] += _time(fn, max(1, a.repeats // 3))
+            med = {e: statistics.median(t) for e, t in times.items()}
+            flops = 2 * m * k * n
+            print(f"{name:8s} {m:5d} " + " ".join(f"{flops / med[e] / 1e9:12.1f}" for e in a.engines), flush=True)
+            for e in a.engines:
+                if name == "lm_head":
+                    head_s[e] += med[e]
+                else:
+                    layer_s[e] += med[e]
+        layer_flops = 2 * m * sum(k * n for k, n in LAYER.values())
+        for e in a.engines:
+            rates[(e, m)] = (layer_flops / layer_s[e], 2 * m * HEAD[0] * HEAD[1] / head_s[e])
+    print("\nworkload matmul time at these rates (prefill at the largest M, decode at M = 64 if measured):")
+    pm, dm = max(a.m), 64 if 64 in a.m else min(a.m)
+    layer_flops_tok = 2 * sum(k * n for k, n in LAYER.values()) * LAYERS
+    head_flops_tok = 2 * HEAD[0] * HEAD[1]
+    for e in a.engines:
+        pre = PROMPT_TOKENS * layer_flops_tok / rates[(e, pm)][0]
+        dec = OUTPUT_TOKENS * (layer_flops_tok / rates[(e, dm)][0] + head_flops_tok / rates[(e, dm)][1])
+        print(f"  {e:10s} prefill {pre:6.1f} s + decode {dec:6.1f} s = {pre + dec:6.1f} s"
+              f" -> at most {OUTPUT_TOKENS / (pre + dec):6.1f} output tok/s")
+
+
+if __name__ == "__main__":
+    main()

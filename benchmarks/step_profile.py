@@ -1,0 +1,103 @@
+"""Where a packed step's time goes on this CPU: the bare jitted step of the real model (no
+scheduler, no host work) for a 64-row decode step and a 512-token prefill row (4 prompts of
+128), with its attention as built and with attention taken out (replaced by its queries, so
+what is left is every matmul, norm, rotary and the sampler), interleaved in one process,
+min and median of the rounds. The difference is the attention's share.
+
+    python benchmarks/step_profile.py --context 200 --page-size 16 64 --rounds 5
+
+Decode rows attend to ``--context`` positions on pages scattered through the pool, as a
+running engine's are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+import jaxinfer.models.packed as packed
+from jaxinfer import LLM
+from jaxinfer.engine import buckets
+
+REAL = (packed.paged_rows_attention, packed.prefill_row_attention)
+
+
+def _engine(page_size: int, attention: bool):
+    if attention:
+        packed.paged_rows_attention, packed.prefill_row_attention = REAL
+    else:
+        packed.paged_rows_attention = lambda q, *a, **k: q
+        packed.prefill_row_attention = lambda q, *a, **k: q
+    llm = LLM("smollm2-135m-instruct", max_model_len=1024, max_num_seqs=64, progress=False,
+              enable_prefix_caching=False, page_size=page_size, kv_cache_bytes=1 << 30)
+    return llm.engine
+
+
+def _decode_batch(eng, ctx: int, rng, rows: int = 64):
+    ps = eng.allocator.page_size
+    n = -(-(ctx + 1) // ps)
+    b = eng.idle_batch(rows, buckets.width_bucket(n, eng.pages_per_seq), 0)
+    pages = 1 + rng.permutation(eng.allocator.num_pages - 1)[: rows * n].reshape(rows, n)
+    b.table[:rows, :n] = pages
+    b.positions[:] = ctx
+    b.write_page[:] = pages[:, ctx // ps]
+    b.active[:] = True
+    return b
+
+
+def _prefill_batch(eng, rng, tokens: int = 512, prompts: int = 4):
+    ps = eng.allocator.page_size
+    b = eng.idle_batch(0, buckets.width_bucket(1, eng.pages_per_seq), tokens)
+    n = tokens // prompts
+    for k in range(prompts):
+        sl = slice(k * n, (k + 1) * n)
+        b.seg[sl] = k
+        b.positions[sl] = np.arange(n)
+        b.write_page[sl] = 1 + k * (-(-n // ps)) + np.arange(n) // ps
+    b.tokens[:] = rng.integers(100, 40000, tokens)
+    return b
+
+
+def _time(eng, batch, n: int):
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        res = eng.run_step(batch)
+        jax.block_until_ready((res.tokens, eng.k_pages))
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--page-size", type=int, nargs="+", default=[16])
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    cases = {}
+    variants = [(f"page {p}", p, True) for p in a.page_size] + [(f"page {a.page_size[0]}, no attention",
+                                                                  a.page_size[0], False)]
+    for name, ps, attention in variants:
+        eng = _engine(ps, attention)
+        batches = {"decode, 64 rows": _decode_batch(eng, a.context, rng), "prefill row, 512": _prefill_batch(eng, rng)}
+        for b in batches.values():
+            _time(eng, b, 2)  # traced and compiled now, with this variant's attention
+        cases[name] = (eng, batches)
+    packed.paged_rows_attention, packed.prefill_row_attention = REAL
+    times = {}
+    for _ in range(a.rounds):
+        for name, (eng, batches) in cases.items():
+            for kind, b in batches.items():
+                times.setdefault((kind, name), []).extend(_time(eng, b, 2))
+    print(f"context {a.context}; ms per step")
+    for (kind, name), ts in sorted(times.items()):
+        print(f"  {kind:18s} {name:28s} min {min(ts) * 1e3:7.1f}  median {statistics.median(ts) * 1e3:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
