@@ -28,8 +28,8 @@ _LLM = textwrap.dedent("""
     kw = dict(tensor_parallel_size=4, data_parallel_size=2) if pid != "single" else {}
     llm = LLM(model, progress=False, max_model_len=256, max_num_seqs=4, **kw)
     if pid != "single":  # one mesh over both processes' devices, a model group per process
-        assert dict(llm.mesh.shape) == {"data": 2, "model": 4}, llm.mesh
-        rows = llm.mesh.devices
+        assert dict(llm.mesh.shape) == {"data": 2, "stage": 1, "model": 4}, llm.mesh
+        rows = llm.mesh.devices.reshape(2, -1)
         assert {d.process_index for d in rows[0]} == {0} and {d.process_index for d in rows[1]} == {1}
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     print("OUT", [o.outputs[0].token_ids for o in llm.generate(%r, sp, use_tqdm=False)], flush=True)
