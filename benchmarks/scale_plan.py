@@ -11,8 +11,8 @@ The step is lowered on abstract weights and pools (ShapeDtypeStructs carrying th
 shardings), so nothing of the 27B/70B size is allocated; it is compiled with a few layers
 (Gemma: 6, one GLOBAL and five LOCAL, its 5:1 pattern; Llama: 2) and the per-layer collectives
 (named scopes ``layerI/...``) are scaled by the real layer count, the rest (embedding, LM head,
-sampling) counted once. Pipeline stages are not built in this branch: a PP boundary's bytes
-are the activations it passes (R x D in bf16), stated as such.
+sampling) counted once. The pipeline step is not lowered here: a PP boundary's bytes are the
+activations it passes (R x D in bf16), stated as such.
 """
 
 from __future__ import annotations
