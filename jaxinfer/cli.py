@@ -60,7 +60,9 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the weights and KV heads split over")
     p.add_argument("--pipeline-parallel-size", type=int, default=1,
                    help="pipeline stages the layers (and their KV pages) split over")
-    p.add_argument("--data-parallel-size", type=int, default=1, help="(not supported yet: 1)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="replicas, each with its own slots and KV pages (max-num-seqs each); "
+                        "data x pipeline x tensor parallel size devices in all")
 
 
 def _engine_kwargs(a) -> dict:

@@ -69,7 +69,9 @@ class LLM:
         spec = SpeculativeConfig.parse(speculative_config)  # likewise (layer count checked once loaded)
         mesh = _parallel_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, mesh)
         if mesh is not None and engine != "paged":
-            raise InvalidRequest(f"tensor and pipeline parallelism need the paged engine, not {engine!r}")
+            raise InvalidRequest(f"tensor, pipeline and data parallelism need the paged engine, not {engine!r}")
+        if mesh is not None and mesh.shape["data"] > 1 and spec is not None:
+            raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")
         if spec is not None and engine != "paged":
             raise InvalidRequest(f"speculative decoding needs the paged engine, not {engine!r}")
         self.model_path = registry.resolve(model, progress=progress)
@@ -88,7 +90,8 @@ class LLM:
         if mesh is not None:
             from jaxinfer.sharding import tensor_parallel_plan
 
-            self.parallel = tensor_parallel_plan(self.cfg, mesh.shape["model"])
+            self.parallel = dict(tensor_parallel_plan(self.cfg, mesh.shape["model"]),
+                                 data_parallel_size=mesh.shape["data"])
         if max_model_len is None:
             max_model_len = self.cfg.max_position
         if not 1 < max_model_len <= self.cfg.max_position:
@@ -113,9 +116,15 @@ class LLM:
                                 kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk,
                                 prefix_caching=enable_prefix_caching, scheduling=sched, windowed_kv=windowed_kv,
                                 kv_cache_dtype=kv_cache_dtype)
-            self.engine = PagedEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
-                                      config=ecfg, seed=seed, speculative=spec, mesh=mesh)
-            if self.engine.pipeline is not None:  # the weights now live stacked by stage
+            if mesh is not None and mesh.shape["data"] > 1:  # max_num_seqs and the KV budget per replica
+                from jaxinfer.engine.data_parallel import DataParallelEngine
+
+                self.engine = DataParallelEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
+                                                 config=ecfg, seed=seed, mesh=mesh)
+            else:
+                self.engine = PagedEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
+                                          config=ecfg, seed=seed, speculative=spec, mesh=mesh)
+            if getattr(self.engine, "pipeline", None) is not None:  # the weights now live stacked by stage
                 self.weights = self.engine.weights
                 self.parallel = dict(self.parallel, **self.engine.pipeline.report())
         else:
@@ -409,25 +418,41 @@ def _parallel_mesh(tp: int, pp: int, dp: int, mesh):
     for name, v in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp), ("data_parallel_size", dp)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise InvalidRequest(f"{name} must be an integer >= 1, got {v!r}")
-    if dp > 1:
-        raise InvalidRequest("data_parallel_size > 1 is not supported yet; tensor_parallel_size and "
-                             "pipeline_parallel_size are")
+    if dp > 1 and pp > 1:
+        raise InvalidRequest("data_parallel_size > 1 together with pipeline_parallel_size > 1 is not supported yet")
     if mesh is not None:
-        if set(mesh.axis_names) != {"data", "stage", "model"} or mesh.shape["data"] != 1:
-            raise InvalidRequest(f"mesh must have axes ('data', 'stage', 'model') with data 1, got {dict(mesh.shape)}")
-        for name, v, axis in (("tensor_parallel_size", tp, "model"), ("pipeline_parallel_size", pp, "stage")):
+        if set(mesh.axis_names) != {"data", "stage", "model"}:
+            raise InvalidRequest(f"mesh must have axes ('data', 'stage', 'model'), got {dict(mesh.shape)}")
+        for name, v, axis in (("tensor_parallel_size", tp, "model"), ("pipeline_parallel_size", pp, "stage"),
+                              ("data_parallel_size", dp, "data")):
             if v != 1 and v != mesh.shape[axis]:
                 raise InvalidRequest(f"{name}={v} does not match the mesh's {axis} axis of {mesh.shape[axis]}")
+        if mesh.shape["data"] > 1 and mesh.shape["stage"] > 1:
+            raise InvalidRequest("a mesh with data and stage axes both > 1 is not supported yet")
         return mesh if mesh.devices.size > 1 else None
-    if tp * pp == 1:
+    n = tp * pp * dp
+    if n == 1:
         return None
-    devices = jax.devices()
-    if tp * pp > len(devices):
-        raise InvalidRequest(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {tp * pp} devices; "
-                             f"{len(devices)} available")
     from jaxinfer.sharding import make_mesh
 
-    return make_mesh(data=1, stage=pp, model=tp, devices=devices[: tp * pp])
+    # Under jax.distributed: a layout that fits this process's devices stays on them (each
+    # process a mesh of its own; the batch job's split of input lines is then data
+    # parallelism across hosts). A bigger one is one global mesh over every process's
+    # devices, tensor parallel within a host (a model group never spans two processes) and
+    # data parallel across them; every process must then run the same requests (SPMD).
+    local = jax.local_devices()
+    if n <= len(local):
+        return make_mesh(data=dp, stage=pp, model=tp, devices=local[:n])
+    devices = jax.devices()
+    if n > len(devices):
+        sizes = " x ".join(f"{name}={v}" for name, v in (("data_parallel_size", dp), ("tensor_parallel_size", tp),
+                                                          ("pipeline_parallel_size", pp)) if v > 1)
+        raise InvalidRequest(f"{sizes} needs {n} devices; {len(devices)} available")
+    if len(local) % tp:
+        raise InvalidRequest(f"tensor_parallel_size={tp} must divide the {len(local)} devices of each process "
+                             "(a tensor-parallel group stays within one host)")
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return make_mesh(data=dp, stage=pp, model=tp, devices=devices[:n])
 
 
 def _enable_compilation_cache() -> None:

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxinfer.quant import QuantArray, QuantScheme
 from jaxinfer.specs import is_spec
 
 # Megatron-style tensor parallelism over "model", batch over "data", and the stacked layer
@@ -57,6 +58,34 @@ def spec_for(shape, axes, mesh: Mesh, rules: ShardingRules = ShardingRules()) ->
 def weight_shardings(specs, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """NamedSharding for every declared weight, from its logical axes."""
     return jax.tree.map(lambda s: NamedSharding(mesh, spec_for(s.shape, s.axes, mesh, rules)), specs, is_leaf=is_spec)
+
+
+def quant_shardings(qa: QuantArray, float_sharding: NamedSharding) -> QuantArray:
+    """Where each part of a quantized weight goes, from its float weight's sharding: a
+    QuantArray with NamedSharding leaves (the same pytree, so ``jax.device_put(qa, that)``).
+
+    A QuantArray stores the matrix [I, O]: the contracted axes flattened into I, the free
+    ones into O, each in the weight's order. A flattened side keeps its float axis's mesh
+    axis when that axis is the side's leading one (so each device's rows or columns stay one
+    contiguous block): wq's O = (q_heads, head_dim) splits with q_heads, wo's I = (q_heads,
+    head_dim) and w_down's I = mlp split with theirs. The per-channel scale f32[O] and w8a8's
+    smoothing f32[I] follow their side; int4's values [I/2, O] and scale [I/group, O] split I
+    by whole groups, so only when the device count divides the group count."""
+    spec = tuple(float_sharding.spec) + (None,) * (len(qa.shape) - len(float_sharding.spec))
+    mesh = float_sharding.mesh
+
+    def side(axes) -> str | None:
+        if any(spec[a] is not None for a in axes[1:]):
+            return None  # sharded on an inner axis: a device's part would not be one block
+        return spec[axes[0]]
+
+    i_ax, o_ax = side(qa.contract), side(qa.free)
+    if qa.scheme == QuantScheme.INT4 and i_ax is not None and (qa.in_size // qa.group) % mesh.shape[i_ax]:
+        i_ax = None  # a group would straddle two devices
+    ns = lambda *s: NamedSharding(mesh, PartitionSpec(*s))  # noqa: E731
+    scale = ns(i_ax, o_ax) if qa.scheme == QuantScheme.INT4 else ns(o_ax)
+    return dataclasses.replace(qa, values=ns(i_ax, o_ax), scale=scale,
+                               smooth=None if qa.smooth is None else ns(i_ax))
 
 
 MESH_AXES = ("data", "stage", "model")
@@ -134,4 +163,8 @@ def tensor_parallel_plan(cfg, tp: int) -> dict:
             "kv_heads": "split" if cfg.n_kv_heads % tp == 0 else "replicated",
             "kv_heads_per_device": cfg.n_kv_heads // tp if cfg.n_kv_heads % tp == 0 else cfg.n_kv_heads,
             "mlp": "split" if cfg.d_ff % tp == 0 else "replicated",
-            "vocab": "split" if cfg.vocab_size % tp == 0 else "replicated"}
+            "vocab": "split" if cfg.vocab_size % tp == 0 else "replicated",
+            "kv_note": (f"{cfg.n_kv_heads} KV heads split {cfg.n_kv_heads // tp} per device"
+                        if cfg.n_kv_heads % tp == 0 else
+                        f"{cfg.n_kv_heads} KV head(s) do not divide over {tp} devices: every device keeps "
+                        f"all of them (KV pools replicated), only the {cfg.n_heads} query heads split")}

@@ -179,10 +179,13 @@ def test_errors_name_the_problem(tiny_gguf, tmp_path):
     with pytest.raises(InvalidRequest, match=r"int4 cannot quantize weight layers/0/wo: its contracted "
                                              r"size 48 .* not a multiple of any group size in \(128, 64, 32\)"):
         quant.int4_group("layers/0/wo", (3, 16, 64), (0, 1), None)
-    with pytest.raises(InvalidRequest, match=r"with sharded loading is not supported"):
-        checkpoint.load(tiny_gguf, dtype="float32", quantize=quant.quant_config("int8"),
-                        shardings_fn=lambda specs, cfg: jax.tree.map(
-                            lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), specs, is_leaf=is_spec))
+    # loading with shardings quantizes too (test_parallel splits w8a8 over a mesh): here one device
+    placed = checkpoint.load(tiny_gguf, dtype="float32", quantize=quant.quant_config("int8"),
+                             shardings_fn=lambda specs, cfg: jax.tree.map(
+                                 lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), specs,
+                                 is_leaf=is_spec)).weights
+    plain = checkpoint.load(tiny_gguf, dtype="float32", quantize=quant.quant_config("int8")).weights
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(plain)))
     # w8a8 calibrates on text: a checkpoint without a tokenizer cannot take it
     loaded = checkpoint.load(tiny_gguf, dtype="float32")
     bare = orbax_io.save(tmp_path / "bare", loaded.cfg, loaded.weights, None)

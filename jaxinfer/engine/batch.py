@@ -32,21 +32,32 @@ def step_shapes(sched: Scheduler, *, rows_needed: int, max_pages: int, prefill_t
     return R, width, Tp
 
 
-def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_per_seq: int,
-                max_num_seqs: int, prefill_chunk: int, want_targets: bool,
-                drafts: dict[int, list[int]] | None = None) -> PackedBatch:
-    """The host arrays of one step (numpy; jit moves them). Inflight bookkeeping is the
-    caller's: this only reads the sequences. With ``drafts`` (slot -> the row's drafted
-    tokens, at most q - 1), a decode row carries its last token then its drafts at the
-    following positions; its unused queries repeat the last position and write to the
-    scratch page. ``last_q[r]`` is then the row's number of drafts."""
-    ps, W = sched.page_size, sched.window
+def plan_shape(plan: StepPlan, sched: Scheduler, *, q: int, pages_per_seq: int, max_num_seqs: int,
+               prefill_chunk: int) -> tuple[int, int, int]:
+    """(R, width, Tp) of the step that runs ``plan``."""
+    ps = sched.page_size
     rows_needed = max((s.slot for s in plan.decode), default=-1) + 1
     n_pre = sum(g.n for g in plan.prefill)
     hist = plan.prefill[0] if plan.prefill and plan.prefill[0].start > 0 else None
     max_pages = max([len(s.pages) for s in plan.decode] + [-(-hist.start // ps) if hist else 1])
-    R, width, Tp = step_shapes(sched, rows_needed=rows_needed, max_pages=max_pages, prefill_tokens=n_pre, q=q,
-                               pages_per_seq=pages_per_seq, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk)
+    return step_shapes(sched, rows_needed=rows_needed, max_pages=max_pages, prefill_tokens=n_pre, q=q,
+                       pages_per_seq=pages_per_seq, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk)
+
+
+def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_per_seq: int,
+                max_num_seqs: int, prefill_chunk: int, want_targets: bool,
+                drafts: dict[int, list[int]] | None = None,
+                shape: tuple[int, int, int] | None = None) -> PackedBatch:
+    """The host arrays of one step (numpy; jit moves them). Inflight bookkeeping is the
+    caller's: this only reads the sequences. With ``drafts`` (slot -> the row's drafted
+    tokens, at most q - 1), a decode row carries its last token then its drafts at the
+    following positions; its unused queries repeat the last position and write to the
+    scratch page. ``last_q[r]`` is then the row's number of drafts. ``shape``: (R, width, Tp)
+    at least this plan's own (``plan_shape``), so data-parallel replicas share one shape."""
+    ps, W = sched.page_size, sched.window
+    hist = plan.prefill[0] if plan.prefill and plan.prefill[0].start > 0 else None
+    R, width, Tp = shape or plan_shape(plan, sched, q=q, pages_per_seq=pages_per_seq, max_num_seqs=max_num_seqs,
+                                       prefill_chunk=prefill_chunk)
     ww = window_width(width, q, W, ps)
     N = R * q + Tp
     tokens = np.full(N, pad_id, np.int32)

@@ -93,18 +93,7 @@ class PagedEngine:
         ps = config.page_size
         self.pages_per_seq = -(-max_model_len // ps)
         self.kv_dtype = kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
-        W = cfg.sliding_window if config.windowed_kv else None
-        self.window = W if W and any(cfg.layer_window(i) for i in range(cfg.n_layers)) else None
-        window_bytes, num_window_pages = 0, None
-        if self.window:
-            num_window_pages = window_pool_pages(self.window, ps, config.max_num_seqs, config.prefill_chunk,
-                                                 self.pages_per_seq)
-            window_bytes = num_window_pages * ps * cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.LOCAL)
-        full_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.GLOBAL if self.window else None)
-        # enough for every slot at full length (plus room for cached prefixes), within budget
-        num_pages = config.num_pages or max(2, min(
-            max(config.kv_cache_bytes - window_bytes, 0) // (max(full_bytes_per_token, 1) * ps),
-            2 * config.max_num_seqs * self.pages_per_seq + 1))
+        self.window, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, self.pages_per_seq)
         self.sched = Scheduler(max_num_seqs=config.max_num_seqs, page_size=ps, num_pages=num_pages,
                                prefill_chunk=config.prefill_chunk, prefix_caching=config.prefix_caching,
                                scheduling=config.scheduling, window=self.window, num_window_pages=num_window_pages)
@@ -510,18 +499,42 @@ class PagedEngine:
 
     # ------------------------------------------------------------------ slots
     def _insert_row(self, seq: Seq) -> None:
-        row, p = seq.row, seq.row.params
-        sampling = smp.make_sampling_state([p], [row.prompt_ids], self.cfg.vocab_size, default_seed=self.seed,
-                                           request_indices=[row.request_index])
-        if row.token_ids:  # recomputing after preemption: penalties must see what was generated
-            counts = np.bincount(row.token_ids, minlength=self.cfg.vocab_size).astype(np.int32)[None]
-            sampling = dataclasses.replace(sampling, output_counts=jnp.asarray(counts))
-        stop, mins = smp.min_tokens_inputs([p], self.tokenizer.eos_ids)
-        stop_ids = np.full((1, STOP_ID_WIDTH), -1, np.int32)
-        stop_ids[0, : min(stop.shape[1], STOP_ID_WIDTH)] = stop[0, :STOP_ID_WIDTH]
-        new = SlotState(sampling, jnp.zeros(1, jnp.int32), jnp.asarray(stop_ids), jnp.asarray(mins, jnp.int32),
-                        jnp.asarray([len(row.token_ids)], jnp.int32))
+        new = slot_state_for(seq.row, self.cfg.vocab_size, self.tokenizer.eos_ids, self.seed)
         self.slots = self._insert(self.slots, jnp.int32(seq.slot), new)
+
+
+def pool_sizes(cfg: ModelConfig, config: EngineConfig, kv_dtype, pages_per_seq: int):
+    """(window, full-length pages, window pages) of one engine's page pools: the window None
+    when no layer is windowed (or windowed_kv is off); enough full-length pages for every slot
+    at full length (plus room for cached prefixes), within the byte budget."""
+    ps = config.page_size
+    W = cfg.sliding_window if config.windowed_kv else None
+    window = W if W and any(cfg.layer_window(i) for i in range(cfg.n_layers)) else None
+    window_bytes, num_window_pages = 0, None
+    if window:
+        num_window_pages = window_pool_pages(window, ps, config.max_num_seqs, config.prefill_chunk, pages_per_seq)
+        window_bytes = num_window_pages * ps * cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.LOCAL)
+    full_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.GLOBAL if window else None)
+    num_pages = config.num_pages or max(2, min(
+        max(config.kv_cache_bytes - window_bytes, 0) // (max(full_bytes_per_token, 1) * ps),
+        2 * config.max_num_seqs * pages_per_seq + 1))
+    return window, num_pages, num_window_pages
+
+
+def slot_state_for(row: Row, vocab_size: int, eos_ids, seed: int) -> SlotState:
+    """One sequence's slot state (batch 1): its sampling state (penalties counting what it
+    generated before a preemption), stop ids, min_tokens and step count."""
+    p = row.params
+    sampling = smp.make_sampling_state([p], [row.prompt_ids], vocab_size, default_seed=seed,
+                                       request_indices=[row.request_index])
+    if row.token_ids:  # recomputing after preemption: penalties must see what was generated
+        counts = np.bincount(row.token_ids, minlength=vocab_size).astype(np.int32)[None]
+        sampling = dataclasses.replace(sampling, output_counts=jnp.asarray(counts))
+    stop, mins = smp.min_tokens_inputs([p], eos_ids)
+    stop_ids = np.full((1, STOP_ID_WIDTH), -1, np.int32)
+    stop_ids[0, : min(stop.shape[1], STOP_ID_WIDTH)] = stop[0, :STOP_ID_WIDTH]
+    return SlotState(sampling, jnp.zeros(1, jnp.int32), jnp.asarray(stop_ids), jnp.asarray(mins, jnp.int32),
+                     jnp.asarray([len(row.token_ids)], jnp.int32))
 
 
 def _grammar_prefix(matcher, drafts: list[int]) -> list[int]:

@@ -55,7 +55,7 @@ def load_gguf(path: Path, *, dtype: str, shardings_fn=None, quantize=None) -> Lo
 
     shardings = shardings_fn(specs, cfg) if shardings_fn else None
     tok = tokenizer_from_gguf(ck.metadata)
-    quantizer = make_quantizer(quantize, specs, cfg, tok, shardings)
+    quantizer = make_quantizer(quantize, specs, cfg, tok)
     weights = assemble(specs, cfg, mod.CHECKPOINT_NAMES, fetch, 1, shardings=shardings, quantizer=quantizer)
     return Loaded(cfg, weights, tok, "gguf")
 

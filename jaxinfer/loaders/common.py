@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.errors import CheckpointError, InvalidRequest
+from jaxinfer.errors import CheckpointError
 from jaxinfer.specs import is_spec, spec_dtype, weight_key
 
 
@@ -78,26 +78,36 @@ def assemble(
             out[index] = a
         else:
             for i, leaf in quantizer.add(index, key, layer, spec, a):
-                out[i] = leaf
+                out[i] = place(leaf, shard_leaves[i])
         del a
     if quantizer is not None:
         for i, leaf in quantizer.finish():
-            out[i] = leaf
+            out[i] = place(leaf, shard_leaves[i])
     return jax.tree.unflatten(treedef, out)
 
 
-def make_quantizer(quantize, specs, cfg, tokenizer, shardings):
+def place(leaf, sharding):
+    """A quantizer's output on its weight's devices: a QuantArray's parts split as
+    ``sharding.quant_shardings`` derives from the float weight's sharding, a float leaf (a
+    norm w8a8 folded a smoothing into) as declared. sharding None: left where it is."""
+    if sharding is None:
+        return leaf
+    from jaxinfer.quant import QuantArray
+    from jaxinfer.sharding import quant_shardings
+
+    if isinstance(leaf, QuantArray) and isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.device_put(leaf, quant_shardings(leaf, sharding))
+    return jax.device_put(leaf, sharding)  # one device: every part goes there
+
+
+def make_quantizer(quantize, specs, cfg, tokenizer):
     """A WeightQuantizer for ``quantize`` (a QuantConfig), or None; checks up front what
-    the scheme cannot do with this model, before any tensor is read."""
+    the scheme cannot do with this model, before any tensor is read. Sharded loading
+    quantizes each weight where its float shards are and then places the parts (``place``)."""
     if quantize is None:
         return None
     from jaxinfer.loaders.quantize import WeightQuantizer, check_quantizable
 
-    if shardings is not None:
-        raise InvalidRequest(
-            f"quantize={quantize.scheme.value!r} with sharded loading is not supported: the "
-            "quantized layouts ([I, O] matrices, packed int4) have no sharding rules yet"
-        )
     check_quantizable(specs, cfg, quantize)
     return WeightQuantizer(quantize, cfg=cfg, tokenizer=tokenizer)
 

@@ -235,6 +235,6 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None) -> Loaded:
 
         shardings = shardings_fn(specs, cfg) if shardings_fn else None
         tok = tokenizer_from_hf_dir(path)
-        quantizer = make_quantizer(quantize, specs, cfg, tok, shardings)
+        quantizer = make_quantizer(quantize, specs, cfg, tok)
         weights = assemble(specs, cfg, mod.CHECKPOINT_NAMES, fetch, 0, shardings=shardings, quantizer=quantizer)
     return Loaded(cfg, weights, tok, "hf")

@@ -37,9 +37,10 @@ import jax
 from jaxinfer import quant
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, InvalidRequest
-from jaxinfer.loaders.common import Loaded, make_quantizer, read_json
+from jaxinfer.loaders.common import Loaded, make_quantizer, place, read_json
 from jaxinfer.loaders.quantize import weight_name
 from jaxinfer.models.registry import family_module
+from jaxinfer.sharding import quant_shardings
 from jaxinfer.specs import is_spec, spec_dtype, weight_key
 
 FORMAT = "jaxinfer-orbax"
@@ -226,10 +227,10 @@ def load_orbax(path, *, dtype: str | None, shardings_fn=None, quantize=None) -> 
             + (f" with quant_group={quantize.group}" if quantize.group else "")
             + " (load it without quantize, or convert the float source again)"
         )
-    if saved_quant and shardings_fn is not None:
-        raise InvalidRequest(f"{path}: quantized weights cannot be loaded sharded (no sharding rules yet)")
     shardings = shardings_fn(specs, cfg) if shardings_fn else None
-    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # this process's own device: on process > 0 of a jax.distributed job jax.devices()[0]
+    # belongs to process 0 and cannot take this process's arrays
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     layouts = (saved_quant or {}).get("weights", {})
 
     if shardings is None:
@@ -239,10 +240,14 @@ def load_orbax(path, *, dtype: str | None, shardings_fn=None, quantize=None) -> 
         layout = layouts.get(weight_name(*weight_key(path_)))
         if layout is not None:
             try:
-                return quant.abstract_quant_array(layout["shape"], layout["contract"], layout["scheme"],
-                                                  layout.get("group", 0), layout.get("smooth", False), sharding)
+                qa = quant.abstract_quant_array(layout["shape"], layout["contract"], layout["scheme"],
+                                                layout.get("group", 0), layout.get("smooth", False), sharding)
             except (KeyError, TypeError, ValueError) as e:
                 raise CheckpointError(f"{path / META_FILE}: bad quantization layout ({e!r})") from None
+            if isinstance(sharding, jax.sharding.NamedSharding):  # each part split like its float weight
+                qa = jax.tree.map(lambda sds, sh: jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=sh),
+                                  qa, quant_shardings(qa, sharding))
+            return qa
         return jax.ShapeDtypeStruct(spec.shape, spec_dtype(spec, cfg), sharding=sharding)
 
     abstract = jax.tree_util.tree_map_with_path(target, specs, shardings, is_leaf=is_spec)
@@ -259,25 +264,27 @@ def load_orbax(path, *, dtype: str | None, shardings_fn=None, quantize=None) -> 
         weights = ckptr.restore(wdir, abstract)
     tok = _load_tokenizer(path, meta.get("tokenizer"))
     if quantize is not None and not saved_quant:
-        weights = _quantize_restored(weights, specs, cfg, tok, quantize)
+        weights = _quantize_restored(weights, specs, cfg, tok, quantize, shardings if shardings_fn else None)
     return Loaded(cfg, weights, tok, "orbax")
 
 
-def _quantize_restored(weights, specs, cfg, tok, qcfg):
+def _quantize_restored(weights, specs, cfg, tok, qcfg, shardings=None):
     """Quantize a restored float tree weight by weight, in checkpoint order (what w8a8's
-    layer-by-layer calibration needs), dropping each float weight as it goes."""
-    quantizer = make_quantizer(qcfg, specs, cfg, tok, None)
+    layer-by-layer calibration needs), dropping each float weight as it goes; with
+    ``shardings`` (the float weights'), each quantized weight is split like its float one."""
+    quantizer = make_quantizer(qcfg, specs, cfg, tok)
     spec_leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+    shard_leaves = jax.tree.leaves(shardings) if shardings is not None else [None] * len(spec_leaves)
     arrays = treedef.flatten_up_to(weights)
     del weights
     out = [None] * len(arrays)
     for index, (path_, spec) in enumerate(spec_leaves):
         a, arrays[index] = arrays[index], None
         for i, leaf in quantizer.add(index, *weight_key(path_), spec, a):
-            out[i] = leaf
+            out[i] = place(leaf, shard_leaves[i])
         del a
     for i, leaf in quantizer.finish():
-        out[i] = leaf
+        out[i] = place(leaf, shard_leaves[i])
     return jax.tree.unflatten(treedef, out)
 
 

@@ -214,6 +214,12 @@ class _Calibration:
         self.layer_cfg = lambda i: dataclasses.replace(
             cfg, n_layers=1, layer_kinds=cfg.layer_kinds[i : i + 1])
         self.x = None  # hidden state entering the next layer, [1, T, D]
+        # Calibration runs each layer on one device, even when the model loads sharded (the
+        # peak there: one float layer). Sharded matmuls sum in another order, the maxima move
+        # by an ulp, and a rounding flipped in one layer's int8 weights moves every later
+        # layer's statistics: on one device the quantized weights are the same whatever the
+        # mesh, so a sharded w8a8 model computes what the one-device one does.
+        self.device = jax.local_devices()[0]
         self.n_done = 0
         self.pending: dict[str, tuple[int, object, jax.Array]] = {}
 
@@ -221,7 +227,7 @@ class _Calibration:
         if layer is None:  # embedding / LM head (weight-only int8: head_scheme), final norm
             q = quantize_weight(name, spec, w, self.qcfg)
             if key == ("embed",):
-                self.x = self.mod.embed({"embed": q}, self.tokens, self.cfg)
+                self.x = jax.device_put(self.mod.embed({"embed": q}, self.tokens, self.cfg), self.device)
             return [(index, q)]
         if self.x is None:
             raise InvalidRequest("w8a8 calibration needs the embedding before the layers")
@@ -234,7 +240,7 @@ class _Calibration:
 
     def _calibrate_layer(self, i: int):
         cfg = self.layer_cfg(i)
-        floats = {n: w for n, (_, _, w) in self.pending.items()}
+        floats = jax.device_put({n: w for n, (_, _, w) in self.pending.items()}, self.device)
         _, absmax = self.run(floats, self.x, self.tokens, cfg=cfg, observe=True)
         specs = {n: spec for n, (_, spec, _) in self.pending.items()}
         qlayer = _smooth_layer(floats, specs, absmax, self.qcfg, cfg, name=f"layers/{i}")

@@ -1,0 +1,91 @@
+"""Parallelism over two processes on 127.0.0.1 joined by jax.distributed, 4 CPU devices each
+(jax's CPU backend runs cross-process collectives over gloo).
+
+* ``LLM`` on one global mesh: data 2 across the processes x model 4 within each, every process
+  running the same requests (SPMD); greedy tokens equal one process on one device.
+* ``jaxinfer batch --tensor-parallel-size 4``: each process keeps tensor parallelism on its own
+  4 devices and answers its share of the input lines (data parallelism across hosts is the
+  batch job's split of lines); the ids and greedy tokens equal one process's.
+"""
+
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.batch_testing import batch_cmd, by_id, completion, read_jsonl, subprocess_env, write_jsonl
+
+_PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "Hi there"]
+
+_LLM = textwrap.dedent("""
+    import sys, jax
+    port, pid, model = sys.argv[1], sys.argv[2], sys.argv[3]
+    if pid != "single":
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=int(pid))
+    from jaxinfer import LLM, SamplingParams
+    kw = dict(tensor_parallel_size=4, data_parallel_size=2) if pid != "single" else {}
+    llm = LLM(model, progress=False, max_model_len=256, max_num_seqs=4, **kw)
+    if pid != "single":  # one mesh over both processes' devices, a model group per process
+        assert dict(llm.mesh.shape) == {"data": 2, "stage": 1, "model": 4}, llm.mesh
+        rows = llm.mesh.devices.reshape(2, -1)
+        assert {d.process_index for d in rows[0]} == {0} and {d.process_index for d in rows[1]} == {1}
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    print("OUT", [o.outputs[0].token_ids for o in llm.generate(%r, sp, use_tqdm=False)], flush=True)
+""" % _PROMPTS)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(tmp_path_factory, devices: int | None):
+    env = subprocess_env(tmp_path_factory.getbasetemp().parent / "jax-compilation-cache")
+    if devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def test_llm_on_one_global_mesh_over_two_processes_equals_one_device(tiny_gguf, tmp_path_factory):
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _LLM, str(port), str(pid), str(tiny_gguf)],
+                              env=_env(tmp_path_factory, 4), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for pid in (0, 1)]
+    one = subprocess.run([sys.executable, "-c", _LLM, "0", "single", str(tiny_gguf)], env=_env(tmp_path_factory, None),
+                         capture_output=True, text=True, timeout=600)
+    results = [p.communicate(timeout=600) for p in procs]
+    assert one.returncode == 0, one.stderr[-3000:]
+    want = [x for x in one.stdout.splitlines() if x.startswith("OUT")]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+        assert [x for x in out.splitlines() if x.startswith("OUT")] == want
+
+
+@pytest.mark.slow
+def test_batch_tensor_parallel_4_per_process_two_processes_equal_one(tiny_gguf, tmp_path, tmp_path_factory):
+    lines = [completion(f"id-{i}", f"Say {i}", max_tokens=4, temperature=0) for i in range(8)]
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
+    one = tmp_path / "one.jsonl"
+    r = subprocess.run(batch_cmd(inp, one, tiny_gguf), env=_env(tmp_path_factory, None), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = tmp_path / "two.jsonl"
+    port = _free_port()
+    procs = [subprocess.Popen(batch_cmd(inp, two, tiny_gguf, "--tensor-parallel-size", 4, "--coordinator-address",
+                                        f"127.0.0.1:{port}", "--num-processes", 2, "--process-id", pid),
+                              env=_env(tmp_path_factory, 4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for pid in (0, 1)]
+    results = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+        assert "requests answered" in err
+    a, b = by_id(read_jsonl(one)), by_id(read_jsonl(two))
+    assert sorted(a) == sorted(b) == sorted(f"id-{i}" for i in range(8))
+    text = lambda r: r["response"]["body"]["choices"][0]["text"]  # noqa: E731
+    assert {k: text(v) for k, v in a.items()} == {k: text(v) for k, v in b.items()}
+    # process 1 answered a share (process 0 reports the sum of both)
+    share = int(results[1][1].split("this run: ")[1].split(" requests")[0])
+    assert 0 < share < 8, share
