@@ -235,14 +235,15 @@ def test_random_draft_gives_the_goldens(smollm2_gguf, tiny_gguf):
     """A random draft (a tiny Llama with SmolLM2's vocabulary) is rejected nearly always, and
     the output is still the transformers goldens token for token."""
     llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, kv_cache_bytes=KV_BYTES,
-              speculative_config={"method": "draft_model", "model": str(tiny_gguf), "num_speculative_tokens": 2})
+              speculative_config={"method": "draft_model", "model": str(tiny_gguf), "num_speculative_tokens": 2,
+                                  "disable_by_batch_size": 16})
     assert _golden_ids(llm) == [c["greedy_ids"] for c in GOLDEN]
     st = llm.engine.spec_stats
     assert st.steps > 0 and st.drafted > 0 and st.accepted < st.drafted / 4
 
 
 DRAFT_INT8 = {"method": "draft_model", "model": "smollm2-135m-instruct", "quantization": "int8",
-              "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+              "num_speculative_tokens": 3, "disable_by_batch_size": 16}
 
 
 @pytest.fixture(scope="module")
