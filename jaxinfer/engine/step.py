@@ -196,17 +196,15 @@ def _draft_model_drafts(draft_weights, batch: PackedBatch, draft_kv, sub: SlotSt
     tok, q0 = draw(h, drafts, 0)
     drafts = drafts.at[:, 0].set(tok)
 
-    def one(carry, j):  # pass j: the keys and values of draft j - 1, and draft j
-        kv_, drafts, cur = carry
-        h, kv_ = run(_decode_row_batch(batch, j, cur, with_prefill=False), kv_, cur)
-        nxt, q = jax.lax.cond(j < k, lambda: draw(h, drafts, j),
-                              lambda: (jnp.zeros(R, jnp.int32), jnp.zeros_like(q0)))
-        drafts = jnp.where(jnp.arange(k)[None] == j, nxt[:, None], drafts)
-        return (kv_, drafts, nxt), q
-
-    (draft_kv, drafts, _), qs = jax.lax.scan(one, (draft_kv, drafts, tok), jnp.arange(1, k + 1))
-    q = jnp.concatenate([q0[:, None], jnp.moveaxis(qs[: k - 1], 0, 1)], axis=1)  # f32[R, k, V]
-    return drafts, q, draft_kv
+    # unrolled, not a scan: a loop carrying the page pools made XLA:CPU copy them every pass
+    qs = [q0]
+    for j in range(1, k + 1):  # pass j: the keys and values of draft j - 1, then draft j
+        h, draft_kv = run(_decode_row_batch(batch, j, tok, with_prefill=False), draft_kv, tok)
+        if j < k:
+            tok, q = draw(h, drafts, j)
+            drafts = drafts.at[:, j].set(tok)
+            qs.append(q)
+    return drafts, jnp.stack(qs, axis=1), draft_kv  # f32[R, k, V]
 
 
 @jax.tree_util.register_dataclass
