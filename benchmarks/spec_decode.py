@@ -7,7 +7,8 @@ interleaved per repeat so the machine's load falls on all of them alike; medians
   up to 128 new tokens, one request at a time: off, ngram (k=4, lookup 1-4), early_exit;
 * batch 1, general chat prompts: off, early_exit, ngram, medusa (k=3, the committed heads),
   draft_model (k=3; the draft is SmolLM2 itself quantized to int8 while loading: the only
-  smaller model we have with its vocabulary, a quarter of its weight bytes);
+  smaller model we have with its vocabulary, a quarter of its weight bytes; on this CPU its
+  batch-1 forward is no faster than float32's, so it measures overhead, not a speedup);
 * batch 16 (16 chat prompts at once): off against ngram with its default disable_by_batch_size.
 Every mode's greedy tokens are checked equal to plain decoding's before anything is timed.
 """
