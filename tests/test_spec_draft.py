@@ -276,7 +276,8 @@ def test_int8_draft_batched_mixed_acceptance_equals_plain(int8_draft_llm, smollm
     assert [o.outputs[0].token_ids for o in outs] == want
     st = int8_draft_llm.engine.spec_stats
     assert st.accepted > before["spec_accepted_tokens"]
-    assert st.drafted - before["spec_drafted_tokens"] > st.accepted - before["spec_accepted_tokens"]  # some rejected
+    if batch > 1:  # the open prompts reject some (the one batch-1 prompt, a copy, may accept all)
+        assert st.drafted - before["spec_drafted_tokens"] > st.accepted - before["spec_accepted_tokens"]
     assert sum(o.metrics.spec_accepted_tokens for o in outs) == st.accepted - before["spec_accepted_tokens"]
 
 
