@@ -5,7 +5,10 @@ interleaved per repeat so the machine's load falls on all of them alike; medians
 
 * batch 1, input-grounded prompts (copy or quote a passage, edit or annotate code), greedy,
   up to 128 new tokens, one request at a time: off, ngram (k=4, lookup 1-4), early_exit;
-* batch 1, general chat prompts: off, early_exit, ngram, medusa (k=3, the committed heads);
+* batch 1, general chat prompts: off, early_exit, ngram, medusa (k=3, the committed heads),
+  draft_model (k=3; the draft is SmolLM2 itself quantized to int8 while loading: the only
+  smaller model we have with its vocabulary, a quarter of its weight bytes; on this CPU its
+  batch-1 forward is no faster than float32's, so it measures overhead, not a speedup);
 * batch 16 (16 chat prompts at once): off against ngram with its default disable_by_batch_size.
 Every mode's greedy tokens are checked equal to plain decoding's before anything is timed.
 """
@@ -58,7 +61,11 @@ def main() -> None:
     ap.add_argument("--early-exit-layers", type=int, default=24)
     ap.add_argument("--medusa", default="checkpoints/medusa-smollm2-135m-instruct",
                     help="Medusa heads directory (jaxinfer train-medusa); skipped if missing")
+    ap.add_argument("--draft", default=None, help="draft_model's draft (default: --model itself)")
+    ap.add_argument("--draft-quantization", default="int8", help="int8 or int4: quantize the draft while loading")
+    ap.add_argument("--draft-k", type=int, default=3)
     ap.add_argument("--only", nargs="*", default=None, help="cases to run (default: all)")
+    ap.add_argument("--modes", nargs="*", default=None, help="modes to load and run (default: all)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -73,6 +80,10 @@ def main() -> None:
 
     if os.path.isdir(args.medusa):
         modes["medusa"] = {"method": "medusa", "num_speculative_tokens": 3, "model": args.medusa}
+    modes["draft_model"] = {"method": "draft_model", "num_speculative_tokens": args.draft_k,
+                            "model": args.draft or args.model, "quantization": args.draft_quantization}
+    if args.modes:
+        modes = {m: c for m, c in modes.items() if m in args.modes or m == "off"}
     llms = {m: LLM(args.model, progress=False, max_model_len=1024, max_num_seqs=16, speculative_config=c)
             for m, c in modes.items()}
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -95,9 +106,10 @@ def main() -> None:
 
     cases = {
         "batch1_grounded": (one_at_a_time, GROUNDED, ["off", "ngram", "early_exit"]),
-        "batch1_chat": (one_at_a_time, CHAT, ["off", "early_exit", "ngram"] + (["medusa"] if "medusa" in modes else [])),
+        "batch1_chat": (one_at_a_time, CHAT, ["off", "early_exit", "ngram", "medusa", "draft_model"]),
         "batch16_chat": (batched, (CHAT * 4)[:16], ["off", "ngram"]),
     }
+    cases = {name: (run, prompts, [m for m in ms if m in modes]) for name, (run, prompts, ms) in cases.items()}
     results = {}
     for name, (run, prompts, ms) in cases.items():
         if args.only and name not in args.only:

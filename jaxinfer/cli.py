@@ -52,7 +52,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(methods: ngram with prompt_lookup_min/max, early_exit with num_layers, medusa with "
-                        "model; disable_by_batch_size, default 4)")
+                        "model, draft_model with model and optional quantization int8/int4; "
+                        "disable_by_batch_size, default 4)")
     _add_parallel(p)
 
 

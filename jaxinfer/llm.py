@@ -18,7 +18,7 @@ from jaxinfer.cache import KV_CACHE_DTYPES
 from jaxinfer.config import default_dtype
 from jaxinfer.engine.paged import EngineConfig, PagedEngine, Scheduling
 from jaxinfer.engine.rows import Row
-from jaxinfer.engine.speculative import SpeculativeConfig
+from jaxinfer.engine.speculative import SpecMethod, SpeculativeConfig
 from jaxinfer.engine.static import StaticEngine
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.loaders import checkpoint
@@ -123,13 +123,24 @@ class LLM:
                                                  config=ecfg, seed=seed, mesh=mesh)
             else:
                 self.engine = PagedEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
-                                          config=ecfg, seed=seed, speculative=spec, mesh=mesh)
+                                          config=ecfg, seed=seed, speculative=spec, mesh=mesh,
+                                          draft=self._load_draft(spec, dtype, progress))
             if getattr(self.engine, "pipeline", None) is not None:  # the weights now live stacked by stage
                 self.weights = self.engine.weights
                 self.parallel = dict(self.parallel, **self.engine.pipeline.report())
         else:
             raise InvalidRequest(f"engine must be 'paged' or 'static', got {engine!r}")
         self._request_counter = 0
+
+    @staticmethod
+    def _load_draft(spec: SpeculativeConfig | None, dtype: str, progress: bool):
+        """(ModelConfig, weights) of speculative_config's draft model, loaded like the target (in
+        its dtype, quantized while loading when the config says so), or None."""
+        if spec is None or spec.method != SpecMethod.DRAFT_MODEL:
+            return None
+        path = registry.resolve(spec.model, progress=progress)
+        loaded = checkpoint.load(path, dtype=dtype, quantize=quant.quant_config(spec.quantization))
+        return loaded.cfg, loaded.weights
 
     def get_tokenizer(self):
         return self.tokenizer

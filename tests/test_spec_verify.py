@@ -256,3 +256,27 @@ def test_row_without_drafts_draws_as_the_plain_sampler():
                   stop, mins)
     np.testing.assert_array_equal(out.accepted, 0)
     np.testing.assert_array_equal(out.tokens[:, 0], _sample(logits[:, 0], state, step))
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.8), dict(temperature=0.9, top_k=4, top_p=0.8)])
+def test_draft_sample_draws_from_the_q_it_returns(kw):
+    """A draft model's q is the row's own shaping of the draft's logits (independent numpy
+    shaping), its draws follow q (chi-square over rows that differ only in their step), and a
+    greedy row takes the argmax."""
+    V, N = 12, 20000
+    logits = np.random.default_rng(2).normal(size=V).astype(np.float32) * 2
+    state = _state([SamplingParams(seed=7, **kw)] * N, V)
+    stop, mins = _no_min(N)
+    tokens, q = jax.jit(S.draft_sample)(jnp.tile(jnp.asarray(logits), (N, 1)), jnp.full((N, 0), -1, jnp.int32), state,
+                                        jnp.arange(N, dtype=jnp.int32), stop, mins)
+    want = ref_probs(logits, kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0), 0.0)
+    np.testing.assert_allclose(np.asarray(q[0]), want, atol=1e-6)
+    observed = np.bincount(np.asarray(tokens), minlength=V)
+    keep = want > 0
+    assert observed[~keep].sum() == 0
+    assert scipy.stats.chisquare(observed[keep], want[keep] * N).pvalue > 1e-4
+    g_state = _state([SamplingParams(temperature=0)], V)
+    stop, mins = _no_min(1)
+    tok, _ = S.draft_sample(jnp.asarray(logits)[None], jnp.full((1, 0), -1, jnp.int32), g_state,
+                            jnp.zeros(1, jnp.int32), stop, mins)
+    assert int(tok[0]) == int(np.argmax(logits))

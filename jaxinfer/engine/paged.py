@@ -32,7 +32,15 @@ from jaxinfer.engine.compiles import CompileCounter
 from jaxinfer.engine.rows import Row, position_logprobs, record_token
 from jaxinfer.engine.scheduler import Scheduler, Scheduling, Seq, window_pool_pages
 from jaxinfer.engine.speculative import SpecMethod, SpeculativeConfig, SpecStats, ngram_propose
-from jaxinfer.engine.step import STOP_ID_WIDTH, SlotState, insert_step, make_slots, packed_step, spec_step
+from jaxinfer.engine.step import (
+    STOP_ID_WIDTH,
+    SlotState,
+    draft_kv_step,
+    insert_step,
+    make_slots,
+    packed_step,
+    spec_step,
+)
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.packed import PackedBatch
 
@@ -84,7 +92,8 @@ class PagedEngine:
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, max_model_len: int,
                  config: EngineConfig = EngineConfig(), seed: int = 0,
-                 speculative: SpeculativeConfig | None = None, mesh=None):
+                 speculative: SpeculativeConfig | None = None, mesh=None, draft=None):
+        """draft: (ModelConfig, weights) of the draft model when speculative is draft_model."""
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.max_model_len = max_model_len
         self.config = config
@@ -144,14 +153,40 @@ class PagedEngine:
                 raise InvalidRequest(f"speculative_config num_speculative_tokens="
                                      f"{self.spec.num_speculative_tokens} needs as many Medusa heads; "
                                      f"{self.spec.model} has {self._heads['w'].shape[0]}")
+        self.draft_cfg = self.draft_weights = self.draft_kv = None
+        if self.spec is not None and self.spec.method == SpecMethod.DRAFT_MODEL:
+            self._init_draft(draft, num_pages)
         self._spec_step = self._compiles.counted(jax.jit(
             functools.partial(spec_step, windowed=self.windowed),
-            static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode", "draft_layers"),
-            donate_argnames=("k_pages", "v_pages", "slots")))
+            static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode", "draft_layers", "draft_cfg"),
+            donate_argnames=("k_pages", "v_pages", "slots", "draft_kv")))
+        self._draft_step = self._compiles.counted(jax.jit(
+            functools.partial(draft_kv_step), static_argnames=("draft_cfg", "kernel_mode"),
+            donate_argnames=("draft_kv",)))
         self._seqs: dict[int, Seq] = {}  # id(row) -> its sequence, for abort
         self._inflight: _InFlight | None = None
         self._bitmask: np.ndarray | None = None  # i32[S, V/32] structured-output masks, made on first use
         self.shapes_run: set[tuple] = set()  # (R, width, Tp, q, logprobs, prompt logprobs) of every step run
+
+    def _init_draft(self, draft, num_pages: int) -> None:
+        """The draft model of speculative draft_model and its page pools: as many pages as the
+        target's full-length pools, addressed by the same page tables (so a page holds the
+        same positions in both, whatever prefix caching, preemption and rejection do to it).
+        Its sliding-window layers, if any, keep every position: the window pools' tables
+        follow the target's layers, not the draft's."""
+        if draft is None:
+            raise InvalidRequest("speculative_config method draft_model needs its draft model loaded "
+                                 "(LLM loads speculative_config's model)")
+        dcfg, dweights = draft
+        if dcfg.vocab_size != self.cfg.vocab_size:
+            raise InvalidRequest(f"speculative_config draft model {self.spec.model} has a vocabulary of "
+                                 f"{dcfg.vocab_size} tokens; the target's has {self.cfg.vocab_size} "
+                                 "(a draft model must share the target's vocabulary)")
+        if self.mesh is not None:
+            raise InvalidRequest("speculative_config method draft_model does not run with tensor parallelism yet")
+        pools = kv.init_paged_cache(dcfg, num_pages, self.config.page_size,
+                                    kv.kv_storage_dtype(self.config.kv_cache_dtype, dcfg))
+        self.draft_cfg, self.draft_weights, self.draft_kv = dcfg, dweights, (pools.k, pools.v)
 
     # ------------------------------------------------------------------ reports
     @property
@@ -160,7 +195,8 @@ class PagedEngine:
 
     @property
     def last_cache_bytes(self) -> int:
-        return sum(a.nbytes for a in self.k_pages + self.v_pages)
+        pools = self.k_pages + self.v_pages + (list(self.draft_kv[0]) + list(self.draft_kv[1]) if self.draft_kv else [])
+        return sum(a.nbytes for a in pools)
 
     def num_compilations(self) -> int:
         """Executables built so far by the engine's jitted steps (each compiled, or loaded from
@@ -207,9 +243,14 @@ class PagedEngine:
         guide: None, or (bitmask i32[R, V/32], has_mask bool[R]) for the decode rows."""
         self.shapes_run.add((batch.rows, batch.table.shape[1], batch.prefill_len, batch.q, num_logprobs,
                              prompt_logprobs) + (("guided",) if guide is not None else ()))
+        mode = kernels.current_mode()
+        if self.draft_cfg is not None:  # the draft writes its keys and values of the same tokens (before
+            # the target's step, which donates the slots whose last tokens a use_prev row reads)
+            self.draft_kv = self._draft_step(self.draft_weights, batch, self.draft_kv, self.slots.last_tokens,
+                                             draft_cfg=self.draft_cfg, kernel_mode=mode)
         out, self.k_pages, self.v_pages, self.slots = self._step(
             self.weights, batch, self.k_pages, self.v_pages, self.slots, guide, cfg=self.cfg, num_logprobs=num_logprobs,
-            prompt_logprobs=prompt_logprobs, kernel_mode=kernels.current_mode())
+            prompt_logprobs=prompt_logprobs, kernel_mode=mode)
         return out
 
     def warmup(self, max_prompt_len: int | None = None, max_len: int | None = None) -> int:
@@ -225,10 +266,11 @@ class PagedEngine:
             if 0 < R <= spec_rows:  # the verification step of each shape speculation can run at
                 q = self.spec.num_speculative_tokens + 1
                 draft_layers = self.spec.num_layers if self.spec.method == SpecMethod.EARLY_EXIT else 0
-                _, self.k_pages, self.v_pages, self.slots = self._spec_step(
+                _, self.k_pages, self.v_pages, self.slots, self.draft_kv = self._spec_step(
                     self.weights, self.idle_batch(R, w, Tp, q=q), self.k_pages, self.v_pages, self.slots,
-                    self._heads, cfg=self.cfg, num_logprobs=-1, prompt_logprobs=-1, kernel_mode=kernels.current_mode(),
-                    draft_layers=draft_layers)
+                    self._heads, None, self.draft_weights, self.draft_kv, cfg=self.cfg, num_logprobs=-1,
+                    prompt_logprobs=-1, kernel_mode=kernels.current_mode(), draft_layers=draft_layers,
+                    draft_cfg=self.draft_cfg)
         self.slots = make_slots(self.cfg.vocab_size, self.max_num_seqs, self.seed)  # warm-up sampled into idle slots
         if self.mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
@@ -387,7 +429,7 @@ class PagedEngine:
                 d = ngram_propose(s.tokens, budget, spec.prompt_lookup_min, spec.prompt_lookup_max)
             elif spec.method == SpecMethod.MEDUSA:  # the heads' guesses from the previous step
                 d = list(s.drafts[:budget])
-            else:  # early_exit: placeholders, drafted on device inside the step
+            else:  # early_exit, draft_model: placeholders, drafted on device inside the step
                 d = [pad] * budget
             if d or spec.method == SpecMethod.MEDUSA:  # medusa rows need the step that runs the heads
                 drafts[s] = d
@@ -424,9 +466,11 @@ class PagedEngine:
         spec, stats = self.spec, self.spec_stats
         decoding = [s for s in self.sched.slots if s is not None and s.state.value == "decode"]
         constrained = [s for s in decoding if s.row.guided is not None]
-        # early-exit drafts are made on device, where no grammar can check them: such steps run plain
+        # early-exit and draft-model drafts are made on device, where no grammar can check them:
+        # such steps run plain
+        on_device = spec.method in (SpecMethod.EARLY_EXIT, SpecMethod.DRAFT_MODEL)
         drafts = self._propose(decoding) if 0 < len(decoding) <= spec.disable_by_batch_size and \
-            not (constrained and spec.method == SpecMethod.EARLY_EXIT) else {}
+            not (constrained and on_device) else {}
         for s in constrained:  # a row under a grammar drafts only what its grammar allows
             if s in drafts:
                 drafts[s] = _grammar_prefix(s.row.guided, drafts[s])
@@ -456,9 +500,10 @@ class PagedEngine:
         draft_layers = spec.num_layers if spec.method == SpecMethod.EARLY_EXIT else 0
         self.shapes_run.add((batch.rows, batch.table.shape[1], batch.prefill_len, q, num_lp, plp))
         guide = self._block_guide(plan.decode, rows, batch.rows, q)
-        out, self.k_pages, self.v_pages, self.slots = self._spec_step(
-            self.weights, batch, self.k_pages, self.v_pages, self.slots, self._heads, guide, cfg=self.cfg,
-            num_logprobs=num_lp, prompt_logprobs=plp, kernel_mode=kernels.current_mode(), draft_layers=draft_layers)
+        out, self.k_pages, self.v_pages, self.slots, self.draft_kv = self._spec_step(
+            self.weights, batch, self.k_pages, self.v_pages, self.slots, self._heads, guide, self.draft_weights,
+            self.draft_kv, cfg=self.cfg, num_logprobs=num_lp, prompt_logprobs=plp, kernel_mode=kernels.current_mode(),
+            draft_layers=draft_layers, draft_cfg=self.draft_cfg)
         self.sched.prefill_done(plan.prefill)
         plp_segments = _prompt_logprob_segments(plan)
         if plp_segments:

@@ -1,9 +1,11 @@
 """Speculative decoding's host side: the configuration (vLLM's ``speculative_config``), the
 prompt-lookup proposer, and the acceptance statistics.
 
-Every method proposes a deterministic block of drafts, so verification treats them as a point
-mass (accept draft x with probability p(x), resample from p without x on rejection): lossless
-in every sampling mode (see ``sampling.verify``). Where drafts come from:
+Every method but ``draft_model`` proposes a deterministic block of drafts, so verification
+treats them as a point mass (accept draft x with probability p(x), resample from p without x
+on rejection); a draft model's tokens come with their distribution q (accept with probability
+min(1, p(x)/q(x)), resample from norm(max(0, p - q))). Lossless in every sampling mode (see
+``sampling.verify``). Where drafts come from:
 
 * ``ngram``: the longest suffix of the sequence (prompt + output), between
   ``prompt_lookup_min`` and ``prompt_lookup_max`` tokens, that occurred earlier; the tokens that
@@ -11,6 +13,14 @@ in every sampling mode (see ``sampling.verify``). Where drafts come from:
 * ``early_exit``: the model's own first ``num_layers`` layers, final norm and head, run
   greedily k times inside the same jitted step before the block is verified; their keys and
   values go to the target's own pages (the verification pass rewrites them).
+* ``draft_model``: a second, smaller model with the same vocabulary (``model``: a registry
+  name or a path, optionally quantized while loading with ``quantization``) drafts k tokens
+  autoregressively inside the jitted step, sampling each with the row's own temperature /
+  top-k / top-p shaping, and hands its distributions q to verification (true rejection
+  sampling, not a point mass). It keeps its own page pools, indexed by the target's page
+  tables, and runs over every token the target computes (prefill chunks and plain decode
+  steps too), so its pages hold the same positions as the target's under prefix caching,
+  preemption and rejection.
 * ``medusa``: K trained heads (``models.medusa``, from ``model``) on the hidden state of each
   verified position, read out by the model's own LM head in the same matmul as the
   verification logits; the heads at the accepted position give the next block's drafts.
@@ -29,11 +39,13 @@ from jaxinfer.errors import InvalidRequest
 class SpecMethod(str, enum.Enum):
     NGRAM = "ngram"
     EARLY_EXIT = "early_exit"
+    DRAFT_MODEL = "draft_model"
     MEDUSA = "medusa"
 
 
 _FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "num_layers",
-           "disable_by_batch_size", "model"}
+           "disable_by_batch_size", "model", "quantization"}
+_QUANTIZATIONS = ("int8", "int4")  # draft_model: weight-only schemes applied while loading the draft
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +56,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # ngram: shortest suffix looked up
     num_layers: int | None = None  # early_exit: layers that draft
     disable_by_batch_size: int = 4  # steps with more decoding rows than this run without speculation
-    model: str | None = None  # medusa: the heads directory (``jaxinfer train-medusa``)
+    model: str | None = None  # medusa: the heads directory (``jaxinfer train-medusa``); draft_model: the draft
+    quantization: str | None = None  # draft_model: quantize the draft's weights while loading (int8, int4)
 
     @classmethod
     def parse(cls, spec, n_layers: int | None = None) -> "SpeculativeConfig | None":
@@ -73,8 +86,11 @@ class SpeculativeConfig:
             kw = {k: v for k, v in spec.items() if k != "method"}
             if "model" in kw and not isinstance(kw["model"], str):
                 raise InvalidRequest(f"speculative_config model must be a path, got {kw['model']!r}")
+            if kw.get("quantization") is not None and kw["quantization"] not in _QUANTIZATIONS:
+                raise InvalidRequest(f"speculative_config quantization must be one of {', '.join(_QUANTIZATIONS)}, "
+                                     f"got {kw['quantization']!r}")
             for name, v in kw.items():
-                if name != "model" and (not isinstance(v, int) or isinstance(v, bool)):
+                if name not in ("model", "quantization") and (not isinstance(v, int) or isinstance(v, bool)):
                     raise InvalidRequest(f"speculative_config {name} must be an integer, got {v!r}")
             if "num_speculative_tokens" not in kw:
                 raise InvalidRequest("speculative_config needs num_speculative_tokens (k >= 1)")
@@ -103,8 +119,13 @@ class SpeculativeConfig:
         if self.method == SpecMethod.MEDUSA and not self.model:
             raise InvalidRequest("speculative_config method medusa needs model: a heads directory "
                                  "(made by jaxinfer train-medusa)")
-        if self.method != SpecMethod.MEDUSA and self.model is not None:
-            raise InvalidRequest(f"speculative_config model applies to medusa, not {self.method.value}")
+        if self.method == SpecMethod.DRAFT_MODEL and not self.model:
+            raise InvalidRequest("speculative_config method draft_model needs model: a registry name or a path "
+                                 "of a model with the target's vocabulary")
+        if self.method not in (SpecMethod.MEDUSA, SpecMethod.DRAFT_MODEL) and self.model is not None:
+            raise InvalidRequest(f"speculative_config model applies to medusa and draft_model, not {self.method.value}")
+        if self.method != SpecMethod.DRAFT_MODEL and self.quantization is not None:
+            raise InvalidRequest(f"speculative_config quantization applies to draft_model, not {self.method.value}")
 
 
 def ngram_propose(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -3,7 +3,9 @@ and placing a sequence into a decode slot.
 
 ``packed_step`` runs the model once over a ``models.packed.PackedBatch`` (decode rows plus a
 packed prefill row), samples one token for every decode row, and returns the page pools and
-the per-slot device state, both donated. The kernel mode is a static argument, so it is part
+the per-slot device state, both donated. With a draft model (speculative ``draft_model``),
+``draft_kv_step`` runs the draft over the same batch into its own pools, and ``spec_step``
+drafts with it before verifying. The kernel mode is a static argument, so it is part
 of the executable's cache key.
 """
 
@@ -140,6 +142,81 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
     return StepOutput(new, lp, row_logits, plp), k_pages, v_pages, slots
 
 
+def _decode_row_batch(batch: PackedBatch, j: int | jax.Array, tokens, *, with_prefill: bool) -> PackedBatch:
+    """The q = 1 batch of query j of every decode row of a q-query batch (token ``tokens``
+    i32[R]), followed by the prefill row when with_prefill: what a draft model computes in one
+    pass of a speculative step."""
+    R, Q = batch.rows, batch.q
+    at = lambda a: a[: R * Q].reshape(R, Q)[:, j]  # noqa: E731
+    rest = lambda a, pre: jnp.concatenate([pre, a[R * Q :]]) if with_prefill else pre  # noqa: E731
+    none = jnp.zeros(0, jnp.int32)
+    return PackedBatch(tokens=rest(batch.tokens, tokens), positions=rest(batch.positions, at(batch.positions)),
+                       write_page=rest(batch.write_page, at(batch.write_page)),
+                       write_wpage=rest(batch.write_wpage, at(batch.write_wpage)),
+                       active=batch.active, use_prev=jnp.zeros(R, bool), last_q=jnp.zeros(R, jnp.int32),
+                       table=batch.table, wtable=batch.wtable, wbase=batch.wbase,
+                       seg=batch.seg if with_prefill else none, hist_end=batch.hist_end if with_prefill else jnp.int32(0),
+                       targets=batch.targets if with_prefill else none, rows=R, q=1)
+
+
+def draft_kv_step(draft_weights, batch: PackedBatch, draft_kv, last_tokens, *, draft_cfg, kernel_mode):
+    """A plain step's draft pass: the draft model runs over every token of ``batch`` (decode
+    rows and prefill row alike, the first query of a use_prev row being last_tokens i32[S]'s)
+    only to write its keys and values to its own pools draft_kv = (k, v), which it returns
+    (donated). Keeps the draft's pages holding every position the target's hold."""
+    with kernels.traced_with(kernel_mode):
+        mod = family_module(draft_cfg.family)
+        R, Q = batch.rows, batch.q
+        tokens = batch.tokens
+        if R:
+            first = jnp.where(batch.use_prev, last_tokens[:R], tokens[0 : R * Q : Q])
+            tokens = tokens.at[0 : R * Q : Q].set(first)
+        cache = PackedKV(*draft_kv, batch, (), kernel_mode != kernels.KernelMode.OFF)
+        _, cache = mod.forward(draft_weights, tokens[None], None, cache, cfg=draft_cfg, positions=batch.positions[None])
+    return cache.k, cache.v
+
+
+def _draft_model_drafts(draft_weights, batch: PackedBatch, draft_kv, sub: SlotState, *, draft_cfg, use_kernels):
+    """Each decode row's k drafts from the draft model -> (drafts i32[R, k], q f32[R, k, V],
+    draft pools).
+
+    Pass 0 runs the rows' last tokens and the prefill row (whose keys and values the draft
+    needs later), passes 1..k the drafts, one position at a time, each at the page its
+    verification query writes (the scratch page past a row's own number of drafts). Pass k
+    only writes the last draft's keys and values, which the next block reads when every draft
+    is accepted. Each draft is drawn by ``sampling.draft_sample`` from the row's own shaping of
+    the draft's logits, which also gives the q that verification needs."""
+    mod = family_module(draft_cfg.family)
+    R, Q = batch.rows, batch.q
+    k = Q - 1
+    last = batch.tokens[0 : R * Q : Q]
+
+    def run(b, kv_, toks):
+        cache = PackedKV(*kv_, b, (), use_kernels)
+        h, cache = mod.forward(draft_weights, toks[None], None, cache, cfg=draft_cfg, positions=b.positions[None])
+        return h[0, :R], (cache.k, cache.v)
+
+    def draw(h, drafts, j):
+        logits = mod.unembed(draft_weights, h[:, None], draft_cfg)[:, 0]
+        return smp.draft_sample(logits, drafts, sub.sampling, sub.generated + j, sub.stop_ids, sub.min_tokens)
+
+    b0 = _decode_row_batch(batch, 0, last, with_prefill=True)
+    h, draft_kv = run(b0, draft_kv, b0.tokens)
+    drafts = jnp.full((R, k), -1, jnp.int32)  # -1: not drawn yet (counts nothing in the shaping)
+    tok, q0 = draw(h, drafts, 0)
+    drafts = drafts.at[:, 0].set(tok)
+
+    # unrolled, not a scan: a loop carrying the page pools made XLA:CPU copy them every pass
+    qs = [q0]
+    for j in range(1, k + 1):  # pass j: the keys and values of draft j - 1, then draft j
+        h, draft_kv = run(_decode_row_batch(batch, j, tok, with_prefill=False), draft_kv, tok)
+        if j < k:
+            tok, q = draw(h, drafts, j)
+            drafts = drafts.at[:, j].set(tok)
+            qs.append(q)
+    return drafts, jnp.stack(qs, axis=1), draft_kv  # f32[R, k, V]
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SpecOutput:
@@ -177,10 +254,11 @@ def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cf
     return batch.tokens.at[: R * Q].set(toks.reshape(-1)), k_pages, v_pages
 
 
-def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, heads=None, guide=None, *,
-              cfg, windowed,
-              num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode, draft_layers: int = 0):
-    """One speculative scheduler iteration -> (SpecOutput, k_pages, v_pages, slots).
+def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, heads=None, guide=None,
+              draft_weights=None, draft_kv=None, *, cfg, windowed,
+              num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode, draft_layers: int = 0,
+              draft_cfg=None):
+    """One speculative scheduler iteration -> (SpecOutput, k_pages, v_pages, slots, draft_kv).
 
     Decode row r (slot r) carries q = k + 1 queries: its last token, then its drafts
     (``batch.last_q[r]`` of them are real; the rest write to the scratch page). With
@@ -190,7 +268,9 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, h
     ``heads``, their logits come out of the same LM-head matmul as the verification logits,
     and those at each row's accepted position are its next block's drafts. guide: None, or the
     structured-output masks of every block position (bitmask i32[R, q, V/32], has_mask bool[R]),
-    applied to the logits verification reads (logprobs stay the raw model's)."""
+    applied to the logits verification reads (logprobs stay the raw model's). With a draft
+    model (draft_weights, its pools draft_kv = (k, v), donated, and draft_cfg), it drafts
+    first (``_draft_model_drafts``) and verification gets its distributions q."""
     with kernels.traced_with(kernel_mode):
         mod = family_module(cfg.family)
         R, Q = batch.rows, batch.q
@@ -201,6 +281,15 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, h
                 tokens, k_pages, v_pages = _early_exit_drafts(mod, weights, batch, k_pages, v_pages, cfg=cfg,
                                                               windowed=windowed, use_kernels=use_kernels,
                                                               num_layers=draft_layers)
+            batch = dataclasses.replace(batch, tokens=tokens)
+        q_draft = None
+        if draft_cfg is not None:
+            with jax.named_scope("draft_model"):
+                sub = jax.tree.map(lambda a: a[:R], slots)
+                d, q_draft, draft_kv = _draft_model_drafts(draft_weights, batch, draft_kv, sub, draft_cfg=draft_cfg,
+                                                           use_kernels=use_kernels)
+                tokens = batch.tokens.at[: R * Q].set(
+                    jnp.concatenate([batch.tokens[0 : R * Q : Q][:, None], d], axis=1).reshape(-1))
             batch = dataclasses.replace(batch, tokens=tokens)
         cache = PackedKV(k_pages, v_pages, batch, windowed, use_kernels)
         h, cache = mod.forward(weights, tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
@@ -222,7 +311,7 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, h
                 shaped = smp.apply_token_bitmask(row_logits.reshape(R * Q, V), bm.reshape(R * Q, -1),
                                                  jnp.repeat(has, Q)).reshape(R, Q, V)
             ver = smp.verify_block(shaped, drafts, batch.last_q, sub.sampling, sub.generated, sub.stop_ids,
-                                   sub.min_tokens, use_kernel=use_kernels,
+                                   sub.min_tokens, draft_probs=q_draft, use_kernel=use_kernels,
                                    interpret=kernel_mode == kernels.KernelMode.INTERPRET)
             new_last = jnp.take_along_axis(ver.tokens, ver.accepted[:, None], axis=1)[:, 0]
             next_drafts = None
@@ -245,4 +334,4 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, h
             with jax.named_scope("prompt_logprobs"):
                 logits = mod.unembed(weights, h[:, R * Q :], cfg)[0]
                 plp = token_logprobs(logits, batch.targets, prompt_logprobs)
-    return SpecOutput(ver.tokens, ver.accepted, lp, plp, next_drafts), cache.k, cache.v, slots
+    return SpecOutput(ver.tokens, ver.accepted, lp, plp, next_drafts), cache.k, cache.v, slots, draft_kv

@@ -46,6 +46,6 @@ from jaxinfer.sampling.device import (  # noqa: F401 (re-exported, private ones 
     update_counts,
     write_rows,
 )
-from jaxinfer.sampling.verify import Verified, verify_block  # noqa: F401
+from jaxinfer.sampling.verify import Verified, draft_sample, verify_block  # noqa: F401
 from jaxinfer.sampling.params import GREEDY_TEMPERATURE, MAX_LOGPROBS, GuidedDecoding, RepetitionDetection, SamplingParams  # noqa: F401
 from jaxinfer.sampling.stop import StopChecker  # noqa: F401

@@ -11,6 +11,9 @@ come without probabilities, e.g. prompt lookup), so their tokens are distributed
 without speculation. A row's uniforms are a function of its seed and step only, and a row
 with no drafts in a block draws with the plain sampler's own uniforms.
 
+``draft_sample`` draws a draft model's token at one block position from the same shaping, and
+returns the distribution q it drew from for ``verify_block``'s ``draft_probs``.
+
 The accept/resample core is ``pallas_kernels.spec_verify`` (kernel or reference, chosen by
 the caller's kernel mode).
 """
@@ -24,8 +27,10 @@ import jax.numpy as jnp
 
 from jaxinfer.sampling.device import (
     SamplingState,
+    _BLOCK,
     _FINE,
     _argmax,
+    _categorical,
     filter_threshold,
     mask_tokens_before_min,
     penalised,
@@ -35,6 +40,7 @@ from pallas_kernels import spec_verify as sv
 
 _LANES = 128  # the vocabulary is padded (with -inf) to a multiple of this
 _SPEC_STREAM = 0x5BEC  # folded into a row's key: verification's uniforms, apart from sample's
+_DRAFT_STREAM = 0xD2AF  # likewise for a draft model's own draws
 
 
 @jax.tree_util.register_dataclass
@@ -93,6 +99,45 @@ def shape_block(logits, drafts, state, step, stop_ids, min_tokens):
     amax = _argmax(xp, bmax, V)
     greedy = state.temperature <= 0.0
     return z.reshape(B, J, -1), thr.reshape(B, J), greedy, amax.reshape(B, J)
+
+
+def draft_sample(logits, drafts, state: SamplingState, step, stop_ids, min_tokens):
+    """A draft model's token at one block position and the distribution it was drawn from:
+    logits f32[B, V] (the draft's raw logits), drafts i32[B, j] the row's drafts before this
+    position, step i32[B] the position's step (the row's step + j) -> (tokens i32[B],
+    q f32[B, V]).
+
+    The draft's logits are shaped exactly as the target's at this position will be (penalties
+    over the output counts plus the earlier drafts, the min_tokens mask, temperature, top-k,
+    top-p, min-p), so q is the draft's own sampling distribution, the q that rejection sampling
+    needs. Greedy rows take the argmax (q is then their shaped softmax, which greedy
+    verification never reads). The draw's uniforms come from (seed, step) on a stream of their
+    own, so a row's drafts never depend on the rest of the batch."""
+    B, V = logits.shape
+    V1 = jax.nn.one_hot(drafts, V, dtype=jnp.int32).sum(axis=1)  # i32[B, V]
+    state = dataclasses.replace(state, output_counts=state.output_counts + V1)
+    z, thr, greedy, amax = shape_block(logits[:, None], jnp.zeros((B, 0), jnp.int32), state, step, stop_ids,
+                                       min_tokens)
+    z, thr, amax = z[:, 0], thr[:, 0], amax[:, 0]
+    pad = -z.shape[1] % _BLOCK
+    z = jnp.pad(z, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else z
+    m = jnp.max(z, axis=1)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+
+    def weight(xs):  # f32[B, ..., C] slice of z -> unnormalised probabilities, as the verifier's p
+        shape = (B,) + (1,) * (xs.ndim - 1)
+        return jnp.where(xs >= thr.reshape(shape), jnp.exp(xs - m.reshape(shape)), 0.0)
+
+    e = weight(z)[:, :V]
+    q = e / jnp.sum(e, axis=1, keepdims=True)
+
+    def one(k, s):
+        k = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(k, impl="threefry2x32"), s), _DRAFT_STREAM)
+        return jax.random.uniform(k, (2,), jnp.float32)
+
+    u = jax.vmap(one)(state.key, step)
+    tokens = jnp.where(greedy, amax, _categorical(z, weight, u))
+    return tokens.astype(jnp.int32), q
 
 
 def verify_block(logits, drafts, num_drafts, state: SamplingState, step, stop_ids, min_tokens, *,
