@@ -78,3 +78,25 @@ def check(cond: bool, msg: str) -> None:
     """Input validation shared by kernels and references: a ValueError naming the values."""
     if not cond:
         raise ValueError(msg)
+
+
+def check_pages(q, k_pages, v_pages, *, keys_transposed: bool, rows: str) -> None:
+    """The checks every paged-attention kernel makes of its queries q [rows, N, H] and page
+    pools (values [P, K, page_size, H]; keys the same, or [P, K, H, page_size] transposed)."""
+    check(q.ndim == 3, f"q must be [{rows}, N, H]; got {q.shape=}")
+    check(v_pages.ndim == 4, f"v_pages must be [P, K, page_size, H]; got {v_pages.shape=}")
+    _, N, H = q.shape
+    P, K, page_size, Hv = v_pages.shape
+    want = (P, K, H, page_size) if keys_transposed else (P, K, page_size, H)
+    check(
+        k_pages.shape == want,
+        f"k_pages must be {'[P, K, H, page_size]' if keys_transposed else '[P, K, page_size, H]'}"
+        f"={want} to match {v_pages.shape=} and {q.shape=}; got {k_pages.shape}",
+    )
+    check(Hv == H, f"head dim differs: {q.shape=} {v_pages.shape=}")
+    check(N % K == 0, f"query heads {N=} must be a multiple of kv heads {K=}")
+    check(
+        q.dtype == k_pages.dtype == v_pages.dtype,
+        f"dtypes differ: {q.dtype=} {k_pages.dtype=} {v_pages.dtype=}",
+    )
+    check(jnp.issubdtype(q.dtype, jnp.floating), f"{q.dtype=} must be floating point")

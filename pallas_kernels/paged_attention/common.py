@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_kernels._common import check
+from pallas_kernels._common import check_pages, check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,23 +23,8 @@ class BlockSizes:
 
 def validate(q, k_pages, v_pages, page_table, lengths, *, scale, window, softcap, keys_transposed):
     """Checks shapes and options; returns the scale to use."""
-    check(q.ndim == 3, f"q must be [B, N, H]; got {q.shape=}")
-    check(v_pages.ndim == 4, f"v_pages must be [P, K, page_size, H]; got {v_pages.shape=}")
-    B, N, H = q.shape
-    P, K, page_size, Hv = v_pages.shape
-    want = (P, K, H, page_size) if keys_transposed else (P, K, page_size, H)
-    check(
-        k_pages.shape == want,
-        f"k_pages must be {'[P, K, H, page_size]' if keys_transposed else '[P, K, page_size, H]'}"
-        f"={want} to match {v_pages.shape=} and {q.shape=}; got {k_pages.shape}",
-    )
-    check(Hv == H, f"head dim differs: {q.shape=} {v_pages.shape=}")
-    check(N % K == 0, f"query heads {N=} must be a multiple of kv heads {K=}")
-    check(
-        q.dtype == k_pages.dtype == v_pages.dtype,
-        f"dtypes differ: {q.dtype=} {k_pages.dtype=} {v_pages.dtype=}",
-    )
-    check(jnp.issubdtype(q.dtype, jnp.floating), f"{q.dtype=} must be floating point")
+    check_pages(q, k_pages, v_pages, keys_transposed=keys_transposed, rows="B")
+    B, _, H = q.shape
     check(
         page_table.ndim == 2 and page_table.shape[0] == B,
         f"page_table must be [B={B}, pages_per_seq]; got {page_table.shape}",

@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import cdiv, check
+from pallas_kernels._common import check_pages, cdiv, check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,23 +35,8 @@ class BlockSizes:
 def validate(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, *, scale, window, softcap,
              keys_transposed):
     """Checks shapes and options; returns the scale to use."""
-    check(q.ndim == 3, f"q must be [T, N, H]; got {q.shape=}")
-    check(v_pages.ndim == 4, f"v_pages must be [P, K, page_size, H]; got {v_pages.shape=}")
-    _, N, H = q.shape
-    P, K, page_size, Hv = v_pages.shape
-    want = (P, K, H, page_size) if keys_transposed else (P, K, page_size, H)
-    check(
-        k_pages.shape == want,
-        f"k_pages must be {'[P, K, H, page_size]' if keys_transposed else '[P, K, page_size, H]'}"
-        f"={want} to match {v_pages.shape=} and {q.shape=}; got {k_pages.shape}",
-    )
-    check(Hv == H, f"head dim differs: {q.shape=} {v_pages.shape=}")
-    check(N % K == 0, f"query heads {N=} must be a multiple of kv heads {K=}")
-    check(
-        q.dtype == k_pages.dtype == v_pages.dtype,
-        f"dtypes differ: {q.dtype=} {k_pages.dtype=} {v_pages.dtype=}",
-    )
-    check(jnp.issubdtype(q.dtype, jnp.floating), f"{q.dtype=} must be floating point")
+    check_pages(q, k_pages, v_pages, keys_transposed=keys_transposed, rows="T")
+    H = q.shape[2]
     check(page_table.ndim == 2, f"page_table must be [S, pages_per_seq]; got {page_table.shape}")
     S = page_table.shape[0]
     for name, a in (("q_start", q_start), ("q_len", q_len), ("kv_len", kv_len)):
