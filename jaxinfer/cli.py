@@ -126,8 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument("--grace-period", type=float, default=20.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 20)")
-    d = b.add_argument_group("multi-host (jax.distributed)", "each process answers its share of the input "
-                             "and writes OUTPUT.part-I-of-N; process 0 merges them into OUTPUT")
+    d = b.add_argument_group(
+        "multi-host (jax.distributed)",
+        "run the same command on every host. A parallel layout that fits one host's devices runs on each host "
+        "separately: each process answers its share of the input and writes OUTPUT.part-I-of-N; process 0 "
+        "merges them into OUTPUT. A bigger one (e.g. --tensor-parallel-size 4 --data-parallel-size 2 on hosts "
+        "of 4 devices) is one mesh over all hosts, tensor parallel within a host and data or pipeline parallel "
+        "across: every process then reads the whole input, which must be the same file, runs every request, "
+        "and process 0 alone writes OUTPUT")
     d.add_argument("--distributed", action="store_true",
                    help="join a jax.distributed job, detected from the environment (Cloud TPU pods, SLURM, ...)")
     d.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
@@ -273,6 +279,7 @@ def cmd_chat(a) -> int:
 def cmd_batch(a) -> int:
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.batch import check_input, init_distributed, input_format, run_batch
+    from jaxinfer.llm import spans_processes
 
     check_input(a.input)  # fail on a bad input file before loading the model
     fmt = input_format(a.input) if a.format == "auto" else a.format
@@ -284,12 +291,13 @@ def cmd_batch(a) -> int:
     me, count = 0, 1
     if a.distributed or a.coordinator_address or a.num_processes or a.process_id is not None:
         me, count = init_distributed(a.coordinator_address, a.num_processes, a.process_id)
+    spmd = count > 1 and spans_processes(**_parallel_kwargs(a))
     s = run_batch(
         lambda: LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len, **_engine_kwargs(a)),
         a.input, a.output, kind=fmt, order=a.order, defaults=given, sampling_params=quick,
         raw=a.raw, model_name=a.model if "/" not in a.model and not a.model.endswith(".gguf") else None,
         metrics_out=a.metrics_out, progress=not a.no_progress, grace_period=a.grace_period,
-        process_index=me, process_count=count,
+        process_index=me, process_count=count, spmd=spmd,
     )
     who = f"process {me} of {count}: " if count > 1 else ""
     r, run, wall = s.result, s.run, max(s.wall_s, 1e-9)

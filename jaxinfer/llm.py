@@ -421,6 +421,18 @@ class _Pending:
     remaining: int = 0
 
 
+def spans_processes(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                    data_parallel_size: int = 1) -> bool:
+    """Whether ``LLM`` puts this layout on one global mesh over every ``jax.distributed``
+    process (more devices than this process has), so that every process must run the same
+    requests in the same order (SPMD). The one place that decides it: ``LLM`` builds its mesh by
+    it, and the batch job picks its SPMD mode by it."""
+    import jax
+
+    n = tensor_parallel_size * pipeline_parallel_size * data_parallel_size
+    return jax.process_count() > 1 and n > jax.local_device_count()
+
+
 def _parallel_mesh(tp: int, pp: int, dp: int, mesh):
     """The (data, stage, model) device mesh for the parallel sizes (None: one device, as
     without them). The product of the sizes is the number of devices used."""
@@ -452,7 +464,7 @@ def _parallel_mesh(tp: int, pp: int, dp: int, mesh):
     # devices, tensor parallel within a host (a model group never spans two processes) and
     # data parallel across them; every process must then run the same requests (SPMD).
     local = jax.local_devices()
-    if n <= len(local):
+    if not spans_processes(tp, pp, dp):
         return make_mesh(data=dp, stage=pp, model=tp, devices=local[:n])
     devices = jax.devices()
     if n > len(devices):

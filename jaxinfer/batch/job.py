@@ -11,12 +11,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from jaxinfer.batch.distributed import _gather
+from jaxinfer.batch.distributed import _gather, _Spmd, fingerprint
 from jaxinfer.batch.formats import _OpenAIFormat, _PromptsFormat, _Work
-from jaxinfer.batch.log import _fsync_path, _ResultLog, scan_results
+from jaxinfer.batch.log import _fsync_path, _NullLog, _ResultLog, scan_results
 from jaxinfer.batch.signals import GRACE_PERIOD, _Interrupted, _StopSignals
 from jaxinfer.batch.statistics import LATENCIES, BatchSummary, Latency, Tally
-from jaxinfer.errors import InvalidRequest
+from jaxinfer.errors import InvalidRequest, JaxinferError
 from jaxinfer.sampling import SamplingParams
 
 ORDERS = ("completion", "input")
@@ -63,7 +63,8 @@ def check_input(path) -> Path:
 def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: str | None = None,
               defaults: dict | None = None, sampling_params: SamplingParams | None = None, raw: bool = False,
               model_name: str | None = None, metrics_out=None, progress: bool = True,
-              grace_period: float = GRACE_PERIOD, process_index: int = 0, process_count: int = 1) -> BatchSummary:
+              grace_period: float = GRACE_PERIOD, process_index: int = 0, process_count: int = 1,
+              spmd: bool = False) -> BatchSummary:
     """Answer every request of ``input_path`` into ``output_path``, resuming what is there.
 
     llm: an ``LLM``, or a function returning one (called only if some request still needs the
@@ -72,7 +73,10 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
     fields for OpenAI bodies that leave them out (``max_tokens``, ``temperature``, ``top_p``,
     ``top_k``, ``min_p``, ``seed``). sampling_params: quick mode's parameters. model_name: the
     ``model`` of the responses (default: the model's file name). process_index/process_count:
-    this process's place in a ``jax.distributed`` job (see ``init_distributed``).
+    this process's place in a ``jax.distributed`` job (see ``init_distributed``). spmd: the
+    model is one mesh over all processes (``jaxinfer.llm.spans_processes``): every process runs
+    every request, in the same order, and only process 0 writes OUTPUT; otherwise each process
+    answers its share of the lines into a part file.
     """
     t0 = time.perf_counter()
     inp = check_input(input_path)
@@ -94,29 +98,38 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
     if order not in ORDERS:
         raise InvalidRequest(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     P, me = process_count, process_index
-    mine = (lambda key: fmt.shard_of_key(key) % P == me) if P > 1 else (lambda key: True)
+    spmd = spmd and P > 1
+    ours = (lambda shard: True) if P == 1 or spmd else (lambda shard: shard % P == me)
+    mine = lambda key: ours(fmt.shard_of_key(key))  # noqa: E731
 
     stop = _StopSignals(grace_period)
-    own = out if P == 1 else part_path(out, me, P)
-    log = _ResultLog(own, stop)
+    sync = _Spmd(me, P) if spmd else None
+    if sync is not None:
+        sync.same_input(fingerprint(inp, kind, order, defaults, sampling_params, raw))
+    own = out if P == 1 or spmd else part_path(out, me, P)
+    log = _ResultLog(own, stop) if me == 0 or not spmd else _NullLog()
     done: set[tuple] = set()
     before = Tally()
     try:
         # 1. what is answered already: this process's file (locked and repaired), then the
         # others'. A file that does not exist yet is created only once there is a model to
-        # fill it: a model that fails to load leaves no empty output behind.
-        if own.exists():
-            for rec, key in log.open(fmt):
-                _note(done, before, fmt, rec, key, mine)
-        for src in [out, *_parts(out)]:
-            if src != own and src.exists():
-                for _, _, rec, key in scan_results(src, fmt):
+        # fill it: a model that fails to load leaves no empty output behind (but see
+        # _read_done_spmd).
+        if spmd:
+            _read_done_spmd(sync, log, out, fmt, done, before)
+        else:
+            if own.exists():
+                for rec, key in log.open(fmt):
                     _note(done, before, fmt, rec, key, mine)
+            for src in [out, *_parts(out)]:
+                if src != own and src.exists():
+                    for _, _, rec, key in scan_results(src, fmt):
+                        _note(done, before, fmt, rec, key, mine)
         # 2. index pass: this process's share of the input, and how much is left
         total = todo = 0
         for n, line in _lines(inp):
             key, shard, _ = fmt.classify(n, line, indexing=True)
-            if shard % P == me:
+            if ours(shard):
                 total += 1
                 todo += key not in done
         # 3. run what is left
@@ -125,7 +138,7 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
         if todo:
             if callable(llm):
                 llm = llm()
-            if log.fd is None:
+            if log.fd is None and not spmd:
                 for rec, key in log.open(fmt):  # (another run may have created it meanwhile)
                     _note(done, before, fmt, rec, key, mine)
             if isinstance(fmt, _OpenAIFormat) and fmt.model_name is None:
@@ -133,10 +146,11 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
             if isinstance(fmt, _PromptsFormat):
                 fmt.reset()
             with stop:
-                _run(llm, fmt, inp, log, stop, done, summary, mine_shard=(me, P), progress=progress)
+                _run(llm, fmt, inp, log, stop, done, summary, ours=ours, sync=sync,
+                     desc="batch" if P == 1 else f"batch {me}/{P}", progress=progress)
             stats = getattr(getattr(llm, "engine", None), "spec_stats", None)
             summary.speculative = stats.summary() if stats is not None else None
-        elif log.fd is None:  # nothing to answer (an empty input): the output still appears
+        elif log.fd is None and not spmd:  # nothing to answer (an empty input): the output still appears
             for _ in log.open(fmt):
                 pass
     finally:
@@ -144,16 +158,41 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
     summary.result.merge(summary.run)
     summary.wall_s = time.perf_counter() - t0
     if summary.interrupted is not None:  # resumable as it is; merging and reordering wait for a complete run
-        if metrics_out is not None and P == 1:
+        if metrics_out is not None and (P == 1 or spmd) and me == 0:
             _write_json(Path(metrics_out), summary.metrics())
         return summary
-    if P > 1:
+    if P > 1 and not spmd:  # (an SPMD job's processes all ran every request: process 0's summary is the job's)
         summary = _gather(summary, me, P)
     if me == 0:
         _finish_output(out, fmt, order)
         if metrics_out is not None:
             _write_json(Path(metrics_out), summary.metrics())
     return summary
+
+
+def _read_done_spmd(sync: _Spmd, log, out: Path, fmt, done: set, tally: Tally) -> None:
+    """An SPMD job's done-set, the same on every process: process 0 locks and repairs OUTPUT
+    (creating it: the others must not read it while process 0 could still cut a torn line, or
+    find it created by a run that raced in); then the others read it; then process 0 may
+    append. Part files of an earlier line-sharded run count too (process 0 merges them at the
+    end). Each step is agreed, so an error on one process stops all of them."""
+    everything = lambda key: True  # noqa: E731
+    error = None
+    try:
+        if sync.me == 0:
+            for rec, key in log.open(fmt):
+                _note(done, tally, fmt, rec, key, everything)
+    except JaxinferError as e:
+        error = e
+    sync.step("opened", error)
+    try:
+        for src in [out, *_parts(out)] if sync.me else _parts(out):
+            if src.exists():
+                for _, _, rec, key in scan_results(src, fmt):
+                    _note(done, tally, fmt, rec, key, everything)
+    except JaxinferError as e:
+        error = e
+    sync.step("read", error)
 
 
 def _note(done: set, tally: Tally, fmt, rec: dict, key: tuple, mine) -> None:
@@ -163,13 +202,13 @@ def _note(done: set, tally: Tally, fmt, rec: dict, key: tuple, mine) -> None:
             tally.add(fmt.ok(rec), fmt.tokens(rec), _repetitions(rec))
 
 
-def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, summary: BatchSummary, *,
-         mine_shard: tuple[int, int], progress: bool) -> None:
-    """The run pass: stream the input, write error lines at once, feed the rest to the engine."""
+def _run(llm, fmt, inp: Path, log, stop: _StopSignals, done: set, summary: BatchSummary, *,
+         ours, sync: _Spmd | None, desc: str, progress: bool) -> None:
+    """The run pass: stream the input, write error lines at once, feed the rest to the engine.
+    ours(shard): whether this process answers a line of that shard. sync: an SPMD job's
+    agreements, there to stop every process at the same request."""
     from tqdm.auto import tqdm
 
-    me, P = mine_shard
-    desc = "batch" if P == 1 else f"batch {me}/{P}"
     bar = tqdm(total=summary.total, initial=summary.before, unit="req", desc=desc, disable=not progress,
                dynamic_ncols=True)
     started = time.perf_counter()
@@ -193,15 +232,23 @@ def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, su
 
     beams = []  # use_beam_search lines: run after the rest (beam search drives the engine itself)
 
+    def stopping() -> bool:
+        if sync is None:
+            return stop.stopping
+        signum = sync.stop_vote(stop.signum)
+        if signum is not None:
+            stop.adopt(signum)
+        return signum is not None
+
     def requests():
         seq = 0
         for n, raw in _lines(inp):
-            if stop.stopping:
-                return
             stop.check()
             key, shard, parsed = fmt.classify(n, raw, indexing=False)
-            if shard % P != me or key in done:
+            if not ours(shard) or key in done:
                 continue
+            if stopping():  # before each request admitted (agreed in an SPMD job)
+                return
             w = fmt.work(llm, n, key, parsed)
             if isinstance(w, dict):
                 record(w)
@@ -228,7 +275,7 @@ def _run(llm, fmt, inp: Path, log: _ResultLog, stop: _StopSignals, done: set, su
                         record(w.finish(w.outs), w.outs)
                     stop.check()
                 for w in beams:
-                    if stop.stopping:
+                    if stopping():
                         break
                     record(w.finish(w.beam_outputs(llm)))
                     stop.check()

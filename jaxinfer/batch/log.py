@@ -137,6 +137,20 @@ class _ResultLog:
             self.fd = None
 
 
+class _NullLog:
+    """The log of an SPMD job's processes other than 0: they run every request as process 0
+    does (their devices hold part of one program) and count what it writes, but only process 0
+    writes OUTPUT."""
+
+    fd = None
+
+    def append(self, rec: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -64,6 +64,20 @@ class _StopSignals:
         else:
             raise _Interrupted
 
+    def adopt(self, signum: int) -> None:
+        """Stop as if ``signum`` had come here too: another process of an SPMD job got it, and
+        all must stop admitting at the same request. In-flight requests get the grace period,
+        counted from now."""
+        if self.signum is not None:
+            return
+        self.signum = signum
+        os.write(2, f"\njaxinfer: {signal.Signals(signum).name} on another process: admitting no more requests; "
+                    f"finishing those in flight (up to {self.grace:g} s)\n".encode())
+        if self.grace <= 0:
+            self.hard = True
+        elif self._saved:
+            signal.setitimer(signal.ITIMER_REAL, self.grace)
+
     def check(self) -> None:
         """Raise if a hard stop is due (for stops a handler could not raise, e.g. in a __del__)."""
         if self.hard and self._armed and not self._writing:
