@@ -159,3 +159,38 @@ def test_batch_on_one_global_mesh_refuses_different_inputs(tiny_gguf, tmp_path, 
         assert rc == 2, err[-3000:]
         assert "jaxinfer: error: process" in err and "reads a different input" in err, err[-3000:]
     assert not out.exists()
+
+
+_VOTES = textwrap.dedent("""
+    import signal, sys, jax
+    port, pid = sys.argv[1], int(sys.argv[2])
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+    from jaxinfer.batch.distributed import _Spmd, coordination_client
+    from jaxinfer.batch.signals import _StopSignals
+    sync, stop = _Spmd(pid, 2), _StopSignals(5.0)
+    votes = []
+    for k in range(5):
+        if pid == 1 and k == 3:
+            stop.signum = signal.SIGTERM  # as the handler sets it, on process 1 only
+        votes.append(sync.stop_vote(stop.signum))
+        if votes[-1] is not None:
+            stop.adopt(votes[-1])
+    print("VOTES", votes, "STOP", int(stop.signum), stop.hard, flush=True)
+    coordination_client().wait_at_barrier("votes-done", 60_000)
+    print("LEFT", sorted(k.rsplit("/stop/", 1)[1] for k, _ in coordination_client().key_value_dir_get(
+        sync.prefix + "/stop/")), flush=True)
+""")
+
+
+def test_stop_vote_stops_every_process_at_the_same_request(tmp_path_factory):
+    """A SIGTERM on one process of an SPMD job: every process sees it at the same pull, and the
+    votes of finished pulls are deleted from the key-value store (it stays small on long jobs)."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _VOTES, str(port), str(pid)], env=_env(tmp_path_factory, None),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
+    for pid, p in enumerate(procs):
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        assert "VOTES [None, None, None, 15, 15] STOP 15 False" in out, out  # stopping, in its grace period
+        assert ("SIGTERM on another process: admitting no more requests" in err) == (pid == 0), err[-3000:]
+        assert "LEFT ['4/0', '4/1']" in out, out

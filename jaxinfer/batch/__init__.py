@@ -23,11 +23,28 @@ What survives what:
 * Memory is bounded: the input is streamed twice (an index pass that counts lines and notes the
   first line of each custom_id, then the run), and the engine pulls requests a window at a time.
   What grows with the input is one small entry per request (its key).
-* Multi-host (``jax.distributed``): process p of P answers the lines whose custom_id hashes to p
-  (lines without one by line number, quick mode by prompt index), so a repeated custom_id always
-  meets its first occurrence in the same process. It appends to ``OUTPUT.part-p-of-P``; after a
-  barrier, process 0 merges the parts into OUTPUT. Parts and OUTPUT must be on a filesystem all
+* Multi-host (``jax.distributed``), a model on each host (its parallel layout fits one process's
+  devices): process p of P answers the lines whose custom_id hashes to p (lines without one by
+  line number, quick mode by prompt index), so a repeated custom_id always meets its first
+  occurrence in the same process. It appends to ``OUTPUT.part-p-of-P``; after a barrier,
+  process 0 merges the parts into OUTPUT. Parts and OUTPUT must be on a filesystem all
   processes share. Merging skips keys already present, so a crash during it is harmless.
+* Multi-host, one model over all hosts (``spmd``: the layout needs more devices than one process
+  has, so ``LLM`` builds one global mesh, tensor parallel within a host and data or pipeline
+  parallel across; ``jaxinfer.llm.spans_processes`` decides it): every process is part of each
+  engine step, so every process reads every line and feeds the engine the same requests in the
+  same order. First the processes compare their input (size, the sha256 of its first and last
+  MiB, the options) and all refuse if any differs. Process 0 alone writes OUTPUT: it locks and
+  repairs it (creating it, even before the model loads), then the others read it to build the
+  same set of answered requests, then all run; the others write nothing but count the same
+  tallies, so every process prints the job's summary, and process 0 writes the metrics and the
+  ``order="input"`` rewrite. Before admitting each request all processes agree (through the
+  ``jax.distributed`` key-value store) whether to stop, so a SIGTERM/SIGINT on any one of them
+  stops all at the same request, each giving those in flight the grace period. A hard stop (a
+  second signal, or the end of the grace period) is not agreed: that process leaves; what
+  process 0 has written stays, and a rerun resumes it; the other processes fail once the
+  runtime notices (a collective or the coordination service's heartbeat), or wait for the
+  interrupted step until they are killed. Kill them all, then rerun.
 * ``order="input"``: once every request is answered the file is rewritten in input order
   (through a temporary file and a rename); the default is completion order.
 

@@ -117,7 +117,7 @@ class _Spmd:
         one (the first in process order), so every process stops at the same request."""
         k = self.pulls
         self.pulls += 1
-        votes = self._all(f"stop/{k}", str(signum or 0))
+        votes = self._all(f"stop/{k}", str(int(signum or 0)))
         if k:  # every process has posted pull k, so it has read pull k - 1: that key is no longer needed
             self.client.key_value_delete(f"{self.prefix}/stop/{k - 1}/{self.me}")
         return next((int(v) for v in votes if v != "0"), None)
