@@ -425,8 +425,8 @@ def spans_processes(tensor_parallel_size: int = 1, pipeline_parallel_size: int =
                     data_parallel_size: int = 1) -> bool:
     """Whether ``LLM`` puts this layout on one global mesh over every ``jax.distributed``
     process (more devices than this process has), so that every process must run the same
-    requests in the same order (SPMD). The one place that decides it: ``LLM`` builds its mesh by
-    it, and the batch job picks its SPMD mode by it."""
+    requests in the same order (SPMD). The batch job picks its SPMD mode by it; ``LLM``'s mesh
+    (``_parallel_mesh``) makes the same choice: local when the layout fits this process."""
     import jax
 
     n = tensor_parallel_size * pipeline_parallel_size * data_parallel_size
@@ -464,7 +464,7 @@ def _parallel_mesh(tp: int, pp: int, dp: int, mesh):
     # devices, tensor parallel within a host (a model group never spans two processes) and
     # data parallel across them; every process must then run the same requests (SPMD).
     local = jax.local_devices()
-    if not spans_processes(tp, pp, dp):
+    if n <= len(local):  # (on one process, a bigger layout is the "needs N devices" error below)
         return make_mesh(data=dp, stage=pp, model=tp, devices=local[:n])
     devices = jax.devices()
     if n > len(devices):
