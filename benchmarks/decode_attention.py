@@ -1,9 +1,12 @@
-"""Decode attention over a paged cache on XLA CPU: one dense copy of every row's pages (the
-old path, ``cache.PagedKVCache.read_layer`` + ``layers.attention``) against reading a block
-of page columns at a time into a running softmax (``models.packed.paged_rows_attention``),
-per layer, at SmolLM2's shapes, interleaved, medians.
+"""Decode attention over a paged cache on XLA CPU, per layer, at SmolLM2's shapes: the old
+dense copy of every row's pages (``cache.PagedKVCache.read_layer`` + ``layers.attention``)
+against the packed step's reader (``models.packed.paged_rows_attention``) under several
+settings of its blocking: rows per group (``ROW_GROUP``), key positions per block
+(``ROW_BLOCK_POSITIONS``) and whether scores are unrolled multiply-adds
+(``UNROLL_QUERIES``). Interleaved, medians; pages scattered through a pool as in a running
+engine.
 
-    python benchmarks/decode_attention.py --rows 64 --context 256 512 --page-size 16 64 128
+    python benchmarks/decode_attention.py --rows 64 --context 256 384 --page-size 16
 """
 
 from __future__ import annotations
@@ -16,20 +19,46 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxinfer.models.packed as packed
 from jaxinfer.cache import PagedKVCache
 from jaxinfer.models.layers import attention
-from jaxinfer.models.packed import paged_rows_attention
+
+# name: (ROW_GROUP, ROW_BLOCK_POSITIONS, UNROLL_QUERIES); "before" is the reader as it was
+# (every row at once, blocks of 256 positions, batched dots)
+SETTINGS = {
+    "before: all rows, 256, dot": (1 << 20, 256, 0),
+    "rows 8, 256, dot": (8, 256, 0),
+    "rows 8, 512, dot": (8, 512, 0),
+    "rows 8, 512, unrolled": (8, 512, 16),
+    "rows 4, 512, unrolled": (4, 512, 16),
+    "rows 8, 1024, unrolled": (8, 1024, 16),
+}
+
+
+def _reader(setting):
+    group, block, unroll = setting
+
+    @jax.jit
+    def f(q, k, v, table, pos):
+        saved = packed.ROW_GROUP, packed.ROW_BLOCK_POSITIONS, packed.UNROLL_QUERIES
+        packed.ROW_GROUP, packed.ROW_BLOCK_POSITIONS, packed.UNROLL_QUERIES = group, block, unroll
+        try:  # the constants are read while tracing
+            return packed.paged_rows_attention(q, k, v, table, None, pos, pos.max(axis=1) + 1, scale=0.125)
+        finally:
+            packed.ROW_GROUP, packed.ROW_BLOCK_POSITIONS, packed.UNROLL_QUERIES = saved
+
+    return f
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--context", type=int, nargs="+", default=[256, 512])
-    ap.add_argument("--page-size", type=int, nargs="+", default=[16, 64, 128])
+    ap.add_argument("--context", type=int, nargs="+", default=[256, 384])
+    ap.add_argument("--page-size", type=int, nargs="+", default=[16])
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=20)
     a = ap.parse_args()
     B, K, N, H = a.rows, a.kv_heads, a.heads, a.head_dim
     rng = np.random.default_rng(0)
@@ -37,36 +66,34 @@ def main():
     for ctx in a.context:
         for ps in a.page_size:
             n = ctx // ps
-            P = 2 * B * n + 1
+            P = 4 * B * n + 1
             k = jnp.asarray(rng.standard_normal((P, K, H, ps), np.float32))
             v = jnp.asarray(rng.standard_normal((P, K, ps, H), np.float32))
             table = jnp.asarray(rng.permutation(np.arange(1, P))[: B * n].reshape(B, n), jnp.int32)
             q = jnp.asarray(rng.standard_normal((B, 1, N, H), np.float32))
             pos = jnp.full((B, 1), ctx - 3, jnp.int32)
-            end = pos[:, 0] + 1
 
             @jax.jit
             def dense(q, k, v, table, pos):
                 keys, values, kpos = PagedKVCache([k], [v], table).read_layer(0, pos[:, 0] + 1)
                 return attention(q, keys, values, pos, kpos, scale=0.125)
 
-            @jax.jit
-            def blocks(q, k, v, table, pos):
-                return paged_rows_attention(q, k, v, table, None, pos, pos.max(axis=1) + 1, scale=0.125)
-
             args = (q, k, v, table, pos)
-            np.testing.assert_allclose(np.asarray(dense(*args)), np.asarray(blocks(*args)), rtol=2e-5, atol=2e-5)
-            del end
-            times = {"dense copy": [], "page blocks": []}
+            fns = {"dense copy": dense} | {name: _reader(s) for name, s in SETTINGS.items()}
+            want = np.asarray(dense(*args))
+            for f in fns.values():
+                np.testing.assert_allclose(np.asarray(f(*args)), want, rtol=2e-5, atol=2e-5)
+            times = {name: [] for name in fns}
             for _ in range(a.repeats):
-                for name, f in (("dense copy", dense), ("page blocks", blocks)):
+                for name, f in fns.items():
                     t0 = time.perf_counter()
                     jax.block_until_ready(f(*args))
                     times[name].append(time.perf_counter() - t0)
-            d, b = (statistics.median(times[x]) * 1e3 for x in ("dense copy", "page blocks"))
             mb = 2 * B * ctx * K * H * 4 / 1e6
-            print(f"context {ctx:4d} page {ps:3d}: dense copy {d:6.2f} ms, page blocks {b:6.2f} ms "
-                  f"({d / b:.2f}x); KV read {mb:.1f} MB -> {mb / b:.1f} GB/s")
+            print(f"context {ctx}, pages of {ps} (KV read {mb:.1f} MB):")
+            for name, ts in times.items():
+                m = statistics.median(ts) * 1e3
+                print(f"  {name:28s} {m:7.2f} ms  {mb / m:5.1f} GB/s")
 
 
 if __name__ == "__main__":

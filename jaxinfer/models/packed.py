@@ -12,12 +12,15 @@ every matmul sees all of them at once (one read of the weights, large M for the 
   continue an earlier chunk or a cached prefix) also to the positions before ``hist_end``
   held in the extra last table row ``table[R]``.
 
-Decode attention on CPU never builds a dense copy of every row's whole context. The table is
-read a block of page columns at a time (contiguous pages of ``page_size`` positions), each
-block's scores are folded into a running softmax (max, sum, weighted values), and the block
-goes out of cache before the next one comes in. With 16-token pages and 256 positions per
-block this keeps the working set of a 64-row step in L2/L3 instead of streaming a 25 MB
-per-layer copy through memory (see ``benchmarks/RESULTS.md``, "decode attention").
+Decode attention on CPU never builds a dense copy of every row's whole context. The rows are
+taken ROW_GROUP at a time (a ``lax.map`` over groups), and each group's table a block of
+page columns at a time (contiguous pages of ``page_size`` positions); each block's scores
+are folded into a running softmax (max, sum, weighted values). What one group gathers for
+one block (8 rows x ROW_BLOCK_POSITIONS: 3 MB at SmolLM2's heads) is read back from cache; the
+whole step's gathered pages, 19-38 MB per layer, were not, and ran 2-4x slower (see
+``benchmarks/RESULTS.md``, "row groups"). With few queries per KV head (decode, short
+drafts) the scores are a multiply-add unrolled over the head dim, which XLA CPU fuses into
+one pass over the keys: about twice as fast as its batched dot at M = 3.
 
 Windowed layers (Gemma's LOCAL layers) read their own pool through ``wtable`` from logical
 page ``wbase`` on, exactly as ``cache.PagedKVCache`` does; int8 pools dequantize each block as
@@ -31,6 +34,7 @@ the blockwise path.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +43,11 @@ from jaxinfer import kernels
 from jaxinfer.cache import QuantKV, _load, _store
 from jaxinfer.quant import dequantize_kv, quantize_kv
 
-BLOCK_POSITIONS = 256  # key positions per block of the running softmax
+BLOCK_POSITIONS = 256  # key positions per block of the prefill row's history
+ROW_BLOCK_POSITIONS = 512  # key positions per block of a group of decode rows
+ROW_GROUP = 8  # decode rows attended together (their gathered blocks stay in cache)
+UNROLL_QUERIES = 16  # queries per KV head (x head dim <= UNROLL_HEAD_DIM) scored by unrolled multiply-adds
+UNROLL_HEAD_DIM = 128
 _NEG = -1e30  # masked score: finite, so a block with nothing visible keeps the max finite
 
 
@@ -178,14 +186,22 @@ class _RunningSoftmax:
 
 
 def _scores(qm, keys, softcap):
-    s = jnp.einsum("BKMH,BKHS->BKMS", qm, keys.astype(jnp.float32))
+    """qm f32[B, K, M, H], keys [B, K, H, S] -> f32[B, K, M, S]."""
+    keys = keys.astype(jnp.float32)
+    M, H = qm.shape[2], qm.shape[3]
+    if M <= UNROLL_QUERIES and H <= UNROLL_HEAD_DIM:  # one fused pass over the keys (a batched dot at M = 3 is 2x slower)
+        s = qm[:, :, :, 0, None] * keys[:, :, None, 0, :]
+        for h in range(1, H):
+            s = s + qm[:, :, :, h, None] * keys[:, :, None, h, :]
+    else:
+        s = jnp.einsum("BKMH,BKHS->BKMS", qm, keys)
     return s if softcap is None else softcap * jnp.tanh(s / softcap)
 
 
-def _page_blocks(table, ps: int):
-    """Static (first column, columns) of each block of about BLOCK_POSITIONS positions."""
+def _page_blocks(table, ps: int, positions: int):
+    """Static (first column, columns) of each block of about ``positions`` positions."""
     n = table.shape[1]
-    per = max(1, BLOCK_POSITIONS // ps)
+    per = max(1, positions // ps)
     return [(c, min(per, n - c)) for c in range(0, n, per)]
 
 
@@ -213,18 +229,33 @@ def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, wind
     qpos i32[B, T] over the pages table i32[B, n] (logical page base[b] + column, or the
     column itself when base is None) whose positions < end[b] are written -> [B, T, N, H].
 
-    Reads the table one block of columns at a time into a running softmax; values at
-    positions >= end are zeroed as they are gathered, so stale or NaN pages never leak.
-    own: None, or the rows' own new keys and values ([B, T, K, H] each, at positions qpos)
-    not yet in the pages: keys at positions >= end are then masked in the pages and these
-    are attended to as one more block (stored as the pool would store them)."""
+    Takes the rows ROW_GROUP at a time, and each group's table one block of columns at a
+    time into a running softmax; values at positions >= end are zeroed as they are
+    gathered, so stale or NaN pages never leak. own: None, or the rows' own new keys and
+    values ([B, T, K, H] each, at positions qpos) not yet in the pages: keys at positions
+    >= end are then masked in the pages and these are attended to as one more block (stored
+    as the pool would store them)."""
+    B = q.shape[0]
+    g = math.gcd(B, ROW_GROUP)
+    opts = {"scale": scale, "window": window, "softcap": softcap}
+    if g == B:
+        return _rows_attention(q, kpool, vpool, table, base, qpos, end, own=own, **opts)
+    split = lambda a: None if a is None else a.reshape(B // g, g, *a.shape[1:])  # noqa: E731
+    xs = (split(q), split(table), split(base), split(qpos), split(end),
+          None if own is None else tuple(split(a) for a in own))
+    out = jax.lax.map(lambda x: _rows_attention(x[0], kpool, vpool, *x[1:5], own=x[5], **opts), xs)
+    return out.reshape(q.shape)
+
+
+def _rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window, softcap, own):
+    """paged_rows_attention for one group of rows."""
     B, T, N, H = q.shape
     K, ps = kpool.shape[1], kpool.shape[3]
     G = N // K
     qm = _fold_queries(q, K, scale)
     qpos_m = jnp.repeat(qpos, G, axis=1)  # i32[B, T*G]
     acc = _RunningSoftmax()
-    for c0, c in _page_blocks(table, ps):
+    for c0, c in _page_blocks(table, ps, ROW_BLOCK_POSITIONS):
         keys, values = _gather_block(kpool, vpool, table[:, c0 : c0 + c])
         kpos = (c0 * ps + jnp.arange(c * ps, dtype=jnp.int32))[None, :]  # i32[1 or B, S]
         if base is not None:
@@ -272,7 +303,7 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
     acc.add(_scores(qm, k.transpose(0, 2, 3, 1), softcap), local[None, None], values)
     # segment 0's earlier positions, from its pages
     ps = kpool.shape[3]
-    for c0, c in _page_blocks(table, ps):
+    for c0, c in _page_blocks(table, ps, BLOCK_POSITIONS):
         keys, values = _gather_block(kpool, vpool, table[:, c0 : c0 + c])
         kpos = c0 * ps + jnp.arange(c * ps, dtype=jnp.int32)
         if base is not None:
