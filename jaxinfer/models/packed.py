@@ -46,6 +46,7 @@ from jaxinfer.quant import dequantize_kv, quantize_kv
 BLOCK_POSITIONS = 256  # key positions per block of the prefill row's history
 ROW_BLOCK_POSITIONS = 512  # key positions per block of a group of decode rows
 ROW_GROUP = 8  # decode rows attended together (their gathered blocks stay in cache)
+PREFILL_QUERY_BLOCK = 128  # prefill-row queries attended together
 UNROLL_QUERIES = 16  # queries per KV head (x head dim <= UNROLL_HEAD_DIM) scored by unrolled multiply-adds
 UNROLL_HEAD_DIM = 128
 _NEG = -1e30  # masked score: finite, so a block with nothing visible keeps the max finite
@@ -181,6 +182,23 @@ class _RunningSoftmax:
             self.o = self.o * a + pv
         self.m = m
 
+    def start(self, B: int, K: int, M: int, H: int):
+        """Begin from nothing seen (so that blocks may be skipped: see ``maybe_add``)."""
+        self.m = jnp.full((B, K, M, 1), _NEG, jnp.float32)
+        self.l = jnp.zeros((B, K, M, 1), jnp.float32)
+        self.o = jnp.zeros((B, K, M, H), jnp.float32)
+
+    def maybe_add(self, pred, block):
+        """Fold in the block ``block()`` returns (s, valid, values) only where pred holds at
+        run time; XLA runs the other branch, which leaves the state as it is."""
+
+        def add(state):
+            self.m, self.l, self.o = state
+            self.add(*block())
+            return self.m, self.l, self.o
+
+        self.m, self.l, self.o = jax.lax.cond(pred, add, lambda state: state, (self.m, self.l, self.o))
+
     def result(self):
         return self.o / jnp.maximum(self.l, 1e-30)  # a query that sees nothing gives 0, not NaN
 
@@ -288,31 +306,58 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
     """The packed prefill row: q [1, T, N, H], its own keys/values k, v [1, T, K, H] at
     positions pos i32[T] in segments seg i32[T] (-1: padding). A token sees the earlier
     tokens of its segment, and segment 0 also the positions < hist_end of the pages in
-    table i32[1, n] (from logical page base[0] when base is given) -> [1, T, N, H]."""
+    table i32[1, n] (from logical page base[0] when base is given) -> [1, T, N, H].
+
+    The row is taken a block of queries at a time (``_query_block``). Segments lie one after
+    another along the row and padding comes last, so a query block needs only the key blocks
+    up to its own that still hold its first token's segment, and the pages only when that
+    token is in segment 0; the rest is skipped at run time (``lax.cond``)."""
     _, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
-    qm = _fold_queries(q, K, scale)
-    qpos_m = jnp.repeat(pos[None], G, axis=1)  # i32[1, T*G]
-    seg_m = jnp.repeat(seg, G)  # i32[T*G]
-    acc = _RunningSoftmax()
-    # the chunk itself: causal within a segment
-    same = (seg_m[:, None] == seg[None, :]) & (seg[None, :] >= 0)  # bool[M, T]
-    local = _visible(qpos_m, pos[None], window)[0] & same
+    C = _query_block(T)
+    qm = _fold_queries(q, K, scale)  # f32[1, K, T*G, H], row m = t*G + g
+    keys = k.transpose(0, 2, 3, 1)  # [1, K, H, T]
     values = jnp.where((seg >= 0)[None, None, :, None], v.transpose(0, 2, 1, 3).astype(jnp.float32), 0.0)
-    acc.add(_scores(qm, k.transpose(0, 2, 3, 1), softcap), local[None, None], values)
-    # segment 0's earlier positions, from its pages
     ps = kpool.shape[3]
-    for c0, c in _page_blocks(table, ps, BLOCK_POSITIONS):
-        keys, values = _gather_block(kpool, vpool, table[:, c0 : c0 + c])
-        kpos = c0 * ps + jnp.arange(c * ps, dtype=jnp.int32)
-        if base is not None:
-            kpos = kpos + base[0] * ps
-        seen = kpos < hist_end
-        values = jnp.where(seen[None, None, :, None], values, 0.0)
-        ok = _visible(qpos_m, kpos[None], window)[0] & seen[None, :] & (seg_m == 0)[:, None]
-        acc.add(_scores(qm, keys, softcap), ok[None, None], values)
-    return _unfold(acc.result(), T, N, q.dtype)
+    base0 = 0 if base is None else base[0]
+    outs = []
+    for i in range(T // C):
+        qc = qm[:, :, i * C * G : (i + 1) * C * G]
+        qpos = jnp.repeat(pos[i * C : (i + 1) * C][None], G, axis=1)  # i32[1, C*G]
+        qseg = jnp.repeat(seg[i * C : (i + 1) * C], G)  # i32[C*G]
+        first = seg[i * C]  # the block's earliest segment (-1: all padding)
+        acc = _RunningSoftmax()
+        acc.start(1, K, C * G, H)
+        for c0, c in _page_blocks(table, ps, BLOCK_POSITIONS):  # segment 0's earlier positions, from its pages
+
+            def history(c0=c0, c=c, qc=qc, qpos=qpos, qseg=qseg):
+                kb, vb = _gather_block(kpool, vpool, table[:, c0 : c0 + c])
+                kpos = (c0 + base0) * ps + jnp.arange(c * ps, dtype=jnp.int32)
+                seen = kpos < hist_end
+                ok = _visible(qpos, kpos[None], window)[0] & seen[None, :] & (qseg == 0)[:, None]
+                return _scores(qc, kb, softcap), ok[None, None], jnp.where(seen[None, None, :, None], vb, 0.0)
+
+            acc.maybe_add((first == 0) & ((c0 + base0) * ps < hist_end), history)
+        for j in range(i + 1):  # the row's own tokens, causal within a segment
+
+            def local(j=j, qc=qc, qpos=qpos, qseg=qseg):
+                ks = slice(j * C, (j + 1) * C)
+                same = (qseg[:, None] == seg[ks][None, :]) & (seg[ks][None, :] >= 0)
+                ok = _visible(qpos, pos[ks][None], window)[0] & same
+                return _scores(qc, keys[..., ks], softcap), ok[None, None], values[:, :, ks]
+
+            # (block i itself may end in padding; an earlier one never does)
+            acc.maybe_add((first >= 0) & ((seg[(j + 1) * C - 1] >= first) | (j == i)), local)
+        outs.append(acc.result())
+    return _unfold(jnp.concatenate(outs, axis=2), T, N, q.dtype)
+
+
+def _query_block(T: int) -> int:
+    """Prefill-row tokens per query block: PREFILL_QUERY_BLOCK, or T / 8 for long rows (at
+    most 8 blocks, 36 block pairs per layer), or T when neither divides it."""
+    C = max(PREFILL_QUERY_BLOCK, T // 8)
+    return C if T % C == 0 else T
 
 
 # ----------------------------------------------------------------------------- kernel path
