@@ -16,11 +16,11 @@ Decode attention on CPU never builds a dense copy of every row's whole context. 
 taken ROW_GROUP at a time (a ``lax.map`` over groups), and each group's table a block of
 page columns at a time (contiguous pages of ``page_size`` positions); each block's scores
 are folded into a running softmax (max, sum, weighted values). What one group gathers for
-one block (8 rows x ROW_BLOCK_POSITIONS: 3 MB at SmolLM2's heads) is read back from cache; the
-whole step's gathered pages, 19-38 MB per layer, were not, and ran 2-4x slower (see
-``benchmarks/RESULTS.md``, "row groups"). With few queries per KV head (decode, short
-drafts) the scores are a multiply-add unrolled over the head dim, which XLA CPU fuses into
-one pass over the keys: about twice as fast as its batched dot at M = 3.
+one block (8 rows x ROW_BLOCK_POSITIONS: 3 MB at SmolLM2's heads) is read back from cache;
+the whole step's gathered pages, 19-38 MB per layer, were not, and ran 2-4x slower (see
+``benchmarks/RESULTS.md``, "attention blocked for the cache"). With few queries per KV head
+(decode, short drafts) the scores are a multiply-add unrolled over the head dim, which XLA
+CPU fuses into one pass over the keys: about twice as fast as its batched dot at M = 3.
 
 Windowed layers (Gemma's LOCAL layers) read their own pool through ``wtable`` from logical
 page ``wbase`` on, exactly as ``cache.PagedKVCache`` does; int8 pools dequantize each block as
@@ -47,7 +47,8 @@ BLOCK_POSITIONS = 256  # key positions per block of the prefill row's history
 ROW_BLOCK_POSITIONS = 512  # key positions per block of a group of decode rows
 ROW_GROUP = 8  # decode rows attended together (their gathered blocks stay in cache)
 PREFILL_QUERY_BLOCK = 128  # prefill-row queries attended together
-UNROLL_QUERIES = 16  # queries per KV head (x head dim <= UNROLL_HEAD_DIM) scored by unrolled multiply-adds
+# scores as unrolled multiply-adds up to this many queries per KV head and this head dim
+UNROLL_QUERIES = 16
 UNROLL_HEAD_DIM = 128
 _NEG = -1e30  # masked score: finite, so a block with nothing visible keeps the max finite
 
@@ -197,7 +198,8 @@ class _RunningSoftmax:
             self.add(*block())
             return self.m, self.l, self.o
 
-        self.m, self.l, self.o = jax.lax.cond(pred, add, lambda state: state, (self.m, self.l, self.o))
+        state = (self.m, self.l, self.o)
+        self.m, self.l, self.o = jax.lax.cond(pred, add, lambda st: st, state)
 
     def result(self):
         return self.o / jnp.maximum(self.l, 1e-30)  # a query that sees nothing gives 0, not NaN
@@ -207,7 +209,8 @@ def _scores(qm, keys, softcap):
     """qm f32[B, K, M, H], keys [B, K, H, S] -> f32[B, K, M, S]."""
     keys = keys.astype(jnp.float32)
     M, H = qm.shape[2], qm.shape[3]
-    if M <= UNROLL_QUERIES and H <= UNROLL_HEAD_DIM:  # one fused pass over the keys (a batched dot at M = 3 is 2x slower)
+    if M <= UNROLL_QUERIES and H <= UNROLL_HEAD_DIM:
+        # one fused pass over the keys (XLA CPU's batched dot at M = 3 is 2x slower)
         s = qm[:, :, :, 0, None] * keys[:, :, None, 0, :]
         for h in range(1, H):
             s = s + qm[:, :, :, h, None] * keys[:, :, None, h, :]
@@ -329,14 +332,16 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
         first = seg[i * C]  # the block's earliest segment (-1: all padding)
         acc = _RunningSoftmax()
         acc.start(1, K, C * G, H)
-        for c0, c in _page_blocks(table, ps, BLOCK_POSITIONS):  # segment 0's earlier positions, from its pages
+        # segment 0's earlier positions, from its pages
+        for c0, c in _page_blocks(table, ps, BLOCK_POSITIONS):
 
             def history(c0=c0, c=c, qc=qc, qpos=qpos, qseg=qseg):
                 kb, vb = _gather_block(kpool, vpool, table[:, c0 : c0 + c])
                 kpos = (c0 + base0) * ps + jnp.arange(c * ps, dtype=jnp.int32)
                 seen = kpos < hist_end
                 ok = _visible(qpos, kpos[None], window)[0] & seen[None, :] & (qseg == 0)[:, None]
-                return _scores(qc, kb, softcap), ok[None, None], jnp.where(seen[None, None, :, None], vb, 0.0)
+                vb = jnp.where(seen[None, None, :, None], vb, 0.0)
+                return _scores(qc, kb, softcap), ok[None, None], vb
 
             acc.maybe_add((first == 0) & ((c0 + base0) * ps < hist_end), history)
         for j in range(i + 1):  # the row's own tokens, causal within a segment
