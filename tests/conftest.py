@@ -46,18 +46,21 @@ def require_reference():
 
 @pytest.fixture(scope="session")
 def smollm2_llm(smollm2_gguf):
-    """The real SmolLM2 loaded once for the whole session (float32, CPU)."""
+    """The real SmolLM2 loaded once for the whole session (float32, CPU). Page pools of
+    512 MB, not the default 2 GB: a test worker holds its session fixtures to the end, and two
+    workers with 2 GB pools each, besides the tests' own engines, crowded 24 GB (OOM kill)."""
     from jaxinfer import LLM
 
-    return LLM(str(smollm2_gguf), max_model_len=1024, progress=False)
+    return LLM(str(smollm2_gguf), max_model_len=1024, progress=False, kv_cache_bytes=512 << 20)
 
 
 @pytest.fixture(scope="session")
 def gemma3_llm(gemma3_gguf):
-    """The real Gemma 3 270M loaded once for the whole session (float32, CPU)."""
+    """The real Gemma 3 270M loaded once for the whole session (float32, CPU; 512 MB pools,
+    as smollm2_llm)."""
     from jaxinfer import LLM
 
-    return LLM(str(gemma3_gguf), max_model_len=1024, progress=False)
+    return LLM(str(gemma3_gguf), max_model_len=1024, progress=False, kv_cache_bytes=512 << 20)
 
 
 @pytest.fixture(scope="session")

@@ -159,8 +159,8 @@ def test_bad_config_is_one_clear_error(cfg, msg):
 
 def test_early_exit_layers_checked_against_the_model(smollm2_gguf):
     with pytest.raises(InvalidRequest, match=r"num_layers must be in \[1, 29\]"):
-        LLM(str(smollm2_gguf), progress=False, speculative_config={"method": "early_exit", "num_speculative_tokens": 2,
-                                                                     "num_layers": 30})
+        LLM(str(smollm2_gguf), progress=False, kv_cache_bytes=KV_BYTES,
+            speculative_config={"method": "early_exit", "num_speculative_tokens": 2, "num_layers": 30})
 
 
 @pytest.mark.parametrize("cmd", ["generate", "batch", "bench", "warmup"])
