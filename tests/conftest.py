@@ -56,11 +56,11 @@ def smollm2_llm(smollm2_gguf):
 
 @pytest.fixture(scope="session")
 def gemma3_llm(gemma3_gguf):
-    """The real Gemma 3 270M loaded once for the whole session (float32, CPU; 512 MB pools,
-    as smollm2_llm)."""
+    """The real Gemma 3 270M loaded once for the whole session (float32, CPU; default pools:
+    its window pools take most of 512 MB, which left one full-length page)."""
     from jaxinfer import LLM
 
-    return LLM(str(gemma3_gguf), max_model_len=1024, progress=False, kv_cache_bytes=512 << 20)
+    return LLM(str(gemma3_gguf), max_model_len=1024, progress=False)
 
 
 @pytest.fixture(scope="session")
