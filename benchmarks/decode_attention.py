@@ -6,7 +6,10 @@ settings of its blocking: rows per group (``ROW_GROUP``), key positions per bloc
 (``UNROLL_QUERIES``). Interleaved, medians; pages scattered through a pool as in a running
 engine.
 
-    python benchmarks/decode_attention.py --rows 64 --context 256 384 --page-size 16
+    python benchmarks/decode_attention.py --rows 64 --context 256 384 --page-size 16 [--ragged]
+
+With ``--ragged`` the rows' lengths spread from a tenth of the context to all of it, as in a
+running batch, whose table width is set by its longest row.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from jaxinfer.models.layers import attention
 # (every row at once, blocks of 256 positions, batched dots)
 SETTINGS = {
     "before: all rows, 256, dot": (1 << 20, 256, 0),
-    "rows 8, 256, dot": (8, 256, 0),
     "rows 8, 512, dot": (8, 512, 0),
     "rows 8, 512, unrolled": (8, 512, 16),
     "rows 4, 512, unrolled": (4, 512, 16),
-    "rows 8, 1024, unrolled": (8, 1024, 16),
+    "rows 8, 256, unrolled": (8, 256, 16),
+    "rows 8, 128, unrolled": (8, 128, 16),
+    "rows 8, 64, unrolled": (8, 64, 16),
 }
 
 
@@ -59,6 +63,7 @@ def main():
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--ragged", action="store_true", help="row lengths spread from context/10 to context")
     a = ap.parse_args()
     B, K, N, H = a.rows, a.kv_heads, a.heads, a.head_dim
     rng = np.random.default_rng(0)
@@ -71,7 +76,10 @@ def main():
             v = jnp.asarray(rng.standard_normal((P, K, ps, H), np.float32))
             table = jnp.asarray(rng.permutation(np.arange(1, P))[: B * n].reshape(B, n), jnp.int32)
             q = jnp.asarray(rng.standard_normal((B, 1, N, H), np.float32))
-            pos = jnp.full((B, 1), ctx - 3, jnp.int32)
+            if a.ragged:  # row lengths spread as in the issue-10 workload, up to the table's width
+                pos = jnp.asarray(rng.integers(ctx // 10, ctx - 2, (B, 1)), jnp.int32)
+            else:
+                pos = jnp.full((B, 1), ctx - 3, jnp.int32)
 
             @jax.jit
             def dense(q, k, v, table, pos):

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import nbclient
 import nbformat
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 
 
+@pytest.mark.slow  # 2 min: a fresh kernel installs the package and compiles the model
 def test_quickstart_notebook_executes(smollm2_gguf, tmp_path):  # the fixture fetches the model once
     work = tmp_path / "colab"
     work.mkdir()

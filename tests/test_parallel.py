@@ -91,6 +91,7 @@ def test_tiny_tensor_parallel_2_and_4_equal_one_device(tiny_gguf):
     assert "'kv_heads': 'split'" in out and "'kv_heads': 'replicated'" in out
 
 
+@pytest.mark.slow  # 2 min: 9 devices' worth of compiles (the TP-3 w8a8 test below stays in the default run)
 def test_smollm2_tensor_parallel_3_and_dp2_x_tp3_equal_one_device(smollm2_gguf):
     """9 query heads and 3 KV heads over 3 devices: one KV head each; then two such replicas
     over 6 devices, each with its own slots and pages (each replica's batch differs from the

@@ -118,6 +118,7 @@ def test_logprobs_of_accepted_tokens_equal_plain(ngram_llm, smollm2_llm):
     assert abs(a.cumulative_logprob - b.cumulative_logprob) < 1e-2
 
 
+@pytest.mark.slow  # 2 min on 2 cores: two engines with int8 KV compiled
 def test_preemption_prefix_cache_and_int8_kv(smollm2_gguf):
     """A pool too small for every row preempts; the repeated prompts hit the prefix cache; the
     KV cache is int8. Speculation on and off agree under the same engine settings."""
