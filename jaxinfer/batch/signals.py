@@ -47,14 +47,22 @@ class _StopSignals:
     def stopping(self) -> bool:
         return self.signum is not None
 
+    def _soft_stop(self, signum: int, where: str, hint: str) -> bool:
+        """The first stop: admit no more requests and give those in flight the grace period,
+        counted from now (SIGALRM then stops hard). False when there is no grace period."""
+        self.signum = signum
+        # os.write, not print: the handler may run in the middle of a print
+        os.write(2, f"\njaxinfer: {signal.Signals(signum).name}{where}: admitting no more requests; finishing "
+                    f"those in flight (up to {self.grace:g} s{hint})\n".encode())
+        if self.grace <= 0:
+            return False
+        if self._saved:  # the handlers are installed, SIGALRM's among them
+            signal.setitimer(signal.ITIMER_REAL, self.grace)
+        return True
+
     def _on_signal(self, signum, frame):
         if signum != signal.SIGALRM and self.signum is None:
-            self.signum = signum
-            # os.write, not print: the handler may run in the middle of a print
-            os.write(2, f"\njaxinfer: {signal.Signals(signum).name}: admitting no more requests; finishing "
-                        f"those in flight (up to {self.grace:g} s; signal again to stop now)\n".encode())
-            if self.grace > 0:
-                signal.setitimer(signal.ITIMER_REAL, self.grace)
+            if self._soft_stop(signum, "", "; signal again to stop now"):
                 return
         self.hard = True
         if not self._armed:
@@ -68,15 +76,8 @@ class _StopSignals:
         """Stop as if ``signum`` had come here too: another process of an SPMD job got it, and
         all must stop admitting at the same request. In-flight requests get the grace period,
         counted from now."""
-        if self.signum is not None:
-            return
-        self.signum = signum
-        os.write(2, f"\njaxinfer: {signal.Signals(signum).name} on another process: admitting no more requests; "
-                    f"finishing those in flight (up to {self.grace:g} s)\n".encode())
-        if self.grace <= 0:
+        if self.signum is None and not self._soft_stop(signum, " on another process", ""):
             self.hard = True
-        elif self._saved:
-            signal.setitimer(signal.ITIMER_REAL, self.grace)
 
     def check(self) -> None:
         """Raise if a hard stop is due (for stops a handler could not raise, e.g. in a __del__)."""
