@@ -324,18 +324,20 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
     values = jnp.where((seg >= 0)[None, None, :, None], v.transpose(0, 2, 1, 3).astype(jnp.float32), 0.0)
     ps = kpool.shape[3]
     base0 = 0 if base is None else base[0]
-    outs = []
-    for i in range(T // C):
-        qc = qm[:, :, i * C * G : (i + 1) * C * G]
-        qpos = jnp.repeat(pos[i * C : (i + 1) * C][None], G, axis=1)  # i32[1, C*G]
-        qseg = jnp.repeat(seg[i * C : (i + 1) * C], G)  # i32[C*G]
-        first = seg[i * C]  # the block's earliest segment (-1: all padding)
+    nb = T // C
+    # one query block's body, traced once and mapped over the blocks (unrolled, the 30 layers'
+    # blocks and their branches made the executable several times larger and slower to build)
+    xs = (jnp.arange(nb), qm.reshape(1, K, nb, C * G, H).transpose(2, 0, 1, 3, 4),
+          jnp.repeat(pos.reshape(nb, 1, C), G, axis=2), jnp.repeat(seg.reshape(nb, C), G, axis=1), seg[::C])
+
+    def block(x):
+        i, qc, qpos, qseg, first = x  # first: the block's earliest segment (-1: all padding)
         acc = _RunningSoftmax()
         acc.start(1, K, C * G, H)
         # segment 0's earlier positions, from its pages
         for c0, c in _page_blocks(table, ps, BLOCK_POSITIONS):
 
-            def history(c0=c0, c=c, qc=qc, qpos=qpos, qseg=qseg):
+            def history(c0=c0, c=c):
                 kb, vb = _gather_block(kpool, vpool, table[:, c0 : c0 + c])
                 kpos = (c0 + base0) * ps + jnp.arange(c * ps, dtype=jnp.int32)
                 seen = kpos < hist_end
@@ -344,18 +346,21 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
                 return _scores(qc, kb, softcap), ok[None, None], vb
 
             acc.maybe_add((first == 0) & ((c0 + base0) * ps < hist_end), history)
-        for j in range(i + 1):  # the row's own tokens, causal within a segment
+        for j in range(nb):  # the row's own tokens, causal within a segment
 
-            def local(j=j, qc=qc, qpos=qpos, qseg=qseg):
+            def local(j=j):
                 ks = slice(j * C, (j + 1) * C)
                 same = (qseg[:, None] == seg[ks][None, :]) & (seg[ks][None, :] >= 0)
                 ok = _visible(qpos, pos[ks][None], window)[0] & same
                 return _scores(qc, keys[..., ks], softcap), ok[None, None], values[:, :, ks]
 
-            # (block i itself may end in padding; an earlier one never does)
-            acc.maybe_add((first >= 0) & ((seg[(j + 1) * C - 1] >= first) | (j == i)), local)
-        outs.append(acc.result())
-    return _unfold(jnp.concatenate(outs, axis=2), T, N, q.dtype)
+            # blocks up to i that still hold the first segment (block i itself may end in
+            # padding; an earlier one never does)
+            acc.maybe_add((first >= 0) & (j <= i) & ((seg[(j + 1) * C - 1] >= first) | (j == i)), local)
+        return acc.result()  # f32[1, K, C*G, H]
+
+    out = jax.lax.map(block, xs)  # [nb, 1, K, C*G, H]
+    return _unfold(out.transpose(1, 2, 0, 3, 4).reshape(1, K, T * G, H), T, N, q.dtype)
 
 
 def _query_block(T: int) -> int:
