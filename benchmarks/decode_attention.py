@@ -46,8 +46,10 @@ def _reader(setting):
     def f(q, k, v, table, pos):
         saved = packed.ROW_GROUP, packed.ROW_BLOCK_POSITIONS, packed.UNROLL_QUERIES
         packed.ROW_GROUP, packed.ROW_BLOCK_POSITIONS, packed.UNROLL_QUERIES = group, block, unroll
-        try:  # the constants are read while tracing
-            return packed.paged_rows_attention(q, k, v, table, None, pos, pos.max(axis=1) + 1, scale=0.125)
+        try:  # the constants are read while tracing: trace the reader itself, not its jit (whose
+            # cached trace would keep the first setting's constants)
+            return packed.paged_rows_attention.__wrapped__(q, k, v, table, None, pos, pos.max(axis=1) + 1,
+                                                           scale=0.125)
         finally:
             packed.ROW_GROUP, packed.ROW_BLOCK_POSITIONS, packed.UNROLL_QUERIES = saved
 

@@ -34,6 +34,7 @@ the blockwise path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -245,6 +246,13 @@ def _visible(qpos, kpos, window):
     return ok if window is None else ok & (delta < window)
 
 
+# The two readers are jitted with their options static: a layer calls them inside the step's
+# trace, and JAX then traces (and lowers) each one once per shape, not once per layer. Traced
+# 30 times over, their blocks made up most of a step's trace (see RESULTS.md, start-up).
+_reader = functools.partial(jax.jit, static_argnames=("scale", "window", "softcap"))
+
+
+@_reader
 def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window=None, softcap=None, own=None):
     """Reference paged attention for rows of T queries: q [B, T, N, H] at positions
     qpos i32[B, T] over the pages table i32[B, n] (logical page base[b] + column, or the
@@ -304,6 +312,7 @@ def _as_stored(a, pool):
     return a.astype(pool.dtype).astype(jnp.float32)
 
 
+@_reader
 def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end, *, scale, window=None,
                           softcap=None):
     """The packed prefill row: q [1, T, N, H], its own keys/values k, v [1, T, K, H] at
