@@ -400,8 +400,10 @@ def cmd_convert(a) -> int:
 
 def main(argv=None) -> int:
     from jaxinfer.errors import JaxinferError
+    from jaxinfer.hostmem import keep_freed_memory
 
     a = build_parser().parse_args(argv)
+    keep_freed_memory()  # this process is the engine's: no fresh mmap per step (jaxinfer.hostmem)
     try:
         return {"generate": cmd_generate, "chat": cmd_chat, "batch": cmd_batch, "bench": cmd_bench,
                 "warmup": cmd_warmup, "models": cmd_models, "serve": cmd_serve, "fetch": cmd_fetch,
