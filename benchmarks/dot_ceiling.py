@@ -46,6 +46,19 @@ def _xla(m, k, n):
     return lambda: f(x, w).block_until_ready()
 
 
+def _xla_s8(m, k, n):
+    """The w8a8 dot: int8 x int8 -> int32, as ``quant.qdot`` runs it (scales left out)."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.integers(-127, 128, (m, k), dtype=np.int8))
+    w = jnp.asarray(rng.integers(-127, 128, (k, n), dtype=np.int8))
+    f = jax.jit(lambda x, w: jax.lax.dot(x, w, preferred_element_type=jnp.int32))
+    f(x, w).block_until_ready()
+    return lambda: f(x, w).block_until_ready()
+
+
 def _torch(m, k, n, dtype):
     import torch
 
@@ -79,6 +92,8 @@ def measure(engine: str, ms, repeats: int) -> dict:
         for name, (k, n) in shapes.items():
             if engine == "xla f32":
                 fn = _xla(m, k, n)
+            elif engine == "xla s8":
+                fn = _xla_s8(m, k, n)
             else:
                 fn = _torch(m, k, n, {"torch f32": "float32", "torch bf16": "bfloat16"}[engine])
             out[f"{name}@{m}"] = _time(fn, repeats)
@@ -90,7 +105,7 @@ def main():
     ap.add_argument("--m", type=int, nargs="+", default=[64, 256, 512])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--engines", nargs="+", default=["xla f32", "torch f32", "torch bf16"])
+    ap.add_argument("--engines", nargs="+", default=["xla f32", "xla s8", "torch f32", "torch bf16"])
     ap.add_argument("--worker")
     a = ap.parse_args()
     if a.worker:
@@ -108,7 +123,7 @@ def main():
                 samples[e].setdefault(key, []).extend(ts)
     shapes = dict(LAYER, lm_head=HEAD)
     rates = {}  # (engine, M) -> (GFLOP/s over a layer's projections, GFLOP/s of the LM head)
-    print(f"{'shape':8s} {'M':>5s} " + " ".join(f"{e:>12s}" for e in a.engines) + "   (GFLOP/s, medians)")
+    print(f"{'shape':8s} {'M':>5s} " + " ".join(f"{e:>12s}" for e in a.engines) + "   (GFLOP/s or GOP/s, medians)")
     for m in a.m:
         layer_s = {e: 0.0 for e in a.engines}
         head_s = {e: 0.0 for e in a.engines}

@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--draft-k", type=int, default=3)
     ap.add_argument("--only", nargs="*", default=None, help="cases to run (default: all)")
     ap.add_argument("--modes", nargs="*", default=None, help="modes to load and run (default: all)")
+    ap.add_argument("--quantize", default=None, help="the target's weights, every mode alike (int8, int4, w8a8)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -84,8 +85,8 @@ def main() -> None:
                             "model": args.draft or args.model, "quantization": args.draft_quantization}
     if args.modes:
         modes = {m: c for m, c in modes.items() if m in args.modes or m == "off"}
-    llms = {m: LLM(args.model, progress=False, max_model_len=1024, max_num_seqs=16, speculative_config=c)
-            for m, c in modes.items()}
+    llms = {m: LLM(args.model, progress=False, max_model_len=1024, max_num_seqs=16, speculative_config=c,
+                   quantize=args.quantize) for m, c in modes.items()}
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     convs = lambda ps: [[{"role": "user", "content": p}] for p in ps]  # noqa: E731
 
@@ -134,6 +135,7 @@ def main() -> None:
         results[name] = res
         print(name, json.dumps(res))
     info = {"cpu": _cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "repeats": args.repeats,
+            "quantize": args.quantize,
             "max_tokens": args.max_tokens, "modes": modes, "results": results}
     if args.json:
         with open(args.json, "w") as f:

@@ -5,6 +5,7 @@ what is left is every matmul, norm, rotary and the sampler), interleaved in one 
 min and median of the rounds. The difference is the attention's share.
 
     python benchmarks/step_profile.py --context 200 --page-size 16 64 --rounds 5
+    python benchmarks/step_profile.py --quantize w8a8 --kv-cache-dtype int8
 
 Decode rows attend to ``--context`` positions on pages scattered through the pool, as a
 running engine's are.
@@ -26,14 +27,14 @@ from jaxinfer.engine import buckets
 REAL = (packed.paged_rows_attention, packed.prefill_row_attention)
 
 
-def _engine(page_size: int, attention: bool):
+def _engine(page_size: int, attention: bool, opts: dict):
     if attention:
         packed.paged_rows_attention, packed.prefill_row_attention = REAL
     else:
         packed.paged_rows_attention = lambda q, *a, **k: q
         packed.prefill_row_attention = lambda q, *a, **k: q
     llm = LLM("smollm2-135m-instruct", max_model_len=1024, max_num_seqs=64, progress=False,
-              enable_prefix_caching=False, page_size=page_size, kv_cache_bytes=1 << 30)
+              enable_prefix_caching=False, page_size=page_size, kv_cache_bytes=1 << 30, **opts)
     return llm.engine
 
 
@@ -77,13 +78,16 @@ def main():
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--page-size", type=int, nargs="+", default=[16])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quantize", help="int8, int4 or w8a8 (default: the checkpoint's float32)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     a = ap.parse_args()
+    opts = {"quantize": a.quantize, "kv_cache_dtype": a.kv_cache_dtype}
     rng = np.random.default_rng(0)
     cases = {}
     variants = [(f"page {p}", p, True) for p in a.page_size] + [(f"page {a.page_size[0]}, no attention",
                                                                   a.page_size[0], False)]
     for name, ps, attention in variants:
-        eng = _engine(ps, attention)
+        eng = _engine(ps, attention, opts)
         batches = {"decode, 64 rows": _decode_batch(eng, a.context, rng), "prefill row, 512": _prefill_batch(eng, rng)}
         for b in batches.values():
             _time(eng, b, 2)  # traced and compiled now, with this variant's attention
@@ -94,7 +98,7 @@ def main():
         for name, (eng, batches) in cases.items():
             for kind, b in batches.items():
                 times.setdefault((kind, name), []).extend(_time(eng, b, 2))
-    print(f"context {a.context}; ms per step")
+    print(f"context {a.context}, quantize {a.quantize}, KV {a.kv_cache_dtype}; ms per step")
     for (kind, name), ts in sorted(times.items()):
         print(f"  {kind:18s} {name:28s} min {min(ts) * 1e3:7.1f}  median {statistics.median(ts) * 1e3:7.1f}")
 

@@ -16,6 +16,10 @@ transformers meets), then ``--repeats`` timed passes; the median is reported.
 * transformers: the GGUF dequantized to the dtype, padded ``generate`` on batches of 64 with
   left padding, ``torch.set_num_threads(2)``, ``inference_mode``; the requests in workload
   order and sorted by prompt length (less padding: its best), the better one reported.
+
+Every worker process keeps freed memory in glibc's heap (``jaxinfer.hostmem``, as the
+``jaxinfer`` command does), transformers' as well as ours; ``--malloc default`` leaves glibc's
+own settings.
 """
 
 from __future__ import annotations
@@ -120,8 +124,12 @@ def run_transformers(model, dtype, repeats):
     return best
 
 
-def worker(name, model, repeats):
+def worker(name, model, repeats, malloc):
     engine, variant = name.split(":")
+    if malloc == "keep":  # for either engine: a process-wide setting, each peer gets it
+        from jaxinfer.hostmem import keep_freed_memory
+
+        keep_freed_memory()
     if engine == "jaxinfer":
         return run_jaxinfer(model, VARIANTS[name], repeats)
     return run_transformers(model, variant, repeats)
@@ -134,15 +142,18 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json")
     ap.add_argument("--worker")
+    ap.add_argument("--malloc", choices=["keep", "default"], default="keep",
+                    help="keep: every worker keeps freed memory in glibc's heap (jaxinfer.hostmem), as the "
+                         "jaxinfer command does; default: glibc's own settings")
     a = ap.parse_args()
     if a.worker:
-        print("RESULT " + json.dumps(worker(a.worker, a.model, a.repeats)))
+        print("RESULT " + json.dumps(worker(a.worker, a.model, a.repeats, a.malloc)))
         return
     results = {}
     for name in a.only:
         load = os.getloadavg()[0]
         p = subprocess.run([sys.executable, __file__, "--worker", name, "--model", a.model,
-                            "--repeats", str(a.repeats)], capture_output=True, text=True)
+                            "--repeats", str(a.repeats), "--malloc", a.malloc], capture_output=True, text=True)
         line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
             print(name, "failed:", p.stderr[-2000:])
