@@ -1,7 +1,5 @@
 """``python -m jaxinfer`` runs the CLI."""
 
-import sys
+from jaxinfer.cli import entry
 
-from jaxinfer.cli import main
-
-sys.exit(main())
+entry()

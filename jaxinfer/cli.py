@@ -400,10 +400,8 @@ def cmd_convert(a) -> int:
 
 def main(argv=None) -> int:
     from jaxinfer.errors import JaxinferError
-    from jaxinfer.hostmem import keep_freed_memory
 
     a = build_parser().parse_args(argv)
-    keep_freed_memory()  # this process is the engine's: no fresh mmap per step (jaxinfer.hostmem)
     try:
         return {"generate": cmd_generate, "chat": cmd_chat, "batch": cmd_batch, "bench": cmd_bench,
                 "warmup": cmd_warmup, "models": cmd_models, "serve": cmd_serve, "fetch": cmd_fetch,
@@ -416,5 +414,15 @@ def main(argv=None) -> int:
         return 130
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The ``jaxinfer`` command and ``python -m jaxinfer``: this process is the engine's, so it
+    keeps freed memory in the heap (no fresh mmap per step, ``jaxinfer.hostmem``); ``main``
+    called as a function leaves its caller's allocator alone."""
+    from jaxinfer.hostmem import keep_freed_memory
+
+    keep_freed_memory()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()
