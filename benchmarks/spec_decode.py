@@ -67,6 +67,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="cases to run (default: all)")
     ap.add_argument("--modes", nargs="*", default=None, help="modes to load and run (default: all)")
     ap.add_argument("--quantize", default=None, help="the target's weights, every mode alike (int8, int4, w8a8)")
+    ap.add_argument("--allow-mismatch", action="store_true",
+                    help="time a mode whose greedy tokens differ from plain decoding (w8a8's int8 activation "
+                         "rounding is not batch-shape invariant: RESULTS.md) and report how many prompts differ")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -112,6 +115,7 @@ def main() -> None:
     }
     cases = {name: (run, prompts, [m for m in ms if m in modes]) for name, (run, prompts, ms) in cases.items()}
     results = {}
+    mismatched = {}  # (case, mode) -> prompts whose greedy tokens differ from plain decoding
     for name, (run, prompts, ms) in cases.items():
         if args.only and name not in args.only:
             continue
@@ -119,7 +123,9 @@ def main() -> None:
         for m in ms:  # warm pass: compiles, and checks greedy equality with plain decoding
             _, toks = run(llms[m], prompts)
             ref = toks if ref is None else ref
-            assert toks == ref, f"{name}: {m} differs from plain decoding"
+            differ = sum(a != b for a, b in zip(toks, ref))
+            assert args.allow_mismatch or not differ, f"{name}: {m} differs from plain decoding"
+            mismatched[(name, m)] = differ
             llms[m].engine.spec_stats and llms[m].engine.spec_stats.__init__(llms[m].engine.spec.num_speculative_tokens)
         rates = {m: [] for m in ms}
         for _ in range(args.repeats):
@@ -132,6 +138,7 @@ def main() -> None:
                 res[m]["acceptance"] = st.summary()
                 st.__init__(st.k)
             res[m]["speedup"] = round(res[m]["tok_s_median"] / res["off"]["tok_s_median"], 3)
+            res[m]["prompts_differing_from_off"] = mismatched[(name, m)]
         results[name] = res
         print(name, json.dumps(res))
     info = {"cpu": _cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "repeats": args.repeats,
