@@ -355,17 +355,26 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
                 return _scores(qc, kb, softcap), ok[None, None], vb
 
             acc.maybe_add((first == 0) & ((c0 + base0) * ps < hist_end), history)
-        for j in range(nb):  # the row's own tokens, causal within a segment
+        def local_block(j, state):  # the row's own tokens, causal within a segment: key block j
 
-            def local(j=j):
-                ks = slice(j * C, (j + 1) * C)
-                same = (qseg[:, None] == seg[ks][None, :]) & (seg[ks][None, :] >= 0)
-                ok = _visible(qpos, pos[ks][None], window)[0] & same
-                return _scores(qc, keys[..., ks], softcap), ok[None, None], values[:, :, ks]
+            def local():
+                kseg, kpos = (jax.lax.dynamic_slice_in_dim(a, j * C, C) for a in (seg, pos))
+                same = (qseg[:, None] == kseg[None, :]) & (kseg[None, :] >= 0)
+                ok = _visible(qpos, kpos[None], window)[0] & same
+                kb = jax.lax.dynamic_slice_in_dim(keys, j * C, C, axis=3)
+                vb = jax.lax.dynamic_slice_in_dim(values, j * C, C, axis=2)
+                return _scores(qc, kb, softcap), ok[None, None], vb
 
-            # blocks up to i that still hold the first segment (block i itself may end in
-            # padding; an earlier one never does)
-            acc.maybe_add((first >= 0) & (j <= i) & ((seg[(j + 1) * C - 1] >= first) | (j == i)), local)
+            acc.m, acc.l, acc.o = state
+            # a block that still holds the first segment (block i itself may end in padding;
+            # an earlier one never does)
+            acc.maybe_add((seg[(j + 1) * C - 1] >= first) | (j == i), local)
+            return acc.m, acc.l, acc.o
+
+        # key blocks 0..i, one traced body (unrolled, the blocks' branches in 30 layers made the
+        # step's executable larger and slower to load); none when the query block is all padding
+        acc.m, acc.l, acc.o = jax.lax.fori_loop(0, jnp.where(first >= 0, i + 1, 0), local_block,
+                                                (acc.m, acc.l, acc.o))
         return acc.result()  # f32[1, K, C*G, H]
 
     out = jax.lax.map(block, xs)  # [nb, 1, K, C*G, H]
