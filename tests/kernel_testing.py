@@ -4,6 +4,7 @@ and builders of NaN-poisoned inputs."""
 from __future__ import annotations
 
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,28 @@ TOLERANCES = {
 }
 
 
+# JAXINFER_NATIVE_KERNELS=1 on a GPU (or TPU) machine: the kernel-grid tests compile each
+# kernel for the device (Triton on GPU, Mosaic on TPU) instead of interpreting it, and a
+# variant for another platform is skipped. Run them there as
+#   JAX_PLATFORMS=cuda,cpu JAXINFER_NATIVE_KERNELS=1 pytest tests/test_kernels_*.py -m "slow or not slow" -k gpu
+# A float32 dot compiled for the device may round its operands to tf32 (10 mantissa bits),
+# as Triton's default does, so float32 is held to tf32's standard there; bfloat16 as before.
+NATIVE = os.environ.get("JAXINFER_NATIVE_KERNELS", "") == "1"
+INTERPRET = not NATIVE
+NATIVE_TOLERANCES = TOLERANCES | {jnp.dtype(jnp.float32): dict(atol=5e-3, rtol=5e-3)}
+
+
+def skip_unless_runs_here(variant: str) -> None:
+    """In native mode, skip a variant this machine cannot compile ("tpu" on a GPU)."""
+    if NATIVE:
+        import pytest
+
+        from pallas_kernels import _common
+
+        if variant != _common.platform():
+            pytest.skip(f"the {variant} variant does not compile on {_common.platform()}")
+
+
 def assert_close(out, ref, dtype=None):
     dtype = jnp.dtype(dtype or out.dtype)
     assert out.shape == ref.shape and out.dtype == ref.dtype, (
@@ -32,7 +55,7 @@ def assert_close(out, ref, dtype=None):
     )
     a, b = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert np.isfinite(a).all(), "NaN/inf in the kernel output"
-    tol = TOLERANCES[dtype]
+    tol = (NATIVE_TOLERANCES if NATIVE else TOLERANCES)[dtype]
     rms = float(np.sqrt(np.mean(np.square(b)))) if b.size else 0.0
     np.testing.assert_allclose(a, b, rtol=tol["rtol"], atol=tol["atol"] * max(1.0, rms))
 
@@ -120,7 +143,9 @@ def paged_pool(
 def run_interpreted(fn, *args):
     """jit(fn)(*args), compiled without LLVM's optimisation passes: an interpret-mode kernel
     is a large while loop that runs once on tiny inputs, and compiling it dominates its
-    test (this halves that)."""
+    test (this halves that). In native mode, plainly compiled for the device."""
+    if NATIVE:
+        return jax.jit(fn)(*args)
     lowered = jax.jit(fn).lower(*args)
     return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})(*args)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import flash_attention as fa
-from tests.kernel_testing import assert_close, covering_grid, dense_attention_np, run_interpreted
+from tests.kernel_testing import INTERPRET, skip_unless_runs_here, assert_close, covering_grid, dense_attention_np, run_interpreted
 
 LN3 = math.log(3.0)
 
@@ -98,6 +98,7 @@ BLOCKS = {
 
 
 def _case(variant, dtype, N, K, blocks, T, S, opts, seed=0):
+    skip_unless_runs_here(variant)
     rng = np.random.default_rng(seed)
     # Rows: a prefill from 0 (T keys), a chunk ending at S, a padded row whose last query is
     # past kv_len (no key at all when T = 1).
@@ -108,7 +109,7 @@ def _case(variant, dtype, N, K, blocks, T, S, opts, seed=0):
     )
     ref = jax.jit(lambda *a: fa.flash_attention_reference(*a, **opts))(q, k, v, qs, kl)
     out = run_interpreted(
-        lambda *a: VARIANTS[variant](*a, block_sizes=blocks, interpret=True, **opts),
+        lambda *a: VARIANTS[variant](*a, block_sizes=blocks, interpret=INTERPRET, **opts),
         q,
         k,
         v,

@@ -13,6 +13,8 @@ import pytest
 
 from pallas_kernels import paged_attention as pa
 from tests.kernel_testing import (
+    INTERPRET,
+    skip_unless_runs_here,
     assert_close,
     covering_grid,
     dense_attention_np,
@@ -100,6 +102,7 @@ VARIANTS = {"tpu": pa.paged_attention_tpu, "gpu": pa.paged_attention_gpu}
 
 
 def _case(variant, dtype, N, K, page_size, ppb, lengths, pages_per_seq, opts, seed=0):
+    skip_unless_runs_here(variant)
     rng = np.random.default_rng(seed)
     H = 16
     kp, vp, table, _, _ = paged_pool(
@@ -117,7 +120,7 @@ def _case(variant, dtype, N, K, page_size, ppb, lengths, pages_per_seq, opts, se
     ref = jax.jit(lambda *a: pa.paged_attention_reference(*a, **opts))(q, kp, vp, table, lengths)
     blocks = pa.BlockSizes(ppb)
     out = run_interpreted(
-        lambda *a: VARIANTS[variant](*a, block_sizes=blocks, interpret=True, **opts),
+        lambda *a: VARIANTS[variant](*a, block_sizes=blocks, interpret=INTERPRET, **opts),
         q,
         kp,
         vp,

@@ -16,6 +16,8 @@ import pytest
 from pallas_kernels import ragged_paged_attention as rpa
 from pallas_kernels.ragged_paged_attention.common import max_items, work_items
 from tests.kernel_testing import (
+    INTERPRET,
+    skip_unless_runs_here,
     assert_close,
     covering_grid,
     dense_attention_np,
@@ -152,12 +154,13 @@ DEFAULT_GRID = [
 
 
 def _case(variant, dtype, N, K, page_size, blocks, mix, opts, seed=0):
+    skip_unless_runs_here(variant)
     rng = np.random.default_rng(seed)
     args, _, _ = _segments_case(rng, MIXES[mix], K=K, N=N, H=16, page_size=page_size, dtype=dtype,
                                 keys_transposed=opts.get("keys_transposed", False))
     ref = jax.jit(lambda *a: rpa.ragged_paged_attention_reference(*a, **opts))(*args)
     bs = rpa.BlockSizes(*blocks)
-    out = run_interpreted(lambda *a: VARIANTS[variant](*a, block_sizes=bs, interpret=True, **opts), *args)
+    out = run_interpreted(lambda *a: VARIANTS[variant](*a, block_sizes=bs, interpret=INTERPRET, **opts), *args)
     assert_close(out, ref)
 
 
