@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import quant_matmul as qm
-from tests.kernel_testing import TOLERANCES, assert_close, covering_grid, run_interpreted
+from tests.kernel_testing import INTERPRET, skip_unless_runs_here, TOLERANCES, assert_close, covering_grid, run_interpreted
 
 
 # ----------------------------------------------------------------------------- int4 format
@@ -87,6 +87,7 @@ BLOCKS = {
 
 
 def _int8_case(variant, M, O, b, out_dtype, seed=0):
+    skip_unless_runs_here(variant)
     rng = np.random.default_rng(seed)
     I = 256
     x, xs = qm.quantize_rows(jnp.asarray(rng.normal(size=(M, I)), jnp.float32))
@@ -95,7 +96,7 @@ def _int8_case(variant, M, O, b, out_dtype, seed=0):
     ref = jax.jit(lambda *a: qm.int8_matmul_reference(*a, out_dtype=out_dtype))(x, xs, w, ws)
     out = run_interpreted(
         lambda *a: INT8[variant](
-            *a, out_dtype=out_dtype, block_sizes=BLOCKS[variant][b], interpret=True
+            *a, out_dtype=out_dtype, block_sizes=BLOCKS[variant][b], interpret=INTERPRET
         ),
         x,
         xs,
@@ -106,6 +107,7 @@ def _int8_case(variant, M, O, b, out_dtype, seed=0):
 
 
 def _weight_only_case(variant, M, O, b, dtype, group, seed=0):
+    skip_unless_runs_here(variant)
     rng = np.random.default_rng(seed)
     I = 256
     x = jnp.asarray(rng.normal(size=(M, I)), dtype)
@@ -117,7 +119,7 @@ def _weight_only_case(variant, M, O, b, dtype, group, seed=0):
         ws = jnp.asarray(rng.uniform(1e-3, 1e-2, O), jnp.float32)
     ref = jax.jit(qm.weight_only_matmul_reference)(x, w, ws)
     out = run_interpreted(
-        lambda *a: WEIGHT_ONLY[variant](*a, block_sizes=BLOCKS[variant][b], interpret=True),
+        lambda *a: WEIGHT_ONLY[variant](*a, block_sizes=BLOCKS[variant][b], interpret=INTERPRET),
         x,
         w,
         ws,
@@ -163,6 +165,29 @@ def test_int8_kernel_matches_reference_wide(variant, M, out_dtype, O, b):
 )
 def test_weight_only_kernel_matches_reference_wide(variant, dtype, group, M, O, b):
     _weight_only_case(variant, M, O, b, dtype, group)
+
+
+def test_gpu_default_tiles_fit_shared_memory_and_divide_the_weight():
+    """The Triton defaults (bytes per pipeline stage, 2 buffered) stay under an H100's 227 KB
+    of shared memory per block and divide SmolLM2's 576-wide weights; the TPU defaults did
+    neither on the H100 (benchmarks/gpu_check.py)."""
+    from pallas_kernels.quant_matmul.kernel import _gpu_rows, _gpu_tile, gpu_block_sizes
+
+    for M in (1, 16, 17, 256, 4096):
+        for I, O in ((576, 1536), (1536, 576), (4096, 14336)):
+            bs = gpu_block_sizes(M)
+            bm = _gpu_rows(M, bs.block_m)
+            bn, bk = _gpu_tile(O, bs.block_n, "n", given=False), _gpu_tile(I, bs.block_k, "k", given=False)
+            assert O % bn == 0 and I % bk == 0
+            assert 2 * (bm * bk * 2 + bk * bn) <= 227 * 1024
+    # and the variant takes them: a SmolLM2 projection at decode, default tiles
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(1, 576)), jnp.float32)
+    w = jnp.asarray(rng.integers(-127, 128, (576, 1536)), jnp.int8)
+    ws = jnp.asarray(rng.uniform(1e-3, 1e-2, 1536), jnp.float32)
+    ref = jax.jit(qm.weight_only_matmul_reference)(x, w, ws)
+    skip_unless_runs_here("gpu")
+    assert_close(run_interpreted(lambda *a: qm.weight_only_matmul_gpu(*a, interpret=INTERPRET), x, w, ws), ref)
 
 
 def test_dispatch_picks_reference_on_cpu_and_kernel_when_interpreting(monkeypatch):
