@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import cpu_kernels
 from jaxinfer.errors import InvalidRequest
 
 
@@ -235,12 +236,23 @@ class QuantArray:
 
 def _s8_matmul(xq: jax.Array, xs: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
     """int8 rows xq [M, I] (scales xs f32[M]) @ int8 values [I, O] (scales f32[O]) -> f32[M, O]."""
+    if xq.shape[0] <= cpu_kernels.MAX_ROWS and _native_gemv():
+        # a few rows (batch-1 decode): the native kernel streams the weight as stored, where
+        # XLA's dot would repack all of it first; the same integers either way
+        acc = cpu_kernels.int8_gemv(xq, values)
+        return acc.astype(jnp.float32) * xs[:, None] * scale
     if xq.shape[0] == 1:
         # XLA CPU rewrites a one-row s8 dot as an s32 one, converting the whole weight
         # every call (measured 30x slower than two rows); pay for a second row.
         return _s8_matmul(jnp.concatenate([xq, xq]), jnp.concatenate([xs, xs]), values, scale)[:1]
     acc = jax.lax.dot_general(xq, values, _MATMUL, preferred_element_type=jnp.int32)
     return acc.astype(jnp.float32) * xs[:, None] * scale
+
+
+def _native_gemv() -> bool:
+    """Whether this trace's few-row s8 dots go to ``cpu_kernels.int8_gemv``: on a one-device
+    CPU backend (a custom call has no sharding rule) where the kernel is built."""
+    return jax.default_backend() == "cpu" and jax.device_count() == 1 and cpu_kernels.available()
 
 
 def einsum_shared(x: jax.Array, *pairs: tuple[str, QuantArray]) -> tuple[jax.Array, ...]:

@@ -1,0 +1,102 @@
+"""Native CPU kernels called from jitted code through the XLA FFI, each beside its reference.
+
+``int8_gemv(xq, w)``: int8 rows [M <= 4, I] @ int8 weight [I, O] -> int32 [M, O], the
+batch-1 (and small-verify) w8a8 dot. Its reference is XLA's own s8 x s8 -> s32 dot
+(``int8_gemv_reference``); the two give the same integers. XLA CPU runs that dot through
+YNNPACK, which repacks the whole weight on every call; this kernel streams the weight as it
+is stored (``int8_gemv.cc`` says how).
+
+The C++ source is compiled on first use with the machine's g++ against jaxlib's FFI headers
+into ``$JAXINFER_HOME/native/`` (keyed by a hash of the source, the compiler command and the
+jaxlib version), then registered with XLA. Where it cannot be built (no compiler) or the
+CPU lacks AVX-512BW (where its vector loop would not run; AVX2 boxes keep XLA's dot),
+``available()`` is False and callers keep the reference. ``JAXINFER_NATIVE_GEMV=0`` turns
+it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+SOURCE = Path(__file__).with_name("int8_gemv.cc")
+TARGET = "jaxinfer_int8_gemv"
+MAX_ROWS = 4
+_lock = threading.Lock()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _command(out: Path) -> list[str]:
+    return [os.environ.get("CXX", "g++"), "-O3", "-std=c++17", "-shared", "-fPIC", "-pthread",
+            f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
+
+
+def _build() -> Path:
+    from jaxinfer import registry
+
+    import jaxlib
+
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_command(Path("x"))).encode()
+                         + jaxlib.__version__.encode()).hexdigest()[:16]
+    out = registry.home() / "native" / f"int8_gemv-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        p = subprocess.run(_command(tmp), capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed:\n{p.stderr[-2000:]}")
+        tmp.replace(out)  # atomic: a concurrent build by another process is harmless
+    return out
+
+
+@functools.cache
+def available() -> bool:
+    """Whether int8_gemv is registered and worth calling here (built once per process)."""
+    if os.environ.get("JAXINFER_NATIVE_GEMV", "1") == "0":
+        return False
+    if not {"avx512f", "avx512bw"} <= _cpu_flags():
+        return False
+    with _lock:
+        try:
+            lib = ctypes.cdll.LoadLibrary(str(_build()))
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxinfer_int8_gemv), platform="cpu")
+        except Exception as e:  # no compiler, a broken toolchain: XLA's dot serves
+            print(f"jaxinfer: native int8 gemv unavailable, using XLA's dot ({e})", file=sys.stderr)
+            return False
+    return True
+
+
+def int8_gemv(xq: jax.Array, w: jax.Array, *, threads: int | None = None) -> jax.Array:
+    """int8 [M, I] @ int8 [I, O] -> int32 [M, O] (M <= 4) through the native kernel; call
+    only where ``available()``. ``threads`` (default: 2 where there are 2 cores) > 1 lets a
+    helper thread take half the columns of a weight at least 512 wide."""
+    M, O = xq.shape[0], w.shape[1]
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"int8_gemv takes 1..{MAX_ROWS} rows, got {M}")
+    if threads is None:
+        threads = min(os.cpu_count() or 1, 2)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, O), jnp.int32))
+    return call(xq.astype(jnp.int8), w.astype(jnp.int8), threads=threads)
+
+
+def int8_gemv_reference(xq: jax.Array, w: jax.Array) -> jax.Array:
+    """XLA's s8 x s8 -> s32 dot: the same integers as int8_gemv."""
+    return jax.lax.dot_general(xq, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)

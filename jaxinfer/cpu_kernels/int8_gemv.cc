@@ -1,0 +1,248 @@
+// int8 x int8 -> int32 product of a few activation rows with an int8 weight, for XLA CPU
+// through the XLA FFI: acc[m, o] = sum_k x[m, k] * w[k, o], exactly what XLA's s8 dot gives.
+//
+// Why: at batch 1 XLA CPU runs this dot through YNNPACK, which repacks the whole weight into
+// its VNNI layout on every call (ynn::interleave4_x8 was 49% of a w8a8 batch-1 decode step on
+// an AMX box). This kernel reads the weight once, in the layout it is stored in ([I, O],
+// row-major), and streams it.
+//
+// Method (AVX-512BW): two weight rows k, k+1 are interleaved byte-wise (unpacklo/hi_epi8),
+// sign-extended to int16 pairs (w[k, o], w[k+1, o]), and multiplied by the pair
+// (x[k], x[k+1]) with madd_epi16: one int32 lane per output holds
+// x[k] w[k, o] + x[k+1] w[k+1, o]. |x|, |w| <= 128, so a pair is at most 2^15 and int32 holds
+// any realistic I. A column block of 64 outputs is four accumulators whose lanes are a fixed
+// permutation of the 64 outputs (unpack works within 128-bit lanes), undone when stored.
+// The column blocks are split between the calling thread and one persistent helper thread
+// (two custom calls on column windows, left to XLA's executor to overlap, measured slower).
+// Anything the vector loop does not cover (an odd last row, columns past a multiple of 64,
+// CPUs without AVX-512BW) takes the scalar loop, which gives the same integers.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include <immintrin.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxRows = 4;  // activation rows per call (batch-1 decode, small verify rows)
+// Rows per pass over a column block: between passes a block's four accumulators wait in
+// `out` (in their lane order, put right once at the end), so the weight is read KC rows at a
+// time as KC short contiguous streams, whatever O is.
+constexpr int64_t KC = 64;
+constexpr int64_t kAhead = 4;  // column blocks prefetched ahead
+
+// Scalar reference for columns [o0, o1) into out [M, ldo] at column o - c0: the same integers
+// as any other path.
+void gemv_scalar(const int8_t* x, const int8_t* w, int32_t* out, int64_t M, int64_t I, int64_t O,
+                 int64_t ldo, int64_t c0, int64_t o0, int64_t o1) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t o = o0; o < o1; ++o) out[m * ldo + o - c0] = 0;
+  for (int64_t k = 0; k < I; ++k) {
+    const int8_t* row = w + k * O;
+    for (int64_t m = 0; m < M; ++m) {
+      const int32_t xk = x[m * I + k];
+      int32_t* dst = out + m * ldo - c0;
+      for (int64_t o = o0; o < o1; ++o) dst[o] += xk * static_cast<int32_t>(row[o]);
+    }
+  }
+}
+
+// Columns [c0, c0 + 64 * nb) (c0 a multiple of 64) into out [M, ldo] at column o - c0.
+__attribute__((target("avx512f,avx512bw"))) void gemv_avx512(const int8_t* x, const int8_t* w,
+                                                               int32_t* out, int64_t M, int64_t I,
+                                                               int64_t O, int64_t ldo, int64_t c0,
+                                                               int64_t nb) {
+  const int64_t I2 = I & ~int64_t(1);
+  for (int64_t k0 = 0; k0 < I2 || k0 == 0; k0 += KC) {
+    const int64_t k1 = std::min(k0 + KC, I2);
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t o = c0 + b * 64;
+      int32_t* dst = out + b * 64;  // + m * ldo
+      __m512i acc[kMaxRows][4];
+      for (int m = 0; m < M; ++m)
+        for (int j = 0; j < 4; ++j)
+          acc[m][j] = k0 == 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(dst + m * ldo + 16 * j);
+      // the same rows a few blocks ahead, or the next pass's rows near the end of this one
+      // (a prefetch past the weight's end does not fault)
+      const int8_t* ahead =
+          b + kAhead < nb ? w + o + 64 * kAhead : w + (k1 - k0) * O + c0 + (b + kAhead - nb) * 64;
+      for (int64_t k = k0; k < k1; k += 2) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + k * O), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + (k + 1) * O), _MM_HINT_T0);
+        const __m512i a = _mm512_loadu_si512(w + k * O + o);
+        const __m512i c = _mm512_loadu_si512(w + (k + 1) * O + o);
+        const __m512i lo = _mm512_unpacklo_epi8(a, c);  // per 128-bit lane: pairs of cols 0-7
+        const __m512i hi = _mm512_unpackhi_epi8(a, c);  // ... and of cols 8-15
+        const __m512i p0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo));
+        const __m512i p1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1));
+        const __m512i p2 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi));
+        const __m512i p3 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+        for (int m = 0; m < M; ++m) {
+          const int16_t x0 = x[m * I + k], x1 = x[m * I + k + 1];
+          const __m512i xp = _mm512_set1_epi32(static_cast<int32_t>(static_cast<uint16_t>(x0)) |
+                                               (static_cast<int32_t>(x1) << 16));
+          acc[m][0] = _mm512_add_epi32(acc[m][0], _mm512_madd_epi16(p0, xp));
+          acc[m][1] = _mm512_add_epi32(acc[m][1], _mm512_madd_epi16(p1, xp));
+          acc[m][2] = _mm512_add_epi32(acc[m][2], _mm512_madd_epi16(p2, xp));
+          acc[m][3] = _mm512_add_epi32(acc[m][3], _mm512_madd_epi16(p3, xp));
+        }
+      }
+      for (int m = 0; m < M; ++m)
+        for (int j = 0; j < 4; ++j) _mm512_storeu_si512(dst + m * ldo + 16 * j, acc[m][j]);
+    }
+  }
+  // Lane order -> column order. Lane L of lo holds cols 16L..16L+7, of hi cols 16L+8..16L+15;
+  // p0/p2 took lanes 0-1, p1/p3 lanes 2-3.
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t* dst = out + m * ldo + b * 64;
+      int32_t t[4][16];
+      std::memcpy(t, dst, sizeof(t));
+      for (int L = 0; L < 4; ++L) {
+        std::memcpy(dst + 16 * L, t[L < 2 ? 0 : 1] + (L % 2) * 8, 8 * sizeof(int32_t));
+        std::memcpy(dst + 16 * L + 8, t[L < 2 ? 2 : 3] + (L % 2) * 8, 8 * sizeof(int32_t));
+      }
+    }
+  if (I2 != I) {  // the odd last row
+    const int8_t* row = w + (I - 1) * O + c0;
+    for (int64_t m = 0; m < M; ++m) {
+      const int32_t xk = x[m * I + I - 1];
+      for (int64_t i = 0; i < nb * 64; ++i) out[m * ldo + i] += xk * static_cast<int32_t>(row[i]);
+    }
+  }
+}
+
+bool have_avx512bw() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return ok;
+}
+
+struct Job {
+  const int8_t* x;
+  const int8_t* w;
+  int32_t* out;
+  int64_t M, I, O, c0, c1;  // columns [c0, c1), c0 a multiple of 64; out is [M, O]
+};
+
+void run(const Job& j) {
+  const int64_t nb = have_avx512bw() ? (j.c1 - j.c0) / 64 : 0;
+  if (nb) gemv_avx512(j.x, j.w, j.out + j.c0, j.M, j.I, j.O, j.O, j.c0, nb);
+  if (j.c0 + nb * 64 < j.c1)
+    gemv_scalar(j.x, j.w, j.out + j.c0, j.M, j.I, j.O, j.O, j.c0, j.c0 + nb * 64, j.c1);
+}
+
+// One helper thread, made on first use, that takes the second part of the columns. It spins
+// briefly after each job (a decode step makes ~120 calls back to back), then sleeps.
+class Helper {
+ public:
+  static Helper& get() {
+    static Helper* h = new Helper();  // never destroyed: the thread lives as long as the process
+    return *h;
+  }
+
+  // Whether this call may use the helper: XLA can run independent dots (q, k, v) at the
+  // same time on its own threads, and only one of them gets it.
+  bool acquire() {
+    bool expected = false;
+    return busy_.compare_exchange_strong(expected, true, std::memory_order_acquire);
+  }
+
+  void start(const Job& j) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = j;
+      done_.store(false, std::memory_order_relaxed);
+      seq_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_one();
+  }
+
+  void wait() {
+    while (!done_.load(std::memory_order_acquire)) _mm_pause();
+    busy_.store(false, std::memory_order_release);
+  }
+
+ private:
+  Helper() : thread_([this] { loop(); }) { thread_.detach(); }
+
+  void loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t s = seq_.load(std::memory_order_acquire);
+      for (int spin = 0; s == seen && spin < 20000; ++spin) {
+        _mm_pause();
+        s = seq_.load(std::memory_order_acquire);
+      }
+      if (s == seen) {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return seq_.load(std::memory_order_acquire) != seen; });
+        s = seq_.load(std::memory_order_acquire);
+      }
+      seen = s;
+      Job j;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        j = job_;
+      }
+      run(j);
+      done_.store(true, std::memory_order_release);
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> seq_{0};
+  std::atomic<bool> done_{true};
+  std::atomic<bool> busy_{false};
+  Job job_{};
+  std::thread thread_;
+};
+
+ffi::Error Int8Gemv(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w, ffi::ResultBuffer<ffi::S32> out,
+                    int64_t threads) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("int8_gemv: x must be [M, I] and w [I, O]");
+  const int64_t M = xd[0], I = xd[1], O = wd[1];
+  if (M < 1 || M > kMaxRows) return ffi::Error::InvalidArgument("int8_gemv: 1 to 4 rows");
+  const Job all{x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O};
+  const int64_t blocks = O / 64;
+  // the caller takes the larger part (and any tail), so it rarely waits for the helper
+  const int64_t split = 64 * ((blocks + 1) / 2);
+  if (threads > 1 && blocks >= 8 && Helper::get().acquire()) {
+    Job second = all;
+    second.c0 = split;
+    second.c1 = blocks * 64;
+    Helper::get().start(second);
+    Job first = all;
+    first.c1 = split;
+    run(first);
+    if (blocks * 64 < O) {
+      Job tail = all;
+      tail.c0 = blocks * 64;
+      run(tail);
+    }
+    Helper::get().wait();
+  } else {
+    run(all);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int8_gemv, Int8Gemv,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("threads"));
