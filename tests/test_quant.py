@@ -222,7 +222,9 @@ def test_channel_absmax_keeps_the_contracted_axes():
 
 # ----------------------------------------------------------------------------- int8 on XLA
 @pytest.mark.parametrize("B", [4, 1])  # 1: a one-row dot, which XLA CPU would widen to s32
-def test_w8a8_lowers_to_an_s8_s8_s32_dot(B):
+def test_w8a8_lowers_to_an_s8_s8_s32_dot(B, monkeypatch):
+    """Through XLA's dot (the few-row native kernel is checked below and in test_cpu_kernels)."""
+    monkeypatch.setattr(quant, "_native_gemv", lambda: False)
     qa = quant.quantize_w8a8(_weight((256, 384)), (0,), jnp.ones(256))
     x = jnp.ones((B, 3 if B > 1 else 1, 256), jnp.float32)
     M = max(2, x.shape[0] * x.shape[1])
@@ -241,6 +243,18 @@ def test_w8a8_lowers_to_an_s8_s8_s32_dot(B):
     ]
     assert len(int_dots) == 1, hlo
     assert not re.search(r"(f32|s32)\[256,384\]", hlo), "the int8 weight was widened"
+
+
+def test_w8a8_one_row_goes_to_the_native_gemv_where_built():
+    from jaxinfer import cpu_kernels
+
+    if not quant._native_gemv():
+        pytest.skip("native int8 gemv not built here")
+    qa = quant.quantize_w8a8(_weight((256, 384)), (0,), jnp.ones(256))
+    x = jnp.ones((1, 1, 256), jnp.float32)
+    text = jax.jit(lambda x, qa: qa.einsum("BTD,DF->BTF", x)).lower(x, qa).as_text()
+    assert cpu_kernels.TARGET in text and "stablehlo.dot_general" not in text
+    assert re.search(r"\(tensor<1x256xi8>, tensor<256x384xi8>\) -> tensor<1x384xi32>", text), text
 
 
 # ----------------------------------------------------------------------------- bad input
