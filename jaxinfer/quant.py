@@ -170,6 +170,11 @@ class QuantArray:
             w = unpack_int4(self.values, self.group).astype(jnp.float32)
             w = (w * jnp.repeat(self.scale, self.group, axis=0)).astype(x.dtype)
             y = jax.lax.dot_general(x, w, _MATMUL, preferred_element_type=jnp.float32)
+        elif x.shape[0] <= cpu_kernels.MAX_ROWS and x.dtype == jnp.float32 and _native_gemv():
+            # a few float32 rows (batch-1 decode): the native kernel widens the int8 weight in
+            # registers; XLA would widen all of it to float32 in memory first (at one row, the
+            # same bits)
+            y = cpu_kernels.wo8_gemv(x, self.values) * self.scale
         else:
             y = jax.lax.dot_general(
                 x, self.values.astype(x.dtype), _MATMUL, preferred_element_type=jnp.float32

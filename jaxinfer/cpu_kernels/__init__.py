@@ -6,6 +6,12 @@ batch-1 (and small-verify) w8a8 dot. Its reference is XLA's own s8 x s8 -> s32 d
 YNNPACK, which repacks the whole weight on every call; this kernel streams the weight as it
 is stored (``int8_gemv.cc`` says how).
 
+``wo8_gemv(x, w)``: float32 rows [M <= 4, I] @ int8 weight [I, O] -> float32 [M, O], the
+weight-only int8 dot before its per-channel scale. XLA widens the whole int8 weight to
+float32 on every call; this kernel widens it in registers as it streams it. Its reference is
+``x @ w.astype(float32)`` (``wo8_gemv_reference``): at one row the same bits (the same FMA
+chain over the input channels), at more rows equal to float32 rounding.
+
 The C++ source is compiled on first use with the machine's g++ against jaxlib's FFI headers
 into ``$JAXINFER_HOME/native/`` (keyed by a hash of the source, the compiler command and the
 jaxlib version), then registered with XLA. Where it cannot be built (no compiler) or the
@@ -30,6 +36,7 @@ import jax.numpy as jnp
 
 SOURCE = Path(__file__).with_name("int8_gemv.cc")
 TARGET = "jaxinfer_int8_gemv"
+WO8_TARGET = "jaxinfer_wo8_gemv"
 MAX_ROWS = 4
 _lock = threading.Lock()
 
@@ -78,6 +85,7 @@ def available() -> bool:
         try:
             lib = ctypes.cdll.LoadLibrary(str(_build()))
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxinfer_int8_gemv), platform="cpu")
+            jax.ffi.register_ffi_target(WO8_TARGET, jax.ffi.pycapsule(lib.jaxinfer_wo8_gemv), platform="cpu")
         except Exception as e:  # no compiler, a broken toolchain: XLA's dot serves
             print(f"jaxinfer: native int8 gemv unavailable, using XLA's dot ({e})", file=sys.stderr)
             return False
@@ -100,3 +108,21 @@ def int8_gemv(xq: jax.Array, w: jax.Array, *, threads: int | None = None) -> jax
 def int8_gemv_reference(xq: jax.Array, w: jax.Array) -> jax.Array:
     """XLA's s8 x s8 -> s32 dot: the same integers as int8_gemv."""
     return jax.lax.dot_general(xq, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+
+
+def wo8_gemv(x: jax.Array, w: jax.Array, *, threads: int | None = None) -> jax.Array:
+    """float32 [M, I] @ int8 [I, O] -> float32 [M, O] (M <= 4), unscaled, through the native
+    kernel; call only where ``available()``."""
+    M, O = x.shape[0], w.shape[1]
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"wo8_gemv takes 1..{MAX_ROWS} rows, got {M}")
+    if threads is None:
+        threads = min(os.cpu_count() or 1, 2)
+    call = jax.ffi.ffi_call(WO8_TARGET, jax.ShapeDtypeStruct((M, O), jnp.float32))
+    return call(x.astype(jnp.float32), w.astype(jnp.int8), threads=threads)
+
+
+def wo8_gemv_reference(x: jax.Array, w: jax.Array) -> jax.Array:
+    """XLA: the weight widened to float32, then the float32 dot."""
+    return jax.lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), (((1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32)

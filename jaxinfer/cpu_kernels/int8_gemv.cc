@@ -1,5 +1,8 @@
-// int8 x int8 -> int32 product of a few activation rows with an int8 weight, for XLA CPU
-// through the XLA FFI: acc[m, o] = sum_k x[m, k] * w[k, o], exactly what XLA's s8 dot gives.
+// Products of a few activation rows with an int8 weight, for XLA CPU through the XLA FFI:
+//   jaxinfer_int8_gemv: int8 x int8 -> int32, acc[m, o] = sum_k x[m, k] * w[k, o], exactly
+//                       what XLA's s8 dot gives (w8a8);
+//   jaxinfer_wo8_gemv:  float32 x int8 -> float32 (weight-only int8), the int8 weight widened
+//                       in registers; the section at the end says how.
 //
 // Why: at batch 1 XLA CPU runs this dot through YNNPACK, which repacks the whole weight into
 // its VNNI layout on every call (ynn::interleave4_x8 was 49% of a w8a8 batch-1 decode step on
@@ -18,6 +21,7 @@
 // CPUs without AVX-512BW) takes the scalar loop, which gives the same integers.
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -127,17 +131,22 @@ bool have_avx512bw() {
 }
 
 struct Job {
-  const int8_t* x;
-  const int8_t* w;
-  int32_t* out;
-  int64_t M, I, O, c0, c1;  // columns [c0, c1), c0 a multiple of 64; out is [M, O]
+  void (*fn)(const struct Job&);
+  const void* x;
+  const void* w;
+  void* out;
+  int64_t M, I, O, c0, c1;  // output columns [c0, c1) of out [M, O]
 };
 
-void run(const Job& j) {
+void run(const Job& j) { j.fn(j); }
+
+void run_int8(const Job& j) {  // c0 a multiple of 64
+  const auto* x = static_cast<const int8_t*>(j.x);
+  const auto* w = static_cast<const int8_t*>(j.w);
+  auto* out = static_cast<int32_t*>(j.out);
   const int64_t nb = have_avx512bw() ? (j.c1 - j.c0) / 64 : 0;
-  if (nb) gemv_avx512(j.x, j.w, j.out + j.c0, j.M, j.I, j.O, j.O, j.c0, nb);
-  if (j.c0 + nb * 64 < j.c1)
-    gemv_scalar(j.x, j.w, j.out + j.c0, j.M, j.I, j.O, j.O, j.c0, j.c0 + nb * 64, j.c1);
+  if (nb) gemv_avx512(x, w, out + j.c0, j.M, j.I, j.O, j.O, j.c0, nb);
+  if (j.c0 + nb * 64 < j.c1) gemv_scalar(x, w, out + j.c0, j.M, j.I, j.O, j.O, j.c0, j.c0 + nb * 64, j.c1);
 }
 
 // One helper thread, made on first use, that takes the second part of the columns. It spins
@@ -207,6 +216,30 @@ class Helper {
   std::thread thread_;
 };
 
+// Columns [0, O) of `all`: the caller takes the larger part (and any tail past the last whole
+// unit), so it rarely waits; the helper takes the rest when there are at least 8 units.
+void split_run(Job all, int64_t unit, int64_t threads) {
+  const int64_t units = all.O / unit;
+  if (threads > 1 && units >= 8 && Helper::get().acquire()) {
+    const int64_t split = unit * ((units + 1) / 2);
+    Job second = all;
+    second.c0 = split;
+    second.c1 = units * unit;
+    Helper::get().start(second);
+    Job first = all;
+    first.c1 = split;
+    run(first);
+    if (units * unit < all.O) {
+      Job tail = all;
+      tail.c0 = units * unit;
+      run(tail);
+    }
+    Helper::get().wait();
+  } else {
+    run(all);
+  }
+}
+
 ffi::Error Int8Gemv(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w, ffi::ResultBuffer<ffi::S32> out,
                     int64_t threads) {
   const auto xd = x.dimensions(), wd = w.dimensions();
@@ -214,27 +247,63 @@ ffi::Error Int8Gemv(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w, ffi::ResultB
     return ffi::Error::InvalidArgument("int8_gemv: x must be [M, I] and w [I, O]");
   const int64_t M = xd[0], I = xd[1], O = wd[1];
   if (M < 1 || M > kMaxRows) return ffi::Error::InvalidArgument("int8_gemv: 1 to 4 rows");
-  const Job all{x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O};
-  const int64_t blocks = O / 64;
-  // the caller takes the larger part (and any tail), so it rarely waits for the helper
-  const int64_t split = 64 * ((blocks + 1) / 2);
-  if (threads > 1 && blocks >= 8 && Helper::get().acquire()) {
-    Job second = all;
-    second.c0 = split;
-    second.c1 = blocks * 64;
-    Helper::get().start(second);
-    Job first = all;
-    first.c1 = split;
-    run(first);
-    if (blocks * 64 < O) {
-      Job tail = all;
-      tail.c0 = blocks * 64;
-      run(tail);
+  split_run(Job{run_int8, x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O}, 64, threads);
+  return ffi::Error::Success();
+}
+
+// ----------------------------------------------------------------------------- weight-only
+// y[m, o] = sum_k x[m, k] * float(w[k, o]) for float32 x and an int8 weight stored [I, O]; the
+// per-channel scale is applied by the caller. Each output is one FMA chain over k = 0..I-1,
+// the order XLA's one-row float32 dot uses, so at one row the result is the bits of
+// `x @ w.astype(f32)`. XLA widens the whole weight to float32 on every call instead (a
+// weight-only int8 batch-1 step ran at 7 tok/s).
+__attribute__((target("avx512f,avx512bw"))) void run_wo8(const Job& j) {  // c0 a multiple of 32
+  const auto* x = static_cast<const float*>(j.x);
+  const auto* w = static_cast<const int8_t*>(j.w);
+  auto* out = static_cast<float*>(j.out);
+  const int64_t M = j.M, I = j.I, O = j.O;
+  const int64_t nb = (j.c1 - j.c0) / 32;
+  for (int64_t k0 = 0; k0 < I || k0 == 0; k0 += KC) {
+    const int64_t k1 = std::min(k0 + KC, I);
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t o = j.c0 + b * 32;
+      __m512 acc[kMaxRows][2];
+      for (int m = 0; m < M; ++m)
+        for (int q = 0; q < 2; ++q)
+          acc[m][q] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * O + o + 16 * q);
+      const int8_t* ahead =
+          b + kAhead < nb ? w + o + 32 * kAhead : w + (k1 - k0) * O + j.c0 + (b + kAhead - nb) * 32;
+      for (int64_t k = k0; k < k1; ++k) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + k * O), _MM_HINT_T0);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * O + o));
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+        for (int m = 0; m < M; ++m) {
+          const __m512 xb = _mm512_set1_ps(x[m * I + k]);
+          acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
+          acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
+        }
+      }
+      for (int m = 0; m < M; ++m)
+        for (int q = 0; q < 2; ++q) _mm512_storeu_ps(out + m * O + o + 16 * q, acc[m][q]);
     }
-    Helper::get().wait();
-  } else {
-    run(all);
   }
+  for (int64_t o = j.c0 + nb * 32; o < j.c1; ++o)  // columns past the last whole block
+    for (int64_t m = 0; m < M; ++m) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < I; ++k) s = std::fma(x[m * I + k], static_cast<float>(w[k * O + o]), s);
+      out[m * O + o] = s;
+    }
+}
+
+ffi::Error Wo8Gemv(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::ResultBuffer<ffi::F32> out,
+                   int64_t threads) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("wo8_gemv: x must be [M, I] and w [I, O]");
+  const int64_t M = xd[0], I = xd[1], O = wd[1];
+  if (M < 1 || M > kMaxRows) return ffi::Error::InvalidArgument("wo8_gemv: 1 to 4 rows");
+  split_run(Job{run_wo8, x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O}, 32, threads);
   return ffi::Error::Success();
 }
 
@@ -245,4 +314,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int8_gemv, Int8Gemv,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_wo8_gemv, Wo8Gemv,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("threads"));
