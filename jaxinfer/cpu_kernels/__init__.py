@@ -87,22 +87,27 @@ def available() -> bool:
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxinfer_int8_gemv), platform="cpu")
             jax.ffi.register_ffi_target(WO8_TARGET, jax.ffi.pycapsule(lib.jaxinfer_wo8_gemv), platform="cpu")
         except Exception as e:  # no compiler, a broken toolchain: XLA's dot serves
-            print(f"jaxinfer: native int8 gemv unavailable, using XLA's dot ({e})", file=sys.stderr)
+            print(f"jaxinfer: native gemv kernels unavailable, using XLA's dots ({e})", file=sys.stderr)
             return False
     return True
+
+
+def _gemv(target: str, x: jax.Array, w: jax.Array, x_dtype, out_dtype, threads: int | None) -> jax.Array:
+    """x [M, I] @ w [I, O] through the native handler ``target`` (M <= 4)."""
+    M, O = x.shape[0], w.shape[1]
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"{target} takes 1..{MAX_ROWS} rows, got {M}")
+    if threads is None:
+        threads = min(os.cpu_count() or 1, 2)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, O), out_dtype))
+    return call(x.astype(x_dtype), w.astype(jnp.int8), threads=threads)
 
 
 def int8_gemv(xq: jax.Array, w: jax.Array, *, threads: int | None = None) -> jax.Array:
     """int8 [M, I] @ int8 [I, O] -> int32 [M, O] (M <= 4) through the native kernel; call
     only where ``available()``. ``threads`` (default: 2 where there are 2 cores) > 1 lets a
     helper thread take half the columns of a weight at least 512 wide."""
-    M, O = xq.shape[0], w.shape[1]
-    if not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"int8_gemv takes 1..{MAX_ROWS} rows, got {M}")
-    if threads is None:
-        threads = min(os.cpu_count() or 1, 2)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, O), jnp.int32))
-    return call(xq.astype(jnp.int8), w.astype(jnp.int8), threads=threads)
+    return _gemv(TARGET, xq, w, jnp.int8, jnp.int32, threads)
 
 
 def int8_gemv_reference(xq: jax.Array, w: jax.Array) -> jax.Array:
@@ -113,13 +118,7 @@ def int8_gemv_reference(xq: jax.Array, w: jax.Array) -> jax.Array:
 def wo8_gemv(x: jax.Array, w: jax.Array, *, threads: int | None = None) -> jax.Array:
     """float32 [M, I] @ int8 [I, O] -> float32 [M, O] (M <= 4), unscaled, through the native
     kernel; call only where ``available()``."""
-    M, O = x.shape[0], w.shape[1]
-    if not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"wo8_gemv takes 1..{MAX_ROWS} rows, got {M}")
-    if threads is None:
-        threads = min(os.cpu_count() or 1, 2)
-    call = jax.ffi.ffi_call(WO8_TARGET, jax.ShapeDtypeStruct((M, O), jnp.float32))
-    return call(x.astype(jnp.float32), w.astype(jnp.int8), threads=threads)
+    return _gemv(WO8_TARGET, x, w, jnp.float32, jnp.float32, threads)
 
 
 def wo8_gemv_reference(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include <immintrin.h>
@@ -240,15 +241,22 @@ void split_run(Job all, int64_t unit, int64_t threads) {
   }
 }
 
-ffi::Error Int8Gemv(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w, ffi::ResultBuffer<ffi::S32> out,
-                    int64_t threads) {
+// Checks x [M <= 4, I] and w [I, O], then runs fn over O's columns in units of `unit`.
+template <typename X, typename Y>
+ffi::Error gemv(void (*fn)(const Job&), const char* what, X x, ffi::Buffer<ffi::S8> w, Y out,
+                int64_t unit, int64_t threads) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
-    return ffi::Error::InvalidArgument("int8_gemv: x must be [M, I] and w [I, O]");
+    return ffi::Error::InvalidArgument(std::string(what) + ": x must be [M, I] and w [I, O]");
   const int64_t M = xd[0], I = xd[1], O = wd[1];
-  if (M < 1 || M > kMaxRows) return ffi::Error::InvalidArgument("int8_gemv: 1 to 4 rows");
-  split_run(Job{run_int8, x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O}, 64, threads);
+  if (M < 1 || M > kMaxRows) return ffi::Error::InvalidArgument(std::string(what) + ": 1 to 4 rows");
+  split_run(Job{fn, x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O}, unit, threads);
   return ffi::Error::Success();
+}
+
+ffi::Error Int8Gemv(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w, ffi::ResultBuffer<ffi::S32> out,
+                    int64_t threads) {
+  return gemv(run_int8, "int8_gemv", x, w, out, 64, threads);
 }
 
 // ----------------------------------------------------------------------------- weight-only
@@ -298,13 +306,7 @@ __attribute__((target("avx512f,avx512bw"))) void run_wo8(const Job& j) {  // c0 
 
 ffi::Error Wo8Gemv(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::ResultBuffer<ffi::F32> out,
                    int64_t threads) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
-    return ffi::Error::InvalidArgument("wo8_gemv: x must be [M, I] and w [I, O]");
-  const int64_t M = xd[0], I = xd[1], O = wd[1];
-  if (M < 1 || M > kMaxRows) return ffi::Error::InvalidArgument("wo8_gemv: 1 to 4 rows");
-  split_run(Job{run_wo8, x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O}, 32, threads);
-  return ffi::Error::Success();
+  return gemv(run_wo8, "wo8_gemv", x, w, out, 32, threads);
 }
 
 }  // namespace
