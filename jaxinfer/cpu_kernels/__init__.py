@@ -105,8 +105,8 @@ def _gemv(target: str, x: jax.Array, w: jax.Array, x_dtype, out_dtype, threads: 
 
 def int8_gemv(xq: jax.Array, w: jax.Array, *, threads: int | None = None) -> jax.Array:
     """int8 [M, I] @ int8 [I, O] -> int32 [M, O] (M <= 4) through the native kernel; call
-    only where ``available()``. ``threads`` (default: 2 where there are 2 cores) > 1 lets a
-    helper thread take half the columns of a weight at least 512 wide."""
+    only where ``available()``. ``threads`` (default: 2 where there are 2 cores) > 1 offers
+    half the columns of a weight at least 512 wide to XLA's intra-op thread pool."""
     return _gemv(TARGET, xq, w, jnp.int8, jnp.int32, threads)
 
 
