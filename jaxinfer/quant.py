@@ -255,8 +255,9 @@ def _s8_matmul(xq: jax.Array, xs: jax.Array, values: jax.Array, scale: jax.Array
 
 
 def _native_gemv() -> bool:
-    """Whether this trace's few-row s8 dots go to ``cpu_kernels.int8_gemv``: on a one-device
-    CPU backend (a custom call has no sharding rule) where the kernel is built."""
+    """Whether this trace's few-row int8 dots (w8a8's ``int8_gemv``, weight-only int8's
+    ``wo8_gemv``) go to the native kernels: on a one-device CPU backend (a custom call has no
+    sharding rule) where they are built."""
     return jax.default_backend() == "cpu" and jax.device_count() == 1 and cpu_kernels.available()
 
 

@@ -76,7 +76,8 @@ def _build() -> Path:
 
 @functools.cache
 def available() -> bool:
-    """Whether int8_gemv is registered and worth calling here (built once per process)."""
+    """Whether the native kernels are registered and worth calling here (built once per
+    process)."""
     if os.environ.get("JAXINFER_NATIVE_GEMV", "1") == "0":
         return False
     if not {"avx512f", "avx512bw"} <= _cpu_flags():

@@ -62,10 +62,10 @@ def _gpu_tile(dim: int, want: int, name: str, given: bool = True) -> int:
 
 
 def gpu_block_sizes(M: int) -> BlockSizes:
-    """Triton defaults that fit an H100's 227 KB of shared memory per block with 3 stages
-    (the TPU defaults asked for 288-917 KB there): skinny decode rows stream the weight in
-    [256, 64] tiles, so even a 4096 -> 14336 projection spreads over 224 blocks; larger M
-    takes [64, 128] tiles, 64 deep."""
+    """Triton defaults that fit an H100's 227 KB of shared memory per block (the TPU defaults
+    asked for 288-917 KB there): skinny decode rows (M <= 16) stream the weight in [256, 64]
+    tiles, so even a 4096 -> 14336 projection spreads over 224 blocks; larger M takes output
+    tiles of up to [128, 128], 64 deep."""
     if M <= 16:
         return BlockSizes(block_m=16, block_n=64, block_k=256)
     return BlockSizes(block_m=min(128, max(16, 1 << (M - 1).bit_length())), block_n=128, block_k=64)
