@@ -24,12 +24,12 @@
 // CPUs without AVX-512BW) takes the scalar loop, which gives the same integers.
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <string>
 #include <memory>
+#include <string>
 
 #include <immintrin.h>
 
