@@ -5,6 +5,15 @@ rate. Written for a lent H100 through the device tool, in one short call:
     XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda,cpu \\
         python benchmarks/gpu_check.py --out $OUT --budget 420
 
+Prepare on this machine first (both go in `.gpu/`, which git ignores; name it in the device
+call's carry, and install the wheel there with pip --no-index --target):
+  the gguf wheel (the device image lacks it): pip download --no-deps --only-binary=:all:
+      --python-version 3.12 --platform manylinux2014_x86_64 -d .gpu gguf==0.19.0
+  SmolLM2's tokenizer in a 3 MB GGUF (the real checkpoint is over the 64 MB a call carries):
+      python -c "from tests.tiny_gguf import write_tiny_llama; from jaxinfer import registry;
+      write_tiny_llama('.gpu/tokenizer-smollm2.gguf', registry.fetch('smollm2-135m-instruct'),
+      layers=1, d=8, heads=2, kv_heads=1, ff=8, context=2048)"
+
 Sections, each in its own try block so one failure does not hide the rest, in this order:
   env        jax version, device, driver
   ceilings   device-to-device copy bandwidth (bytes read + written) and a bf16 matmul's rate
