@@ -314,14 +314,14 @@ def engine(bw: float, out_dir: Path, budget_end: float):
     nparams = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(llm.weights))
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.weights))
     res["params"], res["weight_bytes"] = nparams, weight_bytes
-    rng = np.random.default_rng(0)
     vocab = llm.cfg.vocab_size
+
     def run(batch, mode):
         new = size(128 if batch == 1 else 32, 8)
         sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        rng = np.random.default_rng(batch)  # the same prompts in both modes
         prompts = [rng.integers(100, vocab, 64).tolist() for _ in range(batch)]
-        ctx = kernels.traced_with(mode)
-        with ctx:
+        with kernels.traced_with(mode):
             llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                          use_tqdm=False)  # compile the prefill and decode shapes
             llm.generate(prompts, sp, use_tqdm=False)
@@ -360,7 +360,6 @@ def engine(bw: float, out_dir: Path, budget_end: float):
             if elapsed() > budget_end:
                 rows.append({"batch": batch, "mode": mode.value, "skipped": "out of time"})
                 continue
-            rng = np.random.default_rng(batch)  # the same prompts in both modes
             r, toks[(batch, mode)] = run(batch, mode)
             rows.append(r)
         a, b = toks.get((batch, on)), toks.get((batch, kernels.KernelMode.OFF))

@@ -52,7 +52,7 @@ def _cpu_flags() -> set[str]:
 
 
 def _command(out: Path) -> list[str]:
-    return [os.environ.get("CXX", "g++"), "-O3", "-std=c++17", "-shared", "-fPIC", "-pthread",
+    return [os.environ.get("CXX", "g++"), "-O3", "-std=c++17", "-shared", "-fPIC",
             f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
 
 
