@@ -258,7 +258,7 @@ def _native_gemv() -> bool:
     """Whether this trace's few-row int8 dots (w8a8's ``int8_gemv``, weight-only int8's
     ``wo8_gemv``) go to the native kernels: on a one-device CPU backend (a custom call has no
     sharding rule) where they are built."""
-    return jax.default_backend() == "cpu" and jax.device_count() == 1 and cpu_kernels.available()
+    return cpu_kernels.active()
 
 
 def einsum_shared(x: jax.Array, *pairs: tuple[str, QuantArray]) -> tuple[jax.Array, ...]:

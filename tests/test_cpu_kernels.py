@@ -44,6 +44,38 @@ def test_weight_only_gemv_equals_xla_float_dot(M, I, O, threads):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("M,I,O", [(2, 576, 960), (5, 576, 3072), (8, 1536, 576), (3, 577, 1000), (7, 7, 33),
+                                   (1, 64, 49152 // 8), (6, 130, 63), (4, 1, 1)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float_gemv_rows_are_xla_one_row_dots(M, I, O, threads):
+    """w [I, O]: each output is one FMA chain over the input channels in order, so every row
+    has the bits of XLA's float32 dot of that row alone (the rows do not see each other).
+    XLA's own last columns past a multiple of 16 round differently: there, float32 rounding."""
+    rng = np.random.default_rng(M * 1000 + I + O)
+    x = jnp.asarray(rng.normal(size=(M, I)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(I, O)), jnp.float32)
+    got = np.asarray(jax.jit(lambda x, w: ck.f32_gemv(x, w, threads=threads))(x, w))
+    one_row = jax.jit(ck.f32_gemv_reference)
+    for m in range(M):
+        want = np.asarray(one_row(x[m : m + 1], w))[0]
+        whole = O // 16 * 16
+        np.testing.assert_array_equal(got[m, :whole], want[:whole])
+        np.testing.assert_allclose(got[m, whole:], want[whole:], rtol=1e-5, atol=1e-5 * np.sqrt(I))
+
+
+@pytest.mark.parametrize("M,I,O", [(2, 576, 4096), (5, 576, 1000), (8, 640, 513), (3, 577, 64), (6, 15, 7),
+                                   (7, 16, 30), (1, 576, 2048), (4, 1, 5)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float_gemv_transposed_equals_xla_dot(M, I, O, threads):
+    """w [O, I] (a tied LM head): lanes summed at the end, so float32 rounding apart."""
+    rng = np.random.default_rng(M * 1000 + I + O + 1)
+    x = jnp.asarray(rng.normal(size=(M, I)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(O, I)), jnp.float32)
+    got = np.asarray(jax.jit(lambda x, w: ck.f32_gemv(x, w, transposed=True, threads=threads))(x, w))
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(I))
+
+
 def test_extremes_do_not_overflow():
     I, O = 2048, 128  # |sum| up to 2048 * 128 * 128 = 2^25: int32, no int16 wrap
     x = jnp.full((1, I), -128, jnp.int8)
@@ -56,6 +88,8 @@ def test_rows_out_of_range_are_refused():
     x = jnp.zeros((5, 64), jnp.int8)
     with pytest.raises(ValueError, match="1..4 rows"):
         ck.int8_gemv(x, jnp.zeros((64, 64), jnp.int8))
+    with pytest.raises(ValueError, match="1..8 rows"):
+        ck.f32_gemv(jnp.zeros((9, 64), jnp.float32), jnp.zeros((64, 64), jnp.float32))
 
 
 @pytest.mark.parametrize("scheme", ["w8a8", "int8"])
@@ -78,3 +112,26 @@ def test_quantized_model_through_the_kernels_equals_xla(tiny_gguf, monkeypatch, 
         assert native.outputs[0].cumulative_logprob == xla.outputs[0].cumulative_logprob
     else:
         assert native.outputs[0].cumulative_logprob == pytest.approx(xla.outputs[0].cumulative_logprob, rel=1e-6)
+
+
+def test_float_model_through_the_few_row_kernel_equals_xla(tiny_gguf, monkeypatch):
+    """The tiny float32 model with n-gram speculation (verification steps of k + 1 rows) and
+    four sequences (decode steps of 4 rows): the native few-row dots give XLA's tokens, and
+    logprobs equal to float32 rounding."""
+    from jaxinfer import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
+    prompts = ["The quick brown fox", "a b c a b c a b c", "one two three one two", "hello hello hello"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    calls, real = [], ck.f32_gemv
+    monkeypatch.setattr(ck, "f32_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    make = lambda: LLM(str(tiny_gguf), progress=False, max_num_seqs=4, speculative_config=spec)  # noqa: E731
+    native = make().generate(prompts, sp)
+    assert calls  # some steps' dots went through the kernel
+    monkeypatch.setattr(ck, "active", lambda: False)
+    calls.clear()
+    xla = make().generate(prompts, sp)
+    assert not calls
+    for a, b in zip(native, xla):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, rel=1e-5, abs=1e-5)

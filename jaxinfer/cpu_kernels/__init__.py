@@ -12,8 +12,15 @@ float32 on every call; this kernel widens it in registers as it streams it. Its 
 ``x @ w.astype(float32)`` (``wo8_gemv_reference``): at one row the same bits (the same FMA
 chain over the input channels), at more rows equal to float32 rounding.
 
-The C++ source is compiled on first use with the machine's g++ against jaxlib's FFI headers
-into ``$JAXINFER_HOME/native/`` (keyed by a hash of the source, the compiler command and the
+``f32_gemv(x, w, transposed=...)``: float32 rows [M <= 8, I] @ a float32 weight [I, O] (or,
+transposed, [O, I]: a tied LM head) -> [M, O]: a speculative verification step's k + 1 rows,
+small decode batches. XLA CPU streams a float32 weight at one row but packs it for two or
+more rows, so 5 rows cost about twice one; this kernel reads the weight once for all rows
+(``f32_gemv.cc``). Its reference is XLA's dot (``f32_gemv_reference``): for [I, O] each row
+has the bits of XLA's one-row dot; for [O, I], float32 rounding apart.
+
+The C++ sources are compiled on first use with the machine's g++ against jaxlib's FFI headers
+into ``$JAXINFER_HOME/native/`` (keyed by a hash of the sources, the compiler command and the
 jaxlib version), then registered with XLA. Where it cannot be built (no compiler) or the
 CPU lacks AVX-512BW (where its vector loop would not run; AVX2 boxes keep XLA's dot),
 ``available()`` is False and callers keep the reference. ``JAXINFER_NATIVE_GEMV=0`` turns
@@ -34,10 +41,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-SOURCE = Path(__file__).with_name("int8_gemv.cc")
+_HERE = Path(__file__).parent
+SOURCES = [_HERE / "int8_gemv.cc", _HERE / "f32_gemv.cc"]
+HEADERS = [_HERE / "gemv_split.h"]
 TARGET = "jaxinfer_int8_gemv"
 WO8_TARGET = "jaxinfer_wo8_gemv"
-MAX_ROWS = 4
+F32_TARGET = "jaxinfer_f32_gemv"
+F32_T_TARGET = "jaxinfer_f32_gemv_t"
+MAX_ROWS = 4  # int8_gemv, wo8_gemv
+F32_MAX_ROWS = 8  # f32_gemv: a verification step's k + 1 rows
 _lock = threading.Lock()
 
 
@@ -53,7 +65,7 @@ def _cpu_flags() -> set[str]:
 
 def _command(out: Path) -> list[str]:
     return [os.environ.get("CXX", "g++"), "-O3", "-std=c++17", "-shared", "-fPIC",
-            f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
+            f"-I{jax.ffi.include_dir()}", f"-I{_HERE}", *map(str, SOURCES), "-o", str(out)]
 
 
 def _build() -> Path:
@@ -61,15 +73,15 @@ def _build() -> Path:
 
     import jaxlib
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_command(Path("x"))).encode()
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS) + " ".join(_command(Path("x"))).encode()
                          + jaxlib.__version__.encode()).hexdigest()[:16]
-    out = registry.home() / "native" / f"int8_gemv-{key}.so"
+    out = registry.home() / "native" / f"gemv-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         p = subprocess.run(_command(tmp), capture_output=True, text=True)
         if p.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed:\n{p.stderr[-2000:]}")
+            raise RuntimeError(f"building {', '.join(f.name for f in SOURCES)} failed:\n{p.stderr[-2000:]}")
         tmp.replace(out)  # atomic: a concurrent build by another process is harmless
     return out
 
@@ -87,10 +99,18 @@ def available() -> bool:
             lib = ctypes.cdll.LoadLibrary(str(_build()))
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxinfer_int8_gemv), platform="cpu")
             jax.ffi.register_ffi_target(WO8_TARGET, jax.ffi.pycapsule(lib.jaxinfer_wo8_gemv), platform="cpu")
+            jax.ffi.register_ffi_target(F32_TARGET, jax.ffi.pycapsule(lib.jaxinfer_f32_gemv), platform="cpu")
+            jax.ffi.register_ffi_target(F32_T_TARGET, jax.ffi.pycapsule(lib.jaxinfer_f32_gemv_t), platform="cpu")
         except Exception as e:  # no compiler, a broken toolchain: XLA's dot serves
             print(f"jaxinfer: native gemv kernels unavailable, using XLA's dots ({e})", file=sys.stderr)
             return False
     return True
+
+
+def active() -> bool:
+    """Whether the trace being built should call these kernels: a one-device CPU backend (a
+    custom call has no sharding rule) where they are built."""
+    return jax.default_backend() == "cpu" and jax.device_count() == 1 and available()
 
 
 def _gemv(target: str, x: jax.Array, w: jax.Array, x_dtype, out_dtype, threads: int | None) -> jax.Array:
@@ -100,7 +120,7 @@ def _gemv(target: str, x: jax.Array, w: jax.Array, x_dtype, out_dtype, threads: 
         raise ValueError(f"{target} takes 1..{MAX_ROWS} rows, got {M}")
     if threads is None:
         threads = min(os.cpu_count() or 1, 2)
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, O), out_dtype))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, O), out_dtype), vmap_method="sequential")
     return call(x.astype(x_dtype), w.astype(jnp.int8), threads=threads)
 
 
@@ -125,4 +145,23 @@ def wo8_gemv(x: jax.Array, w: jax.Array, *, threads: int | None = None) -> jax.A
 def wo8_gemv_reference(x: jax.Array, w: jax.Array) -> jax.Array:
     """XLA: the weight widened to float32, then the float32 dot."""
     return jax.lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), (((1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+def f32_gemv(x: jax.Array, w: jax.Array, *, transposed: bool = False, threads: int | None = None) -> jax.Array:
+    """float32 [M <= 8, I] @ float32 w [I, O] (or, ``transposed``, w [O, I] contracted on its
+    second axis) -> float32 [M, O] through the native kernel; call only where ``available()``."""
+    M, O = x.shape[0], w.shape[0 if transposed else 1]
+    if not 1 <= M <= F32_MAX_ROWS:
+        raise ValueError(f"f32_gemv takes 1..{F32_MAX_ROWS} rows, got {M}")
+    if threads is None:
+        threads = min(os.cpu_count() or 1, 2)
+    call = jax.ffi.ffi_call(F32_T_TARGET if transposed else F32_TARGET, jax.ShapeDtypeStruct((M, O), jnp.float32),
+                            vmap_method="sequential")
+    return call(x.astype(jnp.float32), w.astype(jnp.float32), threads=threads)
+
+
+def f32_gemv_reference(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
+    """XLA's float32 dot (at one row and [I, O], the same bits as f32_gemv)."""
+    return jax.lax.dot_general(x, w, (((1,), (1 if transposed else 0,)), ((), ())),
                                preferred_element_type=jnp.float32)

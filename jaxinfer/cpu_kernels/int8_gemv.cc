@@ -33,9 +33,13 @@
 
 #include <immintrin.h>
 
+#include "gemv_split.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxinfer_native::Job;
+using jaxinfer_native::run;
+using jaxinfer_native::split_run;
 
 namespace {
 
@@ -132,16 +136,6 @@ bool have_avx512bw() {
   return ok;
 }
 
-struct Job {
-  void (*fn)(const struct Job&);
-  const void* x;
-  const void* w;
-  void* out;
-  int64_t M, I, O, c0, c1;  // output columns [c0, c1) of out [M, O]
-};
-
-void run(const Job& j) { j.fn(j); }
-
 void run_int8(const Job& j) {  // c0 a multiple of 64
   const auto* x = static_cast<const int8_t*>(j.x);
   const auto* w = static_cast<const int8_t*>(j.w);
@@ -149,51 +143,6 @@ void run_int8(const Job& j) {  // c0 a multiple of 64
   const int64_t nb = have_avx512bw() ? (j.c1 - j.c0) / 64 : 0;
   if (nb) gemv_avx512(x, w, out + j.c0, j.M, j.I, j.O, j.O, j.c0, nb);
   if (j.c0 + nb * 64 < j.c1) gemv_scalar(x, w, out + j.c0, j.M, j.I, j.O, j.O, j.c0, j.c0 + nb * 64, j.c1);
-}
-
-// The second part of a split call, offered to XLA's intra-op thread pool. Whoever claims it
-// first runs it: a pool thread, or the caller once its own part is done (so a caller never
-// waits on a queue that a busy pool may not drain: two gemvs running at once cannot deadlock).
-struct Offer {
-  Job job;
-  std::atomic<int> state{0};  // 0 open, 1 claimed by the pool, 2 claimed by the caller
-  std::atomic<bool> done{false};
-};
-
-// Columns [0, O) of `all`: the caller takes the larger part (and any tail past the last whole
-// unit); the rest, when there are at least 8 units, is offered to the pool.
-void split_run(Job all, int64_t unit, ffi::ThreadPool pool) {
-  const int64_t units = all.O / unit;
-  if (units < 8 || pool.num_threads() < 1) {
-    run(all);
-    return;
-  }
-  const int64_t split = unit * ((units + 1) / 2);
-  auto offer = std::make_shared<Offer>();
-  offer->job = all;
-  offer->job.c0 = split;
-  offer->job.c1 = units * unit;
-  pool.Schedule([offer] {
-    int open = 0;
-    if (offer->state.compare_exchange_strong(open, 1, std::memory_order_acq_rel)) {
-      run(offer->job);
-      offer->done.store(true, std::memory_order_release);
-    }
-  });
-  Job first = all;
-  first.c1 = split;
-  run(first);
-  if (units * unit < all.O) {
-    Job tail = all;
-    tail.c0 = units * unit;
-    run(tail);
-  }
-  int open = 0;
-  if (offer->state.compare_exchange_strong(open, 2, std::memory_order_acq_rel)) {
-    run(offer->job);  // no pool thread took it yet
-  } else {
-    while (!offer->done.load(std::memory_order_acquire)) _mm_pause();
-  }
 }
 
 // Checks x [M <= 4, I] and w [I, O], then runs fn over O's columns in units of `unit`.

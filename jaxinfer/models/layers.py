@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import kernels, quant
+from jaxinfer import cpu_kernels, kernels, quant
 from jaxinfer.cache import PagedKVCache
 from jaxinfer.config import RopeConfig, RopeKind
 # The weight declarations live in jaxinfer.specs; re-exported for existing importers.
@@ -28,6 +28,9 @@ def dot(eq: str, x: jax.Array, w) -> jax.Array:
     if hasattr(w, "einsum"):  # QuantArray and friends implement their own contraction
         return w.einsum(eq, x, matmul=kernels.matmul_for_quantized())
     w = w.astype(x.dtype) if w.dtype != x.dtype else w
+    y = _few_rows_f32(eq, x, w)
+    if y is not None:
+        return y
     lhs, out = eq.split("->")
     xs, ws = lhs.split(",")
     c = "".join(ch for ch in xs if ch in ws and ch not in out)
@@ -39,6 +42,32 @@ def dot(eq: str, x: jax.Array, w) -> jax.Array:
         w2 = w.reshape(-1, *w.shape[n:])
         return jnp.einsum(f"{xs[:-n]}Z,Z{ws[n:]}->{out}", x2, w2)
     return jnp.einsum(eq, x, w)
+
+
+def _few_rows_f32(eq: str, x: jax.Array, w: jax.Array) -> jax.Array | None:
+    """``dot`` of 2..8 float32 rows on CPU through the native kernel (a verification step's
+    k + 1 rows, small decode batches), or None where XLA keeps it. XLA CPU packs a float32
+    weight for a dot of two or more rows, so 5 rows cost ~2x one; the kernel reads the weight
+    once as stored, [I, O] or [O, I] (the tied head, "BTD,VD->BTV"). At one row XLA already
+    streams the weight, and is left alone."""
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or not isinstance(w, jax.Array):
+        return None
+    lhs, out = eq.split("->")
+    xs, ws = lhs.split(",")
+    c = "".join(ch for ch in xs if ch in ws)
+    if not c or any(ch in out for ch in c) or not xs.endswith(c):
+        return None
+    keep, free = xs[: -len(c)], ws.replace(c, "")
+    if out != keep + free or ws not in (c + free, free + c):
+        return None
+    M = math.prod(x.shape[: len(keep)])
+    if not 2 <= M <= cpu_kernels.F32_MAX_ROWS or not cpu_kernels.active():
+        return None
+    I = math.prod(x.shape[len(keep):])
+    transposed = ws == free + c
+    w2 = w.reshape(-1, I) if transposed else w.reshape(I, -1)
+    y = cpu_kernels.f32_gemv(x.reshape(M, I), w2, transposed=transposed)
+    return y.reshape(*x.shape[: len(keep)], *(w.shape[: len(free)] if transposed else w.shape[len(c):]))
 
 
 def dot_many(x: jax.Array, *pairs: tuple[str, object]) -> tuple[jax.Array, ...]:
