@@ -27,6 +27,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import InvalidRequest
@@ -281,5 +282,5 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=Non
     return PagedKVCache(
         [_zeros((P, K, H, page_size), dt, -2) for P in pages],
         [_zeros((P, K, page_size, H), dt, -1) for P in pages],
-        jnp.zeros((1, 1), jnp.int32), windowed=windowed,
+        jax.device_put(np.zeros((1, 1), np.int32)), windowed=windowed,
     )

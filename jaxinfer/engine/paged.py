@@ -574,12 +574,13 @@ def slot_state_for(row: Row, vocab_size: int, eos_ids, seed: int) -> SlotState:
                                        request_indices=[row.request_index])
     if row.token_ids:  # recomputing after preemption: penalties must see what was generated
         counts = np.bincount(row.token_ids, minlength=vocab_size).astype(np.int32)[None]
-        sampling = dataclasses.replace(sampling, output_counts=jnp.asarray(counts))
+        sampling = dataclasses.replace(sampling, output_counts=jax.device_put(counts))
     stop, mins = smp.min_tokens_inputs([p], eos_ids)
     stop_ids = np.full((1, STOP_ID_WIDTH), -1, np.int32)
     stop_ids[0, : min(stop.shape[1], STOP_ID_WIDTH)] = stop[0, :STOP_ID_WIDTH]
-    return SlotState(sampling, jnp.zeros(1, jnp.int32), jnp.asarray(stop_ids), jnp.asarray(mins, jnp.int32),
-                     jnp.asarray([len(row.token_ids)], jnp.int32))
+    # host arrays in one transfer (jnp.asarray would compile a small executable per shape)
+    return SlotState(sampling, *jax.device_put((np.zeros(1, np.int32), stop_ids, np.asarray(mins, np.int32),
+                                                np.asarray([len(row.token_ids)], np.int32))))
 
 
 def _grammar_prefix(matcher, drafts: list[int]) -> list[int]:

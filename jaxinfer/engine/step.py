@@ -15,6 +15,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer import kernels
 from jaxinfer import sampling as smp
@@ -50,8 +51,8 @@ class StepOutput:
 def make_slots(vocab_size: int, max_num_seqs: int, seed: int) -> SlotState:
     S = max_num_seqs
     return SlotState(smp.make_sampling_state([], [], vocab_size, default_seed=seed, batch_size=S),
-                     jnp.zeros(S, jnp.int32), jnp.full((S, STOP_ID_WIDTH), -1, jnp.int32),
-                     jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.int32))
+                     *jax.device_put((np.zeros(S, np.int32), np.full((S, STOP_ID_WIDTH), -1, np.int32),
+                                      np.zeros(S, np.int32), np.zeros(S, np.int32))))
 
 
 def insert_step(slots: SlotState, slot, row: SlotState) -> SlotState:

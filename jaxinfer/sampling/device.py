@@ -114,18 +114,20 @@ def make_sampling_state(
         if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size}), got {prompt}")
         prompt_mask[row, ids] = True
-    return SamplingState(
-        temperature=jnp.asarray(temperature),
-        top_k=jnp.asarray(top_k),
-        top_p=jnp.asarray(top_p),
-        min_p=jnp.asarray(min_p),
-        presence_penalty=jnp.asarray(presence),
-        frequency_penalty=jnp.asarray(frequency),
-        repetition_penalty=jnp.asarray(repetition),
-        key=jnp.asarray(key),
-        prompt_mask=jnp.asarray(prompt_mask),
-        output_counts=jnp.zeros((B, vocab_size), jnp.int32),
-    )
+    # built on the host and placed in one transfer: jnp.asarray / jnp.zeros would each compile
+    # a small executable per shape (~30 ms apiece at start-up)
+    return jax.device_put(SamplingState(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        key=key,
+        prompt_mask=prompt_mask,
+        output_counts=np.zeros((B, vocab_size), np.int32),
+    ))
 
 
 def write_rows(state: SamplingState, rows: jax.Array, new: SamplingState) -> SamplingState:
