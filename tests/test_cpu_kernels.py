@@ -1,8 +1,9 @@
 """The native gemv kernels (jaxinfer.cpu_kernels) against their references, over shapes that
 reach every path of each kernel (column blocks, a column tail, an odd last row, 1-4 rows, one
 and two threads): the int8 gemv gives XLA's s8 dot's integers, the weight-only gemv XLA's
-float32 dot's bits at one row; and the quantized models through them equal the models
-through XLA's dots, token for token."""
+float32 dot's bits at one row, the float32 gemv (each of its vector variants this CPU runs)
+XLA's one-row dots' bits; and the models through them equal the models through XLA's dots,
+token for token."""
 
 from __future__ import annotations
 
@@ -14,12 +15,17 @@ import pytest
 from jaxinfer import cpu_kernels as ck
 from jaxinfer import quant
 
-pytestmark = pytest.mark.skipif(not ck.available(), reason="native int8 gemv not built here (needs AVX-512BW, g++)")
+needs_int8 = pytest.mark.skipif(not ck.available(), reason="native int8 kernels not built here (need AVX-512BW, g++)")
+needs_f32 = pytest.mark.skipif(not ck.f32_available(), reason="native float32 kernel not built here (needs AVX2, g++)")
+# f32_gemv's vector variants, each where this CPU runs it (JAXINFER_NATIVE_ISA=avx2 leaves avx2)
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(isa not in ck.isas(), reason=f"no {isa} here"))
+        for isa in ck.ISA_FLAGS]
 
 
 @pytest.mark.parametrize("M,I,O", [(1, 576, 576), (1, 576, 192), (2, 1536, 576), (4, 576, 3072), (3, 577, 1000),
                                    (1, 7, 64), (1, 1, 1), (2, 130, 63), (1, 64, 49152 // 8)])
 @pytest.mark.parametrize("threads", [1, 2])
+@needs_int8
 def test_gemv_equals_xla_s8_dot(M, I, O, threads):
     rng = np.random.default_rng(M * 1000 + I + O)
     x = jnp.asarray(rng.integers(-128, 128, (M, I)), jnp.int8)  # -128 too: the extremes
@@ -32,6 +38,7 @@ def test_gemv_equals_xla_s8_dot(M, I, O, threads):
 @pytest.mark.parametrize("M,I,O", [(1, 576, 576), (1, 1536, 576), (2, 576, 3072), (4, 577, 1000), (1, 7, 33),
                                    (3, 64, 49152 // 8)])
 @pytest.mark.parametrize("threads", [1, 2])
+@needs_int8
 def test_weight_only_gemv_equals_xla_float_dot(M, I, O, threads):
     rng = np.random.default_rng(M * 1000 + I + O)
     x = jnp.asarray(rng.normal(size=(M, I)), jnp.float32)
@@ -47,14 +54,16 @@ def test_weight_only_gemv_equals_xla_float_dot(M, I, O, threads):
 @pytest.mark.parametrize("M,I,O", [(2, 576, 960), (5, 576, 3072), (8, 1536, 576), (3, 577, 1000), (7, 7, 33),
                                    (1, 64, 49152 // 8), (6, 130, 63), (4, 1, 1)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_float_gemv_rows_are_xla_one_row_dots(M, I, O, threads):
+@pytest.mark.parametrize("isa", ISAS)
+@needs_f32
+def test_float_gemv_rows_are_xla_one_row_dots(M, I, O, threads, isa):
     """w [I, O]: each output is one FMA chain over the input channels in order, so every row
     has the bits of XLA's float32 dot of that row alone (the rows do not see each other).
     XLA's own last columns past a multiple of 16 round differently: there, float32 rounding."""
     rng = np.random.default_rng(M * 1000 + I + O)
     x = jnp.asarray(rng.normal(size=(M, I)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(I, O)), jnp.float32)
-    got = np.asarray(jax.jit(lambda x, w: ck.f32_gemv(x, w, threads=threads))(x, w))
+    got = np.asarray(jax.jit(lambda x, w: ck.f32_gemv(x, w, threads=threads, isa=isa))(x, w))
     one_row = jax.jit(ck.f32_gemv_reference)
     for m in range(M):
         want = np.asarray(one_row(x[m : m + 1], w))[0]
@@ -66,16 +75,32 @@ def test_float_gemv_rows_are_xla_one_row_dots(M, I, O, threads):
 @pytest.mark.parametrize("M,I,O", [(2, 576, 4096), (5, 576, 1000), (8, 640, 513), (3, 577, 64), (6, 15, 7),
                                    (7, 16, 30), (1, 576, 2048), (4, 1, 5)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_float_gemv_transposed_equals_xla_dot(M, I, O, threads):
+@pytest.mark.parametrize("isa", ISAS)
+@needs_f32
+def test_float_gemv_transposed_equals_xla_dot(M, I, O, threads, isa):
     """w [O, I] (a tied LM head): lanes summed at the end, so float32 rounding apart."""
     rng = np.random.default_rng(M * 1000 + I + O + 1)
     x = jnp.asarray(rng.normal(size=(M, I)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(O, I)), jnp.float32)
-    got = np.asarray(jax.jit(lambda x, w: ck.f32_gemv(x, w, transposed=True, threads=threads))(x, w))
+    got = np.asarray(jax.jit(lambda x, w: ck.f32_gemv(x, w, transposed=True, threads=threads, isa=isa))(x, w))
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(I))
 
 
+@pytest.mark.skipif(len(ck.isas()) < 2, reason="one vector variant here")
+@needs_f32
+@pytest.mark.parametrize("M", [1, 3, 5, 8])
+def test_float_gemv_variants_give_the_same_bits(M):
+    """w [I, O]: the AVX2 variant runs the AVX-512 one's FMA chains (and the same scalar loop on
+    other column tails), so the two agree to the bit on every column."""
+    rng = np.random.default_rng(M)
+    x = jnp.asarray(rng.normal(size=(M, 577)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(577, 1000)), jnp.float32)
+    got = {isa: np.asarray(jax.jit(lambda x, w, isa=isa: ck.f32_gemv(x, w, isa=isa))(x, w)) for isa in ck.isas()}
+    np.testing.assert_array_equal(got["avx2"], got["avx512"])
+
+
+@needs_int8
 def test_extremes_do_not_overflow():
     I, O = 2048, 128  # |sum| up to 2048 * 128 * 128 = 2^25: int32, no int16 wrap
     x = jnp.full((1, I), -128, jnp.int8)
@@ -84,15 +109,20 @@ def test_extremes_do_not_overflow():
     np.testing.assert_array_equal(got, np.full((1, O), I * 128 * 128, np.int32))
 
 
-def test_rows_out_of_range_are_refused():
-    x = jnp.zeros((5, 64), jnp.int8)
+@needs_int8
+def test_int8_rows_out_of_range_are_refused():
     with pytest.raises(ValueError, match="1..4 rows"):
-        ck.int8_gemv(x, jnp.zeros((64, 64), jnp.int8))
+        ck.int8_gemv(jnp.zeros((5, 64), jnp.int8), jnp.zeros((64, 64), jnp.int8))
+
+
+@needs_f32
+def test_float_rows_out_of_range_are_refused():
     with pytest.raises(ValueError, match="1..8 rows"):
         ck.f32_gemv(jnp.zeros((9, 64), jnp.float32), jnp.zeros((64, 64), jnp.float32))
 
 
 @pytest.mark.parametrize("scheme", ["w8a8", "int8"])
+@needs_int8
 def test_quantized_model_through_the_kernels_equals_xla(tiny_gguf, monkeypatch, scheme):
     """The tiny model, batch 1, greedy: the native path and XLA's dot give the same tokens, and
     under w8a8 the same logprobs (the same integers feed the same epilogue); weight-only int8
@@ -114,6 +144,7 @@ def test_quantized_model_through_the_kernels_equals_xla(tiny_gguf, monkeypatch, 
         assert native.outputs[0].cumulative_logprob == pytest.approx(xla.outputs[0].cumulative_logprob, rel=1e-6)
 
 
+@needs_f32
 def test_float_model_through_the_few_row_kernel_equals_xla(tiny_gguf, monkeypatch):
     """The tiny float32 model with n-gram speculation (verification steps of k + 1 rows) and
     four sequences (decode steps of 4 rows): the native few-row dots give XLA's tokens, and
@@ -128,7 +159,7 @@ def test_float_model_through_the_few_row_kernel_equals_xla(tiny_gguf, monkeypatc
     make = lambda: LLM(str(tiny_gguf), progress=False, max_num_seqs=4, speculative_config=spec)  # noqa: E731
     native = make().generate(prompts, sp)
     assert calls  # some steps' dots went through the kernel
-    monkeypatch.setattr(ck, "active", lambda: False)
+    monkeypatch.setattr(ck, "f32_active", lambda: False)
     calls.clear()
     xla = make().generate(prompts, sp)
     assert not calls

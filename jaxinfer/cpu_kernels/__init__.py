@@ -17,14 +17,22 @@ transposed, [O, I]: a tied LM head) -> [M, O]: a speculative verification step's
 small decode batches. XLA CPU streams a float32 weight at one row but packs it for two or
 more rows, so 5 rows cost about twice one; this kernel reads the weight once for all rows
 (``f32_gemv.cc``). Its reference is XLA's dot (``f32_gemv_reference``): for [I, O] each row
-has the bits of XLA's one-row dot; for [O, I], float32 rounding apart.
+has the bits of XLA's one-row dot; for [O, I], float32 rounding apart. It has an AVX-512F and
+an AVX2 + FMA variant (``isa``; by default the best this CPU has), so it also serves the AMD
+EPYC boxes without AVX-512.
 
 The C++ sources are compiled on first use with the machine's g++ against jaxlib's FFI headers
 into ``$JAXINFER_HOME/native/`` (keyed by a hash of the sources, the compiler command and the
-jaxlib version), then registered with XLA. Where it cannot be built (no compiler) or the
-CPU lacks AVX-512BW (where its vector loop would not run; AVX2 boxes keep XLA's dot),
-``available()`` is False and callers keep the reference. ``JAXINFER_NATIVE_GEMV=0`` turns
-it off.
+jaxlib version), then registered with XLA, where the CPU has at least AVX2 and FMA. Two
+questions are answered apart, and callers keep the references where the answer is no:
+``available()``, whether the int8 kernels are usable (their vector loops need AVX-512BW), and
+``f32_available()``, whether the float32 kernel is (AVX2 + FMA or AVX-512F). ``active()`` and
+``f32_active()`` add that the trace is for a one-device CPU backend.
+
+Two environment variables, each read once per process: ``JAXINFER_NATIVE_GEMV=0`` turns all
+the native kernels off; ``JAXINFER_NATIVE_ISA=avx2`` makes them act as on an AVX2-only box
+(the float32 kernel's AVX2 variant by default, no int8 kernels), to test and time that path on
+an AVX-512 machine.
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ F32_TARGET = "jaxinfer_f32_gemv"
 F32_T_TARGET = "jaxinfer_f32_gemv_t"
 MAX_ROWS = 4  # int8_gemv, wo8_gemv
 F32_MAX_ROWS = 8  # f32_gemv: a verification step's k + 1 rows
+# f32_gemv's vector variants, best first, and the CPU flags each needs.
+ISA_FLAGS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma"}}
 _lock = threading.Lock()
 
 
@@ -87,12 +97,21 @@ def _build() -> Path:
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the native kernels are registered and worth calling here (built once per
-    process)."""
-    if os.environ.get("JAXINFER_NATIVE_GEMV", "1") == "0":
-        return False
-    if not {"avx512f", "avx512bw"} <= _cpu_flags():
+def isas() -> tuple[str, ...]:
+    """The vector variants (keys of ``ISA_FLAGS``) this CPU runs, best first, less those above
+    ``JAXINFER_NATIVE_ISA`` where it is set."""
+    cap = os.environ.get("JAXINFER_NATIVE_ISA", "avx512")
+    if cap not in ISA_FLAGS:
+        raise ValueError(f"JAXINFER_NATIVE_ISA={cap!r}: one of {', '.join(ISA_FLAGS)}")
+    allowed = list(ISA_FLAGS)[list(ISA_FLAGS).index(cap):]
+    return tuple(isa for isa in allowed if ISA_FLAGS[isa] <= _cpu_flags())
+
+
+@functools.cache
+def _registered() -> bool:
+    """Whether the library is built and its handlers registered with XLA (once per process):
+    where the native kernels are not turned off, some vector variant runs here, and g++ works."""
+    if os.environ.get("JAXINFER_NATIVE_GEMV", "1") == "0" or not isas():
         return False
     with _lock:
         try:
@@ -107,10 +126,33 @@ def available() -> bool:
     return True
 
 
+def available() -> bool:
+    """Whether the int8 kernels (int8_gemv, wo8_gemv) are registered and worth calling here:
+    their vector loops need AVX-512F and AVX-512BW (elsewhere they would run their scalar
+    loops, slower than XLA's dot)."""
+    return "avx512" in isas() and "avx512bw" in _cpu_flags() and _registered()
+
+
+def f32_available() -> bool:
+    """Whether the float32 kernel (f32_gemv) is registered here: AVX2 + FMA or AVX-512F."""
+    return _registered()
+
+
+def _one_cpu_device() -> bool:
+    # a custom call has no sharding rule
+    return jax.default_backend() == "cpu" and jax.device_count() == 1
+
+
 def active() -> bool:
-    """Whether the trace being built should call these kernels: a one-device CPU backend (a
-    custom call has no sharding rule) where they are built."""
-    return jax.default_backend() == "cpu" and jax.device_count() == 1 and available()
+    """Whether the trace being built should call the int8 kernels: a one-device CPU backend
+    where they are available."""
+    return _one_cpu_device() and available()
+
+
+def f32_active() -> bool:
+    """Whether the trace being built should call the float32 kernel: a one-device CPU backend
+    where it is available."""
+    return _one_cpu_device() and f32_available()
 
 
 def _gemv(target: str, x: jax.Array, w: jax.Array, x_dtype, out_dtype, threads: int | None) -> jax.Array:
@@ -118,6 +160,8 @@ def _gemv(target: str, x: jax.Array, w: jax.Array, x_dtype, out_dtype, threads: 
     M, O = x.shape[0], w.shape[1]
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"{target} takes 1..{MAX_ROWS} rows, got {M}")
+    if not available():
+        raise RuntimeError(f"{target} needs AVX-512BW and g++ (check available() first)")
     if threads is None:
         threads = min(os.cpu_count() or 1, 2)
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, O), out_dtype), vmap_method="sequential")
@@ -148,17 +192,26 @@ def wo8_gemv_reference(x: jax.Array, w: jax.Array) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
 
-def f32_gemv(x: jax.Array, w: jax.Array, *, transposed: bool = False, threads: int | None = None) -> jax.Array:
+def f32_gemv(x: jax.Array, w: jax.Array, *, transposed: bool = False, threads: int | None = None,
+             isa: str | None = None) -> jax.Array:
     """float32 [M <= 8, I] @ float32 w [I, O] (or, ``transposed``, w [O, I] contracted on its
-    second axis) -> float32 [M, O] through the native kernel; call only where ``available()``."""
+    second axis) -> float32 [M, O] through the native kernel; call only where
+    ``f32_available()``. ``isa``: the vector variant, one of ``isas()`` (default: the first,
+    the best this CPU runs)."""
     M, O = x.shape[0], w.shape[0 if transposed else 1]
     if not 1 <= M <= F32_MAX_ROWS:
         raise ValueError(f"f32_gemv takes 1..{F32_MAX_ROWS} rows, got {M}")
+    if not f32_available():
+        raise RuntimeError("f32_gemv needs AVX2 + FMA and g++ (check f32_available() first)")
+    if isa is None:
+        isa = isas()[0]
+    if isa not in isas():
+        raise ValueError(f"{isa=} does not run here: one of {isas()}")
     if threads is None:
         threads = min(os.cpu_count() or 1, 2)
     call = jax.ffi.ffi_call(F32_T_TARGET if transposed else F32_TARGET, jax.ShapeDtypeStruct((M, O), jnp.float32),
                             vmap_method="sequential")
-    return call(x.astype(jnp.float32), w.astype(jnp.float32), threads=threads)
+    return call(x.astype(jnp.float32), w.astype(jnp.float32), threads=threads, isa=isa)
 
 
 def f32_gemv_reference(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:

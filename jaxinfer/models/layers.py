@@ -61,7 +61,7 @@ def _few_rows_f32(eq: str, x: jax.Array, w: jax.Array) -> jax.Array | None:
     if out != keep + free or ws not in (c + free, free + c):
         return None
     M = math.prod(x.shape[: len(keep)])
-    if not 2 <= M <= cpu_kernels.F32_MAX_ROWS or not cpu_kernels.active():
+    if not 2 <= M <= cpu_kernels.F32_MAX_ROWS or not cpu_kernels.f32_active():
         return None
     I = math.prod(x.shape[len(keep):])
     transposed = ws == free + c
