@@ -52,7 +52,8 @@ def test_weight_only_gemv_equals_xla_float_dot(M, I, O, threads):
 
 
 @pytest.mark.parametrize("M,I,O", [(2, 576, 960), (5, 576, 3072), (8, 1536, 576), (3, 577, 1000), (7, 7, 33),
-                                   (1, 64, 49152 // 8), (6, 130, 63), (4, 1, 1)])
+                                   (1, 64, 49152 // 8), (6, 130, 63), (4, 1, 1), (10, 576, 960), (16, 1536, 576),
+                                   (13, 577, 1000)])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("isa", ISAS)
 @needs_f32
@@ -73,7 +74,8 @@ def test_float_gemv_rows_are_xla_one_row_dots(M, I, O, threads, isa):
 
 
 @pytest.mark.parametrize("M,I,O", [(2, 576, 4096), (5, 576, 1000), (8, 640, 513), (3, 577, 64), (6, 15, 7),
-                                   (7, 16, 30), (1, 576, 2048), (4, 1, 5)])
+                                   (7, 16, 30), (1, 576, 2048), (4, 1, 5), (12, 576, 4096), (16, 640, 513),
+                                   (9, 15, 7)])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("isa", ISAS)
 @needs_f32
@@ -89,7 +91,7 @@ def test_float_gemv_transposed_equals_xla_dot(M, I, O, threads, isa):
 
 @pytest.mark.skipif(len(ck.isas()) < 2, reason="one vector variant here")
 @needs_f32
-@pytest.mark.parametrize("M", [1, 3, 5, 8])
+@pytest.mark.parametrize("M", [1, 3, 5, 8, 11, 16])
 def test_float_gemv_variants_give_the_same_bits(M):
     """w [I, O]: the AVX2 variant runs the AVX-512 one's FMA chains (and the same scalar loop on
     other column tails), so the two agree to the bit on every column."""
@@ -117,8 +119,8 @@ def test_int8_rows_out_of_range_are_refused():
 
 @needs_f32
 def test_float_rows_out_of_range_are_refused():
-    with pytest.raises(ValueError, match="1..8 rows"):
-        ck.f32_gemv(jnp.zeros((9, 64), jnp.float32), jnp.zeros((64, 64), jnp.float32))
+    with pytest.raises(ValueError, match="1..16 rows"):
+        ck.f32_gemv(jnp.zeros((17, 64), jnp.float32), jnp.zeros((64, 64), jnp.float32))
 
 
 @pytest.mark.parametrize("scheme", ["w8a8", "int8"])

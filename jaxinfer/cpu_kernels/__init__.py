@@ -12,7 +12,7 @@ float32 on every call; this kernel widens it in registers as it streams it. Its 
 ``x @ w.astype(float32)`` (``wo8_gemv_reference``): at one row the same bits (the same FMA
 chain over the input channels), at more rows equal to float32 rounding.
 
-``f32_gemv(x, w, transposed=...)``: float32 rows [M <= 8, I] @ a float32 weight [I, O] (or,
+``f32_gemv(x, w, transposed=...)``: float32 rows [M <= 16, I] @ a float32 weight [I, O] (or,
 transposed, [O, I]: a tied LM head) -> [M, O]: a speculative verification step's k + 1 rows,
 small decode batches. XLA CPU streams a float32 weight at one row but packs it for two or
 more rows, so 5 rows cost about twice one; this kernel reads the weight once for all rows
@@ -57,7 +57,7 @@ WO8_TARGET = "jaxinfer_wo8_gemv"
 F32_TARGET = "jaxinfer_f32_gemv"
 F32_T_TARGET = "jaxinfer_f32_gemv_t"
 MAX_ROWS = 4  # int8_gemv, wo8_gemv
-F32_MAX_ROWS = 8  # f32_gemv: a verification step's k + 1 rows
+F32_MAX_ROWS = 16  # f32_gemv: a verification step's k + 1 rows, decode batches of up to 16
 # f32_gemv's vector variants, best first, and the CPU flags each needs.
 ISA_FLAGS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma"}}
 _lock = threading.Lock()
@@ -194,7 +194,7 @@ def wo8_gemv_reference(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def f32_gemv(x: jax.Array, w: jax.Array, *, transposed: bool = False, threads: int | None = None,
              isa: str | None = None) -> jax.Array:
-    """float32 [M <= 8, I] @ float32 w [I, O] (or, ``transposed``, w [O, I] contracted on its
+    """float32 [M <= 16, I] @ float32 w [I, O] (or, ``transposed``, w [O, I] contracted on its
     second axis) -> float32 [M, O] through the native kernel; call only where
     ``f32_available()``. ``isa``: the vector variant, one of ``isas()`` (default: the first,
     the best this CPU runs)."""

@@ -4,10 +4,11 @@
 //   jaxinfer_f32_gemv_t: y[m, v] = sum_k x[m, k] w[v, k], the weight stored [O, I] (a tied
 //                        LM head, the embedding table).
 //
-// Why: a speculative verification step runs the model on k + 1 = 2..8 rows. XLA CPU streams a
-// float32 weight at one row (20-32 GB/s on the AMX box), but from two rows on it packs the
-// weight first (9-12 GB/s), so a 5-row step cost 1.55 one-row steps where the weight reads
-// alone say ~1.1. These kernels read each weight once, as stored, for all the rows.
+// Why: a speculative verification step runs the model on k + 1 = 2..8 rows, a small decode batch
+// on up to 16. XLA CPU streams a float32 weight at one row (20-32 GB/s on the AMX box), but from
+// two rows on it packs the weight first (9-12 GB/s), so a 5-row step cost 1.55 one-row steps
+// where the weight reads alone say ~1.1. These kernels read each weight once, as stored, for
+// all the rows (in groups of rows, below).
 //
 // [I, O]: a block of NV vectors of output columns keeps M x NV accumulators in registers over KC
 // weight rows at a time (between passes they wait in `out`), prefetching the same rows kAhead
@@ -43,17 +44,16 @@ using jaxinfer_native::split_run;
 
 namespace {
 
-constexpr int kMaxRows = 8;
-constexpr int64_t KC = 64;     // weight rows per pass over a column block ([I, O], AVX-512)
-constexpr int64_t kAhead = 4;  // column blocks prefetched ahead ([I, O], AVX-512)
-// [I, O], AVX2: weight rows per pass, and columns prefetched ahead. Its blocks are 16-32
-// columns, so a pass reads KC_AVX2 rows 64-128 bytes at a time; 64 such streams ran far below
-// the AVX-512 variant. Measured on the AVX-512 box with AVX2 forced (2 threads, the 30 SmolLM2
-// layers, M = 2 / 5 / 8, ms, 64 columns ahead): KC_AVX2 64: 24 / 33 / 42; 32: 19 / 25 / 27;
-// 16: 19 / 22 / 24; 8: 21 / 24 / 27. Ahead 32 / 64 / 128 / 256 columns at KC_AVX2 16: about
-// equal, 128 by a hair; none (at KC_AVX2 64): up to twice the time.
-constexpr int64_t KC_AVX2 = 16;
-constexpr int64_t kAheadColsAvx2 = 128;
+constexpr int kMaxRows = 16;
+// [I, O]: weight rows per pass over a column block. A pass reads KC rows 64-256 bytes at a time
+// (one block), prefetching the same rows a few blocks ahead. Measured on the AVX-512 box with
+// AVX2 forced (2 threads, the 30 SmolLM2 layers, M = 2 / 5 / 8, ms, 64 columns ahead): KC 64:
+// 24 / 33 / 42; 32: 19 / 25 / 27; 16: 19 / 22 / 24; 8: 21 / 24 / 27. With AVX-512, KC 64 -> 16:
+// M = 1 / 2 / 5 / 8 23.0 / 23.0 / 24.7 / 29.7 -> 18.6 / 18.3 / 21.2 / 23.9 ms.
+constexpr int64_t KC = 16;
+// Columns prefetched ahead ([I, O]). At KC 16, 32 / 64 / 128 / 256 were about equal (AVX2),
+// 128 by a hair; none (at KC 64): up to twice the time.
+constexpr int64_t kAheadCols = 128;
 // How far ahead the [O, I] streams are prefetched, into L2. Measured on the AMX box (one
 // thread, M = 5, the 113 MB SmolLM2 head, ns per weight row): none 260; into L1 1 / 4 / 8 / 16 /
 // 32 / 64 KB ahead 211 / 214 / 174 / 169 / 165 / 182; into L2 16 / 64 KB ahead 151 / 163.
@@ -68,60 +68,73 @@ bool cpu_has(Isa isa) {
   return isa == Isa::kAvx512 ? avx512 : avx2;
 }
 
-// ----------------------------------------------------------------------------- w [I, O]
-// AVX2 runs a block's rows in groups of at most 4 (5 rows: 3 + 2; 8: 4 + 4), the second group
-// re-reading the weight rows the first just brought into L1, so a block can stay 2-4 vectors
-// (whole cache lines) wide in 16 registers.
-constexpr int group_avx2(int M) { return M <= 4 ? M : (M + 1) / 2; }
+// Rows run in groups small enough that a group's accumulators stay in registers beside the
+// weight vectors and one broadcast or x vector; every group after the first re-reads, from L1,
+// the weight the first just brought in, so the weight streams from memory once for all rows.
+// Groups are as even as possible (10 rows: 5 + 5; AVX2 [I, O], 5 rows: 3 + 2).
+struct Groups {
+  int n, size[kMaxRows];
+};
 
-// Vectors per column block: the accumulators (rows x NV) stay in registers beside the NV weight
-// vectors and the broadcast x value (AVX-512, 32 registers: M * NV <= 24; AVX2, 16: a group's
-// rows * NV <= 12).
-constexpr int nv_io(Isa isa, int M) {
-  if (isa == Isa::kAvx512) return M <= 6 ? 4 : 3;
-  return group_avx2(M) <= 2 ? 4 : 3;
+constexpr int max_group(Isa isa) { return isa == Isa::kAvx512 ? 8 : 4; }
+
+Groups groups_of(Isa isa, int M) {
+  const int g = max_group(isa);
+  Groups out{(M + g - 1) / g, {}};
+  for (int i = 0, left = M; i < out.n; ++i) {
+    out.size[i] = (left + (out.n - i) - 1) / (out.n - i);
+    left -= out.size[i];
+  }
+  return out;
 }
-constexpr int64_t io_cols(Isa isa, int M) { return (isa == Isa::kAvx512 ? 16 : 8) * nv_io(isa, M); }
 
-template <int M>
-__attribute__((target("avx512f"))) void io_avx512(const float* x, const float* w, float* out, int64_t I,
-                                                  int64_t O, int64_t c0, int64_t nb) {
-  constexpr int NV = nv_io(Isa::kAvx512, M);
-  constexpr int64_t CB = 16 * NV;
-  for (int64_t k0 = 0; k0 < I; k0 += KC) {
-    const int64_t k1 = std::min(k0 + KC, I);
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t o = c0 + b * CB;
-      __m512 acc[M][NV];
-      for (int m = 0; m < M; ++m)
-        for (int j = 0; j < NV; ++j)
-          acc[m][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * O + o + 16 * j);
-      // the same rows a few blocks ahead, or the next pass's rows near the end of this one
-      // (a prefetch past the weight's end does not fault)
-      const float* ahead = b + kAhead < nb ? w + o + CB * kAhead : w + (k1 - k0) * O + c0 + (b + kAhead - nb) * CB;
-      for (int64_t k = k0; k < k1; ++k) {
-        const float* row = w + k * O + o;
-        for (int j = 0; j < NV; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * O + 16 * j), _MM_HINT_T0);
-        __m512 wv[NV];
-        for (int j = 0; j < NV; ++j) wv[j] = _mm512_loadu_ps(row + 16 * j);
-        for (int m = 0; m < M; ++m) {
-          const __m512 xb = _mm512_set1_ps(x[m * I + k]);
-          for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_fmadd_ps(xb, wv[j], acc[m][j]);
-        }
-      }
-      for (int m = 0; m < M; ++m)
-        for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + m * O + o + 16 * j, acc[m][j]);
+// [I, O]: vectors per column block for groups of up to G rows (AVX-512, 32 registers: G * NV
+// <= 24; AVX2, 16: G * NV <= 12).
+constexpr int nv_io(Isa isa, int G) {
+  if (isa == Isa::kAvx512) return G <= 6 ? 4 : 3;
+  return G <= 2 ? 4 : 3;
+}
+constexpr int64_t lanes(Isa isa) { return isa == Isa::kAvx512 ? 16 : 8; }
+
+// [O, I]: weight rows at a time for groups of up to G rows: NR * G accumulators (AVX-512: <= 24
+// of 32 registers; AVX2: <= 12 of 16).
+constexpr int nr_oi(Isa isa, int G) {
+  if (isa == Isa::kAvx512) return G <= 5 ? 4 : G <= 7 ? 3 : 2;
+  return G <= 2 ? 4 : G <= 4 ? 3 : G <= 6 ? 2 : 1;
+}
+
+// ----------------------------------------------------------------------------- w [I, O]
+// G rows of the block at column o over weight rows [k0, k1): each output one FMA chain over k
+// (the accumulators wait in `out` between passes). The first group prefetches the rows at pf
+// for the blocks to come.
+template <int G, int NV, bool kPrefetch>
+__attribute__((target("avx512f"))) void io_rows_avx512(const float* x, const float* w, float* out, int64_t I,
+                                                       int64_t O, int64_t o, int64_t k0, int64_t k1,
+                                                       const float* pf) {
+  __m512 acc[G][NV];
+  for (int m = 0; m < G; ++m)
+    for (int j = 0; j < NV; ++j)
+      acc[m][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * O + o + 16 * j);
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* row = w + k * O + o;
+    if (kPrefetch)
+      for (int j = 0; j < NV; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + k * O + 16 * j), _MM_HINT_T0);
+    __m512 wv[NV];
+    for (int j = 0; j < NV; ++j) wv[j] = _mm512_loadu_ps(row + 16 * j);
+    for (int m = 0; m < G; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * I + k]);
+      for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_fmadd_ps(xb, wv[j], acc[m][j]);
     }
   }
+  for (int m = 0; m < G; ++m)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + m * O + o + 16 * j, acc[m][j]);
 }
 
-// G rows of io_avx2's block at column o over weight rows [k0, k1) (the first group prefetches
-// the rows at pf for the blocks to come).
+// The same in 8 lanes: the same FMA chain per output, so the same bits.
 template <int G, int NV, bool kPrefetch>
-__attribute__((target("avx2,fma"), always_inline)) inline void io_avx2_rows(const float* x, const float* w,
-                                                                          float* out, int64_t I, int64_t O,
-                                                                          int64_t o, int64_t k0, int64_t k1,
-                                                                          const float* pf) {
+__attribute__((target("avx2,fma"))) void io_rows_avx2(const float* x, const float* w, float* out, int64_t I,
+                                                      int64_t O, int64_t o, int64_t k0, int64_t k1,
+                                                      const float* pf) {
   constexpr int64_t CB = 8 * NV;
   __m256 acc[G][NV];
   for (int m = 0; m < G; ++m)
@@ -142,24 +155,38 @@ __attribute__((target("avx2,fma"), always_inline)) inline void io_avx2_rows(cons
     for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + m * O + o + 8 * j, acc[m][j]);
 }
 
-// io_avx512 in 8 lanes, with shorter passes and rows in groups: the same FMA chain per output,
-// so the same bits.
-template <int M>
-__attribute__((target("avx2,fma"))) void io_avx2(const float* x, const float* w, float* out, int64_t I,
-                                                 int64_t O, int64_t c0, int64_t nb) {
-  constexpr int NV = nv_io(Isa::kAvx2, M);
-  constexpr int G = group_avx2(M);
-  constexpr int64_t CB = 8 * NV;
-  constexpr int64_t ahead = (kAheadColsAvx2 + CB - 1) / CB;  // blocks
-  for (int64_t k0 = 0; k0 < I; k0 += KC_AVX2) {
-    const int64_t k1 = std::min(k0 + KC_AVX2, I);
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t o = c0 + b * CB;
-      const float* pf = b + ahead < nb ? w + o + CB * ahead : w + (k1 - k0) * O + c0 + (b + ahead - nb) * CB;
-      io_avx2_rows<G, NV, true>(x, w, out, I, O, o, k0, k1, pf);
-      if constexpr (M > G) io_avx2_rows<M - G, NV, false>(x + G * I, w, out + G * O, I, O, o, k0, k1, pf);
-    }
+using IoRows = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        const float*);
+
+template <Isa A, int G, int NV, bool P>
+constexpr IoRows io_rows() {
+  if constexpr (A == Isa::kAvx512)
+    return io_rows_avx512<G, NV, P>;
+  else
+    return io_rows_avx2<G, NV, P>;
+}
+
+template <Isa A, int G, bool P>
+IoRows io_rows_nv(int nv) {
+  if constexpr (A == Isa::kAvx512)
+    return nv == 4 ? io_rows<A, G, 4, P>() : io_rows<A, G, 3, P>();
+  else
+    return nv == 4 ? io_rows<A, G, 4, P>() : io_rows<A, G, 3, P>();
+}
+
+template <Isa A, bool P>
+IoRows io_rows_for(int G, int nv) {
+  switch (G) {
+    case 1: return io_rows_nv<A, 1, P>(nv);
+    case 2: return io_rows_nv<A, 2, P>(nv);
+    case 3: return io_rows_nv<A, 3, P>(nv);
+    case 4: return io_rows_nv<A, 4, P>(nv);
+    case 5: if constexpr (A == Isa::kAvx512) return io_rows_nv<A, 5, P>(nv); break;
+    case 6: if constexpr (A == Isa::kAvx512) return io_rows_nv<A, 6, P>(nv); break;
+    case 7: if constexpr (A == Isa::kAvx512) return io_rows_nv<A, 7, P>(nv); break;
+    case 8: if constexpr (A == Isa::kAvx512) return io_rows_nv<A, 8, P>(nv); break;
   }
+  return nullptr;
 }
 
 // Columns [o0, o1): the same FMA chain per output, one at a time.
@@ -173,58 +200,68 @@ void io_scalar(const float* x, const float* w, float* out, int64_t M, int64_t I,
     }
 }
 
-template <int M, Isa A>
-void run_io_m(const Job& j) {
+int64_t io_cols(Isa isa, int M) { return lanes(isa) * nv_io(isa, groups_of(isa, M).size[0]); }
+
+template <Isa A>
+void run_io(const Job& j) {
   const auto* x = static_cast<const float*>(j.x);
   const auto* w = static_cast<const float*>(j.w);
   auto* out = static_cast<float*>(j.out);
-  constexpr int64_t CB = io_cols(A, M);
-  const int64_t nb = j.I > 0 ? (j.c1 - j.c0) / CB : 0;
-  if (nb && A == Isa::kAvx512) io_avx512<M>(x, w, out, j.I, j.O, j.c0, nb);
-  if (nb && A == Isa::kAvx2) io_avx2<M>(x, w, out, j.I, j.O, j.c0, nb);
-  io_scalar(x, w, out, M, j.I, j.O, j.c0 + nb * CB, j.c1);
+  const int M = static_cast<int>(j.M);
+  const Groups g = groups_of(A, M);
+  const int nv = nv_io(A, g.size[0]);  // the first group is the largest
+  const int64_t CB = lanes(A) * nv, I = j.I, O = j.O, c0 = j.c0;
+  const int64_t nb = I > 0 ? (j.c1 - c0) / CB : 0;
+  IoRows first = io_rows_for<A, true>(g.size[0], nv), rest[kMaxRows] = {};
+  for (int i = 1; i < g.n; ++i) rest[i] = io_rows_for<A, false>(g.size[i], nv);
+  const int64_t ahead = (kAheadCols + CB - 1) / CB;  // blocks
+  for (int64_t k0 = 0; k0 < I && nb; k0 += KC) {
+    const int64_t k1 = std::min(k0 + KC, I);
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t o = c0 + b * CB;
+      // the same rows a few blocks ahead, or the next pass's rows near the end of this one (a
+      // prefetch past the weight's end does not fault)
+      const float* pf = b + ahead < nb ? w + o + CB * ahead : w + (k1 - k0) * O + c0 + (b + ahead - nb) * CB;
+      first(x, w, out, I, O, o, k0, k1, pf);
+      for (int i = 1, m0 = g.size[0]; i < g.n; m0 += g.size[i++])
+        rest[i](x + m0 * I, w, out + m0 * O, I, O, o, k0, k1, pf);
+    }
+  }
+  io_scalar(x, w, out, M, I, O, c0 + nb * CB, j.c1);
 }
 
 // ----------------------------------------------------------------------------- w [O, I]
-// Weight rows at a time: NR * M accumulators (AVX-512: <= 24 of 32 registers; AVX2: <= 12 of 16).
-constexpr int nr_oi(Isa isa, int M) {
-  if (isa == Isa::kAvx512) return M <= 5 ? 4 : M <= 7 ? 3 : 2;
-  return M <= 2 ? 4 : M <= 4 ? 3 : M <= 6 ? 2 : 1;
-}
-
-template <int M>
-__attribute__((target("avx512f"))) void oi_avx512(const float* x, const float* w, float* out, int64_t I,
-                                                  int64_t O, int64_t r0, int64_t r1) {
-  constexpr int NR = nr_oi(Isa::kAvx512, M);
+// G rows of x against NR weight rows at `rows` (row r of the output): a vector accumulator per
+// pair over all of I, summed across lanes at the end. The first group prefetches ahead.
+template <int G, int NR, bool kPrefetch>
+__attribute__((target("avx512f"))) void oi_rows_avx512(const float* x, const float* rows, float* out, int64_t I,
+                                                       int64_t O, int64_t r) {
   const int64_t kv = I / 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (I % 16)) - 1);
-  for (int64_t r = r0; r < r1; r += NR) {
-    const float* rows = w + r * I;
-    __m512 acc[NR][M];
-    for (int i = 0; i < NR; ++i)
-      for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
-    for (int64_t v = 0; v < kv; ++v) {
-      __m512 wv[NR];
-      for (int i = 0; i < NR; ++i) {
-        _mm_prefetch(reinterpret_cast<const char*>(rows + i * I + 16 * v) + kAheadBytes, _MM_HINT_T1);
-        wv[i] = _mm512_loadu_ps(rows + i * I + 16 * v);
-      }
-      for (int m = 0; m < M; ++m) {
-        const __m512 xv = _mm512_loadu_ps(x + m * I + 16 * v);
-        for (int i = 0; i < NR; ++i) acc[i][m] = _mm512_fmadd_ps(xv, wv[i], acc[i][m]);
-      }
+  __m512 acc[NR][G];
+  for (int i = 0; i < NR; ++i)
+    for (int m = 0; m < G; ++m) acc[i][m] = _mm512_setzero_ps();
+  for (int64_t v = 0; v < kv; ++v) {
+    __m512 wv[NR];
+    for (int i = 0; i < NR; ++i) {
+      if (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(rows + i * I + 16 * v) + kAheadBytes, _MM_HINT_T1);
+      wv[i] = _mm512_loadu_ps(rows + i * I + 16 * v);
     }
-    if (tail) {  // I % 16 last input channels
-      __m512 wv[NR];
-      for (int i = 0; i < NR; ++i) wv[i] = _mm512_maskz_loadu_ps(tail, rows + i * I + 16 * kv);
-      for (int m = 0; m < M; ++m) {
-        const __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * I + 16 * kv);
-        for (int i = 0; i < NR; ++i) acc[i][m] = _mm512_fmadd_ps(xv, wv[i], acc[i][m]);
-      }
+    for (int m = 0; m < G; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * I + 16 * v);
+      for (int i = 0; i < NR; ++i) acc[i][m] = _mm512_fmadd_ps(xv, wv[i], acc[i][m]);
     }
-    for (int i = 0; i < NR; ++i)
-      for (int m = 0; m < M; ++m) out[m * O + r + i] = _mm512_reduce_add_ps(acc[i][m]);
   }
+  if (tail) {  // I % 16 last input channels
+    __m512 wv[NR];
+    for (int i = 0; i < NR; ++i) wv[i] = _mm512_maskz_loadu_ps(tail, rows + i * I + 16 * kv);
+    for (int m = 0; m < G; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * I + 16 * kv);
+      for (int i = 0; i < NR; ++i) acc[i][m] = _mm512_fmadd_ps(xv, wv[i], acc[i][m]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int m = 0; m < G; ++m) out[m * O + r + i] = _mm512_reduce_add_ps(acc[i][m]);
 }
 
 __attribute__((target("avx2,fma"))) inline float reduce_add(__m256 v) {
@@ -233,43 +270,76 @@ __attribute__((target("avx2,fma"))) inline float reduce_add(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// oi_avx512 in 8 lanes.
-template <int M>
-__attribute__((target("avx2,fma"))) void oi_avx2(const float* x, const float* w, float* out, int64_t I,
-                                                 int64_t O, int64_t r0, int64_t r1) {
-  constexpr int NR = nr_oi(Isa::kAvx2, M);
+// The same in 8 lanes.
+template <int G, int NR, bool kPrefetch>
+__attribute__((target("avx2,fma"))) void oi_rows_avx2(const float* x, const float* rows, float* out, int64_t I,
+                                                      int64_t O, int64_t r) {
   const int64_t kv = I / 8;
   const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(I % 8)),
                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  for (int64_t r = r0; r < r1; r += NR) {
-    const float* rows = w + r * I;
-    __m256 acc[NR][M];
-    for (int i = 0; i < NR; ++i)
-      for (int m = 0; m < M; ++m) acc[i][m] = _mm256_setzero_ps();
-    for (int64_t v = 0; v < kv; ++v) {
-      __m256 wv[NR];
-      for (int i = 0; i < NR; ++i) {
-        // once per 64-byte line (four 113 MB heads, M = 1 / 2 / 5 / 8, 2 threads: 16 / 17 / 18 /
-        // 21 ms, against 18 / 20 / 22 / 24 with one per vector)
-        if (v % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(rows + i * I + 8 * v) + kAheadBytes, _MM_HINT_T1);
-        wv[i] = _mm256_loadu_ps(rows + i * I + 8 * v);
-      }
-      for (int m = 0; m < M; ++m) {
-        const __m256 xv = _mm256_loadu_ps(x + m * I + 8 * v);
-        for (int i = 0; i < NR; ++i) acc[i][m] = _mm256_fmadd_ps(xv, wv[i], acc[i][m]);
-      }
+  __m256 acc[NR][G];
+  for (int i = 0; i < NR; ++i)
+    for (int m = 0; m < G; ++m) acc[i][m] = _mm256_setzero_ps();
+  for (int64_t v = 0; v < kv; ++v) {
+    __m256 wv[NR];
+    for (int i = 0; i < NR; ++i) {
+      // once per 64-byte line (four 113 MB heads, M = 1 / 2 / 5 / 8, 2 threads: 16 / 17 / 18 /
+      // 21 ms, against 18 / 20 / 22 / 24 with one per vector)
+      if (kPrefetch && v % 2 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(rows + i * I + 8 * v) + kAheadBytes, _MM_HINT_T1);
+      wv[i] = _mm256_loadu_ps(rows + i * I + 8 * v);
     }
-    if (I % 8) {  // the last input channels; masked-off lanes are neither read nor faulted
-      __m256 wv[NR];
-      for (int i = 0; i < NR; ++i) wv[i] = _mm256_maskload_ps(rows + i * I + 8 * kv, tail);
-      for (int m = 0; m < M; ++m) {
-        const __m256 xv = _mm256_maskload_ps(x + m * I + 8 * kv, tail);
-        for (int i = 0; i < NR; ++i) acc[i][m] = _mm256_fmadd_ps(xv, wv[i], acc[i][m]);
-      }
+    for (int m = 0; m < G; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * I + 8 * v);
+      for (int i = 0; i < NR; ++i) acc[i][m] = _mm256_fmadd_ps(xv, wv[i], acc[i][m]);
     }
-    for (int i = 0; i < NR; ++i)
-      for (int m = 0; m < M; ++m) out[m * O + r + i] = reduce_add(acc[i][m]);
   }
+  if (I % 8) {  // the last input channels; masked-off lanes are neither read nor faulted
+    __m256 wv[NR];
+    for (int i = 0; i < NR; ++i) wv[i] = _mm256_maskload_ps(rows + i * I + 8 * kv, tail);
+    for (int m = 0; m < G; ++m) {
+      const __m256 xv = _mm256_maskload_ps(x + m * I + 8 * kv, tail);
+      for (int i = 0; i < NR; ++i) acc[i][m] = _mm256_fmadd_ps(xv, wv[i], acc[i][m]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int m = 0; m < G; ++m) out[m * O + r + i] = reduce_add(acc[i][m]);
+}
+
+using OiRows = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t);
+
+template <Isa A, int G, int NR, bool P>
+constexpr OiRows oi_rows() {
+  if constexpr (A == Isa::kAvx512)
+    return oi_rows_avx512<G, NR, P>;
+  else
+    return oi_rows_avx2<G, NR, P>;
+}
+
+template <Isa A, int G, bool P>
+OiRows oi_rows_nr(int nr) {
+  switch (nr) {
+    case 1: if constexpr (A == Isa::kAvx2) return oi_rows<A, G, 1, P>(); break;
+    case 2: if constexpr (G * 2 <= (A == Isa::kAvx512 ? 24 : 12)) return oi_rows<A, G, 2, P>(); break;
+    case 3: if constexpr (G * 3 <= (A == Isa::kAvx512 ? 24 : 12)) return oi_rows<A, G, 3, P>(); break;
+    case 4: if constexpr (G * 4 <= (A == Isa::kAvx512 ? 24 : 12)) return oi_rows<A, G, 4, P>(); break;
+  }
+  return nullptr;
+}
+
+template <Isa A, bool P>
+OiRows oi_rows_for(int G, int nr) {
+  switch (G) {
+    case 1: return oi_rows_nr<A, 1, P>(nr);
+    case 2: return oi_rows_nr<A, 2, P>(nr);
+    case 3: return oi_rows_nr<A, 3, P>(nr);
+    case 4: return oi_rows_nr<A, 4, P>(nr);
+    case 5: if constexpr (A == Isa::kAvx512) return oi_rows_nr<A, 5, P>(nr); break;
+    case 6: if constexpr (A == Isa::kAvx512) return oi_rows_nr<A, 6, P>(nr); break;
+    case 7: if constexpr (A == Isa::kAvx512) return oi_rows_nr<A, 7, P>(nr); break;
+    case 8: if constexpr (A == Isa::kAvx512) return oi_rows_nr<A, 8, P>(nr); break;
+  }
+  return nullptr;
 }
 
 void oi_scalar(const float* x, const float* w, float* out, int64_t M, int64_t I, int64_t O, int64_t r0,
@@ -282,44 +352,29 @@ void oi_scalar(const float* x, const float* w, float* out, int64_t M, int64_t I,
     }
 }
 
-template <int M, Isa A>
-void run_oi_m(const Job& j) {
+int oi_rows_at_a_time(Isa isa, int M) { return nr_oi(isa, groups_of(isa, M).size[0]); }
+
+template <Isa A>
+void run_oi(const Job& j) {
   const auto* x = static_cast<const float*>(j.x);
   const auto* w = static_cast<const float*>(j.w);
   auto* out = static_cast<float*>(j.out);
-  constexpr int NR = nr_oi(A, M);
-  const int64_t r1 = j.c0 + (j.c1 - j.c0) / NR * NR;
-  if (r1 > j.c0 && A == Isa::kAvx512) oi_avx512<M>(x, w, out, j.I, j.O, j.c0, r1);
-  if (r1 > j.c0 && A == Isa::kAvx2) oi_avx2<M>(x, w, out, j.I, j.O, j.c0, r1);
-  oi_scalar(x, w, out, M, j.I, j.O, r1, j.c1);
+  const int M = static_cast<int>(j.M);
+  const Groups g = groups_of(A, M);
+  const int nr = nr_oi(A, g.size[0]);
+  const int64_t I = j.I, O = j.O;
+  OiRows first = oi_rows_for<A, true>(g.size[0], nr), rest[kMaxRows] = {};
+  for (int i = 1; i < g.n; ++i) rest[i] = oi_rows_for<A, false>(g.size[i], nr);
+  const int64_t r1 = j.c0 + (j.c1 - j.c0) / nr * nr;
+  for (int64_t r = j.c0; r < r1; r += nr) {
+    first(x, w + r * I, out, I, O, r);
+    for (int i = 1, m0 = g.size[0]; i < g.n; m0 += g.size[i++]) rest[i](x + m0 * I, w + r * I, out + m0 * O, I, O, r);
+  }
+  oi_scalar(x, w, out, M, I, O, r1, j.c1);
 }
 
 // ----------------------------------------------------------------------------- handlers
 using RunFn = void (*)(const Job&);
-
-template <int M, Isa A>
-RunFn kernel(bool transposed) {
-  return transposed ? run_oi_m<M, A> : run_io_m<M, A>;
-}
-
-template <int M>
-RunFn kernel(bool transposed, Isa isa) {
-  return isa == Isa::kAvx512 ? kernel<M, Isa::kAvx512>(transposed) : kernel<M, Isa::kAvx2>(transposed);
-}
-
-RunFn kernel_for(bool transposed, Isa isa, int64_t M) {
-  switch (M) {
-    case 1: return kernel<1>(transposed, isa);
-    case 2: return kernel<2>(transposed, isa);
-    case 3: return kernel<3>(transposed, isa);
-    case 4: return kernel<4>(transposed, isa);
-    case 5: return kernel<5>(transposed, isa);
-    case 6: return kernel<6>(transposed, isa);
-    case 7: return kernel<7>(transposed, isa);
-    case 8: return kernel<8>(transposed, isa);
-    default: return nullptr;
-  }
-}
 
 // transposed: w is [O, I] (else [I, O]). isa: "avx512" or "avx2", which this CPU must have.
 // The split unit: whole column blocks for [I, O] (their width at this M and isa), whole row
@@ -338,11 +393,12 @@ ffi::Error f32_gemv(bool transposed, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F
   const Isa isa = isa_name == "avx512" ? Isa::kAvx512 : Isa::kAvx2;
   if (!cpu_has(isa)) return ffi::Error::InvalidArgument(what + ": this CPU lacks " + std::string(isa_name));
   const int64_t M = xd[0], I = xd[1], O = wd[1 - wi];
-  const RunFn fn = kernel_for(transposed, isa, M);
-  if (fn == nullptr) return ffi::Error::InvalidArgument(what + ": 1 to 8 rows");
+  if (M < 1 || M > kMaxRows) return ffi::Error::InvalidArgument(what + ": 1 to 16 rows");
+  const RunFn fn = transposed ? (isa == Isa::kAvx512 ? run_oi<Isa::kAvx512> : run_oi<Isa::kAvx2>)
+                              : (isa == Isa::kAvx512 ? run_io<Isa::kAvx512> : run_io<Isa::kAvx2>);
   const Job all{fn, x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O};
   const int m = static_cast<int>(M);
-  const int64_t unit = transposed ? 16 * nr_oi(isa, m) : io_cols(isa, m);
+  const int64_t unit = transposed ? 16 * oi_rows_at_a_time(isa, m) : io_cols(isa, m);
   if (threads > 1) {
     split_run(all, unit, pool);
   } else {

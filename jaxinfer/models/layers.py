@@ -45,11 +45,13 @@ def dot(eq: str, x: jax.Array, w) -> jax.Array:
 
 
 def _few_rows_f32(eq: str, x: jax.Array, w: jax.Array) -> jax.Array | None:
-    """``dot`` of 2..8 float32 rows on CPU through the native kernel (a verification step's
-    k + 1 rows, small decode batches), or None where XLA keeps it. XLA CPU packs a float32
-    weight for a dot of two or more rows, so 5 rows cost ~2x one; the kernel reads the weight
-    once as stored, [I, O] or [O, I] (the tied head, "BTD,VD->BTV"). At one row XLA already
-    streams the weight, and is left alone."""
+    """``dot`` of 1..16 float32 rows on CPU through the native kernel (batch-1 decode, a
+    verification step's k + 1 rows, decode batches up to 16), or None where XLA keeps it. XLA
+    CPU packs a float32 weight for a dot of two or more rows, so 5 rows cost ~2x one, 16 rows
+    ~3x; the kernel reads the weight once as stored, [I, O] or [O, I] (the tied head,
+    "BTD,VD->BTV"). At one row XLA streams the weight too, but the kernel's split over both
+    cores is faster, with XLA's bits for [I, O]; the head at one row stays with XLA (the
+    kernel sums it in another order), so plain batch-1 decoding computes what it did."""
     if x.dtype != jnp.float32 or w.dtype != jnp.float32 or not isinstance(w, jax.Array):
         return None
     lhs, out = eq.split("->")
@@ -61,10 +63,10 @@ def _few_rows_f32(eq: str, x: jax.Array, w: jax.Array) -> jax.Array | None:
     if out != keep + free or ws not in (c + free, free + c):
         return None
     M = math.prod(x.shape[: len(keep)])
-    if not 2 <= M <= cpu_kernels.F32_MAX_ROWS or not cpu_kernels.f32_active():
+    transposed = ws == free + c
+    if not (1 if not transposed else 2) <= M <= cpu_kernels.F32_MAX_ROWS or not cpu_kernels.f32_active():
         return None
     I = math.prod(x.shape[len(keep):])
-    transposed = ws == free + c
     w2 = w.reshape(-1, I) if transposed else w.reshape(I, -1)
     y = cpu_kernels.f32_gemv(x.reshape(M, I), w2, transposed=transposed)
     return y.reshape(*x.shape[: len(keep)], *(w.shape[: len(free)] if transposed else w.shape[len(c):]))
