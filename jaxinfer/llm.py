@@ -16,7 +16,7 @@ from typing import Sequence
 from jaxinfer import quant, registry
 from jaxinfer.cache import KV_CACHE_DTYPES
 from jaxinfer.config import default_dtype
-from jaxinfer.engine.paged import EngineConfig, PagedEngine, Scheduling
+from jaxinfer.engine.paged import EngineConfig, PagedEngine, Scheduling, start_pools
 from jaxinfer.engine.rows import Row
 from jaxinfer.engine.speculative import SpecMethod, SpeculativeConfig
 from jaxinfer.engine.static import StaticEngine
@@ -74,6 +74,22 @@ class LLM:
             raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")
         if spec is not None and engine != "paged":
             raise InvalidRequest(f"speculative decoding needs the paged engine, not {engine!r}")
+        if engine == "paged":
+            try:
+                sched = Scheduling(scheduling)
+            except ValueError:
+                raise InvalidRequest(f"scheduling must be 'fcfs' or 'spf', got {scheduling!r}") from None
+            ecfg = EngineConfig(max_num_seqs=max_num_seqs, page_size=page_size, num_pages=num_pages,
+                                kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk,
+                                prefix_caching=enable_prefix_caching, scheduling=sched, windowed_kv=windowed_kv,
+                                kv_cache_dtype=kv_cache_dtype)
+        pools = None
+
+        def on_config(cfg):  # one device: fill the page pools while the weights are read
+            nonlocal pools
+            if engine == "paged" and mesh is None and 1 < (max_model_len or cfg.max_position) <= cfg.max_position:
+                pools = start_pools(cfg, ecfg, max_model_len or cfg.max_position)
+
         self.model_path = registry.resolve(model, progress=progress)
         shardings_fn = None
         if mesh is not None:
@@ -83,7 +99,8 @@ class LLM:
                 tensor_parallel_plan(cfg, mesh.shape["model"])  # bad sizes fail before any tensor is read
                 # pipeline: each layer goes to its own stage's devices only
                 return pipeline_weight_shardings(specs, mesh, stage_bounds(cfg.n_layers, mesh.shape["stage"]))
-        loaded = checkpoint.load(self.model_path, dtype=dtype, quantize=qcfg, shardings_fn=shardings_fn)
+        loaded = checkpoint.load(self.model_path, dtype=dtype, quantize=qcfg, shardings_fn=shardings_fn,
+                                 on_config=on_config)
         self.cfg, self.weights, self.tokenizer = loaded.cfg, loaded.weights, loaded.tokenizer
         self.mesh = mesh
         self.parallel = None
@@ -108,14 +125,6 @@ class LLM:
             self.engine = StaticEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
                                        max_num_seqs=max_num_seqs, seed=seed, kv_cache_dtype=kv_cache_dtype)
         elif engine == "paged":
-            try:
-                sched = Scheduling(scheduling)
-            except ValueError:
-                raise InvalidRequest(f"scheduling must be 'fcfs' or 'spf', got {scheduling!r}") from None
-            ecfg = EngineConfig(max_num_seqs=max_num_seqs, page_size=page_size, num_pages=num_pages,
-                                kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk,
-                                prefix_caching=enable_prefix_caching, scheduling=sched, windowed_kv=windowed_kv,
-                                kv_cache_dtype=kv_cache_dtype)
             if mesh is not None and mesh.shape["data"] > 1:  # max_num_seqs and the KV budget per replica
                 from jaxinfer.engine.data_parallel import DataParallelEngine
 
@@ -124,7 +133,7 @@ class LLM:
             else:
                 self.engine = PagedEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
                                           config=ecfg, seed=seed, speculative=spec, mesh=mesh,
-                                          draft=self._load_draft(spec, dtype, progress))
+                                          draft=self._load_draft(spec, dtype, progress), pools=pools)
             if getattr(self.engine, "pipeline", None) is not None:  # the weights now live stacked by stage
                 self.weights = self.engine.weights
                 self.parallel = dict(self.parallel, **self.engine.pipeline.report())

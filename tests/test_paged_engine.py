@@ -241,3 +241,21 @@ def test_warmup_leaves_nothing_to_compile(tiny_gguf):
     flops_per_token = 2 * cfg.num_params() + 4 * cfg.n_layers * ctx * cfg.n_heads * cfg.head_dim
     assert s["mfu"] == pytest.approx(flops_per_token * (n_in + n_out) / s["wall_s"] / 1e11)
     assert s["slo"]["met"] == 10 and s["goodput_requests_s"] == s["requests_s"]  # a 60 s TTFT SLO: all met
+
+
+def test_pools_filled_beside_the_load_are_the_engines(tiny_gguf, monkeypatch):
+    """LLM starts zero-filling the page pools on a second thread once the checkpoint's config
+    is read; the engine takes those pools, and refuses pools started for another engine."""
+    from jaxinfer.engine import paged
+
+    started = []
+    real = paged.start_pools
+    monkeypatch.setattr("jaxinfer.llm.start_pools", lambda *a: started.append(real(*a)) or started[-1])
+    llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=2, kv_cache_bytes=1 << 20)
+    assert len(started) == 1 and llm.engine.k_pages[0] is started[0].result().k[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    assert len(llm.generate("hello there", sp)[0].outputs[0].token_ids) == 4
+    other = dataclasses.replace(llm.engine.config, max_num_seqs=4)
+    with pytest.raises(ValueError, match="another model or engine"):
+        paged.PagedEngine(llm.cfg, llm.weights, llm.tokenizer, max_model_len=llm.max_model_len, config=other,
+                          pools=paged.start_pools(llm.cfg, llm.engine.config, llm.max_model_len))

@@ -13,6 +13,7 @@ rows that finished), ``has_unfinished()``; ``run(rows)`` drives them for a batch
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -92,8 +93,11 @@ class PagedEngine:
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, max_model_len: int,
                  config: EngineConfig = EngineConfig(), seed: int = 0,
-                 speculative: SpeculativeConfig | None = None, mesh=None, draft=None):
-        """draft: (ModelConfig, weights) of the draft model when speculative is draft_model."""
+                 speculative: SpeculativeConfig | None = None, mesh=None, draft=None,
+                 pools: concurrent.futures.Future | None = None):
+        """draft: (ModelConfig, weights) of the draft model when speculative is draft_model.
+        pools: ``start_pools(cfg, config, max_model_len)``, begun while the weights were read
+        (one device, no pipeline)."""
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.max_model_len = max_model_len
         self.config = config
@@ -122,7 +126,9 @@ class PagedEngine:
             self.weights = stack_weights(weights, self.pipeline)
             self.k_pages, self.v_pages = init_pools(cfg, self.pipeline, num_pages, ps, kv_dtype, num_window_pages)
         else:
-            cache = kv.init_paged_cache(cfg, num_pages, ps, kv_dtype, num_window_pages=num_window_pages)
+            if pools is not None and pools.made_for != (cfg, config, max_model_len):
+                raise ValueError("the page pools were started for another model or engine configuration")
+            cache = pools.result() if pools is not None else _make_pools(cfg, config, max_model_len)
             self.k_pages, self.v_pages, self.windowed = cache.k, cache.v, cache.windowed
         if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
@@ -564,6 +570,25 @@ def pool_sizes(cfg: ModelConfig, config: EngineConfig, kv_dtype, pages_per_seq: 
         max(config.kv_cache_bytes - window_bytes, 0) // (max(full_bytes_per_token, 1) * ps),
         2 * config.max_num_seqs * pages_per_seq + 1))
     return window, num_pages, num_window_pages
+
+
+def _make_pools(cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> kv.PagedKVCache:
+    """The zeroed page pools of an engine on one device."""
+    pages_per_seq = -(-max_model_len // config.page_size)
+    kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
+    _, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, pages_per_seq)
+    return kv.init_paged_cache(cfg, num_pages, config.page_size, kv_dtype, num_window_pages=num_window_pages)
+
+
+def start_pools(cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> concurrent.futures.Future:
+    """Zero-fill an engine's page pools on a second thread (for ``PagedEngine(pools=...)``).
+    Filling the default 2 GB of pools takes ~0.5 s of memory writes; begun as soon as the
+    checkpoint's config is known, it runs beside the weights being read and dequantized."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-pools")
+    future = pool.submit(_make_pools, cfg, config, max_model_len)
+    future.made_for = (cfg, config, max_model_len)
+    pool.shutdown(wait=False)
+    return future
 
 
 def slot_state_for(row: Row, vocab_size: int, eos_ids, seed: int) -> SlotState:

@@ -27,7 +27,7 @@ from jaxinfer.models.registry import family_module
 
 
 # ----------------------------------------------------------------------------- GGUF
-def load_gguf(path: Path, *, dtype: str, shardings_fn=None, quantize=None) -> Loaded:
+def load_gguf(path: Path, *, dtype: str, shardings_fn=None, quantize=None, on_config=None) -> Loaded:
     from jaxinfer.loaders.gguf import GGUFCheckpoint, unpermute_llama_qk
     from jaxinfer.tokenizer import tokenizer_from_gguf
 
@@ -54,6 +54,8 @@ def load_gguf(path: Path, *, dtype: str, shardings_fn=None, quantize=None) -> Lo
         return a.T if transpose else a
 
     shardings = shardings_fn(specs, cfg) if shardings_fn else None
+    if on_config is not None:  # the config is known before any tensor is read
+        on_config(cfg)
     tok = tokenizer_from_gguf(ck.metadata)
     quantizer = make_quantizer(quantize, specs, cfg, tok)
     weights = assemble(specs, cfg, mod.CHECKPOINT_NAMES, fetch, 1, shardings=shardings, quantizer=quantizer)
@@ -87,13 +89,16 @@ def supported_gguf_architectures() -> set[str]:
     return out
 
 
-def load(path, *, dtype: str, shardings_fn=None, quantize=None) -> Loaded:
+def load(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=None) -> Loaded:
     """quantize: a ``quant.QuantConfig`` (or None): quantize the matmul weights while
-    loading, weight by weight (see ``loaders.quantize``)."""
+    loading, weight by weight (see ``loaders.quantize``). on_config: called with the
+    ModelConfig once it is known, before any tensor is read (so a caller can start work that
+    needs only the model's shape, such as zero-filling the KV page pools, beside the read)."""
     path = Path(path)
     fmt = detect_format(path)
     if fmt == "gguf":
-        return load_gguf(path, dtype=dtype, shardings_fn=shardings_fn, quantize=quantize)
+        return load_gguf(path, dtype=dtype, shardings_fn=shardings_fn, quantize=quantize, on_config=on_config)
     if fmt == "hf":
-        return hf.load_hf(path, dtype=dtype, shardings_fn=shardings_fn, quantize=quantize)
-    return orbax_io.load_orbax(path, dtype=dtype, shardings_fn=shardings_fn, quantize=quantize)
+        return hf.load_hf(path, dtype=dtype, shardings_fn=shardings_fn, quantize=quantize, on_config=on_config)
+    return orbax_io.load_orbax(path, dtype=dtype, shardings_fn=shardings_fn, quantize=quantize,
+                                on_config=on_config)

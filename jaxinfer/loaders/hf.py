@@ -196,7 +196,7 @@ def _declared_shapes(specs, cfg, names: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None) -> Loaded:
+def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=None) -> Loaded:
     """Load a Hugging Face directory (config.json + safetensors + tokenizer files)."""
     from jaxinfer.tokenizer import tokenizer_from_hf_dir
 
@@ -234,6 +234,8 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None) -> Loaded:
             return a
 
         shardings = shardings_fn(specs, cfg) if shardings_fn else None
+        if on_config is not None:  # the config is known before any tensor is read
+            on_config(cfg)
         tok = tokenizer_from_hf_dir(path)
         quantizer = make_quantizer(quantize, specs, cfg, tok)
         weights = assemble(specs, cfg, mod.CHECKPOINT_NAMES, fetch, 0, shardings=shardings, quantizer=quantizer)

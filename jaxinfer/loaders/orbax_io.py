@@ -203,7 +203,7 @@ def read_config(path) -> ModelConfig:
         raise CheckpointError(f"{Path(path) / META_FILE}: bad config ({e})") from None
 
 
-def load_orbax(path, *, dtype: str | None, shardings_fn=None, quantize=None) -> Loaded:
+def load_orbax(path, *, dtype: str | None, shardings_fn=None, quantize=None, on_config=None) -> Loaded:
     """Restore a converted checkpoint, each array directly into its target sharding (from
     ``shardings_fn(specs, cfg)``, else the default device) and dtype (None: as saved; the
     integer parts of quantized weights keep theirs). quantize (a QuantConfig) must match a
@@ -228,6 +228,8 @@ def load_orbax(path, *, dtype: str | None, shardings_fn=None, quantize=None) -> 
             + " (load it without quantize, or convert the float source again)"
         )
     shardings = shardings_fn(specs, cfg) if shardings_fn else None
+    if on_config is not None:  # the config is known before any tensor is read
+        on_config(cfg)
     # this process's own device: on process > 0 of a jax.distributed job jax.devices()[0]
     # belongs to process 0 and cannot take this process's arrays
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
