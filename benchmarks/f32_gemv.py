@@ -56,8 +56,8 @@ def main():
     rng = np.random.default_rng(0)
     layers = [(jnp.asarray(rng.standard_normal(s, np.float32) * 0.05), False) for s in LAYER * LAYERS]
     head = [(jnp.asarray(rng.standard_normal((V, D), np.float32) * 0.05), True)]
-    xla = lambda x, w, t: ck.f32_gemv_reference(x, w, transposed=t)  # noqa: E731
-    native = lambda x, w, t: ck.f32_gemv(x, w, transposed=t, threads=a.threads, isa=a.isa)  # noqa: E731
+    xla = lambda x, w, t: ck.f32_gemv_reference(x, w, transposed=t)
+    native = lambda x, w, t: ck.f32_gemv(x, w, transposed=t, threads=a.threads, isa=a.isa)
     parts = {"layers": layers, "layers + head": layers + head}
     for M in a.rows:
         x0 = jnp.asarray(rng.standard_normal((M, F), np.float32))
