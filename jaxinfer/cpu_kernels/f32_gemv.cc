@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "gemv_split.h"
 #include "xla/ffi/api/ffi.h"
@@ -166,27 +167,30 @@ constexpr IoRows io_rows() {
     return io_rows_avx2<G, NV, P>;
 }
 
-template <Isa A, int G, bool P>
-IoRows io_rows_nv(int nv) {
-  if constexpr (A == Isa::kAvx512)
-    return nv == 4 ? io_rows<A, G, 4, P>() : io_rows<A, G, 3, P>();
-  else
-    return nv == 4 ? io_rows<A, G, 4, P>() : io_rows<A, G, 3, P>();
+// pick(std::integral_constant<int, G>) for a run-time group size G: 1..8 with AVX-512, 1..4
+// with AVX2 (max_group); anything else gives a null function.
+template <Isa A, typename Pick>
+auto for_group(int G, Pick pick) {
+  using Fn = decltype(pick(std::integral_constant<int, 1>{}));
+  switch (G) {
+    case 1: return pick(std::integral_constant<int, 1>{});
+    case 2: return pick(std::integral_constant<int, 2>{});
+    case 3: return pick(std::integral_constant<int, 3>{});
+    case 4: return pick(std::integral_constant<int, 4>{});
+    case 5: if constexpr (A == Isa::kAvx512) return pick(std::integral_constant<int, 5>{}); break;
+    case 6: if constexpr (A == Isa::kAvx512) return pick(std::integral_constant<int, 6>{}); break;
+    case 7: if constexpr (A == Isa::kAvx512) return pick(std::integral_constant<int, 7>{}); break;
+    case 8: if constexpr (A == Isa::kAvx512) return pick(std::integral_constant<int, 8>{}); break;
+  }
+  return Fn{nullptr};
 }
 
 template <Isa A, bool P>
 IoRows io_rows_for(int G, int nv) {
-  switch (G) {
-    case 1: return io_rows_nv<A, 1, P>(nv);
-    case 2: return io_rows_nv<A, 2, P>(nv);
-    case 3: return io_rows_nv<A, 3, P>(nv);
-    case 4: return io_rows_nv<A, 4, P>(nv);
-    case 5: if constexpr (A == Isa::kAvx512) return io_rows_nv<A, 5, P>(nv); break;
-    case 6: if constexpr (A == Isa::kAvx512) return io_rows_nv<A, 6, P>(nv); break;
-    case 7: if constexpr (A == Isa::kAvx512) return io_rows_nv<A, 7, P>(nv); break;
-    case 8: if constexpr (A == Isa::kAvx512) return io_rows_nv<A, 8, P>(nv); break;
-  }
-  return nullptr;
+  return for_group<A>(G, [nv](auto g) {
+    constexpr int kG = decltype(g)::value;
+    return nv == 4 ? io_rows<A, kG, 4, P>() : io_rows<A, kG, 3, P>();
+  });
 }
 
 // Columns [o0, o1): the same FMA chain per output, one at a time.
@@ -329,17 +333,7 @@ OiRows oi_rows_nr(int nr) {
 
 template <Isa A, bool P>
 OiRows oi_rows_for(int G, int nr) {
-  switch (G) {
-    case 1: return oi_rows_nr<A, 1, P>(nr);
-    case 2: return oi_rows_nr<A, 2, P>(nr);
-    case 3: return oi_rows_nr<A, 3, P>(nr);
-    case 4: return oi_rows_nr<A, 4, P>(nr);
-    case 5: if constexpr (A == Isa::kAvx512) return oi_rows_nr<A, 5, P>(nr); break;
-    case 6: if constexpr (A == Isa::kAvx512) return oi_rows_nr<A, 6, P>(nr); break;
-    case 7: if constexpr (A == Isa::kAvx512) return oi_rows_nr<A, 7, P>(nr); break;
-    case 8: if constexpr (A == Isa::kAvx512) return oi_rows_nr<A, 8, P>(nr); break;
-  }
-  return nullptr;
+  return for_group<A>(G, [nr](auto g) { return oi_rows_nr<A, decltype(g)::value, P>(nr); });
 }
 
 void oi_scalar(const float* x, const float* w, float* out, int64_t M, int64_t I, int64_t O, int64_t r0,

@@ -128,7 +128,8 @@ class PagedEngine:
         else:
             if pools is not None and pools.made_for != (cfg, config, max_model_len):
                 raise ValueError("the page pools were started for another model or engine configuration")
-            cache = pools.result() if pools is not None else _make_pools(cfg, config, max_model_len)
+            cache = (pools.result() if pools is not None else
+                     kv.init_paged_cache(cfg, num_pages, ps, kv_dtype, num_window_pages=num_window_pages))
             self.k_pages, self.v_pages, self.windowed = cache.k, cache.v, cache.windowed
         if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
