@@ -51,7 +51,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["paged", "static"], default="paged")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                        "(methods: ngram with prompt_lookup_min/max, early_exit with num_layers, medusa with "
+                        "(methods: ngram with prompt_lookup_min/max, early_exit with num_layers, medusa or eagle with "
                         "model, draft_model with model and optional quantization int8/int4; "
                         "disable_by_batch_size, default 4)")
     _add_parallel(p)
@@ -168,8 +168,20 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--lr", type=float, default=1e-3)
     tm.add_argument("--max-tokens", type=int, default=128, help="length of the model's own answers")
     tm.add_argument("--data", default=None, help='JSONL of {"prompt", "split": "train"|"heldout"} (default: the '
-                                                 "packaged prompt set)")
+                                                 "packaged medusa_prompts.jsonl)")
     tm.add_argument("--seed", type=int, default=0)
+
+    te = sub.add_parser("train-eagle", help="train an EAGLE draft head for speculative decoding (self-distillation)")
+    te.add_argument("model_name", metavar="MODEL", help="registry name or path of the model the head serves")
+    te.add_argument("--out", required=True, help="directory for the head (Orbax checkpoint + eagle.json)")
+    te.add_argument("--steps", type=int, default=1000)
+    te.add_argument("--batch", type=int, default=8, help="sequences per step")
+    te.add_argument("--lr", type=float, default=1e-3)
+    te.add_argument("--max-tokens", type=int, default=128, help="length of the model's own answers")
+    te.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary: most frequent answer tokens")
+    te.add_argument("--data", default=None, help='JSONL of {"prompt", "split": "train"|"heldout"} (default: the '
+                                                 "packaged draft_prompts.jsonl)")
+    te.add_argument("--seed", type=int, default=0)
 
     sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                         description="Endpoints: /v1/chat/completions, /v1/completions (streamed as server-sent "
@@ -375,6 +387,15 @@ def cmd_train_medusa(a) -> int:
     return 0
 
 
+def cmd_train_eagle(a) -> int:
+    from jaxinfer.train_eagle import train_eagle
+
+    report = train_eagle(a.model_name, a.out, steps=a.steps, batch=a.batch, lr=a.lr, max_tokens=a.max_tokens,
+                         vocab_size=a.vocab_size, data=a.data, seed=a.seed)
+    print(json.dumps(report))
+    return 0
+
+
 def cmd_models(a) -> int:
     from jaxinfer import registry
 
@@ -406,6 +427,7 @@ def main(argv=None) -> int:
         return {"generate": cmd_generate, "chat": cmd_chat, "batch": cmd_batch, "bench": cmd_bench,
                 "warmup": cmd_warmup, "models": cmd_models, "serve": cmd_serve, "fetch": cmd_fetch,
                 "train-medusa": cmd_train_medusa,
+                "train-eagle": cmd_train_eagle,
                 "convert": cmd_convert}[a.cmd](a)
     except JaxinferError as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)

@@ -28,11 +28,11 @@ from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.registry import family_module
 
 
-def load_prompts(path=None) -> tuple[list[str], list[str]]:
+def load_prompts(path=None, packaged: str = "medusa_prompts.jsonl") -> tuple[list[str], list[str]]:
     """(training prompts, held-out prompts) from a JSONL of {"prompt", "split"} lines (default:
-    the packaged set); a line without "split" trains."""
+    the packaged set ``packaged``); a line without "split" trains."""
     text = (Path(path).read_text() if path is not None
-            else resources.files("jaxinfer").joinpath("data/medusa_prompts.jsonl").read_text())
+            else resources.files("jaxinfer").joinpath(f"data/{packaged}").read_text())
     train, held = [], []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -50,11 +50,16 @@ def load_prompts(path=None) -> tuple[list[str], list[str]]:
 
 def self_distill(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
     """Token ids of each chat-templated prompt followed by the model's greedy answer."""
+    return self_distill_with_lengths(llm, prompts, max_tokens)[0]
+
+
+def self_distill_with_lengths(llm, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """(prompt + greedy answer token ids, prompt lengths) of each chat-templated prompt."""
     from jaxinfer import SamplingParams
 
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
                     SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
-    return [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+    return ([o.prompt_token_ids + o.outputs[0].token_ids for o in outs], [len(o.prompt_token_ids) for o in outs])
 
 
 def positions(llm, seqs: list[list[int]], num_heads: int) -> tuple[np.ndarray, np.ndarray]:

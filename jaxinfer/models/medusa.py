@@ -64,6 +64,14 @@ def head_logits(heads: dict, weights: dict, h: jax.Array, cfg) -> jax.Array:
 
 def save_heads(dest, heads: dict, cfg, extra: dict | None = None) -> Path:
     """Write the heads as an Orbax checkpoint plus ``medusa.json``; whole or not at all."""
+    meta = {"format": FORMAT, "num_heads": int(heads["w"].shape[0]), "hidden_size": cfg.d_model,
+            "vocab_size": cfg.vocab_size, **(extra or {})}
+    return save_checkpoint(dest, jax.device_get(heads), WEIGHTS_DIR, META_FILE, meta)
+
+
+def save_checkpoint(dest, tree: dict, weights_dir: str, meta_file: str, meta: dict) -> Path:
+    """Write ``tree`` (Orbax, under ``weights_dir``) and ``meta`` (JSON) into the new directory
+    ``dest``, through a temporary sibling renamed into place: whole or not at all."""
     import orbax.checkpoint as ocp
 
     dest = Path(dest).absolute()
@@ -74,11 +82,9 @@ def save_heads(dest, heads: dict, cfg, extra: dict | None = None) -> Path:
     tmp.mkdir()
     try:
         with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(tmp / WEIGHTS_DIR, jax.device_get(heads))
+            ckptr.save(tmp / weights_dir, tree)
             ckptr.wait_until_finished()
-        meta = {"format": FORMAT, "num_heads": int(heads["w"].shape[0]), "hidden_size": cfg.d_model,
-                "vocab_size": cfg.vocab_size, **(extra or {})}
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        (tmp / meta_file).write_text(json.dumps(meta, indent=2) + "\n")
         if dest.exists():
             dest.rmdir()
         os.replace(tmp, dest)

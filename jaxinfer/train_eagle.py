@@ -1,0 +1,203 @@
+"""Training an EAGLE draft head by self-distillation (``jaxinfer train-eagle``).
+
+1. The frozen model answers the prompt set with its own greedy continuations (as for Medusa,
+   ``train_medusa.self_distill``), and one forward pass per sequence gives its features (hidden
+   states before the final norm).
+2. The draft vocabulary is the ``vocab_size`` most frequent tokens of those answers (plus the
+   end-of-sequence ids): the draft head reads out only their rows of the LM head, a fraction of
+   its bytes.
+3. Teacher forcing over whole sequences: entry p = fc([n(f_p); e(t_{p+1})]) through the draft
+   layer gives g_p, trained to predict t_{p+2} (cross-entropy over the draft vocabulary) and to
+   equal f_{p+1} (smooth L1 on unit-RMS features, EAGLE's regression loss), with uniform noise on
+   the input features so drafting tolerates its own estimates. optax adamw, warm-up and cosine
+   decay; tqdm shows the losses; Orbax writes the head (``eagle.save_head``) with the held-out
+   accuracy of its first draft over answer positions: the acceptance rate draft 1 will see.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.errors import InvalidRequest
+from jaxinfer.models import eagle
+from jaxinfer.models.registry import family_module
+
+
+def sequence_features(llm, seqs: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each token sequence's (features f32[T, D], the hidden states before the final norm, and
+    labels i32[T], the model's own greedy next token at each position: what verification
+    compares drafts with)."""
+    mod = family_module(llm.cfg.family)
+
+    def fwd(w, t):
+        h = mod.forward(w, t, jnp.zeros(1, jnp.int32), None, cfg=llm.cfg)[0]
+        return h[0], jnp.argmax(mod.unembed(w, h, llm.cfg)[0], axis=-1).astype(jnp.int32)
+
+    fwd = jax.jit(fwd)
+    out = []
+    for ids in seqs:
+        T = len(ids)
+        pad = max(16, 1 << (T - 1).bit_length())  # length buckets: few executables
+        h, lab = fwd(llm.weights, jnp.asarray([ids + [0] * (pad - T)], jnp.int32))
+        out.append((np.asarray(h)[:T], np.asarray(lab)[:T]))
+    return out
+
+
+def draft_vocab(seqs, prompt_lens, size: int, always=()) -> np.ndarray:
+    """The ``size`` most frequent answer tokens (ties by id), ``always`` included, sorted."""
+    counts = np.zeros(max(max(s) for s in seqs) + 1, np.int64)
+    for ids, n in zip(seqs, prompt_lens):
+        np.add.at(counts, np.asarray(ids[n:], np.int64), 1)
+    keep = set(int(t) for t in always)
+    for t in np.argsort(-counts, kind="stable"):
+        if len(keep) >= size or counts[t] == 0:
+            break
+        keep.add(int(t))
+    return np.asarray(sorted(keep), np.int32)
+
+
+def pack(feats, seqs, prompt_lens, length: int):
+    """Sequences cut to ``length`` (or to a multiple of 16 past the longest): (feats f32[N, L, D], tokens i32[N, L],
+    labels i32[N, L], lens i32[N], prompt lens i32[N])."""
+    N, D = len(seqs), feats[0][0].shape[1]
+    length = min(length, -(-(max(len(s) for s in seqs) + 1) // 16) * 16)  # past the longest, not far
+    F = np.zeros((N, length, D), np.float32)
+    T = np.zeros((N, length), np.int32)
+    Y = np.zeros((N, length), np.int32)
+    lens = np.zeros(N, np.int32)
+    for i, ((f, y), ids) in enumerate(zip(feats, seqs)):
+        n = min(len(ids), length)
+        F[i, :n], T[i, :n], Y[i, :n], lens[i] = f[:n], ids[:n], y[:n], n
+    return F, T, Y, lens, np.minimum(np.asarray(prompt_lens, np.int32), length)
+
+
+def _forward(head, weights, rows, feats, toks, cfg):
+    """Teacher-forced entries 0..L-2 -> (g f32[B, L-1, D], logits f32[B, L-2, Vd] of the token
+    after p + 1)."""
+    B, L = toks.shape
+    x = eagle.entries(head, weights, feats[:, :-1], toks[:, 1:], cfg)
+    pos = jnp.broadcast_to(jnp.arange(L - 1, dtype=jnp.int32), (B, L - 1))
+    g, _ = eagle.run_layer(head, x, pos, None, cfg)
+    return g, eagle.draft_logits(weights, rows, g[:, :-1], cfg)
+
+
+def _loss(head, weights, rows, remap, feats, toks, labels, lens, key, cfg, noise: float, reg_weight: float):
+    B, L = toks.shape
+    feats = feats + noise * jax.random.uniform(key, feats.shape, minval=-1.0, maxval=1.0) * \
+        jnp.sqrt(jnp.mean(feats * feats, axis=-1, keepdims=True))
+    g, logits = _forward(head, weights, rows, feats, toks, cfg)
+    p = jnp.arange(L - 2)
+    tgt = remap[labels[:, 1:-1]]  # draft index of the model's own token after p + 1, -1 outside the vocabulary
+    ok = (p[None] + 2 < lens[:, None]) & (tgt >= 0)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, jnp.maximum(tgt, 0)[..., None], axis=-1)[..., 0]
+    ce = jnp.sum(jnp.where(ok, lse - picked, 0.0)) / jnp.maximum(jnp.sum(ok), 1)
+    okr = jnp.arange(L - 1)[None] + 1 < lens[:, None]
+    diff = eagle.unit_rms(g) - eagle.unit_rms(feats[:, 1:])
+    sl1 = jnp.where(jnp.abs(diff) < 1.0, 0.5 * diff * diff, jnp.abs(diff) - 0.5).mean(-1)
+    reg = jnp.sum(jnp.where(okr, sl1, 0.0)) / jnp.maximum(jnp.sum(okr), 1)
+    return ce + reg_weight * reg, (ce, reg)
+
+
+def accuracy(head, weights, rows, vocab, cfg, F, T, Y, lens, plens, batch: int = 16) -> dict:
+    """Top-1 accuracy of the first draft (entry p's guess at the model's token after p + 1)
+    over answer positions (that token is an answer token) and over all positions."""
+    f = jax.jit(lambda hd, x, t: jnp.argmax(_forward(hd, weights, rows, x, t, cfg)[1], axis=-1))
+    hit_a = n_a = hit = n = 0
+    vocab = np.asarray(vocab)
+    for s in range(0, len(T), batch):
+        pred = vocab[np.asarray(f(head, jnp.asarray(F[s: s + batch]), jnp.asarray(T[s: s + batch])))]
+        y = Y[s: s + batch, 1:-1]
+        p = np.arange(T.shape[1] - 2)[None]
+        valid = p + 2 < lens[s: s + batch, None]
+        answer = valid & (p + 2 >= plens[s: s + batch, None])
+        good = pred == y
+        hit, n = hit + np.sum(good & valid), n + np.sum(valid)
+        hit_a, n_a = hit_a + np.sum(good & answer), n_a + np.sum(answer)
+    return {"answer": round(float(hit_a / max(n_a, 1)), 4), "all": round(float(hit / max(n, 1)), 4)}
+
+
+def train_head(llm, F, T, Y, lens, vocab, *, steps: int, batch: int, lr: float, seed: int = 0, noise: float = 0.1,
+               reg_weight: float = 1.0, init_layer: int | None = None, progress: bool = True):
+    """Train a head on packed sequences -> (head, losses every 10 steps)."""
+    import optax
+    from tqdm import tqdm
+
+    cfg, weights = llm.cfg, llm.weights
+    from_layer = None if init_layer is None else weights["layers"][init_layer]
+    head = eagle.init_head(cfg, jax.random.PRNGKey(seed), from_layer=from_layer)
+    rows = eagle.readout_rows(weights, jnp.asarray(vocab), cfg)
+    remap = np.full(cfg.vocab_size, -1, np.int32)
+    remap[np.asarray(vocab)] = np.arange(len(vocab), dtype=np.int32)
+    remap = jnp.asarray(remap)
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps=max(1, steps // 20), decay_steps=steps,
+                                               end_value=lr / 20)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
+    state = opt.init(head)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(head, state, f, t, y, n, key):
+        (loss, aux), grads = jax.value_and_grad(_loss, has_aux=True)(head, weights, rows, remap, f, t, y, n, key, cfg,
+                                                                     noise, reg_weight)
+        updates, state = opt.update(grads, state, head)
+        return optax.apply_updates(head, updates), state, loss, aux
+
+    rng = np.random.default_rng(seed)
+    key = jax.random.PRNGKey(seed + 1)
+    losses = []
+    bar = tqdm(range(steps), desc="train eagle", disable=not progress)
+    for i in bar:
+        idx = rng.integers(0, len(T), batch)
+        key, sub = jax.random.split(key)
+        head, state, loss, (ce, reg) = step(head, state, jnp.asarray(F[idx]), jnp.asarray(T[idx]),
+                                            jnp.asarray(Y[idx]), jnp.asarray(lens[idx]), sub)
+        if i % 10 == 0 or i == steps - 1:
+            losses.append(float(loss))
+            bar.set_postfix(ce=f"{float(ce):.3f}", reg=f"{float(reg):.3f}")
+    return head, rows, losses
+
+
+def distill(llm, prompts, max_tokens: int, length: int):
+    """(features, tokens, lens, prompt lens) of the model's greedy answers to ``prompts``."""
+    from jaxinfer.train_medusa import self_distill_with_lengths
+
+    seqs, plens = self_distill_with_lengths(llm, prompts, max_tokens)
+    return seqs, plens, pack(sequence_features(llm, seqs), seqs, plens, length)
+
+
+def train_eagle(model: str, out, *, steps: int = 1000, batch: int = 8, lr: float = 1e-3, max_tokens: int = 128,
+                vocab_size: int = 8192, length: int = 256, data=None, seed: int = 0, progress: bool = True,
+                llm=None) -> dict:
+    """The whole recipe; returns what it wrote into ``out``'s eagle.json."""
+    from jaxinfer import LLM
+    from jaxinfer.train_medusa import load_prompts
+
+    if steps < 1 or batch < 1 or lr <= 0 or vocab_size < 2:
+        raise InvalidRequest(f"steps, batch, lr and vocab size must be positive, got {steps}, {batch}, {lr}, "
+                             f"{vocab_size}")
+    if Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
+        raise InvalidRequest(f"{out}: already exists; remove it or choose another destination")
+    train, held = load_prompts(data, packaged="draft_prompts.jsonl")
+    t0 = time.perf_counter()
+    llm = llm or LLM(model, progress=progress, max_num_seqs=64, max_model_len=1024)
+    seqs, plens, (F, T, Y, lens, pl) = distill(llm, train, max_tokens, length)
+    vocab = draft_vocab(seqs, plens, min(vocab_size, llm.cfg.vocab_size), always=llm.tokenizer.eos_ids)
+    t_data = time.perf_counter() - t0
+    head, rows, losses = train_head(llm, F, T, Y, lens, vocab, steps=steps, batch=batch, lr=lr, seed=seed,
+                                    progress=progress)
+    t_train = time.perf_counter() - t0 - t_data
+    report = {"model": str(model), "train_prompts": len(train), "train_tokens": int(lens.sum()),
+              "steps": steps, "batch": batch, "lr": lr, "max_tokens": max_tokens, "length": length,
+              "final_loss": losses[-1], "data_s": round(t_data, 1), "train_s": round(t_train, 1)}
+    if held:
+        _, _, held_data = distill(llm, held, max_tokens, length)
+        report["heldout_prompts"] = len(held)
+        report["heldout_first_draft_accuracy"] = accuracy(head, llm.weights, rows, vocab, llm.cfg, *held_data)
+    eagle.save_head(out, head, vocab, llm.cfg, extra=report)
+    return report
