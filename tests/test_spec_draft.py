@@ -203,7 +203,7 @@ def test_chi_square_catches_a_two_percent_bias(tiny_vocab, setting):
     ({"method": "draft_model", "model": "x", "num_speculative_tokens": 0}, r"num_speculative_tokens must be in \[1, 16\]"),
     ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2, "quantization": "fp8"}, "quantization must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"}, "quantization applies to draft_model"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model applies to medusa and draft_model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model applies to medusa, eagle and draft_model"),
 ])
 def test_bad_draft_config_is_one_clear_error(cfg, msg):
     with pytest.raises(InvalidRequest, match=msg):

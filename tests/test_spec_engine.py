@@ -20,6 +20,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size"
 EARLY = {"method": "early_exit", "num_speculative_tokens": 2, "num_layers": 24, "disable_by_batch_size": 16}
 MEDUSA = {"method": "medusa", "num_speculative_tokens": 3, "disable_by_batch_size": 16,
           "model": str(Path(__file__).parent.parent / "checkpoints" / "medusa-smollm2-135m-instruct")}
+EAGLE = {"method": "eagle", "num_speculative_tokens": 2, "disable_by_batch_size": 16,
+         "model": str(Path(__file__).parent.parent / "checkpoints" / "eagle-smollm2-135m-instruct")}
 MIXED = [  # input-grounded prompts (drafts accepted) among open ones (drafts mostly rejected)
     "Copy exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat.",
     "Tell me about the moon.",
@@ -49,7 +51,7 @@ def test_ngram_lookup_by_hand():
     assert ngram_propose([3, 1, 2, 8, 3, 1, 2], 1, 2, 2) == [8]
 
 
-@pytest.mark.parametrize("spec", [NGRAM, EARLY, MEDUSA], ids=["ngram", "early_exit", "medusa"])
+@pytest.mark.parametrize("spec", [NGRAM, EARLY, MEDUSA, EAGLE], ids=["ngram", "early_exit", "medusa", "eagle"])
 def test_greedy_equals_transformers_goldens(smollm2_gguf, spec):
     llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=spec, kv_cache_bytes=KV_BYTES)
     sp = SamplingParams(temperature=0.0, max_tokens=len(GOLDEN[0]["greedy_ids"]), ignore_eos=True,
@@ -62,13 +64,43 @@ def test_greedy_equals_transformers_goldens(smollm2_gguf, spec):
 
 @pytest.mark.slow  # 30 s: a second real model loaded and compiled with speculation
 def test_gemma_goldens_with_ngram(gemma3_gguf):
-    llm = LLM(str(gemma3_gguf), max_model_len=1024, progress=False, speculative_config=NGRAM, kv_cache_bytes=KV_BYTES)
+    # 8 slots: the window pools of the default 64 would take the whole 256 MB
+    llm = LLM(str(gemma3_gguf), max_model_len=1024, progress=False, speculative_config=NGRAM, kv_cache_bytes=KV_BYTES,
+              max_num_seqs=8)
     sp = SamplingParams(temperature=0.0, max_tokens=len(GEMMA[0]["greedy_ids"]), ignore_eos=True,
                         skip_special_tokens=False)
     outs = llm.generate([c["prompt_ids"] for c in GEMMA], sp, use_tqdm=False)  # past_window crosses the window
     exact = sum(o.outputs[0].token_ids == c["greedy_ids"] for c, o in zip(GEMMA, outs))
     assert exact >= len(GEMMA) - 1  # the golden test's allowance (one near-tie prompt)
     assert llm.engine.spec_stats.accepted > 0
+
+
+@pytest.mark.slow  # 40 s: Gemma 3 loaded and compiled with an EAGLE head
+def test_gemma_goldens_with_an_eagle_head(gemma3_gguf, tmp_path):
+    """A random EAGLE head on Gemma 3 (sliding-window layers; the head's own layer is global):
+    its drafts are mostly rejected, and the output is still the goldens'."""
+    import jax
+    import numpy as np
+
+    from jaxinfer.models import eagle
+
+    from jaxinfer.loaders.gguf import GGUFCheckpoint
+    from jaxinfer.models import gemma3
+
+    ck = GGUFCheckpoint(gemma3_gguf)
+    cfg = gemma3.config_from_gguf(ck.metadata, ck.tensors, dtype="float32", load_tensor=ck.load)
+    eagle.save_head(tmp_path / "h", eagle.init_head(cfg, jax.random.PRNGKey(0)), np.arange(4096, dtype=np.int32),
+                    cfg)
+    # 8 slots: the window pools of the default 64 would take the whole 256 MB
+    llm = LLM(str(gemma3_gguf), max_model_len=1024, progress=False, kv_cache_bytes=KV_BYTES, max_num_seqs=8,
+              speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "h"),
+                                  "disable_by_batch_size": 16})
+    sp = SamplingParams(temperature=0.0, max_tokens=len(GEMMA[0]["greedy_ids"]), ignore_eos=True,
+                        skip_special_tokens=False)
+    outs = llm.generate([c["prompt_ids"] for c in GEMMA], sp, use_tqdm=False)
+    exact = sum(o.outputs[0].token_ids == c["greedy_ids"] for c, o in zip(GEMMA, outs))
+    assert exact >= len(GEMMA) - 1  # the golden test's allowance (one near-tie prompt)
+    assert llm.engine.spec_stats.drafted > 0
 
 
 @pytest.mark.parametrize("batch", [1, 8])

@@ -46,14 +46,16 @@ def plan_shape(plan: StepPlan, sched: Scheduler, *, q: int, pages_per_seq: int, 
 
 def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_per_seq: int,
                 max_num_seqs: int, prefill_chunk: int, want_targets: bool,
-                drafts: dict[int, list[int]] | None = None,
+                drafts: dict[int, list[int]] | None = None, next_tokens: bool = False,
                 shape: tuple[int, int, int] | None = None) -> PackedBatch:
     """The host arrays of one step (numpy; jit moves them). Inflight bookkeeping is the
     caller's: this only reads the sequences. With ``drafts`` (slot -> the row's drafted
     tokens, at most q - 1), a decode row carries its last token then its drafts at the
     following positions; its unused queries repeat the last position and write to the
     scratch page. ``last_q[r]`` is then the row's number of drafts. ``shape``: (R, width, Tp)
-    at least this plan's own (``plan_shape``), so data-parallel replicas share one shape."""
+    at least this plan's own (``plan_shape``), so data-parallel replicas share one shape.
+    ``next_tokens``: every prefill token's next token goes in ``targets`` (an EAGLE head's
+    entries need it), not only those of sequences that want prompt logprobs."""
     ps, W = sched.page_size, sched.window
     hist = plan.prefill[0] if plan.prefill and plan.prefill[0].start > 0 else None
     R, width, Tp = shape or plan_shape(plan, sched, q=q, pages_per_seq=pages_per_seq, max_num_seqs=max_num_seqs,
@@ -110,7 +112,7 @@ def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_
         if W:
             wwpage[sl] = np.asarray(g.seq.window_pages)[p // ps]
         seg[off - R * q : off - R * q + g.n] = k
-        if want_targets and g.seq.wants_prompt_logprobs:
+        if next_tokens or (want_targets and g.seq.wants_prompt_logprobs):
             targets[off - R * q : off - R * q + g.n] = toks[g.start + 1 : g.start + g.n + 1]
         off += g.n
     hist_end = 0

@@ -97,7 +97,7 @@ class DataParallelEngine(PagedEngine):
         self._slot_sharding = NamedSharding(mesh, PartitionSpec("data"))
         self.slots = self._fresh_slots()
         self._compiles = CompileCounter()  # PagedEngine.num_compilations reads it
-        self.draft_kv = None  # no draft model: speculation is refused under data parallelism
+        self.draft_kv = self.eagle_kv = None  # no draft pools: speculation is refused under data parallelism
         self._step = self._compiles.counted(jax.jit(
             functools.partial(data_parallel_step, mesh=mesh, windowed=self.windowed),
             static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode"),

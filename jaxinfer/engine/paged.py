@@ -45,6 +45,9 @@ from jaxinfer.engine.step import (
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.packed import PackedBatch
 
+# methods whose drafts come out of the previous verification step (the host holds them)
+_DRAFTS_FROM_PREVIOUS_STEP = (SpecMethod.MEDUSA, SpecMethod.EAGLE)
+
 __all__ = ["EngineConfig", "PagedEngine", "Scheduling"]
 
 
@@ -146,7 +149,7 @@ class PagedEngine:
         self._step = self._compiles.counted(jax.jit(
             functools.partial(packed_step, windowed=self.windowed, pipeline=self.pipeline),
             static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode"),
-            donate_argnames=("k_pages", "v_pages", "slots")))
+            donate_argnames=("k_pages", "v_pages", "slots", "eagle_kv")))
         self._insert = self._compiles.counted(jax.jit(functools.partial(insert_step), donate_argnames=("slots",)))
         # speculative decoding (engine.speculative): decode rows carry k + 1 queries, verified on device
         self.spec = SpeculativeConfig.parse(speculative, cfg.n_layers)
@@ -163,10 +166,13 @@ class PagedEngine:
         self.draft_cfg = self.draft_weights = self.draft_kv = None
         if self.spec is not None and self.spec.method == SpecMethod.DRAFT_MODEL:
             self._init_draft(draft, num_pages)
+        self._eagle = self.eagle_kv = None
+        if self.spec is not None and self.spec.method == SpecMethod.EAGLE:
+            self._init_eagle(num_pages)
         self._spec_step = self._compiles.counted(jax.jit(
             functools.partial(spec_step, windowed=self.windowed),
             static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode", "draft_layers", "draft_cfg"),
-            donate_argnames=("k_pages", "v_pages", "slots", "draft_kv")))
+            donate_argnames=("k_pages", "v_pages", "slots", "draft_kv", "eagle_kv")))
         self._draft_step = self._compiles.counted(jax.jit(
             functools.partial(draft_kv_step), static_argnames=("draft_cfg", "kernel_mode"),
             donate_argnames=("draft_kv",)))
@@ -195,6 +201,18 @@ class PagedEngine:
                                     kv.kv_storage_dtype(self.config.kv_cache_dtype, dcfg))
         self.draft_cfg, self.draft_weights, self.draft_kv = dcfg, dweights, (pools.k, pools.v)
 
+    def _init_eagle(self, num_pages: int) -> None:
+        """The EAGLE draft head (its layer, fc, and the LM-head rows of its draft vocabulary)
+        and its one-layer page pools, addressed by the target's page tables like a draft model's."""
+        from jaxinfer.models import eagle
+
+        if self.mesh is not None:
+            raise InvalidRequest("speculative_config method eagle does not run with tensor parallelism yet")
+        head, vocab, _ = eagle.load_head(self.spec.model, self.cfg)
+        self._eagle = {"head": head, "rows": eagle.readout_rows(self.weights, vocab, self.cfg), "vocab": vocab}
+        pools = kv.init_paged_cache(eagle.layer_cfg(self.cfg), num_pages, self.config.page_size, jnp.float32)
+        self.eagle_kv = (pools.k, pools.v)
+
     # ------------------------------------------------------------------ reports
     @property
     def stats(self) -> dict:
@@ -202,7 +220,8 @@ class PagedEngine:
 
     @property
     def last_cache_bytes(self) -> int:
-        pools = self.k_pages + self.v_pages + (list(self.draft_kv[0]) + list(self.draft_kv[1]) if self.draft_kv else [])
+        extra = self.draft_kv or self.eagle_kv
+        pools = self.k_pages + self.v_pages + (list(extra[0]) + list(extra[1]) if extra else [])
         return sum(a.nbytes for a in pools)
 
     def num_compilations(self) -> int:
@@ -255,6 +274,11 @@ class PagedEngine:
             # the target's step, which donates the slots whose last tokens a use_prev row reads)
             self.draft_kv = self._draft_step(self.draft_weights, batch, self.draft_kv, self.slots.last_tokens,
                                              draft_cfg=self.draft_cfg, kernel_mode=mode)
+        if self._eagle is not None and self._eagle_writes(batch.rows):  # the head's entries of the same tokens
+            out, self.k_pages, self.v_pages, self.slots, self.eagle_kv = self._step(
+                self.weights, batch, self.k_pages, self.v_pages, self.slots, guide, self._eagle, self.eagle_kv,
+                cfg=self.cfg, num_logprobs=num_logprobs, prompt_logprobs=prompt_logprobs, kernel_mode=mode)
+            return out
         out, self.k_pages, self.v_pages, self.slots = self._step(
             self.weights, batch, self.k_pages, self.v_pages, self.slots, guide, cfg=self.cfg, num_logprobs=num_logprobs,
             prompt_logprobs=prompt_logprobs, kernel_mode=mode)
@@ -273,11 +297,8 @@ class PagedEngine:
             if 0 < R <= spec_rows:  # the verification step of each shape speculation can run at
                 q = self.spec.num_speculative_tokens + 1
                 draft_layers = self.spec.num_layers if self.spec.method == SpecMethod.EARLY_EXIT else 0
-                _, self.k_pages, self.v_pages, self.slots, self.draft_kv = self._spec_step(
-                    self.weights, self.idle_batch(R, w, Tp, q=q), self.k_pages, self.v_pages, self.slots,
-                    self._heads, None, self.draft_weights, self.draft_kv, cfg=self.cfg, num_logprobs=-1,
-                    prompt_logprobs=-1, kernel_mode=kernels.current_mode(), draft_layers=draft_layers,
-                    draft_cfg=self.draft_cfg)
+                self._run_spec_step(self.idle_batch(R, w, Tp, q=q), None, num_logprobs=-1, prompt_logprobs=-1,
+                                    draft_layers=draft_layers)
         self.slots = make_slots(self.cfg.vocab_size, self.max_num_seqs, self.seed)  # warm-up sampled into idle slots
         if self.mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
@@ -361,7 +382,7 @@ class PagedEngine:
         want_plp = [g.seq.row.params.prompt_logprobs for g in plan.prefill if g.seq.wants_prompt_logprobs]
         batch = build_batch(plan, self.sched, q=1, pad_id=self.tokenizer.pad_id, pages_per_seq=self.pages_per_seq,
                             max_num_seqs=self.max_num_seqs, prefill_chunk=self.config.prefill_chunk,
-                            want_targets=bool(want_plp))
+                            want_targets=bool(want_plp), next_tokens=self._eagle is not None)
         num_lp = buckets.logprob_bucket([s.row.params.logprobs for s in plan.decode])
         plp = buckets.logprob_bucket(want_plp)
         out = self.run_step(batch, num_logprobs=num_lp, prompt_logprobs=plp, guide=self._guide(plan.decode, batch.rows))
@@ -434,13 +455,35 @@ class PagedEngine:
                 continue
             if spec.method == SpecMethod.NGRAM:
                 d = ngram_propose(s.tokens, budget, spec.prompt_lookup_min, spec.prompt_lookup_max)
-            elif spec.method == SpecMethod.MEDUSA:  # the heads' guesses from the previous step
+            elif spec.method in _DRAFTS_FROM_PREVIOUS_STEP:  # the heads' guesses from the previous step
                 d = list(s.drafts[:budget])
             else:  # early_exit, draft_model: placeholders, drafted on device inside the step
                 d = [pad] * budget
-            if d or spec.method == SpecMethod.MEDUSA:  # medusa rows need the step that runs the heads
+            if d or spec.method in _DRAFTS_FROM_PREVIOUS_STEP:  # such rows need the step that runs the heads
                 drafts[s] = d
         return drafts
+
+    def _eagle_writes(self, rows: int) -> bool:
+        """Whether a plain step of ``rows`` decode rows writes the EAGLE head's entries: only
+        where speculation may run (rows up to disable_by_batch_size's bucket), so large batches
+        pay nothing for it. A row that decoded in a larger batch keeps stale entries for those
+        positions, which can only lower its acceptance later."""
+        return rows <= buckets.bucket(self.spec.disable_by_batch_size, buckets.BATCH_BUCKETS, self.max_num_seqs)
+
+    def _run_spec_step(self, batch: PackedBatch, guide, *, num_logprobs: int, prompt_logprobs: int,
+                       draft_layers: int):
+        """One verification step on the engine's pools, slots and draft pools (all donated)."""
+        eagle = self._eagle is not None
+        out, self.k_pages, self.v_pages, self.slots, kv_out = self._spec_step(
+            self.weights, batch, self.k_pages, self.v_pages, self.slots, self._heads, guide, self.draft_weights,
+            None if eagle else self.draft_kv, self._eagle, self.eagle_kv, cfg=self.cfg, num_logprobs=num_logprobs,
+            prompt_logprobs=prompt_logprobs, kernel_mode=kernels.current_mode(), draft_layers=draft_layers,
+            draft_cfg=self.draft_cfg)
+        if eagle:
+            self.eagle_kv = kv_out
+        else:
+            self.draft_kv = kv_out
+        return out
 
     def _block_guide(self, decode, rows: dict, R: int, q: int):
         """Structured-output masks of every block position (bitmask i32[R, q, V/32], has_mask
@@ -501,16 +544,13 @@ class PagedEngine:
         q = spec.num_speculative_tokens + 1
         batch = build_batch(plan, self.sched, q=q, pad_id=self.tokenizer.pad_id, pages_per_seq=self.pages_per_seq,
                             max_num_seqs=self.max_num_seqs, prefill_chunk=self.config.prefill_chunk,
-                            want_targets=bool(want_plp), drafts=rows)
+                            want_targets=bool(want_plp), drafts=rows, next_tokens=self._eagle is not None)
         num_lp = buckets.logprob_bucket([s.row.params.logprobs for s in plan.decode])
         plp = buckets.logprob_bucket(want_plp)
         draft_layers = spec.num_layers if spec.method == SpecMethod.EARLY_EXIT else 0
         self.shapes_run.add((batch.rows, batch.table.shape[1], batch.prefill_len, q, num_lp, plp))
         guide = self._block_guide(plan.decode, rows, batch.rows, q)
-        out, self.k_pages, self.v_pages, self.slots, self.draft_kv = self._spec_step(
-            self.weights, batch, self.k_pages, self.v_pages, self.slots, self._heads, guide, self.draft_weights,
-            self.draft_kv, cfg=self.cfg, num_logprobs=num_lp, prompt_logprobs=plp, kernel_mode=kernels.current_mode(),
-            draft_layers=draft_layers, draft_cfg=self.draft_cfg)
+        out = self._run_spec_step(batch, guide, num_logprobs=num_lp, prompt_logprobs=plp, draft_layers=draft_layers)
         self.sched.prefill_done(plan.prefill)
         plp_segments = _prompt_logprob_segments(plan)
         if plp_segments:

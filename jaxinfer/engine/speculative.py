@@ -24,6 +24,10 @@ min(1, p(x)/q(x)), resample from norm(max(0, p - q))). Lossless in every samplin
 * ``medusa``: K trained heads (``models.medusa``, from ``model``) on the hidden state of each
   verified position, read out by the model's own LM head in the same matmul as the
   verification logits; the heads at the accepted position give the next block's drafts.
+* ``eagle``: a trained EAGLE head (``models.eagle``, from ``model``): one decoder layer over the
+  target's features, with its own one-layer page pools. Each step writes its entries for the
+  tokens the target computed; after verification it runs k times from the accepted position,
+  and those are the next block's drafts (host-visible, as Medusa's).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class SpecMethod(str, enum.Enum):
     EARLY_EXIT = "early_exit"
     DRAFT_MODEL = "draft_model"
     MEDUSA = "medusa"
+    EAGLE = "eagle"
 
 
 _FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "num_layers",
@@ -119,11 +124,15 @@ class SpeculativeConfig:
         if self.method == SpecMethod.MEDUSA and not self.model:
             raise InvalidRequest("speculative_config method medusa needs model: a heads directory "
                                  "(made by jaxinfer train-medusa)")
+        if self.method == SpecMethod.EAGLE and not self.model:
+            raise InvalidRequest("speculative_config method eagle needs model: an EAGLE head directory "
+                                 "(made by jaxinfer train-eagle)")
         if self.method == SpecMethod.DRAFT_MODEL and not self.model:
             raise InvalidRequest("speculative_config method draft_model needs model: a registry name or a path "
                                  "of a model with the target's vocabulary")
-        if self.method not in (SpecMethod.MEDUSA, SpecMethod.DRAFT_MODEL) and self.model is not None:
-            raise InvalidRequest(f"speculative_config model applies to medusa and draft_model, not {self.method.value}")
+        if self.method not in (SpecMethod.MEDUSA, SpecMethod.EAGLE, SpecMethod.DRAFT_MODEL) and self.model is not None:
+            raise InvalidRequest(f"speculative_config model applies to medusa, eagle and draft_model, "
+                                 f"not {self.method.value}")
         if self.method != SpecMethod.DRAFT_MODEL and self.quantization is not None:
             raise InvalidRequest(f"speculative_config quantization applies to draft_model, not {self.method.value}")
 

@@ -19,9 +19,11 @@ import numpy as np
 
 from jaxinfer import kernels
 from jaxinfer import sampling as smp
+from jaxinfer.engine.pages import SCRATCH_PAGE
 from jaxinfer.engine.pipeline import pipeline_forward
-from jaxinfer.models.packed import PackedBatch, PackedKV
+from jaxinfer.models import eagle as eagle_mod
 from jaxinfer.models import medusa
+from jaxinfer.models.packed import PackedBatch, PackedKV
 from jaxinfer.models.registry import family_module
 
 STOP_ID_WIDTH = 16  # per-row stop ids masked before min_tokens (EOS ids + stop_token_ids)
@@ -89,9 +91,14 @@ def token_logprobs(logits, targets, num_top: int):
     return chosen, ranks, top_ids[:, :num_top], top_lp[:, :num_top]
 
 
-def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, guide=None, *, cfg, windowed,
-                num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode, pipeline=None):
-    """One scheduler iteration on device -> (StepOutput, k_pages, v_pages, slots).
+def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, guide=None, eagle=None,
+                eagle_kv=None, *, cfg, windowed, num_logprobs: int, prompt_logprobs: int,
+                kernel_mode: kernels.KernelMode, pipeline=None):
+    """One scheduler iteration on device -> (StepOutput, k_pages, v_pages, slots[, eagle_kv]).
+
+    eagle: None, or an EAGLE draft head (speculative ``eagle``: {"head", "rows", "vocab"}) whose
+    pools eagle_kv = (k, v) are donated and returned last: its entry for every token computed
+    here is written (``_eagle_entry_pass``), so the pages hold what drafting will read.
 
     pipeline: None, or an ``engine.pipeline.PipelineLayout`` (static): the layers then run as
     pipeline stages over micro-batches, with weights and pools stacked by stage.
@@ -140,7 +147,61 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
             with jax.named_scope("prompt_logprobs"):
                 logits = mod.unembed(weights, h[:, R * Q :], cfg)[0]
                 plp = token_logprobs(logits, batch.targets, prompt_logprobs)
+        if eagle is not None:
+            with jax.named_scope("eagle_entries"):
+                nxt = batch.targets
+                if R:  # query j's next token is the row's query j + 1, the sampled one after its last
+                    t = tokens[: R * Q].reshape(R, Q)
+                    shifted = jnp.concatenate([t[:, 1:], t[:, :1]], axis=1)
+                    at_last = jnp.arange(Q)[None] == batch.last_q[:, None]
+                    nxt = jnp.concatenate([jnp.where(at_last, new[:, None], shifted).reshape(-1), nxt])
+                _, eagle_kv = _eagle_entry_pass(eagle, weights, h, batch, nxt, eagle_kv, cfg=cfg,
+                                                use_kernels=use_kernels)
+            return StepOutput(new, lp, row_logits, plp), k_pages, v_pages, slots, eagle_kv
     return StepOutput(new, lp, row_logits, plp), k_pages, v_pages, slots
+
+
+def _eagle_entry_pass(eagle, weights, h, batch: PackedBatch, next_tokens, eagle_kv, *, cfg, use_kernels):
+    """EAGLE entry p = (f_p, t_{p+1}) of every token the target just computed (features h
+    [1, N, D], next_tokens i32[N], -1 read as 0: their entries are rewritten before anything
+    reads them), written to the draft's pools at p -> (g f32[N, D], eagle_kv)."""
+    x = eagle_mod.entries(eagle["head"], weights, h[0], jnp.maximum(next_tokens, 0), cfg)
+    cache = PackedKV(*eagle_kv, batch, (), use_kernels)
+    g, cache = eagle_mod.run_layer(eagle["head"], x[None], batch.positions[None], cache, cfg)
+    return g[0], (cache.k, cache.v)
+
+
+def _eagle_drafts(eagle, weights, g0, start, batch: PackedBatch, eagle_kv, k: int, *, cfg, use_kernels):
+    """k drafts per decode row: the first read out of g0 f32[R, D] (the draft layer's estimate at
+    each row's accepted position, ``start`` i32[R]), each further one from an entry of the
+    previous estimate and draft written at start + j. Positions past the row's pages go to the
+    scratch page (such an entry can only lower acceptance; real entries replace every one
+    before the target's own tokens get there) -> (drafts i32[R, k], eagle_kv)."""
+    R = batch.rows
+    ps, width = eagle_kv[1][0].shape[2], batch.table.shape[1]
+    none = jnp.zeros(0, jnp.int32)
+
+    def read(g):
+        return eagle["vocab"][jnp.argmax(eagle_mod.draft_logits(weights, eagle["rows"], g, cfg), axis=-1)]
+
+    g, tok = g0, read(g0)
+    drafts = [tok]
+    for j in range(1, k):  # unrolled, as the draft model's passes (a loop carrying pools copies them)
+        pos = start + j
+        slot = pos // ps
+        page = jnp.take_along_axis(batch.table[:R], jnp.minimum(slot, width - 1)[:, None], axis=1)[:, 0]
+        page = jnp.where(batch.active & (slot < width), page, SCRATCH_PAGE)
+        sub = PackedBatch(tokens=tok, positions=pos, write_page=page, write_wpage=page, active=batch.active,
+                          use_prev=jnp.zeros(R, bool), last_q=jnp.zeros(R, jnp.int32), table=batch.table,
+                          wtable=batch.wtable, wbase=batch.wbase, seg=none, hist_end=jnp.int32(0), targets=none,
+                          rows=R, q=1)
+        x = eagle_mod.entries(eagle["head"], weights, g, tok, cfg)
+        cache = PackedKV(*eagle_kv, sub, (), use_kernels)
+        g, cache = eagle_mod.run_layer(eagle["head"], x[None], pos[None], cache, cfg)
+        g, eagle_kv = g[0], (cache.k, cache.v)
+        tok = read(g)
+        drafts.append(tok)
+    return jnp.stack(drafts, axis=1).astype(jnp.int32), eagle_kv
 
 
 def _decode_row_batch(batch: PackedBatch, j: int | jax.Array, tokens, *, with_prefill: bool) -> PackedBatch:
@@ -256,7 +317,7 @@ def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cf
 
 
 def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, heads=None, guide=None,
-              draft_weights=None, draft_kv=None, *, cfg, windowed,
+              draft_weights=None, draft_kv=None, eagle=None, eagle_kv=None, *, cfg, windowed,
               num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode, draft_layers: int = 0,
               draft_cfg=None):
     """One speculative scheduler iteration -> (SpecOutput, k_pages, v_pages, slots, draft_kv).
@@ -271,7 +332,10 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, h
     structured-output masks of every block position (bitmask i32[R, q, V/32], has_mask bool[R]),
     applied to the logits verification reads (logprobs stay the raw model's). With a draft
     model (draft_weights, its pools draft_kv = (k, v), donated, and draft_cfg), it drafts
-    first (``_draft_model_drafts``) and verification gets its distributions q."""
+    first (``_draft_model_drafts``) and verification gets its distributions q. With an EAGLE
+    head (``eagle``, its pools eagle_kv donated and returned in draft_kv's place), the verified
+    block's entries are written with the target's real features, and the draft layer then runs
+    k times from each row's accepted position: next_drafts, as with Medusa."""
     with kernels.traced_with(kernel_mode):
         mod = family_module(cfg.family)
         R, Q = batch.rows, batch.q
@@ -323,6 +387,16 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, h
             keep = lambda n, o: jnp.where(batch.active.reshape((R,) + (1,) * (n.ndim - 1)), n, o)  # noqa: E731
             sub = jax.tree.map(keep, upd, sub)
             slots = jax.tree.map(lambda a, s: a.at[:R].set(s), slots, sub)
+        if eagle is not None:
+            with jax.named_scope("eagle"):
+                nxt = jnp.concatenate([ver.tokens.reshape(-1), batch.targets])
+                g, eagle_kv = _eagle_entry_pass(eagle, weights, h, batch, nxt, eagle_kv, cfg=cfg,
+                                                use_kernels=use_kernels)
+                g0 = jnp.take_along_axis(g[: R * Q].reshape(R, Q, -1), ver.accepted[:, None, None], axis=1)[:, 0]
+                start = batch.positions[: R * Q].reshape(R, Q)[:, 0] + ver.accepted
+                next_drafts, eagle_kv = _eagle_drafts(eagle, weights, g0, start, batch, eagle_kv, Q - 1, cfg=cfg,
+                                                      use_kernels=use_kernels)
+            draft_kv = eagle_kv
         lp = plp = None
         if num_logprobs >= 0:
             flat = row_logits.reshape(R * Q, -1)
