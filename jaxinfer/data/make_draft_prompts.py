@@ -7,12 +7,9 @@ use only the 8 held-out topics, which no training prompt mentions.
     python jaxinfer/data/make_draft_prompts.py
 """
 
-import json
-import random
-from pathlib import Path
-
 from make_medusa_prompts import TASKS as MEDUSA_TASKS
 from make_medusa_prompts import TOPICS as MEDUSA_TOPICS
+from make_medusa_prompts import write_prompt_set
 
 TASKS = MEDUSA_TASKS + [
     "I want to learn about {t}. Where should I start?", "Write a friendly email inviting a colleague to a talk on {t}.",
@@ -32,15 +29,7 @@ TRAIN_TOPICS = MEDUSA_TOPICS[:-8] + ["friendship", "cooking rice", "the ocean", 
 
 
 def main() -> None:
-    rng = random.Random(0)
-    train = [{"prompt": task.format(t=t), "split": "train"} for t in TRAIN_TOPICS for task in TASKS]
-    held = [{"prompt": task.format(t=t), "split": "heldout"} for t in HELD_TOPICS for task in TASKS]
-    rng.shuffle(train)
-    rng.shuffle(held)
-    held = held[:96]
-    out = Path(__file__).with_name("draft_prompts.jsonl")
-    out.write_text("".join(json.dumps(r) + "\n" for r in train + held))
-    print(f"{out}: {len(train)} training prompts, {len(held)} held out")
+    write_prompt_set("draft_prompts.jsonl", TASKS, TRAIN_TOPICS, HELD_TOPICS, 96)
 
 
 if __name__ == "__main__":

@@ -27,17 +27,21 @@ TOPICS = [
 ]
 
 
-def main() -> None:
-    train_topics, held_topics = TOPICS[:-8], TOPICS[-8:]
+def write_prompt_set(name: str, tasks, train_topics, held_topics, num_held: int) -> None:
+    """tasks x topics, each split shuffled with a fixed seed, the first num_held held out."""
     rng = random.Random(0)
-    train = [{"prompt": task.format(t=t), "split": "train"} for t in train_topics for task in TASKS]
-    held = [{"prompt": task.format(t=t), "split": "heldout"} for t in held_topics for task in TASKS]
+    train = [{"prompt": task.format(t=t), "split": "train"} for t in train_topics for task in tasks]
+    held = [{"prompt": task.format(t=t), "split": "heldout"} for t in held_topics for task in tasks]
     rng.shuffle(train)
     rng.shuffle(held)
-    held = held[:64]
-    out = Path(__file__).with_name("medusa_prompts.jsonl")
+    held = held[:num_held]
+    out = Path(__file__).with_name(name)
     out.write_text("".join(json.dumps(r) + "\n" for r in train + held))
     print(f"{out}: {len(train)} training prompts, {len(held)} held out")
+
+
+def main() -> None:
+    write_prompt_set("medusa_prompts.jsonl", TASKS, TOPICS[:-8], TOPICS[-8:], 64)
 
 
 if __name__ == "__main__":

@@ -19,14 +19,12 @@ Orbax checkpoint of ``{"fc", "layer", "vocab"}`` plus ``eagle.json``.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import AttentionKind
-from jaxinfer.errors import CheckpointError
 from jaxinfer.models.layers import take
 from jaxinfer.models.registry import family_module
 from jaxinfer.specs import WeightSpec, init_weights
@@ -105,23 +103,14 @@ def save_head(dest, head: dict, vocab, cfg, extra: dict | None = None) -> Path:
 
 def load_head(path, cfg) -> tuple[dict, jax.Array, dict]:
     """Read a head made for a model shaped like ``cfg`` -> (head, vocab i32[Vd], meta)."""
-    import orbax.checkpoint as ocp
+    from jaxinfer.models.medusa import read_checkpoint
 
-    path = Path(path).absolute()
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not an EAGLE head directory ({META_FILE}: {e})") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path / META_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    for key, have in (("hidden_size", cfg.d_model), ("vocab_size", cfg.vocab_size), ("family", cfg.family)):
-        if meta.get(key) != have:
-            raise CheckpointError(f"{path}: head made for {key}={meta.get(key)!r}, the model has {have!r}")
-    lcfg = layer_cfg(cfg)
-    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), head_specs(lcfg),
+    def abstract(meta):
+        tree = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), head_specs(layer_cfg(cfg)),
                             is_leaf=lambda x: isinstance(x, WeightSpec))
-    abstract["vocab"] = jax.ShapeDtypeStruct((meta["draft_vocab_size"],), jnp.int32)
-    with ocp.StandardCheckpointer() as ckptr:
-        tree = ckptr.restore(path / WEIGHTS_DIR, abstract)
+        return {**tree, "vocab": jax.ShapeDtypeStruct((meta["draft_vocab_size"],), jnp.int32)}
+
+    tree, meta = read_checkpoint(path, WEIGHTS_DIR, META_FILE, FORMAT, abstract, "an EAGLE head directory", "head",
+                                 {"hidden_size": cfg.d_model, "vocab_size": cfg.vocab_size, "family": cfg.family})
     vocab = tree.pop("vocab")
     return tree, vocab, meta

@@ -96,20 +96,30 @@ def save_checkpoint(dest, tree: dict, weights_dir: str, meta_file: str, meta: di
 
 def load_heads(path, cfg) -> tuple[dict, dict]:
     """Read heads made for a model shaped like ``cfg`` -> (heads, meta)."""
+    def abstract(meta):
+        k, d = meta["num_heads"], cfg.d_model
+        return {"w": jax.ShapeDtypeStruct((k, d, d), jnp.float32), "b": jax.ShapeDtypeStruct((k, d), jnp.float32)}
+
+    return read_checkpoint(path, WEIGHTS_DIR, META_FILE, FORMAT, abstract, "a Medusa heads directory", "heads",
+                           {"hidden_size": cfg.d_model, "vocab_size": cfg.vocab_size})
+
+
+def read_checkpoint(path, weights_dir: str, meta_file: str, fmt: str, abstract, what: str, noun: str,
+                    expect: dict) -> tuple[dict, dict]:
+    """The tree and meta that ``save_checkpoint`` wrote -> (tree, meta). The meta must name
+    ``fmt`` and match ``expect`` (the model's shape), else one CheckpointError says which;
+    ``abstract(meta)`` gives the tree's shapes."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
     try:
-        meta = json.loads((path / META_FILE).read_text())
+        meta = json.loads((path / meta_file).read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a Medusa heads directory ({META_FILE}: {e})") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path / META_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    for key, have in (("hidden_size", cfg.d_model), ("vocab_size", cfg.vocab_size)):
+        raise CheckpointError(f"{path}: not {what} ({meta_file}: {e})") from None
+    if meta.get("format") != fmt:
+        raise CheckpointError(f"{path / meta_file}: format {meta.get('format')!r}, expected {fmt!r}")
+    for key, have in expect.items():
         if meta.get(key) != have:
-            raise CheckpointError(f"{path}: heads made for {key}={meta.get(key)}, the model has {have}")
-    k, d = meta["num_heads"], cfg.d_model
-    abstract = {"w": jax.ShapeDtypeStruct((k, d, d), jnp.float32), "b": jax.ShapeDtypeStruct((k, d), jnp.float32)}
+            raise CheckpointError(f"{path}: {noun} made for {key}={meta.get(key)!r}, the model has {have!r}")
     with ocp.StandardCheckpointer() as ckptr:
-        heads = ckptr.restore(path / WEIGHTS_DIR, abstract)
-    return heads, meta
+        return ckptr.restore(path / weights_dir, abstract(meta)), meta
