@@ -6,6 +6,7 @@ interleaved per repeat so the machine's load falls on all of them alike; medians
 * batch 1, input-grounded prompts (copy or quote a passage, edit or annotate code), greedy,
   up to 128 new tokens, one request at a time: off, ngram (k=4, lookup 1-4), early_exit;
 * batch 1, general chat prompts: off, early_exit, ngram, medusa (k=3, the committed heads),
+  eagle (k=--eagle-k, the committed EAGLE head),
   draft_model (k=3; the draft is SmolLM2 itself quantized to int8 while loading: the only
   smaller model we have with its vocabulary, a quarter of its weight bytes; on this CPU its
   batch-1 forward is no faster than float32's, so it measures overhead, not a speedup);
@@ -61,6 +62,9 @@ def main() -> None:
     ap.add_argument("--early-exit-layers", type=int, default=24)
     ap.add_argument("--medusa", default="checkpoints/medusa-smollm2-135m-instruct",
                     help="Medusa heads directory (jaxinfer train-medusa); skipped if missing")
+    ap.add_argument("--eagle", default="checkpoints/eagle-smollm2-135m-instruct",
+                    help="EAGLE head directory (jaxinfer train-eagle); skipped if missing")
+    ap.add_argument("--eagle-k", type=int, nargs="+", default=[3], help="k of each eagle mode (several: eagle_k2, ...)")
     ap.add_argument("--draft", default=None, help="draft_model's draft (default: --model itself)")
     ap.add_argument("--draft-quantization", default="int8", help="int8 or int4: quantize the draft while loading")
     ap.add_argument("--draft-k", type=int, default=3)
@@ -84,10 +88,14 @@ def main() -> None:
 
     if os.path.isdir(args.medusa):
         modes["medusa"] = {"method": "medusa", "num_speculative_tokens": 3, "model": args.medusa}
+    if os.path.isdir(args.eagle):
+        for k in args.eagle_k:
+            name = "eagle" if len(args.eagle_k) == 1 else f"eagle_k{k}"
+            modes[name] = {"method": "eagle", "num_speculative_tokens": k, "model": args.eagle}
     modes["draft_model"] = {"method": "draft_model", "num_speculative_tokens": args.draft_k,
                             "model": args.draft or args.model, "quantization": args.draft_quantization}
     if args.modes:
-        modes = {m: c for m, c in modes.items() if m in args.modes or m == "off"}
+        modes = {m: c for m, c in modes.items() if m in args.modes or m.split("_k")[0] in args.modes or m == "off"}
     llms = {m: LLM(args.model, progress=False, max_model_len=1024, max_num_seqs=16, speculative_config=c,
                    quantize=args.quantize) for m, c in modes.items()}
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -110,10 +118,12 @@ def main() -> None:
 
     cases = {
         "batch1_grounded": (one_at_a_time, GROUNDED, ["off", "ngram", "early_exit"]),
-        "batch1_chat": (one_at_a_time, CHAT, ["off", "early_exit", "ngram", "medusa", "draft_model"]),
+        "batch1_chat": (one_at_a_time, CHAT, ["off", "early_exit", "ngram", "medusa", "draft_model", "eagle"]),
         "batch16_chat": (batched, (CHAT * 4)[:16], ["off", "ngram"]),
     }
-    cases = {name: (run, prompts, [m for m in ms if m in modes]) for name, (run, prompts, ms) in cases.items()}
+    eagles = [m for m in modes if m.startswith("eagle")]
+    cases = {name: (run, prompts, [m for m in ms if m in modes and not m.startswith("eagle")] + (eagles if "eagle" in ms else []))
+             for name, (run, prompts, ms) in cases.items()}
     results = {}
     mismatched = {}  # (case, mode) -> prompts whose greedy tokens differ from plain decoding
     for name, (run, prompts, ms) in cases.items():
