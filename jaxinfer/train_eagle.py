@@ -164,7 +164,7 @@ def train_head(llm, F, T, Y, lens, vocab, *, steps: int, batch: int, lr: float, 
 
 
 def distill(llm, prompts, max_tokens: int, length: int):
-    """(features, tokens, lens, prompt lens) of the model's greedy answers to ``prompts``."""
+    """(token ids, prompt lengths, ``pack``'s arrays) of the model's greedy answers to ``prompts``."""
     from jaxinfer.train_medusa import self_distill_with_lengths
 
     seqs, plens = self_distill_with_lengths(llm, prompts, max_tokens)
