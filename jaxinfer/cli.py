@@ -179,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     te.add_argument("--lr", type=float, default=1e-3)
     te.add_argument("--max-tokens", type=int, default=128, help="length of the model's own answers")
     te.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary: most frequent answer tokens")
+    te.add_argument("--second-pass", type=float, default=1.0,
+                    help="weight of the loss on draft 2 fed the head's own estimate (0: real features only)")
     te.add_argument("--data", default=None, help='JSONL of {"prompt", "split": "train"|"heldout"} (default: the '
                                                  "packaged draft_prompts.jsonl)")
     te.add_argument("--seed", type=int, default=0)
@@ -391,7 +393,7 @@ def cmd_train_eagle(a) -> int:
     from jaxinfer.train_eagle import train_eagle
 
     report = train_eagle(a.model_name, a.out, steps=a.steps, batch=a.batch, lr=a.lr, max_tokens=a.max_tokens,
-                         vocab_size=a.vocab_size, data=a.data, seed=a.seed)
+                         vocab_size=a.vocab_size, second_pass=a.second_pass, data=a.data, seed=a.seed)
     print(json.dumps(report))
     return 0
 

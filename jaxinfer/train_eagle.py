@@ -9,13 +9,17 @@
 3. Teacher forcing over whole sequences: entry p = fc([n(f_p); e(t_{p+1})]) through the draft
    layer gives g_p, trained to predict t_{p+2} (cross-entropy over the draft vocabulary) and to
    equal f_{p+1} (smooth L1 on unit-RMS features, EAGLE's regression loss), with uniform noise on
-   the input features so drafting tolerates its own estimates. optax adamw, warm-up and cosine
-   decay; tqdm shows the losses; Orbax writes the head (``eagle.save_head``) with the held-out
-   accuracy of its first draft over answer positions: the acceptance rate draft 1 will see.
+   the input features so drafting tolerates its own estimates. With ``second_pass`` > 0 a
+   second pass trains what draft 2 sees (EAGLE-3's training-time test): entry p built from the
+   layer's own g_{p-1} instead of f_p, attending the real entries before p and itself.
+   optax adamw, warm-up and cosine decay; tqdm shows the losses; Orbax writes the head
+   (``eagle.save_head``) with the held-out accuracy of its first draft over answer positions
+   (the acceptance rate draft 1 will see) and of its second where the first was right.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -26,6 +30,7 @@ import numpy as np
 
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models import eagle
+from jaxinfer.models.layers import attention
 from jaxinfer.models.registry import family_module
 
 
@@ -77,54 +82,119 @@ def pack(feats, seqs, prompt_lens, length: int):
     return F, T, Y, lens, np.minimum(np.asarray(prompt_lens, np.int32), length)
 
 
-def _forward(head, weights, rows, feats, toks, cfg):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _FirstPass:
+    """The training pass's attention (``attend_layer`` hands it the layer's rotated q, k, v):
+    causal over the sequence's own entries, keeping their keys and values for ``_SecondPass``."""
+
+    k: jax.Array | None = None  # [B, T, K, H]
+    v: jax.Array | None = None
+    packed = True
+
+    def attend(self, layer, q, k, v, *, scale, window=None, softcap=None):
+        pos = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
+        o = attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), pos, pos[0], scale=scale, window=window,
+                      softcap=softcap)
+        return o, _FirstPass(k, v)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _SecondPass:
+    """What draft 2 sees in the engine: the query at p (an entry built from the layer's own
+    g_{p-1}) attends the first pass's real entries before p, then its own key at p."""
+
+    k: jax.Array  # [B, T, K, H] the first pass's keys and values
+    v: jax.Array
+    packed = True
+
+    def attend(self, layer, q, k, v, *, scale, window=None, softcap=None):
+        B, T, N, H = q.shape
+        K = k.shape[2]
+        qg = q.reshape(B, T, K, N // K, H).astype(jnp.float32) * scale
+        before = jnp.einsum("btkgh,bskh->bkgts", qg, self.k.astype(jnp.float32))
+        own = jnp.einsum("btkgh,btkh->bkgt", qg, k.astype(jnp.float32))[..., None]
+        s = jnp.concatenate([before, own], axis=-1)
+        if softcap is not None:
+            s = softcap * jnp.tanh(s / softcap)
+        t, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        seen = (j < t) if window is None else (j < t) & (t - j < window)
+        s = jnp.where(jnp.concatenate([seen, jnp.ones((T, 1), bool)], axis=1), s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("bkgts,bskh->btkgh", p[..., :T], self.v.astype(jnp.float32))
+        o = o + p[..., T].transpose(0, 3, 1, 2)[..., None] * v.astype(jnp.float32)[:, :, :, None, :]
+        return o.reshape(B, T, N, H).astype(q.dtype), self
+
+
+def _forward(head, weights, rows, feats, toks, cfg, second: bool = False):
     """Teacher-forced entries 0..L-2 -> (g f32[B, L-1, D], logits f32[B, L-2, Vd] of the token
-    after p + 1)."""
+    after p + 1[, logits of draft 2 at each entry p >= 1, from g_{p-1} and t_{p+1}])."""
     B, L = toks.shape
     x = eagle.entries(head, weights, feats[:, :-1], toks[:, 1:], cfg)
     pos = jnp.broadcast_to(jnp.arange(L - 1, dtype=jnp.int32), (B, L - 1))
-    g, _ = eagle.run_layer(head, x, pos, None, cfg)
-    return g, eagle.draft_logits(weights, rows, g[:, :-1], cfg)
+    g, first = eagle.run_layer(head, x, pos, _FirstPass() if second else None, cfg)
+    logits = eagle.draft_logits(weights, rows, g[:, :-1], cfg)
+    if not second:
+        return g, logits
+    prev = jnp.concatenate([feats[:, :1], g[:, :-1]], axis=1)  # entry 0 has no estimate before it
+    g2, _ = eagle.run_layer(head, eagle.entries(head, weights, prev, toks[:, 1:], cfg), pos,
+                            _SecondPass(first.k, first.v), cfg)
+    return g, logits, eagle.draft_logits(weights, rows, g2[:, :-1], cfg)
 
 
-def _loss(head, weights, rows, remap, feats, toks, labels, lens, key, cfg, noise: float, reg_weight: float):
+def _ce(logits, tgt, ok):
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, jnp.maximum(tgt, 0)[..., None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(ok, lse - picked, 0.0)) / jnp.maximum(jnp.sum(ok), 1)
+
+
+def _loss(head, weights, rows, remap, feats, toks, labels, lens, key, cfg, noise: float, reg_weight: float,
+          second_pass: float = 0.0):
     B, L = toks.shape
     feats = feats + noise * jax.random.uniform(key, feats.shape, minval=-1.0, maxval=1.0) * \
         jnp.sqrt(jnp.mean(feats * feats, axis=-1, keepdims=True))
-    g, logits = _forward(head, weights, rows, feats, toks, cfg)
+    out = _forward(head, weights, rows, feats, toks, cfg, second=second_pass > 0)
+    g, logits = out[:2]
     p = jnp.arange(L - 2)
     tgt = remap[labels[:, 1:-1]]  # draft index of the model's own token after p + 1, -1 outside the vocabulary
     ok = (p[None] + 2 < lens[:, None]) & (tgt >= 0)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, jnp.maximum(tgt, 0)[..., None], axis=-1)[..., 0]
-    ce = jnp.sum(jnp.where(ok, lse - picked, 0.0)) / jnp.maximum(jnp.sum(ok), 1)
+    ce = _ce(logits, tgt, ok)
     okr = jnp.arange(L - 1)[None] + 1 < lens[:, None]
     diff = eagle.unit_rms(g) - eagle.unit_rms(feats[:, 1:])
     sl1 = jnp.where(jnp.abs(diff) < 1.0, 0.5 * diff * diff, jnp.abs(diff) - 0.5).mean(-1)
     reg = jnp.sum(jnp.where(okr, sl1, 0.0)) / jnp.maximum(jnp.sum(okr), 1)
-    return ce + reg_weight * reg, (ce, reg)
+    loss = ce + reg_weight * reg
+    if second_pass > 0:  # draft 2 at entry p predicts the same token draft 1 of entry p would
+        loss = loss + second_pass * _ce(out[2], tgt, ok & (p[None] >= 1))
+    return loss, (ce, reg)
 
 
 def accuracy(head, weights, rows, vocab, cfg, F, T, Y, lens, plens, batch: int = 16) -> dict:
     """Top-1 accuracy of the first draft (entry p's guess at the model's token after p + 1)
-    over answer positions (that token is an answer token) and over all positions."""
-    f = jax.jit(lambda hd, x, t: jnp.argmax(_forward(hd, weights, rows, x, t, cfg)[1], axis=-1))
-    hit_a = n_a = hit = n = 0
+    over answer positions (that token is an answer token) and over all positions, and of the
+    second draft over answer positions where the first was right (what acceptance needs)."""
+    f = jax.jit(lambda hd, x, t: [jnp.argmax(a, axis=-1) for a in _forward(hd, weights, rows, x, t, cfg, True)[1:]])
+    hit_a = n_a = hit = n = hit2 = n2 = 0
     vocab = np.asarray(vocab)
     for s in range(0, len(T), batch):
-        pred = vocab[np.asarray(f(head, jnp.asarray(F[s: s + batch]), jnp.asarray(T[s: s + batch])))]
+        one, two = (vocab[np.asarray(a)] for a in f(head, jnp.asarray(F[s: s + batch]), jnp.asarray(T[s: s + batch])))
         y = Y[s: s + batch, 1:-1]
         p = np.arange(T.shape[1] - 2)[None]
         valid = p + 2 < lens[s: s + batch, None]
         answer = valid & (p + 2 >= plens[s: s + batch, None])
-        good = pred == y
+        good = one == y
         hit, n = hit + np.sum(good & valid), n + np.sum(valid)
         hit_a, n_a = hit_a + np.sum(good & answer), n_a + np.sum(answer)
-    return {"answer": round(float(hit_a / max(n_a, 1)), 4), "all": round(float(hit / max(n, 1)), 4)}
+        tried = answer & np.concatenate([np.zeros_like(good[:, :1]), good[:, :-1]], axis=1)  # draft 1 of p - 1 right
+        hit2, n2 = hit2 + np.sum((two == y) & tried), n2 + np.sum(tried)
+    return {"answer": round(float(hit_a / max(n_a, 1)), 4), "all": round(float(hit / max(n, 1)), 4),
+            "second_given_first": round(float(hit2 / max(n2, 1)), 4)}
 
 
 def train_head(llm, F, T, Y, lens, vocab, *, steps: int, batch: int, lr: float, seed: int = 0, noise: float = 0.1,
-               reg_weight: float = 1.0, init_layer: int | None = None, progress: bool = True):
+               reg_weight: float = 1.0, second_pass: float = 1.0, init_layer: int | None = None,
+               progress: bool = True):
     """Train a head on packed sequences -> (head, losses every 10 steps)."""
     import optax
     from tqdm import tqdm
@@ -144,7 +214,7 @@ def train_head(llm, F, T, Y, lens, vocab, *, steps: int, batch: int, lr: float, 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(head, state, f, t, y, n, key):
         (loss, aux), grads = jax.value_and_grad(_loss, has_aux=True)(head, weights, rows, remap, f, t, y, n, key, cfg,
-                                                                     noise, reg_weight)
+                                                                     noise, reg_weight, second_pass)
         updates, state = opt.update(grads, state, head)
         return optax.apply_updates(head, updates), state, loss, aux
 
@@ -172,8 +242,8 @@ def distill(llm, prompts, max_tokens: int, length: int):
 
 
 def train_eagle(model: str, out, *, steps: int = 1000, batch: int = 8, lr: float = 1e-3, max_tokens: int = 128,
-                vocab_size: int = 8192, length: int = 256, data=None, seed: int = 0, progress: bool = True,
-                llm=None) -> dict:
+                vocab_size: int = 8192, length: int = 256, second_pass: float = 1.0, data=None, seed: int = 0,
+                progress: bool = True, llm=None) -> dict:
     """The whole recipe; returns what it wrote into ``out``'s eagle.json."""
     from jaxinfer import LLM
     from jaxinfer.train_medusa import load_prompts
@@ -190,10 +260,11 @@ def train_eagle(model: str, out, *, steps: int = 1000, batch: int = 8, lr: float
     vocab = draft_vocab(seqs, plens, min(vocab_size, llm.cfg.vocab_size), always=llm.tokenizer.eos_ids)
     t_data = time.perf_counter() - t0
     head, rows, losses = train_head(llm, F, T, Y, lens, vocab, steps=steps, batch=batch, lr=lr, seed=seed,
-                                    progress=progress)
+                                    second_pass=second_pass, progress=progress)
     t_train = time.perf_counter() - t0 - t_data
     report = {"model": str(model), "train_prompts": len(train), "train_tokens": int(lens.sum()),
               "steps": steps, "batch": batch, "lr": lr, "max_tokens": max_tokens, "length": length,
+              "second_pass": second_pass,
               "final_loss": losses[-1], "data_s": round(t_data, 1), "train_s": round(t_train, 1)}
     if held:
         _, _, held_data = distill(llm, held, max_tokens, length)
