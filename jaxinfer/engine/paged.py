@@ -290,8 +290,7 @@ class PagedEngine:
         the scratch page only, with every slot idle."""
         before = self.num_compilations()
         ps, W = self.allocator.page_size, self.window
-        spec_rows = buckets.bucket(self.spec.disable_by_batch_size, buckets.BATCH_BUCKETS, self.max_num_seqs) \
-            if self.spec else 0
+        spec_rows = self._spec_rows() if self.spec else 0
         for R, w, Tp in self.warmup_shapes(max_prompt_len, max_len):
             self.run_step(self.idle_batch(R, w, Tp))
             if 0 < R <= spec_rows:  # the verification step of each shape speculation can run at
@@ -463,12 +462,16 @@ class PagedEngine:
                 drafts[s] = d
         return drafts
 
+    def _spec_rows(self) -> int:
+        """The largest row bucket a verification step can have (disable_by_batch_size's)."""
+        return buckets.bucket(self.spec.disable_by_batch_size, buckets.BATCH_BUCKETS, self.max_num_seqs)
+
     def _eagle_writes(self, rows: int) -> bool:
         """Whether a plain step of ``rows`` decode rows writes the EAGLE head's entries: only
-        where speculation may run (rows up to disable_by_batch_size's bucket), so large batches
-        pay nothing for it. A row that decoded in a larger batch keeps stale entries for those
-        positions, which can only lower its acceptance later."""
-        return rows <= buckets.bucket(self.spec.disable_by_batch_size, buckets.BATCH_BUCKETS, self.max_num_seqs)
+        where speculation may run (rows up to ``_spec_rows``), so large batches pay nothing for
+        it. A row that decoded in a larger batch keeps stale entries for those positions, which
+        can only lower its acceptance later."""
+        return rows <= self._spec_rows()
 
     def _run_spec_step(self, batch: PackedBatch, guide, *, num_logprobs: int, prompt_logprobs: int,
                        draft_layers: int):
