@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     te = sub.add_parser("train-eagle", help="train an EAGLE draft head for speculative decoding (self-distillation)")
     te.add_argument("model_name", metavar="MODEL", help="registry name or path of the model the head serves")
     te.add_argument("--out", required=True, help="directory for the head (Orbax checkpoint + eagle.json)")
-    te.add_argument("--steps", type=int, default=1000)
+    te.add_argument("--steps", type=int, default=700)
     te.add_argument("--batch", type=int, default=8, help="sequences per step")
     te.add_argument("--lr", type=float, default=1e-3)
     te.add_argument("--max-tokens", type=int, default=128, help="length of the model's own answers")

@@ -1,8 +1,8 @@
 """Training an EAGLE draft head by self-distillation (``jaxinfer train-eagle``).
 
 1. The frozen model answers the prompt set with its own greedy continuations (as for Medusa,
-   ``train_medusa.self_distill``), and one forward pass per sequence gives its features (hidden
-   states before the final norm).
+   ``train_medusa.self_distill``), and forward passes over them, four sequences of similar
+   length at a time, give their features (hidden states before the final norm).
 2. The draft vocabulary is the ``vocab_size`` most frequent tokens of those answers (plus the
    end-of-sequence ids): the draft head reads out only their rows of the LM head, a fraction of
    its bytes.
@@ -34,23 +34,32 @@ from jaxinfer.models.layers import attention
 from jaxinfer.models.registry import family_module
 
 
-def sequence_features(llm, seqs: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+def sequence_features(llm, seqs: list[list[int]], rows: int = 4, bucket: int = 32
+                      ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each token sequence's (features f32[T, D], the hidden states before the final norm, and
     labels i32[T], the model's own greedy next token at each position: what verification
-    compares drafts with)."""
+    compares drafts with). Sequences go ``rows`` at a time, sorted by length and right-padded to
+    a multiple of ``bucket`` (causal attention: padding after a sequence cannot change it), so
+    the forward passes waste little on padding and compile a few shapes only."""
     mod = family_module(llm.cfg.family)
 
     def fwd(w, t):
-        h = mod.forward(w, t, jnp.zeros(1, jnp.int32), None, cfg=llm.cfg)[0]
-        return h[0], jnp.argmax(mod.unembed(w, h, llm.cfg)[0], axis=-1).astype(jnp.int32)
+        h = mod.forward(w, t, jnp.zeros(t.shape[0], jnp.int32), None, cfg=llm.cfg, read_cache=False)[0]
+        return h, jnp.argmax(mod.unembed(w, h, llm.cfg), axis=-1).astype(jnp.int32)
 
     fwd = jax.jit(fwd)
-    out = []
-    for ids in seqs:
-        T = len(ids)
-        pad = max(16, 1 << (T - 1).bit_length())  # length buckets: few executables
-        h, lab = fwd(llm.weights, jnp.asarray([ids + [0] * (pad - T)], jnp.int32))
-        out.append((np.asarray(h)[:T], np.asarray(lab)[:T]))
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out = [None] * len(seqs)
+    for g in range(0, len(order), rows):
+        group = order[g:g + rows]
+        pad = -(-max(len(seqs[i]) for i in group) // bucket) * bucket
+        toks = np.zeros((rows, pad), np.int32)  # a short last group keeps the shape: empty rows
+        for r, i in enumerate(group):
+            toks[r, :len(seqs[i])] = seqs[i]
+        h, lab = fwd(llm.weights, jnp.asarray(toks))
+        h, lab = np.asarray(h), np.asarray(lab)
+        for r, i in enumerate(group):
+            out[i] = (h[r, :len(seqs[i])], lab[r, :len(seqs[i])])
     return out
 
 
@@ -241,7 +250,7 @@ def distill(llm, prompts, max_tokens: int, length: int):
     return seqs, plens, pack(sequence_features(llm, seqs), seqs, plens, length)
 
 
-def train_eagle(model: str, out, *, steps: int = 1000, batch: int = 8, lr: float = 1e-3, max_tokens: int = 128,
+def train_eagle(model: str, out, *, steps: int = 700, batch: int = 8, lr: float = 1e-3, max_tokens: int = 128,
                 vocab_size: int = 8192, length: int = 256, second_pass: float = 1.0, data=None, seed: int = 0,
                 progress: bool = True, llm=None) -> dict:
     """The whole recipe; returns what it wrote into ``out``'s eagle.json."""

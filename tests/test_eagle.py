@@ -46,6 +46,19 @@ def test_draft_vocab_keeps_the_most_frequent_answer_tokens():
     assert te.draft_vocab(seqs, [2, 2], 2, always=[5]).tolist() == [5, 9]
 
 
+def test_batched_features_equal_each_sequence_alone(tiny_llm):
+    """Sequences of different lengths forwarded together (right-padded, in length order) get
+    the features and labels each gets alone, returned in the order given."""
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(1, tiny_llm.cfg.vocab_size, n).tolist() for n in (7, 40, 3, 33, 18)]
+    together = te.sequence_features(tiny_llm, seqs, rows=4, bucket=32)
+    for ids, (h, lab) in zip(seqs, together):
+        (h1, lab1), = te.sequence_features(tiny_llm, [ids], rows=1, bucket=1)
+        assert h.shape == (len(ids), tiny_llm.cfg.d_model)
+        np.testing.assert_allclose(h, h1, rtol=1e-4, atol=1e-4)
+        assert np.mean(lab == lab1) >= 0.95  # argmax: a near tie may flip between shapes
+
+
 def test_training_learns_a_copy_pattern(tiny_llm):
     """Sequences that repeat a random 8-token block, labelled as if the model predicted the
     text: t_{p+2} is in the context, so the layer's attention can learn to fetch it."""
