@@ -64,7 +64,7 @@ def main() -> None:
                     help="Medusa heads directory (jaxinfer train-medusa); skipped if missing")
     ap.add_argument("--eagle", default="checkpoints/eagle-smollm2-135m-instruct",
                     help="EAGLE head directory (jaxinfer train-eagle); skipped if missing")
-    ap.add_argument("--eagle-k", type=int, nargs="+", default=[3], help="k of each eagle mode (several: eagle_k2, ...)")
+    ap.add_argument("--eagle-k", type=int, nargs="+", default=[2], help="k of each eagle mode (several: eagle_k2, ...)")
     ap.add_argument("--draft", default=None, help="draft_model's draft (default: --model itself)")
     ap.add_argument("--draft-quantization", default="int8", help="int8 or int4: quantize the draft while loading")
     ap.add_argument("--draft-k", type=int, default=3)
