@@ -16,9 +16,9 @@ _LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if os.name == "posix" else No
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     """Hand freed memory back to the system after each test. XLA's CPU buffers come from
-    glibc's heap, which keeps what a finished engine freed: a worker that had built a hundred
-    engines held 12 GB it no longer used, and two such workers were OOM-killed on 24 GB.
-    ``malloc_trim`` returns it (one engine's 1.5 GB came back to 0.3 GB)."""
+    glibc's heap, which keeps what a finished engine freed (three engines built and dropped
+    left 1.5 GB; ``malloc_trim`` brought it to 0.3 GB). With that and the session fixtures, a
+    test worker reached 12.6 GB and was OOM-killed on 24 GB."""
     if nextitem is None or nextitem.module is not item.module:
         gc.collect()  # the module's fixtures are gone; so are their cycles
     if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
