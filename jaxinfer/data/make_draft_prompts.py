@@ -16,12 +16,11 @@ chat prompts or about their subjects (robots, painting, working from home, rainb
     python jaxinfer/data/make_draft_prompts.py
 """
 
-import json
 import random
-from pathlib import Path
 
 from make_medusa_prompts import TASKS as MEDUSA_TASKS
 from make_medusa_prompts import TOPICS as MEDUSA_TOPICS
+from make_medusa_prompts import write_splits
 
 TASKS = MEDUSA_TASKS + [
     "I want to learn about {t}. Where should I start?", "Write a friendly email inviting a colleague to a talk on {t}.",
@@ -171,9 +170,7 @@ def main() -> None:
     train = kinds_train[:600] + chat_train[:600]
     held = kinds_held[:48] + chat_held[:48]
     rng.shuffle(train)
-    rows = [{"prompt": p, "split": "train"} for p in train] + [{"prompt": p, "split": "heldout"} for p in held]
-    out = Path(__file__).with_name("draft_prompts.jsonl")
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = write_splits("draft_prompts.jsonl", train, held)
     print(f"{out}: {len(train)} training prompts ({len(chat_train)} general chat to draw from), {len(held)} held out")
 
 

@@ -27,17 +27,24 @@ TOPICS = [
 ]
 
 
+def write_splits(name: str, train: list[str], held: list[str]) -> Path:
+    """The JSONL ``train_medusa.load_prompts`` reads: training prompts, then held-out ones,
+    each line {"prompt", "split"}, written beside this script."""
+    rows = [{"prompt": p, "split": "train"} for p in train] + [{"prompt": p, "split": "heldout"} for p in held]
+    out = Path(__file__).with_name(name)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
 def write_prompt_set(name: str, tasks, train_topics, held_topics, num_held: int) -> None:
     """tasks x topics, each split shuffled with a fixed seed, the first num_held held out."""
     rng = random.Random(0)
-    train = [{"prompt": task.format(t=t), "split": "train"} for t in train_topics for task in tasks]
-    held = [{"prompt": task.format(t=t), "split": "heldout"} for t in held_topics for task in tasks]
+    train = [task.format(t=t) for t in train_topics for task in tasks]
+    held = [task.format(t=t) for t in held_topics for task in tasks]
     rng.shuffle(train)
     rng.shuffle(held)
     held = held[:num_held]
-    out = Path(__file__).with_name(name)
-    out.write_text("".join(json.dumps(r) + "\n" for r in train + held))
-    print(f"{out}: {len(train)} training prompts, {len(held)} held out")
+    print(f"{write_splits(name, train, held)}: {len(train)} training prompts, {len(held)} held out")
 
 
 def main() -> None:
