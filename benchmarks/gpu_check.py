@@ -1,12 +1,15 @@
 """The Pallas kernels and the engine on a real GPU: compiled (not interpreted), checked against
 their references, timed, and set against the card's measured copy bandwidth (MBU) and matmul
-rate. Written for a lent H100 through the device tool, in one short call:
+rate. Written for a lent H100 through the device tool, in one call (carry [".gpu"], timeout_s
+540). The engine section needs the gguf wheel: installed outside the checkout, or else
+imported from the wheel itself (a pure-Python zip), so a failed pip stops nothing else:
 
+    python -m pip install -q --no-index --no-deps --target /tmp/gguf .gpu/gguf-0.19.0-py3-none-any.whl; \\
     XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda,cpu \\
-        python benchmarks/gpu_check.py --out $OUT --budget 420
+    PYTHONPATH=/tmp/gguf:.gpu/gguf-0.19.0-py3-none-any.whl \\
+        python benchmarks/gpu_check.py --out $OUT --budget 400
 
-Prepare on this machine first (both go in `.gpu/`, which git ignores; name it in the device
-call's carry, and install the wheel there with pip --no-index --target):
+Prepare on this machine first (both go in `.gpu/`, which git ignores):
   the gguf wheel (the device image lacks it): pip download --no-deps --only-binary=:all:
       --python-version 3.12 --platform manylinux2014_x86_64 -d .gpu gguf==0.19.0
   SmolLM2's tokenizer in a 3 MB GGUF (the real checkpoint is over the 64 MB a call carries):
@@ -14,20 +17,36 @@ call's carry, and install the wheel there with pip --no-index --target):
       write_tiny_llama('.gpu/tokenizer-smollm2.gguf', registry.fetch('smollm2-135m-instruct'),
       layers=1, d=8, heads=2, kv_heads=1, ff=8, context=2048)"
 
-Sections, each in its own try block so one failure does not hide the rest, in this order:
-  env        jax version, device, driver
-  ceilings   device-to-device copy bandwidth (bytes read + written) and a bf16 matmul's rate
-  tests      the kernel-grid tests compiled for the GPU (JAXINFER_NATIVE_KERNELS=1, -k gpu)
-  kernels    each kernel against its pure-JAX reference (XLA on the same GPU) at serving
-             shapes: median time, bytes it must move, MBU = bytes / time / copy bandwidth
-  engine     LLM.generate on a SmolLM2-shaped model (random weights, SmolLM2's real
-             tokenizer), bfloat16: batch 1 and 64, Pallas kernels on and off (same tokens?)
-  wide       the slow (wide) kernel grids, with what time is left
+Sections, each in its own try block so one failure does not hide the rest, in this order (the
+measurements first: each section stops starting new work at its share of --budget, so the
+whole run ends within it):
+  env          jax version, device, driver
+  ceilings     device-to-device copy bandwidth (bytes read + written), a bf16 and an int8
+               matmul's rate, and the timing harness's own floor per loop step and per call
+  spec_verify  the speculative-verification kernel (Triton variant) against its reference
+               (XLA) at B=64 and B=1, k=4, V=49152: greedy, sampled (point-mass drafts) and
+               sampled with draft probabilities; rows equal, time, MBU
+  tests        the kernel-grid tests compiled for the GPU (JAXINFER_NATIVE_KERNELS=1, -k gpu),
+               spec_verify's among them
+  kernels      each kernel against its pure-JAX reference (XLA on the same GPU) at serving
+               shapes: time, bytes it must move, MBU = bytes / time / copy bandwidth
+  engine       LLM.generate on a SmolLM2-shaped model (random weights, SmolLM2's real
+               tokenizer), bfloat16: batch 1 and 64, Pallas kernels on and off (same tokens?)
+  wide         the slow (wide) kernel grids, with what time is left
 
-Timing: device work is asynchronous, so each timed region issues the call --calls times and
-blocks on the last; the median of --repeats such regions over the call count is one call's
-time. Inputs are random normal, never zeros. Everything is written to OUT/gpu_check.json and
-the summary table is printed last.
+Timing: a Python loop of calls puts a per-call dispatch floor (33-89 us on the H100) under
+small ops, so each op is timed inside one jitted lax.fori_loop of n calls (`loop_timed`,
+about 20 ms of work): after each call every input has its first element rewritten with
+itself plus a zero computed from the call's outputs (behind an optimization barrier), so XLA
+can neither hoist any part of the call out of the loop nor narrow it to the elements read;
+that costs one in-place element per input per step, and one copy of the inputs per loop.
+`*_us` is that loop's median time over n; `*_call_us` the old Python-loop time (20 calls per
+timed region, blocking on the last), kept beside it; ops slower than 300 us per call (where
+the floor does not matter) are timed by the call loop only. The ceilings give both
+harnesses' floor on a trivial op. MBU for spec_verify counts the bytes any implementation
+must read: the logits, plus with draft probabilities the one row of them a residual needs
+(the others are read only at the drafted tokens). Inputs are random normal, never zeros.
+Everything is written to OUT/gpu_check.json and the summary is printed last.
 """
 
 from __future__ import annotations
@@ -88,6 +107,90 @@ def timed(f, *args, calls=20, repeats=7):
     return statistics.median(times)
 
 
+LOOP_BELOW_US = 300  # ops slower than this per call are timed by the call loop alone
+
+
+def loop_timed(f, args, n, repeats=5):
+    """Median seconds per call of f(*args) over one jitted fori_loop of n calls.
+
+    Every array argument is carried through the loop, and after each call its first element
+    is rewritten with itself plus a zero (xor False for booleans) computed from every output:
+    no part of the call is independent of the step before it, so XLA can hoist none of it
+    out of the loop (loop-invariant code motion would otherwise lift, e.g., a reference's
+    page gather that does not depend on a perturbed query). The optimization barrier keeps
+    XLA from computing only the output elements the zero reads. The rewrites are in place,
+    one element each; the loop's one copy of the (undonated) inputs is spread over n."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    def touch(x, hit):
+        at = (0,) * x.ndim
+        old = lax.dynamic_slice(x, at, (1,) * x.ndim)
+        new = old ^ hit if x.dtype == jnp.bool_ else old + hit.astype(x.dtype)
+        return lax.dynamic_update_slice(x, new, at)
+
+    def body(_, xs):
+        out = f(*xs)
+        out, xs = lax.optimization_barrier((out, xs))
+        firsts = [leaf.reshape(-1)[0].astype(jnp.float32) for leaf in jax.tree.leaves(out)]
+        hit = sum(firsts) == -3.0e38  # never true, unknown to XLA
+        return tuple(x if x is None or not x.ndim else touch(x, hit) for x in xs)
+
+    loop = jax.jit(lambda *xs: lax.fori_loop(0, n, body, xs))
+    jax.block_until_ready(loop(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(loop(*args))
+        times.append((time.perf_counter() - t) / n)
+    return statistics.median(times)
+
+
+def loop_calls(call_s: float) -> int:
+    """Loop length for an op of call_s seconds per Python call: about 20 ms of device work."""
+    return size(int(min(400, max(20, 0.02 / max(call_s, 1e-6)))), 2)
+
+
+def bench(name, kern, ref, args, *, bw, compare=None, bytes_moved=None, flops=None, calls=20):
+    """One row: kernel vs reference (compare(out, want) -> dict; default the relative error,
+    reference at highest matmul precision), each timed by the jitted loop (*_us, below
+    LOOP_BELOW_US per call; always in --dry) and the Python call loop (*_call_us)."""
+    import jax
+
+    r = {"name": name}
+    try:
+        out = jax.block_until_ready(kern(*args))
+        if compare is None:
+            with jax.default_matmul_precision("highest"):
+                want = jax.block_until_ready(ref(*args))
+            r["rel_err"] = rel_err(out, want)
+        else:
+            r |= compare(out, jax.block_until_ready(ref(*args)))
+        for key, f in (("kernel", kern), ("xla_ref", ref)):
+            t_call = timed(f, *args, calls=size(calls, 2), repeats=size(7, 1))
+            r[f"{key}_call_us"] = t_call * 1e6
+            t = t_call
+            if DRY or t_call * 1e6 < LOOP_BELOW_US:
+                n = loop_calls(t_call)
+                t = loop_timed(f, args, n, repeats=size(5, 1))
+                r[f"{key}_loop_n"] = n
+            r[f"{key}_us"] = t * 1e6
+        if bytes_moved:
+            r["bytes"] = bytes_moved
+            r["GBps"] = bytes_moved / r["kernel_us"] / 1e3
+            r["MBU"] = bytes_moved / (r["kernel_us"] * 1e-6) / bw
+            r["ref_MBU"] = bytes_moved / (r["xla_ref_us"] * 1e-6) / bw
+        if flops:
+            r["TFLOPs"] = flops / r["kernel_us"] / 1e6
+            r["ref_TFLOPs"] = flops / r["xla_ref_us"] / 1e6
+    except Exception as e:
+        traceback.print_exc()
+        r["error"] = f"{type(e).__name__}: {e}"[:600]
+    print(json.dumps(r), flush=True)
+    return r
+
+
 def rel_err(out, ref) -> float:
     import numpy as np
 
@@ -129,15 +232,24 @@ def ceilings():
     i8 = jax.random.randint(jax.random.key(3), (m, m), -127, 128, jnp.int8)
     mi = jax.jit(lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.int32))
     ti = timed(mi, i8, i8, calls=10, repeats=7)
+    # The harnesses' own floor: a trivial op on 256 floats, per loop step and per Python call.
+    tiny = jax.jit(lambda x: x * 1.5)
+    small = jnp.ones((256,), jnp.float32)
+    floor_loop = loop_timed(tiny, (small,), size(1000, 10), repeats=size(5, 1))
+    floor_call = timed(tiny, small, calls=size(200, 5), repeats=size(5, 1))
     return {"copy_GBps": bw / 1e9, "bf16_matmul_TFLOPs": 2 * m**3 / tm / 1e12,
-            "int8_matmul_TOPs": 2 * m**3 / ti / 1e12}
+            "int8_matmul_TOPs": 2 * m**3 / ti / 1e12, "loop_floor_us": floor_loop * 1e6,
+            "call_floor_us": floor_call * 1e6}
 
 
 def pytest_kernels(extra: list[str], timeout: float, log: Path):
     env = dict(os.environ, JAXINFER_NATIVE_KERNELS="1", JAX_PLATFORMS="cuda,cpu")
+    # One file failing to import (a module the device image lacks) must not stop the others.
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "gpu", "-rfE",
+           "--continue-on-collection-errors",
            "tests/test_kernels_flash_attention.py", "tests/test_kernels_paged_attention.py",
-           "tests/test_kernels_ragged_paged_attention.py", "tests/test_kernels_quant_matmul.py", *extra]
+           "tests/test_kernels_ragged_paged_attention.py", "tests/test_kernels_quant_matmul.py",
+           "tests/test_spec_verify.py", *extra]
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         out, rc = p.stdout + p.stderr, p.returncode
@@ -147,6 +259,65 @@ def pytest_kernels(extra: list[str], timeout: float, log: Path):
     tail = out.strip().splitlines()[-25:]
     print("\n".join(tail), flush=True)
     return {"rc": rc, "summary": tail[-1] if tail else "", "failed": [l for l in out.splitlines() if l.startswith("FAILED")][:20]}
+
+
+# ----------------------------------------------------------------------------- spec_verify
+def _spec_inputs(B, k, V, mode):
+    """Verification inputs for B rows of k drafts over V logits. mode "greedy": every row
+    greedy, drafts the argmax; "sampled": every row sampled under a min-p-like filter (keep z
+    within 6 of the row's maximum), half the drafts the argmax and half random (rejections
+    land at every position), point-mass drafts; "sampled+q": the same with draft
+    probabilities (a softmax of perturbed logits)."""
+    import jax
+    import jax.numpy as jnp
+
+    ks = jax.random.split(jax.random.key(8), 5)
+    z = jax.random.normal(ks[0], (B, k + 1, V), jnp.float32) * 3
+    amax = jnp.argmax(z[:, :k], -1).astype(jnp.int32)
+    greedy = jnp.full((B,), mode == "greedy")
+    if mode == "greedy":
+        thr, drafts = jnp.full((B, k + 1), -jnp.inf, jnp.float32), amax
+    else:
+        thr = jnp.max(z, -1) - 6.0
+        guess = jax.random.randint(ks[1], (B, k), 0, V, jnp.int32)
+        drafts = jnp.where(jax.random.uniform(ks[2], (B, k)) < 0.5, amax, guess)
+    q = None
+    if mode == "sampled+q":
+        q = jax.nn.softmax(z[:, :k] * 0.8 + jax.random.normal(ks[3], (B, k, V)), -1)
+    u = jax.random.uniform(ks[4], (B, k + 1, 3), jnp.float32)
+    return (z, thr, drafts, jnp.full((B,), k, jnp.int32), u, greedy, q)
+
+
+@section("spec_verify")
+def spec_verify_bench(bw: float, budget_end: float):
+    """The Triton variant against the reference (XLA) on the same GPU: rows whose accepted
+    count and next token both equal (integer outputs; a draw within rounding of a boundary
+    may differ), times, MBU over the bytes that must be read."""
+    import jax
+    import numpy as np
+
+    from pallas_kernels import spec_verify as sv
+
+    def compare(out, want):
+        a, n = (np.asarray(x) for x in out)
+        wa, wn = (np.asarray(x) for x in want)
+        return {"rows_equal": f"{int(((a == wa) & (n == wn)).sum())}/{len(a)}",
+                "mean_accepted": float(wa.mean())}
+
+    kern = jax.jit(lambda *a: sv.spec_verify_kernel(*a, interpret=DRY))
+    ref = jax.jit(sv.spec_verify_reference)
+    k, V = size((4, 49152), (4, 4096))
+    rows = []
+    for B in size((64, 1), (3, 1)):
+        for mode in ("greedy", "sampled+q", "sampled"):
+            name = f"spec_verify B={B} k={k} V={V} {mode}"
+            if elapsed() > budget_end:
+                rows.append({"name": name, "skipped": "out of time"})
+                continue
+            args = _spec_inputs(B, k, V, mode)
+            read = B * (k + 1) * V * 4 + (B * V * 4 if mode == "sampled+q" else 0)
+            rows.append(bench(name, kern, ref, args, bw=bw, compare=compare, bytes_moved=read))
+    return rows
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -175,7 +346,6 @@ def kernels_bench(bw: float, budget_end: float):
     from pallas_kernels import paged_attention as pa
     from pallas_kernels import quant_matmul as qm
     from pallas_kernels import ragged_paged_attention as rpa
-    from pallas_kernels import spec_verify as sv
 
     rows = []
 
@@ -183,26 +353,7 @@ def kernels_bench(bw: float, budget_end: float):
         if elapsed() > budget_end:
             rows.append({"name": name, "skipped": "out of time"})
             return
-        r = {"name": name}
-        try:
-            out = jax.block_until_ready(kern(*args))
-            with jax.default_matmul_precision("highest"):
-                want = jax.block_until_ready(ref(*args))
-            r["rel_err"] = rel_err(out, want)
-            r["kernel_us"] = timed(kern, *args, calls=calls) * 1e6
-            r["xla_ref_us"] = timed(ref, *args, calls=calls) * 1e6
-            if bytes_moved:
-                r["GBps"] = bytes_moved / r["kernel_us"] / 1e3
-                r["MBU"] = bytes_moved / (r["kernel_us"] * 1e-6) / bw
-                r["ref_MBU"] = bytes_moved / (r["xla_ref_us"] * 1e-6) / bw
-            if flops:
-                r["TFLOPs"] = flops / r["kernel_us"] / 1e6
-                r["ref_TFLOPs"] = flops / r["xla_ref_us"] / 1e6
-        except Exception as e:
-            traceback.print_exc()
-            r["error"] = f"{type(e).__name__}: {e}"[:600]
-        print(json.dumps(r), flush=True)
-        rows.append(r)
+        rows.append(bench(name, kern, ref, args, bw=bw, bytes_moved=bytes_moved, flops=flops, calls=calls))
 
     bf16 = jnp.bfloat16
     key = jax.random.key(0)
@@ -269,22 +420,6 @@ def kernels_bench(bw: float, budget_end: float):
             add(f"w8a8 int8_matmul M={M} {I}x{O}", jax.jit(lambda *a: qm.int8_matmul_kernel(*a, **I_)),
                 jax.jit(qm.int8_matmul_reference), (xq, xs, w8, ws),
                 bytes_moved=I * O + M * (I + 4 * O), flops=2 * M * I * O)
-    # Speculative verification has no Triton variant: its reference (XLA) on the GPU.
-    Bv, k, V = size((64, 4, 49152), (2, 2, 2048))
-    z = jax.random.normal(jax.random.key(8), (Bv, k + 1, V), jnp.float32) * 3
-    thr = jnp.full((Bv, k + 1), -jnp.inf, jnp.float32)
-    drafts = jnp.argmax(z[:, :k], -1).astype(jnp.int32)
-    u = jax.random.uniform(jax.random.key(9), (Bv, k + 1, 3))
-    f = jax.jit(lambda *a: sv.spec_verify_reference(*a))
-    args = (z, thr, drafts, jnp.full((Bv,), k, jnp.int32), u, jnp.zeros((Bv,), bool))
-    if elapsed() < budget_end:
-        try:
-            t = timed(f, *args)
-            rows.append({"name": f"spec_verify reference B={Bv} k={k} V={V} sampled", "xla_ref_us": t * 1e6,
-                         "ref_MBU": Bv * (k + 1) * V * 4 / t / bw})
-        except Exception as e:
-            rows.append({"name": "spec_verify reference", "error": f"{type(e).__name__}: {e}"[:600]})
-        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -394,13 +529,18 @@ def main():
     if "ceilings" not in args.skip:
         ceilings()
     bw = RESULTS.get("ceilings", {}).get("copy_GBps", 3000.0) * 1e9
+    # Each section starts no new work past its share of the budget (the engine's last run may
+    # go on a while past 0.88; the wide grids get what is left).
+    if "spec_verify" not in args.skip:
+        spec_verify_bench(bw, budget_end=0.2 * args.budget)
     if "tests" not in args.skip:
-        section("tests")(pytest_kernels)([], timeout=max(30, 0.25 * args.budget), log=out / "tests.log")
+        timeout = max(30, min(0.2 * args.budget, 0.4 * args.budget - elapsed()))
+        section("tests")(pytest_kernels)([], timeout=timeout, log=out / "tests.log")
     if "kernels" not in args.skip:
-        kernels_bench(bw, budget_end=0.55 * args.budget)
+        kernels_bench(bw, budget_end=0.65 * args.budget)
     if "engine" not in args.skip:
-        engine(bw, out, budget_end=0.85 * args.budget)
-    if "wide" not in args.skip and elapsed() < 0.85 * args.budget:
+        engine(bw, out, budget_end=0.88 * args.budget)
+    if "wide" not in args.skip and elapsed() < 0.88 * args.budget:
         section("wide")(pytest_kernels)(["-m", "slow"], timeout=max(10, args.budget - elapsed() - 10),
                                         log=out / "wide.log")
     RESULTS["total_s"] = round(elapsed(), 1)
@@ -411,8 +551,9 @@ def main():
     for k in ("tests", "wide"):
         if k in RESULTS:
             print(k, RESULTS[k].get("summary", RESULTS[k]), RESULTS[k].get("failed", ""))
-    for r in RESULTS.get("kernels", []) if isinstance(RESULTS.get("kernels"), list) else [RESULTS.get("kernels")]:
-        print(json.dumps(r, default=lambda x: round(x, 4)))
+    for k in ("spec_verify", "kernels"):
+        for r in RESULTS.get(k, []) if isinstance(RESULTS.get(k), list) else [RESULTS.get(k)]:
+            print(json.dumps(r, default=lambda x: round(x, 4)))
     print("engine", json.dumps(RESULTS.get("engine"), default=str)[:3000])
     print("sections", RESULTS.get("section_seconds"), "total", RESULTS["total_s"])
 

@@ -1,6 +1,7 @@
 """Speculative verification: the reference by hand, greedy verification against the plain
 sampler, rejection sampling against the exact distribution of a bigram model (chi-square,
-independent numpy probabilities), and the Pallas kernel (interpret mode) against its reference.
+independent numpy probabilities), and both Pallas kernel variants (interpret mode) against the
+reference.
 """
 
 import itertools
@@ -13,11 +14,20 @@ import scipy.stats
 
 from jaxinfer import sampling as S
 from jaxinfer.sampling import SamplingParams
-from pallas_kernels.spec_verify import BlockSizes, spec_verify_kernel, spec_verify_reference
-from tests.test_sampling import ref_probs
+from pallas_kernels.spec_verify import BlockSizes, spec_verify_reference
+from pallas_kernels.spec_verify.kernel import _VARIANTS
+from tests.kernel_testing import INTERPRET, run_interpreted, skip_unless_runs_here
 
 _verify = jax.jit(S.verify_block, static_argnames=("use_kernel", "interpret"))
 _sample = jax.jit(S.sample)
+
+
+def ref_probs(*args):
+    """tests.test_sampling's independent numpy probabilities, imported where used: that module
+    needs hypothesis, which a GPU image running only this file's kernel cases may lack."""
+    from tests.test_sampling import ref_probs
+
+    return ref_probs(*args)
 
 
 def _state(params, V, prompts=None):
@@ -195,12 +205,15 @@ def test_draft_equal_to_target_accepts_everything():
 
 
 # ------------------------------------------------------------------ kernel against reference
-@pytest.mark.parametrize("B,k,V,greedy,with_q", [
-    (1, 1, 128, "all", False), (3, 4, 256, "mixed", False), (2, 2, 384, "none", True),
-    (4, 3, 512, "mixed", True), (5, 8, 256, "none", False),
-])
-def test_kernel_equals_reference(B, k, V, greedy, with_q):
-    rng = np.random.default_rng(B * 100 + k)
+VARIANTS = _VARIANTS  # target -> variant, as the dispatcher picks them
+
+
+def _kernel_case(variant, B, k, V, greedy, with_q, block_v=128, seed=None):
+    """Both variants (interpret mode; compiled for the device under NATIVE) against the
+    reference: accepted counts and next tokens equal. Logits end in -inf padding, half the
+    positions carry a filter threshold, most drafts are the argmax."""
+    skip_unless_runs_here(variant)
+    rng = np.random.default_rng(B * 100 + k if seed is None else seed)
     J = k + 1
     z = rng.normal(size=(B, J, V)).astype(np.float32) * 2
     z[:, :, -7:] = -np.inf  # padding
@@ -212,11 +225,42 @@ def test_kernel_equals_reference(B, k, V, greedy, with_q):
     u = jnp.asarray(rng.random((B, J, 3)), jnp.float32)
     g = jnp.asarray({"all": np.ones(B, bool), "none": np.zeros(B, bool), "mixed": rng.random(B) < 0.5}[greedy])
     q = jax.nn.softmax(jnp.asarray(rng.normal(size=(B, k, V)), jnp.float32), -1) if with_q else None
-    bs = BlockSizes(128)
-    want = spec_verify_reference(z, thr, drafts, nd, u, g, q, block_sizes=bs)
-    got = spec_verify_kernel(z, thr, drafts, nd, u, g, q, block_sizes=bs, interpret=True)
+    bs = BlockSizes(block_v)
+    want = jax.jit(lambda *a: spec_verify_reference(*a, block_sizes=bs))(z, thr, drafts, nd, u, g, q)
+    got = run_interpreted(lambda *a: VARIANTS[variant](*a, bs, INTERPRET), z, thr, drafts, nd, u, g, q)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
+
+
+GRID = [  # B, k, V, greedy rows, draft probabilities
+    (1, 1, 128, "all", False), (3, 4, 256, "mixed", False), (2, 2, 384, "none", True),
+    (4, 3, 512, "mixed", True), (5, 8, 256, "none", False),
+]
+# Interpreted on CPU, the GPU variant (unrolled over positions, tiles and chunks) compiles
+# about 2 s a case, so here only its two mixed cases run by default (both levels of both
+# loops' unrolling, with and without draft probabilities); compiled natively all are quick.
+_GPU_DEFAULT = {1, 3}
+
+
+@pytest.mark.parametrize("variant,B,k,V,greedy,with_q", [
+    pytest.param(v, *case, marks=[pytest.mark.slow] if v == "gpu" and i not in _GPU_DEFAULT and INTERPRET else [])
+    for v in sorted(VARIANTS) for i, case in enumerate(GRID)
+])
+def test_kernel_equals_reference(variant, B, k, V, greedy, with_q):
+    _kernel_case(variant, B, k, V, greedy, with_q)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("B,k,V,block_v,greedy,with_q", [
+    (8, 4, 3 * 2048, 2048, "none", True), (8, 4, 3 * 2048, 2048, "mixed", False),
+    (4, 2, 5 * 1024, 1024, "none", False), (2, 4, 24 * 2048, 2048, "none", True),
+    (6, 7, 9 * 128, 128, "mixed", True),
+])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_kernel_equals_reference_wide(variant, B, k, V, block_v, greedy, with_q, seed):
+    """Serving-like vocabularies (a non-power-of-two number of chunks, V = 49152 among them)."""
+    _kernel_case(variant, B, k, V, greedy, with_q, block_v=block_v, seed=seed)
 
 
 def test_verify_block_through_the_kernel_equals_the_reference_path():
@@ -231,6 +275,23 @@ def test_verify_block_through_the_kernel_equals_the_reference_path():
     ref = _verify(*args)
     ker = _verify(*args, use_kernel=True, interpret=True)
     np.testing.assert_array_equal(ref.tokens, ker.tokens)
+
+
+def test_dispatch_picks_the_kernel_where_it_is_faster(monkeypatch):
+    """The reference on CPU and GPU (there XLA's fusion of it beat the Triton variant); the
+    kernel on TPU or when interpreting. The GPU variant is what the kernel builds there."""
+    import pallas_kernels.spec_verify as sv
+    from pallas_kernels import _common
+
+    calls = []
+    monkeypatch.setattr(sv, "spec_verify_reference", lambda *a, **k: calls.append("ref"))
+    monkeypatch.setattr(sv, "spec_verify_kernel", lambda *a, **k: calls.append("kernel"))
+    for plat, interpret in [("cpu", False), ("cpu", True), ("gpu", False), ("tpu", False)]:
+        monkeypatch.setattr(sv, "platform", lambda p=plat: p)
+        sv.spec_verify(*[None] * 6, interpret=interpret)
+    assert calls == ["ref", "kernel", "ref", "kernel"]
+    monkeypatch.setattr(_common, "kernel_target", lambda: "gpu")
+    assert _common.pick_variant(_VARIANTS, "spec_verify") is _VARIANTS["gpu"]
 
 
 def test_kernel_input_errors_name_the_problem():

@@ -146,7 +146,8 @@ def verify_block(logits, drafts, num_drafts, state: SamplingState, step, stop_id
     positions), drafts i32[B, k], num_drafts i32[B] (rows may carry fewer, even 0), step i32[B]
     tokens the row has generated before the block, stop_ids i32[B, W] / min_tokens i32[B] as in
     ``mask_tokens_before_min``, draft_probs f32[B, k, V] or None (point-mass drafts).
-    use_kernel / interpret: run the Pallas kernel (TPU, or interpreted) instead of the reference."""
+    use_kernel / interpret: let ``spec_verify`` dispatch (the Pallas kernel on TPU, or
+    interpreted anywhere; the reference elsewhere) instead of always the reference."""
     B, J, V = logits.shape
     drafts = jnp.clip(drafts, 0, V - 1).astype(jnp.int32)
     z, thr, greedy, amax = shape_block(logits, drafts, state, step, stop_ids, min_tokens)
@@ -155,7 +156,7 @@ def verify_block(logits, drafts, num_drafts, state: SamplingState, step, stop_id
     if draft_probs is not None:
         q = jnp.pad(draft_probs.astype(jnp.float32), ((0, 0), (0, 0), (0, Vp - V))) if Vp > V else draft_probs
     u = _uniforms(state.key, step, J)
-    fn = sv.spec_verify_kernel if use_kernel else sv.spec_verify_reference
+    fn = sv.spec_verify if use_kernel else sv.spec_verify_reference
     accepted, nxt = fn(z, thr, drafts, num_drafts.astype(jnp.int32), u, greedy, q,
                        block_sizes=_block_size(Vp), interpret=interpret)
     # greedy rows take the sampler's own argmax (identical to the kernel's first maximum)

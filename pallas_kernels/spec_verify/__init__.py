@@ -23,8 +23,10 @@ __all__ = ["BlockSizes", "spec_verify", "spec_verify_kernel", "spec_verify_refer
 
 def spec_verify(z, thr, drafts, num_drafts, uniforms, greedy, draft_probs=None, *,
                 block_sizes: BlockSizes | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Dispatch: the Pallas kernel on TPU (or anywhere with interpret=True), else the reference
-    (CPU, and GPU, which has no variant of this kernel)."""
+    """Dispatch: the Pallas kernel on TPU (or anywhere with interpret=True), else the reference.
+    On GPU the reference stays: the Triton variant compiles and equals it, but on an H100 it
+    ran slower than XLA's fusion of the reference (175 vs 124 us at B = 64, k = 4, V = 49152;
+    benchmarks/RESULTS.md, session 14); ``spec_verify_kernel`` still runs it there."""
     use = interpret or platform() == "tpu"
     fn = spec_verify_kernel if use else spec_verify_reference
     return fn(z, thr, drafts, num_drafts, uniforms, greedy, draft_probs, block_sizes=block_sizes, interpret=interpret)
