@@ -6,7 +6,7 @@ interleaved per repeat so the machine's load falls on all of them alike; medians
 * batch 1, input-grounded prompts (copy or quote a passage, edit or annotate code), greedy,
   up to 128 new tokens, one request at a time: off, ngram (k=4, lookup 1-4), early_exit;
 * batch 1, general chat prompts: off, early_exit, ngram, medusa (k=3, the committed heads),
-  eagle (k=--eagle-k, the committed EAGLE head),
+  eagle (k=--eagle-k, branches=--eagle-branches, the committed EAGLE head),
   draft_model (k=3; the draft is SmolLM2 itself quantized to int8 while loading: the only
   smaller model we have with its vocabulary, a quarter of its weight bytes; on this CPU its
   batch-1 forward is no faster than float32's, so it measures overhead, not a speedup);
@@ -65,6 +65,8 @@ def main() -> None:
     ap.add_argument("--eagle", default="checkpoints/eagle-smollm2-135m-instruct",
                     help="EAGLE head directory (jaxinfer train-eagle); skipped if missing")
     ap.add_argument("--eagle-k", type=int, nargs="+", default=[2], help="k of each eagle mode (several: eagle_k2, ...)")
+    ap.add_argument("--eagle-branches", type=int, nargs="+", default=[1],
+                    help="branches of each eagle mode (several: eagle_b1, eagle_b3, ...)")
     ap.add_argument("--draft", default=None, help="draft_model's draft (default: --model itself)")
     ap.add_argument("--draft-quantization", default="int8", help="int8 or int4: quantize the draft while loading")
     ap.add_argument("--draft-k", type=int, default=3)
@@ -90,12 +92,14 @@ def main() -> None:
         modes["medusa"] = {"method": "medusa", "num_speculative_tokens": 3, "model": args.medusa}
     if os.path.isdir(args.eagle):
         for k in args.eagle_k:
-            name = "eagle" if len(args.eagle_k) == 1 else f"eagle_k{k}"
-            modes[name] = {"method": "eagle", "num_speculative_tokens": k, "model": args.eagle}
+            for w in args.eagle_branches:
+                name = "eagle" + (f"_k{k}" if len(args.eagle_k) > 1 else "") + \
+                    (f"_b{w}" if len(args.eagle_branches) > 1 else "")
+                modes[name] = {"method": "eagle", "num_speculative_tokens": k, "model": args.eagle, "branches": w}
     modes["draft_model"] = {"method": "draft_model", "num_speculative_tokens": args.draft_k,
                             "model": args.draft or args.model, "quantization": args.draft_quantization}
     if args.modes:
-        modes = {m: c for m, c in modes.items() if m in args.modes or m.split("_k")[0] in args.modes or m == "off"}
+        modes = {m: c for m, c in modes.items() if m in args.modes or m.split("_")[0] in args.modes or m == "off"}
     llms = {m: LLM(args.model, progress=False, max_model_len=1024, max_num_seqs=16, speculative_config=c,
                    quantize=args.quantize) for m, c in modes.items()}
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)

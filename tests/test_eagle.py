@@ -1,6 +1,7 @@
 """EAGLE draft heads: save/load and refusal, training on a tiny model, and the engine's eagle
 method: greedy output unchanged, and the drafts it proposes equal to the head run offline over
-the finished sequence (so its pages hold the right entries at the right positions)."""
+the finished sequence (so its pages hold the right entries at the right positions), with one
+chain per row or several (``branches``), where a row keeps the chain that accepted most."""
 
 import json
 
@@ -92,7 +93,8 @@ def test_second_pass_on_real_entries_is_the_first_pass(tiny_llm):
 
 
 def _proposed_drafts(llm, monkeypatch):
-    """Record each decoding row's drafts as the engine proposes them: [(tokens so far, drafts)]."""
+    """Record each decoding row's drafts as the engine proposes them: [(tokens so far, drafts,
+    the first drafts of its other branches)]."""
     seen = []
     orig = type(llm.engine)._propose
 
@@ -100,20 +102,22 @@ def _proposed_drafts(llm, monkeypatch):
         out = orig(self, decoding)
         for s, d in out.items():
             if d:
-                seen.append((list(s.tokens), list(d)))
+                seen.append((list(s.tokens), list(d), [c[0] for c in s.branch_drafts]))
         return out
 
     monkeypatch.setattr(type(llm.engine), "_propose", spy)
     return seen
 
 
+@pytest.mark.parametrize("branches", [1, 3])
 def test_engine_eagle_keeps_greedy_output_and_drafts_what_the_head_says(tiny_llm, tiny_gguf, tmp_path,
-                                                                        monkeypatch):
+                                                                        monkeypatch, branches):
     cfg = tiny_llm.cfg
     vocab = np.arange(cfg.vocab_size, dtype=np.int32)[:: 7][:512]
     eagle.save_head(tmp_path / "h", _head(cfg), vocab, cfg)
     spec = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_bytes=64 << 20,
-               speculative_config={"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "h")})
+               speculative_config={"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "h"),
+                                   "branches": branches})
     seen = _proposed_drafts(spec, monkeypatch)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["a b c a b c", "hello world", "1 2 3"]
@@ -125,13 +129,58 @@ def test_engine_eagle_keeps_greedy_output_and_drafts_what_the_head_says(tiny_llm
     # over the entries before it: the head run offline over the same tokens must agree
     head, v, _ = eagle.load_head(tmp_path / "h", cfg)
     rows = eagle.readout_rows(tiny_llm.weights, v, cfg)
-    seqs = [toks for toks, _ in seen]  # all at one length: one compile, not one per sequence
+    seqs = [toks for toks, _, _ in seen]  # all at one length: one compile, not one per sequence
     F, T, _, _, _ = te.pack(te.sequence_features(tiny_llm, seqs), seqs, [0] * len(seqs),
                             max(map(len, seqs)) + 1)
     _, logits = te._forward(head, tiny_llm.weights, rows, jnp.asarray(F), jnp.asarray(T), cfg)
-    best = np.asarray(jnp.argmax(logits, axis=-1))
-    match = sum(int(v[best[n, len(toks) - 2]]) == d[0] for n, (toks, d) in enumerate(seen))
+    order = np.asarray(jnp.argsort(-logits, axis=-1)[..., :branches])  # the head's top guesses, best first
+    firsts = [[int(v[i]) for i in order[n, len(toks) - 2]] for n, (toks, _, _) in enumerate(seen)]
+    match = sum(f == [d[0]] + other for f, (_, d, other) in zip(firsts, seen) if len(other) == branches - 1)
     assert match >= 0.9 * len(seen), (match, len(seen))
+
+
+def test_branches_keep_the_chain_that_accepted_most(tiny_llm, tiny_gguf, tmp_path, monkeypatch):
+    """Branch 1 of every block is the true continuation, branch 0 the (random) head's: every
+    block must accept all it can, and the output stay plain decoding's. Wrong keys kept for a
+    chosen branch, or the wrong branch's tokens, would change what follows."""
+    from jaxinfer.engine import paged
+
+    cfg = tiny_llm.cfg
+    eagle.save_head(tmp_path / "h", _head(cfg), np.arange(cfg.vocab_size, dtype=np.int32)[:512], cfg)
+    k = 3
+    spec = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_bytes=64 << 20,
+               speculative_config={"method": "eagle", "num_speculative_tokens": k, "model": str(tmp_path / "h"),
+                                   "branches": 2, "disable_by_batch_size": 8})
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = ["a b c a b c", "hello world", "1 2 3"]
+    want = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in tiny_llm.generate(prompts, sp, use_tqdm=False)}
+    orig = paged.PagedEngine._branch_drafts
+
+    def truth(self, batch, rows):
+        out = orig(self, batch, rows)
+        for s in self.sched.slots:
+            if s is not None and s.slot in rows:
+                n, ref = len(s.row.token_ids), want[tuple(s.row.prompt_ids)]
+                d = len(rows[s.slot])
+                out[s.slot, 0, :d] = (ref[n: n + d] + [0] * d)[:d]
+        return out
+
+    monkeypatch.setattr(paged.PagedEngine, "_branch_drafts", truth)
+    got = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)}
+    assert got == want
+    st = spec.engine.spec_stats
+    assert st.drafted > 0 and st.accepted == st.drafted  # every block took branch 1 whole
+
+
+def test_branch_helpers_by_hand():
+    from jaxinfer.engine import branches
+
+    acc = jnp.array([[1, 2, 2], [0, 0, 1], [2, 0, 3]])
+    free = jnp.array([True, True, False])
+    assert branches.choose(acc, free).tolist() == [1, 2, 0]  # first best; a sampled row keeps 0
+    R, W, Q = 2, 3, 2
+    a = jnp.arange(R * W * Q + 3)  # three prefill tokens after the virtual rows
+    assert branches.pick(a, jnp.array([2, 0]), R, W, Q).tolist() == [4, 5, 6, 7, 12, 13, 14]
 
 
 def test_bad_config(tiny_gguf, tmp_path):

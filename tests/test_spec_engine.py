@@ -51,7 +51,8 @@ def test_ngram_lookup_by_hand():
     assert ngram_propose([3, 1, 2, 8, 3, 1, 2], 1, 2, 2) == [8]
 
 
-@pytest.mark.parametrize("spec", [NGRAM, EARLY, MEDUSA, EAGLE], ids=["ngram", "early_exit", "medusa", "eagle"])
+@pytest.mark.parametrize("spec", [NGRAM, EARLY, MEDUSA, EAGLE, {**EAGLE, "branches": 3}],
+                         ids=["ngram", "early_exit", "medusa", "eagle", "eagle_branches"])
 def test_greedy_equals_transformers_goldens(smollm2_gguf, spec):
     llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=spec, kv_cache_bytes=KV_BYTES)
     sp = SamplingParams(temperature=0.0, max_tokens=len(GOLDEN[0]["greedy_ids"]), ignore_eos=True,
@@ -75,10 +76,13 @@ def test_gemma_goldens_with_ngram(gemma3_gguf):
     assert llm.engine.spec_stats.accepted > 0
 
 
-@pytest.mark.slow  # 40 s: Gemma 3 loaded and compiled with an EAGLE head
-def test_gemma_goldens_with_an_eagle_head(gemma3_gguf, tmp_path):
+@pytest.mark.slow  # 40 s each: Gemma 3 loaded and compiled with an EAGLE head
+@pytest.mark.parametrize("branches", [1, 2])
+def test_gemma_goldens_with_an_eagle_head(gemma3_gguf, tmp_path, monkeypatch, branches):
     """A random EAGLE head on Gemma 3 (sliding-window layers; the head's own layer is global):
-    its drafts are mostly rejected, and the output is still the goldens'."""
+    its drafts are mostly rejected, and the output is still the goldens'. With two branches,
+    branch 1 carries the goldens' own continuation, so the kept chain is mostly branch 1 and its
+    keys reach both the full-length and the window pools."""
     import jax
     import numpy as np
 
@@ -94,13 +98,31 @@ def test_gemma_goldens_with_an_eagle_head(gemma3_gguf, tmp_path):
     # 8 slots: the window pools of the default 64 would take the whole 256 MB
     llm = LLM(str(gemma3_gguf), max_model_len=1024, progress=False, kv_cache_bytes=KV_BYTES, max_num_seqs=8,
               speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "h"),
-                                  "disable_by_batch_size": 16})
+                                  "disable_by_batch_size": 16, "branches": branches})
+    if branches > 1:
+        from jaxinfer.engine import paged
+
+        want = {tuple(c["prompt_ids"]): c["greedy_ids"] for c in GEMMA}
+        orig = paged.PagedEngine._branch_drafts
+
+        def truth(self, batch, rows):
+            out = orig(self, batch, rows)
+            for s in self.sched.slots:
+                if s is not None and s.slot in rows:
+                    n, d = len(s.row.token_ids), len(rows[s.slot])
+                    out[s.slot, 0, :d] = (want[tuple(s.row.prompt_ids)][n: n + d] + [0] * d)[:d]
+            return out
+
+        monkeypatch.setattr(paged.PagedEngine, "_branch_drafts", truth)
     sp = SamplingParams(temperature=0.0, max_tokens=len(GEMMA[0]["greedy_ids"]), ignore_eos=True,
                         skip_special_tokens=False)
     outs = llm.generate([c["prompt_ids"] for c in GEMMA], sp, use_tqdm=False)
     exact = sum(o.outputs[0].token_ids == c["greedy_ids"] for c, o in zip(GEMMA, outs))
     assert exact >= len(GEMMA) - 1  # the golden test's allowance (one near-tie prompt)
-    assert llm.engine.spec_stats.drafted > 0
+    st = llm.engine.spec_stats
+    assert st.drafted > 0
+    if branches > 1:
+        assert st.accepted > 0.5 * st.drafted, st.summary()
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -184,6 +206,8 @@ def test_sampled_rows_run_and_report_acceptance(ngram_llm):
     ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 3}, "unknown field"),
     ("{not json", "not valid JSON"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "branches": 2}, "branches applies to eagle"),
+    ({"method": "eagle", "num_speculative_tokens": 2, "model": "h", "branches": 0}, r"branches must be in \[1, 8\]"),
 ])
 def test_bad_config_is_one_clear_error(cfg, msg):
     with pytest.raises(InvalidRequest, match=msg):

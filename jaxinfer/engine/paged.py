@@ -462,6 +462,19 @@ class PagedEngine:
                 drafts[s] = d
         return drafts
 
+    def _branch_drafts(self, batch: PackedBatch, rows: dict):
+        """i32[R, W - 1, k]: the chains of EAGLE branches 1..W-1 of each row, cut to as many
+        drafts as its branch 0 carries (None without branches)."""
+        W = self.spec.branches
+        if W == 1:
+            return None
+        out = np.full((batch.rows, W - 1, batch.q - 1), self.tokenizer.pad_id, np.int32)
+        slots = {s.slot: s for s in self.sched.slots if s is not None}
+        for b, d in rows.items():
+            for i, chain in enumerate(slots[b].branch_drafts[: W - 1]):
+                out[b, i, : len(d)] = chain[: len(d)]
+        return out
+
     def _spec_rows(self) -> int:
         """The largest row bucket a verification step can have (disable_by_batch_size's)."""
         return buckets.bucket(self.spec.disable_by_batch_size, buckets.BATCH_BUCKETS, self.max_num_seqs)
@@ -474,12 +487,17 @@ class PagedEngine:
         return rows <= self._spec_rows()
 
     def _run_spec_step(self, batch: PackedBatch, guide, *, num_logprobs: int, prompt_logprobs: int,
-                       draft_layers: int):
-        """One verification step on the engine's pools, slots and draft pools (all donated)."""
+                       draft_layers: int, branch_drafts=None):
+        """One verification step on the engine's pools, slots and draft pools (all donated).
+        branch_drafts: i32[R, W - 1, k] with EAGLE branches (zeros when None)."""
         eagle = self._eagle is not None
+        W = self.spec.branches
+        if W > 1 and branch_drafts is None:
+            branch_drafts = np.zeros((batch.rows, W - 1, batch.q - 1), np.int32)
         out, self.k_pages, self.v_pages, self.slots, kv_out = self._spec_step(
             self.weights, batch, self.k_pages, self.v_pages, self.slots, self._heads, guide, self.draft_weights,
-            None if eagle else self.draft_kv, self._eagle, self.eagle_kv, cfg=self.cfg, num_logprobs=num_logprobs,
+            None if eagle else self.draft_kv, self._eagle, self.eagle_kv, branch_drafts if W > 1 else None,
+            cfg=self.cfg, num_logprobs=num_logprobs,
             prompt_logprobs=prompt_logprobs, kernel_mode=kernels.current_mode(), draft_layers=draft_layers,
             draft_cfg=self.draft_cfg)
         if eagle:
@@ -532,7 +550,7 @@ class PagedEngine:
         if not drafts:
             stats.disabled_steps += bool(decoding)
             for s in decoding:
-                s.drafts = []  # stale after a step without the heads
+                s.drafts = s.branch_drafts = []  # stale after a step without the heads
             fl = self._dispatch()
             return self._consume(fl) if fl is not None else []
         for s, d in drafts.items():
@@ -553,7 +571,8 @@ class PagedEngine:
         draft_layers = spec.num_layers if spec.method == SpecMethod.EARLY_EXIT else 0
         self.shapes_run.add((batch.rows, batch.table.shape[1], batch.prefill_len, q, num_lp, plp))
         guide = self._block_guide(plan.decode, rows, batch.rows, q)
-        out = self._run_spec_step(batch, guide, num_logprobs=num_lp, prompt_logprobs=plp, draft_layers=draft_layers)
+        out = self._run_spec_step(batch, guide, num_logprobs=num_lp, prompt_logprobs=plp, draft_layers=draft_layers,
+                                  branch_drafts=self._branch_drafts(batch, rows))
         self.sched.prefill_done(plan.prefill)
         plp_segments = _prompt_logprob_segments(plan)
         if plp_segments:
@@ -575,6 +594,8 @@ class PagedEngine:
             if n:
                 stats.record(n, a)
             seq.drafts = [] if nxt is None else nxt[b].tolist()
+            if nxt is not None and nxt.ndim == 3:  # EAGLE branches: [W, k] per row
+                seq.drafts, seq.branch_drafts = seq.drafts[0], seq.drafts[1:]
             r.spec_drafted += n
             r.spec_accepted += a
             finished = False

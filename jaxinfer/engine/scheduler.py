@@ -61,6 +61,7 @@ class Seq:
     inflight: int = 0  # tokens sampled on device that the host has not read yet (0 or 1)
     lookahead: int = 0  # drafted tokens this step writes past its last token (speculative decoding)
     drafts: list[int] = dataclasses.field(default_factory=list)  # medusa: the heads' drafts for the next step
+    branch_drafts: list[list[int]] = dataclasses.field(default_factory=list)  # eagle branches 1..W-1: theirs
     preemptions: int = 0
     aborted: bool = False
 

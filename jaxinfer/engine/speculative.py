@@ -27,7 +27,9 @@ min(1, p(x)/q(x)), resample from norm(max(0, p - q))). Lossless in every samplin
 * ``eagle``: a trained EAGLE head (``models.eagle``, from ``model``): one decoder layer over the
   target's features, with its own one-layer page pools. Each step writes its entries for the
   tokens the target computed; after verification it runs k times from the accepted position,
-  and those are the next block's drafts (host-visible, as Medusa's).
+  and those are the next block's drafts (host-visible, as Medusa's). With ``branches`` W > 1,
+  the head's W most likely first drafts each begin a chain of k, all verified in the same
+  step (``engine.branches``); a greedy row keeps the chain that accepted most.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ class SpecMethod(str, enum.Enum):
 
 
 _FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "num_layers",
-           "disable_by_batch_size", "model", "quantization"}
+           "disable_by_batch_size", "model", "quantization", "branches"}
+MAX_BRANCHES = 8
 _QUANTIZATIONS = ("int8", "int4")  # draft_model: weight-only schemes applied while loading the draft
 
 
@@ -63,6 +66,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 4  # steps with more decoding rows than this run without speculation
     model: str | None = None  # medusa: the heads directory (``jaxinfer train-medusa``); draft_model: the draft
     quantization: str | None = None  # draft_model: quantize the draft's weights while loading (int8, int4)
+    branches: int = 1  # eagle: chains per row, one from each of the head's top-`branches` first drafts
 
     @classmethod
     def parse(cls, spec, n_layers: int | None = None) -> "SpeculativeConfig | None":
@@ -133,6 +137,10 @@ class SpeculativeConfig:
         if self.method not in (SpecMethod.MEDUSA, SpecMethod.EAGLE, SpecMethod.DRAFT_MODEL) and self.model is not None:
             raise InvalidRequest(f"speculative_config model applies to medusa, eagle and draft_model, "
                                  f"not {self.method.value}")
+        if not 1 <= self.branches <= MAX_BRANCHES:
+            raise InvalidRequest(f"speculative_config branches must be in [1, {MAX_BRANCHES}], got {self.branches}")
+        if self.branches > 1 and self.method != SpecMethod.EAGLE:
+            raise InvalidRequest(f"speculative_config branches applies to eagle, not {self.method.value}")
         if self.method != SpecMethod.DRAFT_MODEL and self.quantization is not None:
             raise InvalidRequest(f"speculative_config quantization applies to draft_model, not {self.method.value}")
 

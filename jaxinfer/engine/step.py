@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxinfer import kernels
 from jaxinfer import sampling as smp
+from jaxinfer.engine import branches
 from jaxinfer.engine.pages import SCRATCH_PAGE
 from jaxinfer.engine.pipeline import pipeline_forward
 from jaxinfer.models import eagle as eagle_mod
@@ -286,7 +287,7 @@ class SpecOutput:
     accepted: jax.Array  # i32[R] drafts accepted per row
     logprobs: tuple | None  # (chosen f32[R, q], rank i32[R, q], top ids i32[R, q, n], top logprobs f32[R, q, n])
     prompt_logprobs: tuple | None
-    next_drafts: jax.Array | None = None  # i32[R, K] medusa: the heads' drafts for each row's next block
+    next_drafts: jax.Array | None = None  # i32[R, K] (EAGLE branches: [R, W, K]) each row's next block's drafts
 
 
 def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cfg, windowed, use_kernels,
@@ -317,7 +318,7 @@ def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cf
 
 
 def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, heads=None, guide=None,
-              draft_weights=None, draft_kv=None, eagle=None, eagle_kv=None, *, cfg, windowed,
+              draft_weights=None, draft_kv=None, eagle=None, eagle_kv=None, branch_drafts=None, *, cfg, windowed,
               num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode, draft_layers: int = 0,
               draft_cfg=None):
     """One speculative scheduler iteration -> (SpecOutput, k_pages, v_pages, slots, draft_kv).
@@ -335,7 +336,9 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, h
     first (``_draft_model_drafts``) and verification gets its distributions q. With an EAGLE
     head (``eagle``, its pools eagle_kv donated and returned in draft_kv's place), the verified
     block's entries are written with the target's real features, and the draft layer then runs
-    k times from each row's accepted position: next_drafts, as with Medusa."""
+    k times from each row's accepted position: next_drafts, as with Medusa. With
+    ``branch_drafts`` i32[R, W - 1, k] (EAGLE branches, ``engine.branches``), each row also
+    carries W - 1 more chains, verified as virtual rows; next_drafts is then i32[R, W, k]."""
     with kernels.traced_with(kernel_mode):
         mod = family_module(cfg.family)
         R, Q = batch.rows, batch.q
@@ -356,10 +359,12 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, h
                 tokens = batch.tokens.at[: R * Q].set(
                     jnp.concatenate([batch.tokens[0 : R * Q : Q][:, None], d], axis=1).reshape(-1))
             batch = dataclasses.replace(batch, tokens=tokens)
-        cache = PackedKV(k_pages, v_pages, batch, windowed, use_kernels)
-        h, cache = mod.forward(weights, tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
+        W = 1 if branch_drafts is None else branch_drafts.shape[1] + 1
+        vb = batch if W == 1 else branches.expand(batch, branch_drafts)  # W virtual rows per row
+        cache = PackedKV(k_pages, v_pages, vb, windowed, use_kernels, defer_writes=W > 1)
+        h, cache = mod.forward(weights, vb.tokens[None], None, cache, cfg=cfg, positions=vb.positions[None])
         with jax.named_scope("verify"):
-            hd = h[0, : R * Q].reshape(R, Q, -1)
+            hd = h[0, : R * W * Q].reshape(R * W, Q, -1)
             if heads is None:
                 row_logits = mod.unembed(weights, hd, cfg)  # f32[R, Q, V]
             else:  # one matmul for the verification logits and every head at every position
@@ -368,16 +373,28 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, h
                 both = mod.unembed(weights, x.reshape(R, -1, x.shape[-1]), cfg).reshape(x.shape[:3] + (-1,))
                 row_logits, head_logits = both[:, :, 0], both[:, :, 1:]  # f32[R, Q, V], f32[R, Q, K, V]
             sub = jax.tree.map(lambda a: a[:R], slots)
-            drafts = tokens[: R * Q].reshape(R, Q)[:, 1:]
+            vsub = sub if W == 1 else jax.tree.map(lambda a: jnp.repeat(a, W, axis=0), sub)
+            drafts = vb.tokens[: R * W * Q].reshape(R * W, Q)[:, 1:]
             shaped = row_logits
             if guide is not None:
                 bm, has = guide
+                bm, has = (bm, has) if W == 1 else (jnp.repeat(bm, W, axis=0), jnp.repeat(has, W))
                 V = row_logits.shape[-1]
-                shaped = smp.apply_token_bitmask(row_logits.reshape(R * Q, V), bm.reshape(R * Q, -1),
-                                                 jnp.repeat(has, Q)).reshape(R, Q, V)
-            ver = smp.verify_block(shaped, drafts, batch.last_q, sub.sampling, sub.generated, sub.stop_ids,
-                                   sub.min_tokens, draft_probs=q_draft, use_kernel=use_kernels,
+                shaped = smp.apply_token_bitmask(row_logits.reshape(R * W * Q, V), bm.reshape(R * W * Q, -1),
+                                                 jnp.repeat(has, Q)).reshape(R * W, Q, V)
+            ver = smp.verify_block(shaped, drafts, vb.last_q, vsub.sampling, vsub.generated, vsub.stop_ids,
+                                   vsub.min_tokens, draft_probs=q_draft, use_kernel=use_kernels,
                                    interpret=kernel_mode == kernels.KernelMode.INTERPRET)
+            if W > 1:  # each row keeps one branch: its pages, features, logits and verdict
+                free = sub.sampling.temperature <= 0.0
+                if guide is not None:
+                    free = free & ~guide[1]
+                chosen = branches.choose(ver.accepted.reshape(R, W), free)
+                at = jnp.arange(R) * W + chosen
+                ver = jax.tree.map(lambda a: a[at], ver)
+                row_logits = row_logits[at]
+                h = branches.pick(h[0], chosen, R, W, Q)[None]
+                cache = branches.store_chosen(cache, batch, chosen, W)
             new_last = jnp.take_along_axis(ver.tokens, ver.accepted[:, None], axis=1)[:, 0]
             next_drafts = None
             if heads is not None:
@@ -394,8 +411,12 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, h
                                                 use_kernels=use_kernels)
                 g0 = jnp.take_along_axis(g[: R * Q].reshape(R, Q, -1), ver.accepted[:, None, None], axis=1)[:, 0]
                 start = batch.positions[: R * Q].reshape(R, Q)[:, 0] + ver.accepted
-                next_drafts, eagle_kv = _eagle_drafts(eagle, weights, g0, start, batch, eagle_kv, Q - 1, cfg=cfg,
-                                                      use_kernels=use_kernels)
+                if W == 1:
+                    next_drafts, eagle_kv = _eagle_drafts(eagle, weights, g0, start, batch, eagle_kv, Q - 1, cfg=cfg,
+                                                          use_kernels=use_kernels)
+                else:
+                    next_drafts = branches.eagle_drafts(eagle, weights, g0, start, batch, eagle_kv, Q - 1, W, cfg=cfg,
+                                                        use_kernels=use_kernels)
             draft_kv = eagle_kv
         lp = plp = None
         if num_logprobs >= 0:
