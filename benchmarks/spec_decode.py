@@ -6,7 +6,8 @@ interleaved per repeat so the machine's load falls on all of them alike; medians
 * batch 1, input-grounded prompts (copy or quote a passage, edit or annotate code), greedy,
   up to 128 new tokens, one request at a time: off, ngram (k=4, lookup 1-4), early_exit;
 * batch 1, general chat prompts: off, early_exit, ngram, medusa (k=3, the committed heads),
-  eagle (k=--eagle-k, branches=--eagle-branches, the committed EAGLE head),
+  eagle (k=--eagle-k, branches=--eagle-branches, head weights --eagle-quantization; the
+  committed EAGLE head),
   draft_model (k=3; the draft is SmolLM2 itself quantized to int8 while loading: the only
   smaller model we have with its vocabulary, a quarter of its weight bytes; on this CPU its
   batch-1 forward is no faster than float32's, so it measures overhead, not a speedup);
@@ -67,6 +68,8 @@ def main() -> None:
     ap.add_argument("--eagle-k", type=int, nargs="+", default=[2], help="k of each eagle mode (several: eagle_k2, ...)")
     ap.add_argument("--eagle-branches", type=int, nargs="+", default=[1],
                     help="branches of each eagle mode (several: eagle_b1, eagle_b3, ...)")
+    ap.add_argument("--eagle-quantization", nargs="+", default=["int8"], choices=["none", "int8"],
+                    help="the head's weights in each eagle mode (several: eagle_none, eagle_int8)")
     ap.add_argument("--draft", default=None, help="draft_model's draft (default: --model itself)")
     ap.add_argument("--draft-quantization", default="int8", help="int8 or int4: quantize the draft while loading")
     ap.add_argument("--draft-k", type=int, default=3)
@@ -93,9 +96,12 @@ def main() -> None:
     if os.path.isdir(args.eagle):
         for k in args.eagle_k:
             for w in args.eagle_branches:
-                name = "eagle" + (f"_k{k}" if len(args.eagle_k) > 1 else "") + \
-                    (f"_b{w}" if len(args.eagle_branches) > 1 else "")
-                modes[name] = {"method": "eagle", "num_speculative_tokens": k, "model": args.eagle, "branches": w}
+                for qz in args.eagle_quantization:
+                    name = "eagle" + (f"_k{k}" if len(args.eagle_k) > 1 else "") + \
+                        (f"_b{w}" if len(args.eagle_branches) > 1 else "") + \
+                        (f"_{qz}" if len(args.eagle_quantization) > 1 else "")
+                    modes[name] = {"method": "eagle", "num_speculative_tokens": k, "model": args.eagle,
+                                   "branches": w, "quantization": None if qz == "none" else qz}
     modes["draft_model"] = {"method": "draft_model", "num_speculative_tokens": args.draft_k,
                             "model": args.draft or args.model, "quantization": args.draft_quantization}
     if args.modes:

@@ -172,6 +172,29 @@ def test_branches_keep_the_chain_that_accepted_most(tiny_llm, tiny_gguf, tmp_pat
     assert st.drafted > 0 and st.accepted == st.drafted  # every block took branch 1 whole
 
 
+def test_int8_head_keeps_greedy_output(tiny_llm, tiny_gguf, tmp_path):
+    """``quantization: int8`` stores the head's matmul weights and readout rows as int8; its
+    drafts change a little, the output not at all."""
+    from jaxinfer.quant import QuantArray
+
+    cfg = tiny_llm.cfg
+    eagle.save_head(tmp_path / "h", _head(cfg), np.arange(cfg.vocab_size, dtype=np.int32)[:512], cfg)
+    spec = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_bytes=64 << 20,
+               speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "h"),
+                                   "quantization": "int8"})
+    held = spec.engine._eagle
+    assert isinstance(held["rows"], QuantArray) and isinstance(held["head"]["fc"], QuantArray)
+    assert isinstance(held["head"]["layer"]["w_down"], QuantArray)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["a b c a b c", "hello world", "1 2 3"]
+    want = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, sp, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)] == want
+    assert spec.engine.spec_stats.drafted > 0
+    with pytest.raises(InvalidRequest, match="eagle head must be int8"):
+        LLM(str(tiny_gguf), progress=False, speculative_config={
+            "method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "h"), "quantization": "int4"})
+
+
 def test_branch_helpers_by_hand():
     from jaxinfer.engine import branches
 

@@ -108,7 +108,7 @@ def eagle_drafts(eagle: dict, weights: dict, g0: jax.Array, start: jax.Array, ba
     rows = eagle["rows"]
     first = jax.lax.top_k(eagle_mod.draft_logits(weights, rows, g0, cfg), W)[1]  # [R, W] draft-vocab ids
     toks = [eagle["vocab"][first].reshape(R * W)]
-    rep = lambda a: jnp.repeat(a, W, axis=0)  # noqa: E731
+    rep = lambda a: jnp.repeat(a, W, axis=0)
     g, s0, active = rep(g0), rep(start), rep(batch.active)
     table = jnp.concatenate([rep(batch.table[:R]), batch.table[R:]])
     none = jnp.zeros(0, jnp.int32)

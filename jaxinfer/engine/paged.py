@@ -210,6 +210,8 @@ class PagedEngine:
             raise InvalidRequest("speculative_config method eagle does not run with tensor parallelism yet")
         head, vocab, _ = eagle.load_head(self.spec.model, self.cfg)
         self._eagle = {"head": head, "rows": eagle.readout_rows(self.weights, vocab, self.cfg), "vocab": vocab}
+        if self.spec.quantization == "int8":
+            self._eagle = eagle.quantize_head(self._eagle, self.cfg)
         pools = kv.init_paged_cache(eagle.layer_cfg(self.cfg), num_pages, self.config.page_size, jnp.float32)
         self.eagle_kv = (pools.k, pools.v)
 

@@ -65,7 +65,7 @@ class SpeculativeConfig:
     num_layers: int | None = None  # early_exit: layers that draft
     disable_by_batch_size: int = 4  # steps with more decoding rows than this run without speculation
     model: str | None = None  # medusa: the heads directory (``jaxinfer train-medusa``); draft_model: the draft
-    quantization: str | None = None  # draft_model: quantize the draft's weights while loading (int8, int4)
+    quantization: str | None = None  # draft_model: quantize the draft while loading (int8, int4); eagle: int8
     branches: int = 1  # eagle: chains per row, one from each of the head's top-`branches` first drafts
 
     @classmethod
@@ -141,8 +141,12 @@ class SpeculativeConfig:
             raise InvalidRequest(f"speculative_config branches must be in [1, {MAX_BRANCHES}], got {self.branches}")
         if self.branches > 1 and self.method != SpecMethod.EAGLE:
             raise InvalidRequest(f"speculative_config branches applies to eagle, not {self.method.value}")
-        if self.method != SpecMethod.DRAFT_MODEL and self.quantization is not None:
-            raise InvalidRequest(f"speculative_config quantization applies to draft_model, not {self.method.value}")
+        if self.method == SpecMethod.EAGLE and self.quantization not in (None, "int8"):
+            raise InvalidRequest(f"speculative_config quantization of an eagle head must be int8, "
+                                 f"got {self.quantization!r}")
+        if self.method not in (SpecMethod.DRAFT_MODEL, SpecMethod.EAGLE) and self.quantization is not None:
+            raise InvalidRequest(f"speculative_config quantization applies to draft_model and eagle, "
+                                 f"not {self.method.value}")
 
 
 def ngram_propose(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:

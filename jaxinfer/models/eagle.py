@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import AttentionKind
-from jaxinfer.models.layers import take
+from jaxinfer.models.layers import dot, take
 from jaxinfer.models.registry import family_module
 from jaxinfer.specs import WeightSpec, init_weights
 
@@ -73,7 +73,10 @@ def unit_rms(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 def entries(head: dict, weights: dict, feats: jax.Array, next_tokens: jax.Array, cfg) -> jax.Array:
     """feats f32[..., D] (f_p), next_tokens i32[...] (t_{p+1}) -> entries f32[..., D]."""
     e = family_module(cfg.family).embed(weights, next_tokens, cfg).astype(jnp.float32)
-    return jnp.concatenate([unit_rms(feats), e], axis=-1) @ head["fc"]
+    x = jnp.concatenate([unit_rms(feats), e], axis=-1)
+    if isinstance(head["fc"], jax.Array):
+        return x @ head["fc"]
+    return dot("ME,ED->MD", x.reshape(-1, x.shape[-1]), head["fc"]).reshape(x.shape[:-1] + (-1,))
 
 
 def run_layer(head: dict, x: jax.Array, positions: jax.Array, cache, cfg):
@@ -86,10 +89,27 @@ def run_layer(head: dict, x: jax.Array, positions: jax.Array, cache, cfg):
 def draft_logits(weights: dict, rows: jax.Array, g: jax.Array, cfg) -> jax.Array:
     """g f32[..., D] -> f32[..., Vd] through the target's final norm and the draft rows."""
     mod = family_module(cfg.family)
-    w = {"final_norm": weights["final_norm"], "embed": rows, "lm_head": rows.T}
+    if isinstance(rows, jax.Array):
+        w = {"final_norm": weights["final_norm"], "embed": rows, "lm_head": rows.T}
+    else:  # quantized rows [Vd, D] (``quantize_head``): read out as a tied head
+        w, cfg = {"final_norm": weights["final_norm"], "embed": rows}, dataclasses.replace(cfg, tie_embeddings=True)
     lead = g.shape[:-1]
     return mod.unembed(w, g.reshape(1, -1, g.shape[-1]).astype(jnp.float32),
                        dataclasses.replace(cfg, dtype="float32")).reshape(lead + (-1,))
+
+
+def quantize_head(eagle: dict, cfg) -> dict:
+    """The engine's head ({"head", "rows", "vocab"}) with weight-only int8 matmul weights: the
+    layer's, fc and the readout rows (one scale per output channel; norms stay float). A
+    batch-1 draft step then streams a quarter of the bytes through the native int8 kernel."""
+    from jaxinfer import quant
+    from jaxinfer.specs import is_spec
+
+    def q(spec, w):
+        return quant.quantize_int8(w, spec.contract_axes) if spec.contract else w
+
+    head = jax.tree.map(q, head_specs(layer_cfg(cfg)), eagle["head"], is_leaf=is_spec)
+    return {**eagle, "head": head, "rows": quant.quantize_int8(eagle["rows"], (1,))}
 
 
 def save_head(dest, head: dict, vocab, cfg, extra: dict | None = None) -> Path:
