@@ -47,12 +47,13 @@ from pallas_kernels.spec_verify.common import BlockSizes, pick, validate
 _BIG = 2**30
 
 
+def _split_refs(rest, has_q: bool):
+    """A kernel's trailing refs -> (draft-probability ref or None, accepted ref, next-token ref)."""
+    return tuple(rest) if has_q else (None, *rest)
+
+
 def _kernel(z_ref, thr_ref, x_ref, nd_ref, u_ref, g_ref, *rest, C: int, nC: int, has_q: bool):
-    if has_q:
-        q_ref, acc_ref, next_ref = rest
-    else:
-        q_ref = None
-        acc_ref, next_ref = rest
+    q_ref, acc_ref, next_ref = _split_refs(rest, has_q)
     J = z_ref.shape[1]
     thr = thr_ref[0]  # f32[J, 1]
     x = x_ref[0]  # i32[J, 1] drafted token per position (-1 at the last)
@@ -218,11 +219,7 @@ def _pick2(mass, r):
 
 def _gpu_kernel(z_ref, thr_ref, x_ref, nd_ref, u_ref, g_ref, *rest, V: int, C: int, T: int,
                 U: int, G: int, NC: tuple[int, int], has_q: bool):
-    if has_q:
-        q_ref, acc_ref, next_ref = rest
-    else:
-        q_ref = None
-        acc_ref, next_ref = rest
+    q_ref, acc_ref, next_ref = _split_refs(rest, has_q)
     J = z_ref.shape[0]
     k, L = J - 1, _LANE
     TR, R, nC = T // L, C // L, V // C
