@@ -209,9 +209,18 @@ class PagedEngine:
         if self.mesh is not None:
             raise InvalidRequest("speculative_config method eagle does not run with tensor parallelism yet")
         head, vocab, _ = eagle.load_head(self.spec.model, self.cfg)
-        self._eagle = {"head": head, "rows": eagle.readout_rows(self.weights, vocab, self.cfg), "vocab": vocab}
-        if self.spec.quantization == "int8":
-            self._eagle = eagle.quantize_head(self._eagle, self.cfg)
+        rows = eagle.readout_rows(self.weights, vocab, self.cfg)
+        if self.spec.quantization == "int8":  # weight-only int8 matmul weights (norms stay float):
+            # a batch-1 draft pass streams a quarter of the bytes through the native int8 kernel
+            from jaxinfer.loaders.quantize import quantize_weight
+            from jaxinfer.quant import QuantConfig, QuantScheme, quantize_int8
+            from jaxinfer.specs import is_spec
+
+            qcfg = QuantConfig(QuantScheme.INT8)
+            head = jax.tree.map(lambda spec, w: quantize_weight("eagle", spec, w, qcfg),
+                                eagle.head_specs(eagle.layer_cfg(self.cfg)), head, is_leaf=is_spec)
+            rows = quantize_int8(rows, (1,))  # [Vd, D], one scale per draft token
+        self._eagle = {"head": head, "rows": rows, "vocab": vocab}
         pools = kv.init_paged_cache(eagle.layer_cfg(self.cfg), num_pages, self.config.page_size, jnp.float32)
         self.eagle_kv = (pools.k, pools.v)
 
@@ -498,7 +507,7 @@ class PagedEngine:
             branch_drafts = np.zeros((batch.rows, W - 1, batch.q - 1), np.int32)
         out, self.k_pages, self.v_pages, self.slots, kv_out = self._spec_step(
             self.weights, batch, self.k_pages, self.v_pages, self.slots, self._heads, guide, self.draft_weights,
-            None if eagle else self.draft_kv, self._eagle, self.eagle_kv, branch_drafts if W > 1 else None,
+            None if eagle else self.draft_kv, self._eagle, self.eagle_kv, branch_drafts,
             cfg=self.cfg, num_logprobs=num_logprobs,
             prompt_logprobs=prompt_logprobs, kernel_mode=kernels.current_mode(), draft_layers=draft_layers,
             draft_cfg=self.draft_cfg)

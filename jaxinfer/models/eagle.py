@@ -91,25 +91,11 @@ def draft_logits(weights: dict, rows: jax.Array, g: jax.Array, cfg) -> jax.Array
     mod = family_module(cfg.family)
     if isinstance(rows, jax.Array):
         w = {"final_norm": weights["final_norm"], "embed": rows, "lm_head": rows.T}
-    else:  # quantized rows [Vd, D] (``quantize_head``): read out as a tied head
+    else:  # quantized rows [Vd, D] (the engine's int8 head): read out as a tied head
         w, cfg = {"final_norm": weights["final_norm"], "embed": rows}, dataclasses.replace(cfg, tie_embeddings=True)
     lead = g.shape[:-1]
     return mod.unembed(w, g.reshape(1, -1, g.shape[-1]).astype(jnp.float32),
                        dataclasses.replace(cfg, dtype="float32")).reshape(lead + (-1,))
-
-
-def quantize_head(eagle: dict, cfg) -> dict:
-    """The engine's head ({"head", "rows", "vocab"}) with weight-only int8 matmul weights: the
-    layer's, fc and the readout rows (one scale per output channel; norms stay float). A
-    batch-1 draft step then streams a quarter of the bytes through the native int8 kernel."""
-    from jaxinfer import quant
-    from jaxinfer.specs import is_spec
-
-    def q(spec, w):
-        return quant.quantize_int8(w, spec.contract_axes) if spec.contract else w
-
-    head = jax.tree.map(q, head_specs(layer_cfg(cfg)), eagle["head"], is_leaf=is_spec)
-    return {**eagle, "head": head, "rows": quant.quantize_int8(eagle["rows"], (1,))}
 
 
 def save_head(dest, head: dict, vocab, cfg, extra: dict | None = None) -> Path:
