@@ -32,6 +32,16 @@ from jaxinfer.models import eagle as eagle_mod
 from jaxinfer.models.packed import PackedBatch, PackedKV
 
 
+def _rows(a: jax.Array, W: int) -> jax.Array:
+    """A per-row array [R, ...] -> [R * W, ...]: each row repeated for its W branches."""
+    return jnp.repeat(a, W, axis=0)
+
+
+def _table(t: jax.Array, R: int, W: int) -> jax.Array:
+    """A page table [R + 1, w] (row R: the prefill row's) -> [R * W + 1, w]."""
+    return jnp.concatenate([_rows(t[:R], W), t[R:]])
+
+
 def expand(batch: PackedBatch, branch_drafts: jax.Array) -> PackedBatch:
     """The batch with each decode row r as W virtual rows r * W + b: branch 0 is the row as
     built (its last token and chain drafts), branch b >= 1 the same last token and
@@ -48,8 +58,6 @@ def expand(batch: PackedBatch, branch_drafts: jax.Array) -> PackedBatch:
     others = jnp.concatenate([jnp.broadcast_to(first[:, :, :1], (R, W - 1, 1)),
                               branch_drafts.astype(jnp.int32)], axis=2)
     toks = jnp.concatenate([jnp.concatenate([first, others], axis=1).reshape(-1), batch.tokens[n:]])
-    rows = lambda a: jnp.repeat(a, W, axis=0)  # per row [R] -> [R * W]
-    table = lambda t: jnp.concatenate([rows(t[:R]), t[R:]])  # [R + 1, w] -> [R * W + 1, w]
     # a row's padding queries (past its last draft) sit at its last real position in the
     # batch; with deferred writes every query sees the row's own keys by position, so they move
     # past it instead (their outputs are never read, their keys never stored)
@@ -57,9 +65,10 @@ def expand(batch: PackedBatch, branch_drafts: jax.Array) -> PackedBatch:
     pos = jnp.broadcast_to(first_pos + jnp.arange(Q, dtype=jnp.int32), (R, W, Q)).reshape(-1)
     return PackedBatch(tokens=toks, positions=jnp.concatenate([pos, batch.positions[n:]]),
                        write_page=tokens_of(batch.write_page),
-                       write_wpage=tokens_of(batch.write_wpage), active=rows(batch.active),
-                       use_prev=rows(batch.use_prev), last_q=rows(batch.last_q), table=table(batch.table),
-                       wtable=table(batch.wtable), wbase=table(batch.wbase), seg=batch.seg, hist_end=batch.hist_end,
+                       write_wpage=tokens_of(batch.write_wpage), active=_rows(batch.active, W),
+                       use_prev=_rows(batch.use_prev, W), last_q=_rows(batch.last_q, W),
+                       table=_table(batch.table, R, W), wtable=_table(batch.wtable, R, W),
+                       wbase=_table(batch.wbase, R, W), seg=batch.seg, hist_end=batch.hist_end,
                        targets=batch.targets, rows=R * W, q=Q, max_segments=batch.max_segments)
 
 
@@ -108,9 +117,8 @@ def eagle_drafts(eagle: dict, weights: dict, g0: jax.Array, start: jax.Array, ba
     rows = eagle["rows"]
     first = jax.lax.top_k(eagle_mod.draft_logits(weights, rows, g0, cfg), W)[1]  # [R, W] draft-vocab ids
     toks = [eagle["vocab"][first].reshape(R * W)]
-    rep = lambda a: jnp.repeat(a, W, axis=0)
-    g, s0, active = rep(g0), rep(start), rep(batch.active)
-    table = jnp.concatenate([rep(batch.table[:R]), batch.table[R:]])
+    g, s0, active = _rows(g0, W), _rows(start, W), _rows(batch.active, W)
+    table = _table(batch.table, R, W)
     none = jnp.zeros(0, jnp.int32)
     xs = []
     for j in range(1, k):  # unrolled: the branch's j entries so far, at start + 1 .. start + j
