@@ -27,16 +27,18 @@ import jax.numpy as jnp
 
 from jaxinfer.sampling.device import (
     SamplingState,
+    apply_penalties,
     _BLOCK,
     _FINE,
     _argmax,
+    _has_penalties,
     _categorical,
     filter_threshold,
     mask_tokens_before_min,
-    penalised,
     sample,
 )
 from pallas_kernels import spec_verify as sv
+from pallas_kernels.spec_verify.common import leading
 
 _LANES = 128  # the vocabulary is padded (with -inf) to a multiple of this
 _SPEC_STREAM = 0x5BEC  # folded into a row's key: verification's uniforms, apart from sample's
@@ -69,36 +71,54 @@ def _uniforms(key: jax.Array, step: jax.Array, J: int) -> jax.Array:
     return jax.vmap(one)(key, step)
 
 
-def _positions(state: SamplingState, drafts: jax.Array, J: int) -> SamplingState:
+def _positions(state: SamplingState, drafts: jax.Array, J: int, with_counts: bool = True) -> SamplingState:
     """The state of every block position as a batch of B * J rows: position j's output counts
-    include drafts[:, :j]."""
+    include drafts[:, :j] (with_counts=False: the row's own counts, repeated, for what reads
+    every field but the counts)."""
     B, V = state.output_counts.shape
     rep = lambda a: jnp.repeat(a, J, axis=0)  # noqa: E731
-    onehot = jax.nn.one_hot(drafts, V, dtype=jnp.int32)  # i32[B, k, V]
-    before = jnp.concatenate([jnp.zeros((B, 1, V), jnp.int32), jnp.cumsum(onehot, axis=1)], axis=1)
-    counts = (state.output_counts[:, None] + before).reshape(B * J, V)
+    if with_counts:
+        onehot = jax.nn.one_hot(drafts, V, dtype=jnp.int32)  # i32[B, k, V]
+        before = jnp.concatenate([jnp.zeros((B, 1, V), jnp.int32), jnp.cumsum(onehot, axis=1)], axis=1)
+        counts = (state.output_counts[:, None] + before).reshape(B * J, V)
+    else:
+        counts = rep(state.output_counts)
     return SamplingState(**{f.name: rep(getattr(state, f.name)) for f in dataclasses.fields(state)
                             if f.name != "output_counts"}, output_counts=counts)
+
+
+def _penalised_block(logits, drafts, state, step, stop_ids, min_tokens):
+    """(xp f32[B * J, Vp], bmax f32[B * J, Vp / _FINE], flat_state): each block position's
+    logits with the min_tokens mask and the penalties applied, padded with -inf to a multiple
+    of 128, their block maxima, and the state of every position (its counts left out)."""
+    B, J, V = logits.shape
+    flat_state = _positions(state, drafts, J, with_counts=False)
+    rep = lambda a: jnp.repeat(a, J, axis=0)  # noqa: E731
+    flat_step = (step[:, None] + jnp.arange(J)[None]).reshape(B * J)
+    x = mask_tokens_before_min(logits.reshape(B * J, V).astype(jnp.float32), rep(stop_ids), flat_step,
+                               rep(min_tokens))
+    # the per-position counts (a one-hot of the drafts over V) are built only when a row has
+    # penalties: in the cond, not as its operand
+    x = jax.lax.cond(_has_penalties(state), lambda: apply_penalties(x, _positions(state, drafts, J)), lambda: x)
+    pad = -V % max(_LANES, _FINE)
+    xp = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x
+    return xp, jnp.max(xp.reshape(B * J, -1, _FINE), axis=2), flat_state
+
+
+def _filtered(xp, bmax, flat_state, B: int, J: int, V: int):
+    """(z f32[B, J, Vp], thr f32[B, J]): temperature applied, and the top-k / top-p / min-p
+    threshold of each position."""
+    t, _, thr = filter_threshold(xp, bmax, flat_state, V)
+    return (xp / t[:, None]).reshape(B, J, -1), thr.reshape(B, J)
 
 
 def shape_block(logits, drafts, state, step, stop_ids, min_tokens):
     """(z f32[B, J, Vp], thr f32[B, J], greedy bool[B], argmax i32[B, J]): the sampler's view of
     each block position, the vocabulary padded with -inf to a multiple of 128."""
     B, J, V = logits.shape
-    flat_state = _positions(state, drafts, J)
-    rep = lambda a: jnp.repeat(a, J, axis=0)  # noqa: E731
-    flat_step = (step[:, None] + jnp.arange(J)[None]).reshape(B * J)
-    x = mask_tokens_before_min(logits.reshape(B * J, V).astype(jnp.float32), rep(stop_ids), flat_step,
-                               rep(min_tokens))
-    x = penalised(x, flat_state)
-    pad = -V % max(_LANES, _FINE)
-    xp = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x
-    bmax = jnp.max(xp.reshape(B * J, -1, _FINE), axis=2)
-    t, _, thr = filter_threshold(xp, bmax, flat_state, V)
-    z = xp / t[:, None]
-    amax = _argmax(xp, bmax, V)
-    greedy = state.temperature <= 0.0
-    return z.reshape(B, J, -1), thr.reshape(B, J), greedy, amax.reshape(B, J)
+    xp, bmax, flat_state = _penalised_block(logits, drafts, state, step, stop_ids, min_tokens)
+    z, thr = _filtered(xp, bmax, flat_state, B, J, V)
+    return z, thr, state.temperature <= 0.0, _argmax(xp, bmax, V).reshape(B, J)
 
 
 def draft_sample(logits, drafts, state: SamplingState, step, stop_ids, min_tokens):
@@ -150,25 +170,41 @@ def verify_block(logits, drafts, num_drafts, state: SamplingState, step, stop_id
     interpreted anywhere; the reference elsewhere) instead of always the reference."""
     B, J, V = logits.shape
     drafts = jnp.clip(drafts, 0, V - 1).astype(jnp.int32)
-    z, thr, greedy, amax = shape_block(logits, drafts, state, step, stop_ids, min_tokens)
-    Vp = z.shape[-1]
-    q = None
-    if draft_probs is not None:
-        q = jnp.pad(draft_probs.astype(jnp.float32), ((0, 0), (0, 0), (0, Vp - V))) if Vp > V else draft_probs
-    u = _uniforms(state.key, step, J)
-    fn = sv.spec_verify if use_kernel else sv.spec_verify_reference
-    accepted, nxt = fn(z, thr, drafts, num_drafts.astype(jnp.int32), u, greedy, q,
-                       block_sizes=_block_size(Vp), interpret=interpret)
-    # greedy rows take the sampler's own argmax (identical to the kernel's first maximum)
-    nxt = jnp.where(greedy, jnp.take_along_axis(amax, accepted[:, None], axis=1)[:, 0], nxt)
-    # a row without drafts draws exactly the token a plain step would (the sampler's own
-    # uniforms), so whether its step ran with speculation, which depends on the other rows,
-    # never changes its seeded output
-    plain = sample(mask_tokens_before_min(logits[:, 0].astype(jnp.float32), stop_ids, step, min_tokens), state, step)
-    nxt = jnp.where(num_drafts == 0, plain, nxt)
+    xp, bmax, flat_state = _penalised_block(logits, drafts, state, step, stop_ids, min_tokens)
+    amax = _argmax(xp, bmax, V).reshape(B, J)
+    greedy = state.temperature <= 0.0
+    num_drafts = num_drafts.astype(jnp.int32)
+
+    def greedy_rows():  # what the kernel decides for greedy rows, without its softmaxes
+        ok = (drafts == amax[:, :-1]) & (jnp.arange(J - 1)[None] < num_drafts[:, None])
+        a = leading(ok)
+        return a, jnp.take_along_axis(amax, a[:, None], axis=1)[:, 0]
+
+    def any_rows():
+        z, thr = _filtered(xp, bmax, flat_state, B, J, V)
+        Vp = z.shape[-1]
+        q = None
+        if draft_probs is not None:
+            q = jnp.pad(draft_probs.astype(jnp.float32), ((0, 0), (0, 0), (0, Vp - V))) if Vp > V else draft_probs
+        u = _uniforms(state.key, step, J)
+        fn = sv.spec_verify if use_kernel else sv.spec_verify_reference
+        a, nxt = fn(z, thr, drafts, num_drafts, u, greedy, q, block_sizes=_block_size(Vp), interpret=interpret)
+        # greedy rows take the sampler's own argmax (identical to the kernel's first maximum)
+        nxt = jnp.where(greedy, jnp.take_along_axis(amax, a[:, None], axis=1)[:, 0], nxt)
+        # a row without drafts draws exactly the token a plain step would (the sampler's own
+        # uniforms), so whether its step ran with speculation, which depends on the other rows,
+        # never changes its seeded output
+        plain = sample(mask_tokens_before_min(logits[:, 0].astype(jnp.float32), stop_ids, step, min_tokens),
+                       state, step)
+        return a, jnp.where(num_drafts == 0, plain, nxt)
+
+    # an all-greedy block (the usual batch-1 chat) takes the argmaxes alone: no temperature,
+    # filters, uniforms or softmaxes over [B, k + 1, V]
+    accepted, nxt = jax.lax.cond(jnp.all(greedy), greedy_rows, any_rows)
     j = jnp.arange(J)[None]
     full = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
     tokens = jnp.where(j < accepted[:, None], full, jnp.where(j == accepted[:, None], nxt[:, None], -1))
-    emitted = jnp.sum(jax.nn.one_hot(jnp.where(tokens >= 0, tokens, V), V + 1, dtype=jnp.int32), axis=1)[:, :V]
-    state = dataclasses.replace(state, output_counts=state.output_counts + emitted)
+    at = jnp.where(tokens >= 0, tokens, V)  # -1 (not emitted) falls outside and is dropped
+    counts = state.output_counts.at[jnp.arange(B)[:, None], at].add(1, mode="drop")
+    state = dataclasses.replace(state, output_counts=counts)
     return Verified(accepted, tokens.astype(jnp.int32), state)
