@@ -106,6 +106,8 @@ def _proposed_drafts(llm, monkeypatch):
         return out
 
     monkeypatch.setattr(type(llm.engine), "_propose", spy)
+    # chained blocks take their drafts on device, never through _propose: host-built ones only
+    monkeypatch.setattr(type(llm.engine), "_chains", lambda self: False)
     return seen
 
 

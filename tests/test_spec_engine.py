@@ -159,6 +159,40 @@ def test_blocks_end_at_max_tokens_stop_strings_and_eos(ngram_llm, smollm2_llm):
     assert a.finish_reason == "stop" and (b.token_ids, b.finish_reason, b.text) == (a.token_ids, a.finish_reason, a.text)
 
 
+def test_chained_blocks_equal_host_built_ones(smollm2_gguf, smollm2_llm, monkeypatch):
+    """EAGLE verification steps dispatched before the host read the previous one (each row
+    moved on by the unread step's accepted drafts on device, ``step.chain_block``) give what
+    host-built blocks give: the same tokens, finish reasons and acceptance counts, with
+    max_tokens and a stop string landing inside blocks, one request at a time and three at
+    once; and plain decoding's tokens."""
+    from jaxinfer.engine import paged
+
+    llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=EAGLE, kv_cache_bytes=KV_BYTES)
+    prompts = [MIXED[0], MIXED[4], MIXED[2]]
+    half = smollm2_llm.generate([MIXED[4]], _greedy(48), use_tqdm=False)[0].outputs[0].text
+    params = [_greedy(37), _greedy(48, stop=[half[len(half) // 2:][:6]]), _greedy(9)]
+    want = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text)
+            for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
+    assert want[1][1] == "stop"
+    chained = []
+    orig = paged.PagedEngine._dispatch_chained
+    monkeypatch.setattr(paged.PagedEngine, "_dispatch_chained", lambda self, fl: chained.append(1) or orig(self, fl))
+
+    def run(chain: bool):
+        monkeypatch.setattr(paged.PagedEngine, "_chains", lambda self: chain)
+        llm.engine.spec_stats.__init__(EAGLE["num_speculative_tokens"])
+        outs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+        outs += llm.generate(prompts, params, use_tqdm=False)
+        st = llm.engine.spec_stats
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs], \
+            (st.drafted, st.accepted, st.by_position, st.drafted_by_position)
+
+    got, stats = run(True)
+    assert len(chained) > 20
+    assert got == want * 2
+    assert (got, stats) == run(False) and stats[1] > 0
+
+
 def test_logprobs_of_accepted_tokens_equal_plain(ngram_llm, smollm2_llm):
     prompt = MIXED[0]
     sp = _greedy(24, logprobs=3)

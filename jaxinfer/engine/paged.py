@@ -82,6 +82,13 @@ class _InFlight:
     out: object  # StepOutput (device arrays)
 
 
+@dataclasses.dataclass
+class _SpecInFlight:
+    plan_decode: list[Seq]
+    drafted: dict[int, int] | None  # slot -> drafts its row verifies; None: chained (known once the previous is read)
+    out: object  # SpecOutput (device arrays)
+
+
 class PagedEngine:
     """Continuous-batching engine over one model.
 
@@ -178,6 +185,7 @@ class PagedEngine:
             donate_argnames=("draft_kv",)))
         self._seqs: dict[int, Seq] = {}  # id(row) -> its sequence, for abort
         self._inflight: _InFlight | None = None
+        self._spec_inflight: _SpecInFlight | None = None  # a verification step the host has not read
         self._bitmask: np.ndarray | None = None  # i32[S, V/32] structured-output masks, made on first use
         self.shapes_run: set[tuple] = set()  # (R, width, Tp, q, logprobs, prompt logprobs) of every step run
 
@@ -309,6 +317,11 @@ class PagedEngine:
                 draft_layers = self.spec.num_layers if self.spec.method == SpecMethod.EARLY_EXIT else 0
                 self._run_spec_step(self.idle_batch(R, w, Tp, q=q), None, num_logprobs=-1, prompt_logprobs=-1,
                                     draft_layers=draft_layers)
+                if Tp == 0 and self._chains():  # and the same step chained after an unread one
+                    K = self._heads["w"].shape[0] if self._heads is not None else q - 1
+                    z = lambda *shape: jnp.zeros(shape, jnp.int32)
+                    self._run_spec_step(self.idle_batch(R, w, 0, q=q), None, num_logprobs=-1, prompt_logprobs=-1,
+                                        draft_layers=0, chain=(z(R), z(R, K), z(R)))
         self.slots = make_slots(self.cfg.vocab_size, self.max_num_seqs, self.seed)  # warm-up sampled into idle slots
         if self.mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
@@ -347,7 +360,7 @@ class PagedEngine:
             self.sched.abort(seq)
 
     def has_unfinished(self) -> bool:
-        return self.sched.has_work() or self._inflight is not None
+        return self.sched.has_work() or self._inflight is not None or self._spec_inflight is not None
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[Row]:
@@ -498,16 +511,17 @@ class PagedEngine:
         return rows <= self._spec_rows()
 
     def _run_spec_step(self, batch: PackedBatch, guide, *, num_logprobs: int, prompt_logprobs: int,
-                       draft_layers: int, branch_drafts=None):
+                       draft_layers: int, branch_drafts=None, chain=None):
         """One verification step on the engine's pools, slots and draft pools (all donated).
-        branch_drafts: i32[R, W - 1, k] with EAGLE branches (zeros when None)."""
+        branch_drafts: i32[R, W - 1, k] with EAGLE branches (zeros when None). chain: see
+        ``step.spec_step``."""
         eagle = self._eagle is not None
         W = self.spec.branches
         if W > 1 and branch_drafts is None:
             branch_drafts = np.zeros((batch.rows, W - 1, batch.q - 1), np.int32)
         out, self.k_pages, self.v_pages, self.slots, kv_out = self._spec_step(
             self.weights, batch, self.k_pages, self.v_pages, self.slots, self._heads, guide, self.draft_weights,
-            None if eagle else self.draft_kv, self._eagle, self.eagle_kv, branch_drafts,
+            None if eagle else self.draft_kv, self._eagle, self.eagle_kv, branch_drafts, chain,
             cfg=self.cfg, num_logprobs=num_logprobs,
             prompt_logprobs=prompt_logprobs, kernel_mode=kernels.current_mode(), draft_layers=draft_layers,
             draft_cfg=self.draft_cfg)
@@ -536,13 +550,20 @@ class PagedEngine:
         return masks, has
 
     def _spec_iteration(self) -> list[Row]:
-        """One synchronous iteration with speculation: drafts are proposed from the tokens the
-        host holds, the block is verified on device, and the accepted tokens are read back
-        before the next iteration is planned. Steps whose batch is above
-        ``disable_by_batch_size``, or where no row has a draft, run as plain decode steps."""
+        """One iteration with speculation. Drafts are proposed from the tokens the host holds,
+        the block is dispatched for verification on device, and its accepted tokens are read
+        at the next iteration. In steady state with Medusa or EAGLE (``_can_chain``), that
+        iteration first dispatches the next block from the unread one's device outputs
+        (``step.chain_block``), so reading, detokenizing and stop checks overlap the device's
+        work; otherwise it only reads. Steps whose batch is above ``disable_by_batch_size``,
+        or where no row has a draft, run as plain decode steps."""
         if self._inflight is not None:  # left over from before speculation was enabled
             done, self._inflight = self._consume(self._inflight), None
             return done
+        fl = self._spec_inflight
+        if fl is not None:
+            self._spec_inflight = self._dispatch_chained(fl) if self._can_chain(fl) else None
+            return self._consume_spec(fl)
         if not self.sched.has_work():
             return []
         spec, stats = self.spec, self.spec_stats
@@ -592,16 +613,81 @@ class PagedEngine:
             return []
         self.stats["decode_steps"] += 1
         stats.steps += 1
+        self._spec_inflight = _SpecInFlight(plan.decode, {b: len(d) for b, d in rows.items()}, out)
+        return []
+
+    def _can_chain(self, fl: _SpecInFlight) -> bool:
+        """Whether the next verification step can be dispatched before ``fl`` is read: Medusa
+        or EAGLE drafts (one chain, no grammar), the same rows decoding and nothing to admit
+        or prefill, and, for every row, pages for everything the two blocks may write
+        (without preempting) below max_model_len. No window pools: a windowed row's table
+        follows its position, which only the unread step knows."""
+        spec, ps = self.spec, self.allocator.page_size
+        if not self._chains():
+            return False
+        running = self.sched.running()
+        if len(running) != len(fl.plan_decode) or len(running) > spec.disable_by_batch_size:
+            return False
+        if self.sched.waiting and len(running) < self.max_num_seqs:
+            return False  # a waiting sequence would be admitted
+        need = 0
+        for s in fl.plan_decode:
+            if s.slot < 0 or s.state.value != "decode" or s.row.guided is not None or s.row.checker.finished:
+                return False
+            if s.row.max_new - len(s.row.token_ids) <= 1:
+                return False  # the unread block ends the row
+            last = len(s.tokens) + 2 * spec.num_speculative_tokens  # the unread block's k + 1, then k drafts
+            if last >= self.max_model_len:
+                return False
+            need += max(0, last // ps + 1 - len(s.pages))
+        return need <= self.allocator.num_free
+
+    def _chains(self) -> bool:
+        """Whether verification steps may be chained at all (see ``_can_chain``)."""
+        spec = self.spec
+        return (spec.method in _DRAFTS_FROM_PREVIOUS_STEP and spec.branches == 1 and not self.window
+                and self.mesh is None)
+
+    def _dispatch_chained(self, fl: _SpecInFlight) -> _SpecInFlight:
+        """The next verification step of fl's rows, from fl's device outputs (``_can_chain``)."""
+        k = self.spec.num_speculative_tokens
+        for s in fl.plan_decode:
+            s.lookahead = 2 * k + 1
+        plan = self.sched.plan()
+        for s in fl.plan_decode:
+            s.lookahead = 0
+        assert not plan.inserted and not plan.prefill and plan.decode == fl.plan_decode
+        batch = build_batch(plan, self.sched, q=k + 1, pad_id=self.tokenizer.pad_id, pages_per_seq=self.pages_per_seq,
+                            max_num_seqs=self.max_num_seqs, prefill_chunk=self.config.prefill_chunk,
+                            want_targets=False, drafts={}, next_tokens=self._eagle is not None)
+        budget = np.zeros(batch.rows, np.int32)
+        for s in plan.decode:
+            budget[s.slot] = s.row.max_new - len(s.row.token_ids) - 2
+        num_lp = buckets.logprob_bucket([s.row.params.logprobs for s in plan.decode])
+        self.shapes_run.add((batch.rows, batch.table.shape[1], 0, k + 1, num_lp, -1, "chained"))
+        out = self._run_spec_step(batch, None, num_logprobs=num_lp, prompt_logprobs=-1, draft_layers=0,
+                                  chain=(fl.out.accepted, fl.out.next_drafts, budget))
+        self.stats["decode_steps"] += 1
+        self.spec_stats.steps += 1
+        return _SpecInFlight(plan.decode, None, out)
+
+    def _consume_spec(self, fl: _SpecInFlight) -> list[Row]:
+        """Read a verification step: each row's accepted drafts and new token, its next drafts."""
+        out, stats, k = fl.out, self.spec_stats, self.spec.num_speculative_tokens
+        if all(seq.slot < 0 or seq.row.checker.finished for seq in fl.plan_decode):
+            return []  # a chained block after its rows ended: nothing to read, no need to wait for it
         toks, accepted = np.asarray(out.tokens), np.asarray(out.accepted)
         nxt = np.asarray(out.next_drafts) if out.next_drafts is not None else None
         host_lp = jax.device_get(out.logprobs) if out.logprobs is not None else None
         now = time.perf_counter()
         done = []
-        for seq in plan.decode:
+        for seq in fl.plan_decode:
             if seq.slot < 0 or seq.row.checker.finished:
                 continue
             r, b = seq.row, seq.slot
-            n, a = len(rows.get(b, [])), int(accepted[b])
+            # a chained block drafted what the row's max_tokens left room for after the last one
+            n = fl.drafted.get(b, 0) if fl.drafted is not None else min(k, max(0, r.max_new - len(r.token_ids) - 1))
+            a = int(accepted[b])
             if n:
                 stats.record(n, a)
             seq.drafts = [] if nxt is None else nxt[b].tolist()

@@ -317,8 +317,30 @@ def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cf
     return batch.tokens.at[: R * Q].set(toks.reshape(-1)), k_pages, v_pages
 
 
+def chain_block(batch: PackedBatch, last_tokens, accepted, next_drafts, budget, page_size: int) -> PackedBatch:
+    """The decode rows of a verification step dispatched before the host read the previous
+    one (``PagedEngine`` chains Medusa and EAGLE steps so): the host built ``batch`` as a
+    block without drafts at each row's previous first query p, not yet knowing how far the
+    previous step got. Each row now starts at p + 1 + accepted (i32[R], the previous step's),
+    with that step's last token (last_tokens i32[S]) and then its next drafts (i32[R, >= k]),
+    as many as ``budget`` i32[R] (the host's max_new - generated - 2, generated as the host
+    last read it) leaves after the accepted ones: what the host would have built."""
+    R, Q = batch.rows, batch.q
+    base = batch.positions[0 : R * Q : Q] + 1 + accepted
+    last_q = jnp.clip(budget - accepted, 0, Q - 1)
+    j = jnp.arange(Q)[None]
+    pos = base[:, None] + jnp.minimum(j, last_q[:, None])  # unused queries repeat the last position
+    page = jnp.take_along_axis(batch.table[:R], jnp.minimum(pos // page_size, batch.table.shape[1] - 1), axis=1)
+    page = jnp.where((j <= last_q[:, None]) & batch.active[:, None], page, SCRATCH_PAGE)
+    toks = jnp.concatenate([last_tokens[:R, None], next_drafts[:, : Q - 1]], axis=1)
+    at = lambda a, x: a.at[: R * Q].set(x.reshape(-1).astype(a.dtype))
+    return dataclasses.replace(batch, tokens=at(batch.tokens, toks), positions=at(batch.positions, pos),
+                               write_page=at(batch.write_page, page), last_q=last_q.astype(jnp.int32))
+
+
 def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, heads=None, guide=None,
-              draft_weights=None, draft_kv=None, eagle=None, eagle_kv=None, branch_drafts=None, *, cfg, windowed,
+              draft_weights=None, draft_kv=None, eagle=None, eagle_kv=None, branch_drafts=None, chain=None, *, cfg,
+              windowed,
               num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode, draft_layers: int = 0,
               draft_cfg=None):
     """One speculative scheduler iteration -> (SpecOutput, k_pages, v_pages, slots, draft_kv).
@@ -338,8 +360,13 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, h
     block's entries are written with the target's real features, and the draft layer then runs
     k times from each row's accepted position: next_drafts, as with Medusa. With
     ``branch_drafts`` i32[R, W - 1, k] (EAGLE branches, ``engine.branches``), each row also
-    carries W - 1 more chains, verified as virtual rows; next_drafts is then i32[R, W, k]."""
+    carries W - 1 more chains, verified as virtual rows; next_drafts is then i32[R, W, k].
+    With ``chain`` = (accepted i32[R], next_drafts i32[R, k], budget i32[R]) of the previous
+    step, still unread by the host, the decode rows are first moved on by it (``chain_block``;
+    no window pools)."""
     with kernels.traced_with(kernel_mode):
+        if chain is not None:
+            batch = chain_block(batch, slots.last_tokens, *chain, page_size=v_pages[0].shape[2])
         mod = family_module(cfg.family)
         R, Q = batch.rows, batch.q
         use_kernels = kernel_mode != kernels.KernelMode.OFF
