@@ -486,3 +486,10 @@ def test_stop_strings_streamed_equal_whole_text(text, stops, cuts):
     expected, stopped = _reference_stop(text, stops)
     assert "".join(out) == c.output_text == expected
     assert c.finish_reason == ("stop" if stopped else "length")
+
+
+def test_argmax_first_equals_jnp_argmax_with_ties():
+    x = jax.random.normal(jax.random.PRNGKey(7), (4, 3, 7789))
+    x = x.at[1, 2, 40].set(9.0).at[1, 2, 4000].set(9.0).at[3, 0, 7788].set(9.0)  # ties: the first wins
+    x = x.at[2, 1].set(-jnp.inf)  # every entry -inf: index 0, as jnp.argmax
+    np.testing.assert_array_equal(S.argmax_first(x), jnp.argmax(x, axis=-1))

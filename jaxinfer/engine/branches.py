@@ -27,6 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import sampling as smp
 from jaxinfer.cache import _store
 from jaxinfer.models import eagle as eagle_mod
 from jaxinfer.models.packed import PackedBatch, PackedKV
@@ -133,5 +134,5 @@ def eagle_drafts(eagle: dict, weights: dict, g0: jax.Array, start: jax.Array, ba
         out, _ = eagle_mod.run_layer(eagle["head"], jnp.stack(xs, axis=1).reshape(1, R * W * j, D),
                                      pos.reshape(1, -1), cache, cfg)
         g = out[0].reshape(R * W, j, D)[:, -1]
-        toks.append(eagle["vocab"][jnp.argmax(eagle_mod.draft_logits(weights, rows, g, cfg), axis=-1)])
+        toks.append(eagle["vocab"][smp.argmax_first(eagle_mod.draft_logits(weights, rows, g, cfg))])
     return jnp.stack(toks, axis=1).reshape(R, W, k).astype(jnp.int32)

@@ -183,7 +183,7 @@ def _eagle_drafts(eagle, weights, g0, start, batch: PackedBatch, eagle_kv, k: in
     none = jnp.zeros(0, jnp.int32)
 
     def read(g):
-        return eagle["vocab"][jnp.argmax(eagle_mod.draft_logits(weights, eagle["rows"], g, cfg), axis=-1)]
+        return eagle["vocab"][smp.argmax_first(eagle_mod.draft_logits(weights, eagle["rows"], g, cfg))]
 
     g, tok = g0, read(g0)
     drafts = [tok]
@@ -311,7 +311,7 @@ def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cf
         cache = PackedKV(k_pages, v_pages, sub, windowed, use_kernels)
         h, cache = mod.forward(head, cur[None], None, cache, cfg=cfg, positions=pos[None, :, j])
         k_pages, v_pages = cache.k, cache.v
-        cur = jnp.argmax(mod.unembed(weights, h[0][:, None], cfg)[:, 0], axis=-1).astype(jnp.int32)
+        cur = smp.argmax_first(mod.unembed(weights, h[0][:, None], cfg)[:, 0])
         drafts.append(cur)
     toks = toks.at[:, 1:].set(jnp.stack(drafts, axis=1))
     return batch.tokens.at[: R * Q].set(toks.reshape(-1)), k_pages, v_pages
@@ -426,7 +426,7 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, h
             next_drafts = None
             if heads is not None:
                 at = jnp.take_along_axis(head_logits, ver.accepted[:, None, None, None], axis=1)[:, 0]
-                next_drafts = jnp.argmax(at, axis=-1).astype(jnp.int32)  # i32[R, K]
+                next_drafts = smp.argmax_first(at)  # i32[R, K]
             upd = SlotState(ver.state, new_last, sub.stop_ids, sub.min_tokens, sub.generated + ver.accepted + 1)
             keep = lambda n, o: jnp.where(batch.active.reshape((R,) + (1,) * (n.ndim - 1)), n, o)  # noqa: E731
             sub = jax.tree.map(keep, upd, sub)

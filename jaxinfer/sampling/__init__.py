@@ -33,6 +33,7 @@ from jaxinfer.sampling.device import (  # noqa: F401 (re-exported, private ones 
     _topk_topp_threshold,
     apply_penalties,
     apply_token_bitmask,
+    argmax_first,
     bitmask_words,
     filter_threshold,
     penalised,

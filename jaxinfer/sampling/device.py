@@ -172,6 +172,15 @@ def _rows(a: jax.Array, ndim: int) -> jax.Array:
     return a.reshape(a.shape + (1,) * (ndim - 1))
 
 
+def argmax_first(x: jax.Array) -> jax.Array:
+    """i32[...]: first index of the maximum over x's last axis, as jnp.argmax for inputs without
+    NaN, in two plain reductions: on XLA:CPU jnp.argmax's variadic (value, index) reduce is
+    slower (over a 7,789-entry draft readout: ~0.1 ms of a 0.3 ms draft)."""
+    n = x.shape[-1]
+    m = jnp.max(x, axis=-1, keepdims=True)
+    return jnp.minimum(jnp.min(jnp.where(x == m, jnp.arange(n, dtype=jnp.int32), n), axis=-1), n - 1)
+
+
 def _argmax(xp: jax.Array, bmax: jax.Array, vocab_size: int) -> jax.Array:
     """i32[B]: first index of the row maximum, as jnp.argmax, from the block maxima.
 
