@@ -339,10 +339,9 @@ def chain_block(batch: PackedBatch, last_tokens, accepted, next_drafts, budget, 
 
 
 def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, heads=None, guide=None,
-              draft_weights=None, draft_kv=None, eagle=None, eagle_kv=None, branch_drafts=None, chain=None, *, cfg,
-              windowed,
-              num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode, draft_layers: int = 0,
-              draft_cfg=None):
+              draft_weights=None, draft_kv=None, eagle=None, eagle_kv=None, branch_drafts=None, chain=None, *,
+              cfg, windowed, num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode,
+              draft_layers: int = 0, draft_cfg=None):
     """One speculative scheduler iteration -> (SpecOutput, k_pages, v_pages, slots, draft_kv).
 
     Decode row r (slot r) carries q = k + 1 queries: its last token, then its drafts
