@@ -100,8 +100,8 @@ def main() -> None:
 
     ms = {"plain": [], "spec": []}
     for _ in range(args.rounds):
-        for which in ms:
-            ms[which].append(rate(which))
+        for which, times in ms.items():
+            times.append(rate(which))
     p, s = statistics.median(ms["plain"]), statistics.median(ms["spec"])
     print(f"plain step {p:.2f} ms, verification step (k = {args.k}{', without ' + ' '.join(args.without) if args.without else ''}) "
           f"{s:.2f} ms: {s / p:.3f} plain steps; bound at {args.tokens_per_block} tokens per block: "
