@@ -403,9 +403,7 @@ class PagedEngine:
         if not plan.decode and not plan.prefill:
             return None
         want_plp = [g.seq.row.params.prompt_logprobs for g in plan.prefill if g.seq.wants_prompt_logprobs]
-        batch = build_batch(plan, self.sched, q=1, pad_id=self.tokenizer.pad_id, pages_per_seq=self.pages_per_seq,
-                            max_num_seqs=self.max_num_seqs, prefill_chunk=self.config.prefill_chunk,
-                            want_targets=bool(want_plp), next_tokens=self._eagle is not None)
+        batch = self._build(plan, 1, want_targets=bool(want_plp))
         num_lp = buckets.logprob_bucket([s.row.params.logprobs for s in plan.decode])
         plp = buckets.logprob_bucket(want_plp)
         out = self.run_step(batch, num_logprobs=num_lp, prompt_logprobs=plp, guide=self._guide(plan.decode, batch.rows))
@@ -415,6 +413,13 @@ class PagedEngine:
         if plan.decode:
             self.stats["decode_steps"] += 1
         return _InFlight(plan.decode, _prompt_logprob_segments(plan), out)
+
+    def _build(self, plan, q: int, *, want_targets: bool, drafts: dict | None = None) -> PackedBatch:
+        """``batch.build_batch`` with the engine's own sizes (an EAGLE head needs every
+        prefill token's next token)."""
+        return build_batch(plan, self.sched, q=q, pad_id=self.tokenizer.pad_id, pages_per_seq=self.pages_per_seq,
+                           max_num_seqs=self.max_num_seqs, prefill_chunk=self.config.prefill_chunk,
+                           want_targets=want_targets, drafts=drafts, next_tokens=self._eagle is not None)
 
     def _guide(self, decode: list[Seq], R: int):
         """The decode rows' structured-output masks (bitmask i32[R, V/32], has_mask bool[R]), or
@@ -473,7 +478,7 @@ class PagedEngine:
         spec, pad = self.spec, self.tokenizer.pad_id
         drafts = {}
         for s in decoding:
-            budget = min(spec.num_speculative_tokens, s.row.max_new - len(s.row.token_ids) - 1)
+            budget = min(spec.num_speculative_tokens, self._draft_room(s.row))
             if budget <= 0:
                 continue
             if spec.method == SpecMethod.NGRAM:
@@ -485,6 +490,12 @@ class PagedEngine:
             if d or spec.method in _DRAFTS_FROM_PREVIOUS_STEP:  # such rows need the step that runs the heads
                 drafts[s] = d
         return drafts
+
+    @staticmethod
+    def _draft_room(row: Row) -> int:
+        """Drafts a block of this row may carry before max_tokens (its last token comes from
+        the target): max_new - generated - 1, before the cut to k (<= 0: none)."""
+        return row.max_new - len(row.token_ids) - 1
 
     def _branch_drafts(self, batch: PackedBatch, rows: dict):
         """i32[R, W - 1, k]: the chains of EAGLE branches 1..W-1 of each row, cut to as many
@@ -595,9 +606,7 @@ class PagedEngine:
         rows = {s.slot: drafts[s] for s in plan.decode if s in drafts}
         want_plp = [g.seq.row.params.prompt_logprobs for g in plan.prefill if g.seq.wants_prompt_logprobs]
         q = spec.num_speculative_tokens + 1
-        batch = build_batch(plan, self.sched, q=q, pad_id=self.tokenizer.pad_id, pages_per_seq=self.pages_per_seq,
-                            max_num_seqs=self.max_num_seqs, prefill_chunk=self.config.prefill_chunk,
-                            want_targets=bool(want_plp), drafts=rows, next_tokens=self._eagle is not None)
+        batch = self._build(plan, q, want_targets=bool(want_plp), drafts=rows)
         num_lp = buckets.logprob_bucket([s.row.params.logprobs for s in plan.decode])
         plp = buckets.logprob_bucket(want_plp)
         draft_layers = spec.num_layers if spec.method == SpecMethod.EARLY_EXIT else 0
@@ -634,7 +643,7 @@ class PagedEngine:
         for s in fl.plan_decode:
             if s.slot < 0 or s.state.value != "decode" or s.row.guided is not None or s.row.checker.finished:
                 return False
-            if s.row.max_new - len(s.row.token_ids) <= 1:
+            if self._draft_room(s.row) <= 0:
                 return False  # the unread block ends the row
             last = len(s.tokens) + 2 * spec.num_speculative_tokens  # the unread block's k + 1, then k drafts
             if last >= self.max_model_len:
@@ -657,12 +666,10 @@ class PagedEngine:
         for s in fl.plan_decode:
             s.lookahead = 0
         assert not plan.inserted and not plan.prefill and plan.decode == fl.plan_decode
-        batch = build_batch(plan, self.sched, q=k + 1, pad_id=self.tokenizer.pad_id, pages_per_seq=self.pages_per_seq,
-                            max_num_seqs=self.max_num_seqs, prefill_chunk=self.config.prefill_chunk,
-                            want_targets=False, drafts={}, next_tokens=self._eagle is not None)
-        budget = np.zeros(batch.rows, np.int32)
+        batch = self._build(plan, k + 1, want_targets=False, drafts={})
+        budget = np.zeros(batch.rows, np.int32)  # room after the unread block's last token
         for s in plan.decode:
-            budget[s.slot] = s.row.max_new - len(s.row.token_ids) - 2
+            budget[s.slot] = self._draft_room(s.row) - 1
         num_lp = buckets.logprob_bucket([s.row.params.logprobs for s in plan.decode])
         self.shapes_run.add((batch.rows, batch.table.shape[1], 0, k + 1, num_lp, -1, "chained"))
         out = self._run_spec_step(batch, None, num_logprobs=num_lp, prompt_logprobs=-1, draft_layers=0,
@@ -686,7 +693,7 @@ class PagedEngine:
                 continue
             r, b = seq.row, seq.slot
             # a chained block drafted what the row's max_tokens left room for after the last one
-            n = fl.drafted.get(b, 0) if fl.drafted is not None else min(k, max(0, r.max_new - len(r.token_ids) - 1))
+            n = fl.drafted.get(b, 0) if fl.drafted is not None else min(k, max(0, self._draft_room(r)))
             a = int(accepted[b])
             if n:
                 stats.record(n, a)
