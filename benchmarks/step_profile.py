@@ -1,8 +1,9 @@
 """Where a packed step's time goes on this CPU: the bare jitted step of the real model (no
 scheduler, no host work) for a 64-row decode step and a 512-token prefill row (4 prompts of
 128), with its attention as built and with attention taken out (replaced by its queries, so
-what is left is every matmul, norm, rotary and the sampler), interleaved in one process,
-min and median of the rounds. The difference is the attention's share.
+what is left is every matmul, norm, rotary and the sampler), and with XLA's decode reader in
+place of the native one (``packed.NATIVE_ROWS``), interleaved in one process, min and median
+of the rounds. The difference is the attention's share.
 
     python benchmarks/step_profile.py --context 200 --page-size 16 64 --rounds 5
     python benchmarks/step_profile.py --quantize w8a8 --kv-cache-dtype int8
@@ -27,7 +28,8 @@ from jaxinfer.engine import buckets
 REAL = (packed.paged_rows_attention, packed.prefill_row_attention)
 
 
-def _engine(page_size: int, attention: bool, opts: dict):
+def _engine(page_size: int, attention: bool, native: bool, opts: dict):
+    packed.NATIVE_ROWS = native  # read while the steps are traced (in main, right after this)
     if attention:
         packed.paged_rows_attention, packed.prefill_row_attention = REAL
     else:
@@ -84,15 +86,17 @@ def main():
     opts = {"quantize": a.quantize, "kv_cache_dtype": a.kv_cache_dtype}
     rng = np.random.default_rng(0)
     cases = {}
-    variants = [(f"page {p}", p, True) for p in a.page_size] + [(f"page {a.page_size[0]}, no attention",
-                                                                  a.page_size[0], False)]
-    for name, ps, attention in variants:
-        eng = _engine(ps, attention, opts)
+    variants = [(f"page {p}", p, True, True) for p in a.page_size] + [
+        (f"page {a.page_size[0]}, XLA decode reader", a.page_size[0], True, False),
+        (f"page {a.page_size[0]}, no attention", a.page_size[0], False, True)]
+    for name, ps, attention, native in variants:
+        eng = _engine(ps, attention, native, opts)
         batches = {"decode, 64 rows": _decode_batch(eng, a.context, rng), "prefill row, 512": _prefill_batch(eng, rng)}
         for b in batches.values():
             _time(eng, b, 2)  # traced and compiled now, with this variant's attention
         cases[name] = (eng, batches)
     packed.paged_rows_attention, packed.prefill_row_attention = REAL
+    packed.NATIVE_ROWS = True
     times = {}
     for _ in range(a.rounds):
         for name, (eng, batches) in cases.items():

@@ -48,14 +48,18 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "int8_gemv.cc", _HERE / "f32_gemv.cc"]
-HEADERS = [_HERE / "gemv_split.h"]
+SOURCES = [_HERE / "int8_gemv.cc", _HERE / "f32_gemv.cc", _HERE / "paged_attention.cc"]
+HEADERS = [_HERE / "gemv_split.h", _HERE / "paged_attention_body.h"]
 TARGET = "jaxinfer_int8_gemv"
 WO8_TARGET = "jaxinfer_wo8_gemv"
 F32_TARGET = "jaxinfer_f32_gemv"
 F32_T_TARGET = "jaxinfer_f32_gemv_t"
+ROWS_TARGET = "jaxinfer_paged_rows"
+ROWS_I8_TARGET = "jaxinfer_paged_rows_i8"
+ROWS_MAX_PAGE = 64  # paged_rows: positions per page
 MAX_ROWS = 4  # int8_gemv, wo8_gemv
 F32_MAX_ROWS = 16  # f32_gemv: a verification step's k + 1 rows, decode batches of up to 16
 # f32_gemv's vector variants, best first, and the CPU flags each needs.
@@ -120,6 +124,8 @@ def _registered() -> bool:
             jax.ffi.register_ffi_target(WO8_TARGET, jax.ffi.pycapsule(lib.jaxinfer_wo8_gemv), platform="cpu")
             jax.ffi.register_ffi_target(F32_TARGET, jax.ffi.pycapsule(lib.jaxinfer_f32_gemv), platform="cpu")
             jax.ffi.register_ffi_target(F32_T_TARGET, jax.ffi.pycapsule(lib.jaxinfer_f32_gemv_t), platform="cpu")
+            jax.ffi.register_ffi_target(ROWS_TARGET, jax.ffi.pycapsule(lib.jaxinfer_paged_rows), platform="cpu")
+            jax.ffi.register_ffi_target(ROWS_I8_TARGET, jax.ffi.pycapsule(lib.jaxinfer_paged_rows_i8), platform="cpu")
         except Exception as e:  # no compiler, a broken toolchain: XLA's dot serves
             print(f"jaxinfer: native gemv kernels unavailable, using XLA's dots ({e})", file=sys.stderr)
             return False
@@ -218,3 +224,40 @@ def f32_gemv_reference(x: jax.Array, w: jax.Array, *, transposed: bool = False) 
     """XLA's float32 dot (at one row and [I, O], the same bits as f32_gemv)."""
     return jax.lax.dot_general(x, w, (((1,), (1 if transposed else 0,)), ((), ())),
                                preferred_element_type=jnp.float32)
+
+
+def rows_isa() -> str:
+    """paged_rows's best vector variant here: its AVX-512 one also needs BW, DQ and VL."""
+    if "avx512" in isas() and {"avx512bw", "avx512dq", "avx512vl"} <= _cpu_flags():
+        return "avx512"
+    return "avx2"
+
+
+def paged_rows(q, k, v, table, base, qpos, end, *, scale: float, window: int | None = None,
+               softcap: float | None = None, k_scale=None, v_scale=None, threads: int | None = None,
+               isa: str | None = None) -> jax.Array:
+    """Paged attention of decode rows through the native kernel (``paged_attention.cc``): q
+    [B, T, N, H] at positions qpos i32[B, T] over the pages table i32[B, n] of the pools k
+    [P, K, H, ps] and v [P, K, ps, H] (float32; or int8 with ``k_scale``/``v_scale`` f32[P, K,
+    ps]), column c holding logical page base[b] + c, positions < end[b] written -> f32[B, T, N,
+    H]. The semantics of ``models.packed.paged_rows_attention`` without ``own`` (its
+    reference); call only where ``f32_available()``."""
+    if not f32_available():
+        raise RuntimeError("paged_rows needs AVX2 + FMA and g++ (check f32_available() first)")
+    if k.shape[3] > ROWS_MAX_PAGE:
+        raise ValueError(f"paged_rows takes pages of at most {ROWS_MAX_PAGE} positions, got {k.shape[3]}")
+    int8 = k_scale is not None
+    if isa is None:
+        isa = rows_isa()
+    if threads is None:
+        threads = min(os.cpu_count() or 1, 2)
+    B = q.shape[0]
+    none = jnp.zeros((1,), jnp.float32)
+    call = jax.ffi.ffi_call(ROWS_I8_TARGET if int8 else ROWS_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential")
+    base = jnp.zeros((B,), jnp.int32) if base is None else base
+    return call(q.astype(jnp.float32), k, v, none if k_scale is None else k_scale.astype(jnp.float32),
+                none if v_scale is None else v_scale.astype(jnp.float32),
+                *(jnp.asarray(a, jnp.int32) for a in (table, base, qpos, end)),
+                scale=np.float32(scale), softcap=np.float32(softcap or 0.0), window=int(window or 0),
+                threads=threads, isa=isa)

@@ -12,7 +12,14 @@ every matmul sees all of them at once (one read of the weights, large M for the 
   continue an earlier chunk or a cached prefix) also to the positions before ``hist_end``
   held in the extra last table row ``table[R]``.
 
-Decode attention on CPU never builds a dense copy of every row's whole context. The rows are
+Decode rows on a one-device CPU backend, over float32 or int8 pools, are read by a native
+kernel (``cpu_kernels.paged_rows``, ``native=True`` below) that walks each row's pages where
+they lie, all KV heads of a page together, prefetching ahead: a 64-row w8a8 + int8 KV decode
+step of SmolLM2 went from 186 to 68 ms with it (``benchmarks/RESULTS.md``, session 16). The
+XLA reader below is its reference, and serves everywhere else (bfloat16 pools, deferred
+writes, several devices).
+
+XLA's decode reader never builds a dense copy of every row's whole context. The rows are
 taken ROW_GROUP at a time (a ``lax.map`` over groups), and each group's table a block of
 page columns at a time (contiguous pages of ``page_size`` positions); each block's scores
 are folded into a running softmax (max, sum, weighted values). What one group gathers for
@@ -40,7 +47,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import kernels
+from jaxinfer import cpu_kernels, kernels
 from jaxinfer.cache import QuantKV, _load, _store
 from jaxinfer.quant import dequantize_kv, quantize_kv
 
@@ -52,6 +59,9 @@ PREFILL_QUERY_BLOCK = 128  # prefill-row queries attended together
 UNROLL_QUERIES = 16
 UNROLL_HEAD_DIM = 128
 _NEG = -1e30  # masked score: finite, so a block with nothing visible keeps the max finite
+# decode rows through the native kernel on CPU (cpu_kernels.paged_rows) where it applies; read
+# while tracing, so set it before the engine's steps are first traced
+NATIVE_ROWS = True
 
 
 @jax.tree_util.register_dataclass
@@ -138,7 +148,7 @@ class PackedKV:
                                           **opts)
             else:
                 od = paged_rows_attention(qd, ks[layer], vs[layer], table[:R], rbase, pos, pos.max(axis=1) + 1,
-                                          **opts)
+                                          native=native_rows(ks[layer], vs[layer]), **opts)
             outs.append(od.reshape(1, R * Q, *q.shape[2:]))
         if Tp:
             qp, kp, vp = q[:, R * Q :], k[:, R * Q :], v[:, R * Q :]
@@ -252,8 +262,9 @@ def _visible(qpos, kpos, window):
 _reader = functools.partial(jax.jit, static_argnames=("scale", "window", "softcap"))
 
 
-@_reader
-def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window=None, softcap=None, own=None):
+@functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "native"))
+def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window=None, softcap=None, own=None,
+                         native=False):
     """Reference paged attention for rows of T queries: q [B, T, N, H] at positions
     qpos i32[B, T] over the pages table i32[B, n] (logical page base[b] + column, or the
     column itself when base is None) whose positions < end[b] are written -> [B, T, N, H].
@@ -265,6 +276,13 @@ def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, wind
     >= end are then masked in the pages and these are attended to as one more block (stored
     as the pool would store them)."""
     B = q.shape[0]
+    if native and own is None:
+        if isinstance(kpool, QuantKV):
+            return cpu_kernels.paged_rows(q, kpool.values, vpool.values, table, base, qpos, end, scale=scale,
+                                          window=window, softcap=softcap, k_scale=kpool.scale,
+                                          v_scale=vpool.scale).astype(q.dtype)
+        return cpu_kernels.paged_rows(q, kpool, vpool, table, base, qpos, end, scale=scale, window=window,
+                                      softcap=softcap).astype(q.dtype)
     g = math.gcd(B, ROW_GROUP)
     opts = {"scale": scale, "window": window, "softcap": softcap}
     if g == B:
@@ -274,6 +292,18 @@ def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, wind
           None if own is None else tuple(split(a) for a in own))
     out = jax.lax.map(lambda x: _rows_attention(x[0], kpool, vpool, *x[1:5], own=x[5], **opts), xs)
     return out.reshape(q.shape)
+
+
+def native_rows(kpool, vpool) -> bool:
+    """Whether a trace should read decode rows through the native kernel (``native=True`` for
+    ``paged_rows_attention``): ``NATIVE_ROWS``, a one-device CPU backend where it builds, float32
+    or int8 pools, pages of at most 64 positions."""
+    if not NATIVE_ROWS or not cpu_kernels.f32_active():
+        return False
+    if isinstance(kpool, QuantKV):
+        return kpool.axis == -2 and vpool.axis == -1 and kpool.shape[3] <= cpu_kernels.ROWS_MAX_PAGE
+    return (kpool.dtype == jnp.float32 and vpool.dtype == jnp.float32
+            and kpool.shape[3] <= cpu_kernels.ROWS_MAX_PAGE)
 
 
 def _rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window, softcap, own):

@@ -1,0 +1,358 @@
+// The body of paged_attention.cc, included there once per vector variant inside a
+// `#pragma GCC target` region and a namespace of its own (avx512::, avx2::), with kAvx512 set
+// for the variant: everything here is compiled for that variant's instructions.
+// NOLINT(build/header_guard): included twice on purpose.
+
+// One (row, KV head) item. acc [M, H], m, l [M] are the caller's scratch (M = T * G).
+template <bool kInt8>
+__attribute__((always_inline)) inline void item(const Rows& r, int64_t b, int64_t kh, float* acc, float* qm,
+                                                float* mx, float* sum) {
+  const int64_t T = r.T, H = r.H, ps = r.ps, G = r.N / r.K, M = T * G;
+  const int32_t* qpos = r.qpos + b * T;
+  int64_t qmax = qpos[0], qmin = qpos[0];
+  for (int64_t t = 0; t < T; ++t) {
+    qmax = std::max<int64_t>(qmax, qpos[t]);
+    qmin = std::min<int64_t>(qmin, qpos[t]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* src = r.q + ((b * T + t) * r.N + kh * G + g) * H;
+      float* dst = qm + (t * G + g) * H;
+      for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * r.scale;
+    }
+  }
+  std::fill(acc, acc + M * H, 0.0f);
+  std::fill(mx, mx + M, kNeg);
+  std::fill(sum, sum + M, 0.0f);
+  const int64_t lim = std::min<int64_t>(r.end[b], qmax + 1);  // no position at or past lim is read
+  const int64_t start = r.window > 0 ? std::max<int64_t>(0, qmin - r.window + 1) : 0;
+  const int64_t page0 = r.base[b];
+  float s[kMaxPage], p[kMaxPage];
+  for (int64_t c = 0; c < r.n; ++c) {
+    const int64_t pos0 = (page0 + c) * ps;
+    if (pos0 >= lim) break;
+    if (pos0 + ps <= start) continue;
+    const int64_t page = std::clamp<int64_t>(r.table[b * r.n + c], 0, r.P - 1);
+    const int64_t at = (page * r.K + kh) * H * ps;
+    const float* kf = static_cast<const float*>(r.k) + at;
+    const float* vf = static_cast<const float*>(r.v) + at;
+    const int8_t* k8 = static_cast<const int8_t*>(r.k) + at;
+    const int8_t* v8 = static_cast<const int8_t*>(r.v) + at;
+    const float* kscale = kInt8 ? r.ks + (page * r.K + kh) * ps : nullptr;
+    const float* vscale = kInt8 ? r.vs + (page * r.K + kh) * ps : nullptr;
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t qp = qpos[m / G];
+      const int64_t hi = std::min<int64_t>(std::min<int64_t>(ps, lim - pos0), qp - pos0 + 1);
+      const int64_t lo = r.window > 0 ? std::max<int64_t>(0, qp - r.window + 1 - pos0) : 0;
+      if (hi <= lo) continue;
+      const float* qv = qm + m * H;
+      for (int64_t o = 0; o < ps; ++o) s[o] = 0.0f;
+      for (int64_t h = 0; h < H; ++h) {
+        const float qh = qv[h];
+        if constexpr (kInt8) {
+          const int8_t* kr = k8 + h * ps;
+          for (int64_t o = 0; o < ps; ++o) s[o] += qh * static_cast<float>(kr[o]);
+        } else {
+          const float* kr = kf + h * ps;
+          for (int64_t o = 0; o < ps; ++o) s[o] += qh * kr[o];
+        }
+      }
+      if constexpr (kInt8) {
+        for (int64_t o = 0; o < ps; ++o) s[o] *= kscale[o];
+      }
+      if (r.softcap > 0.0f) {
+        for (int64_t o = lo; o < hi; ++o) s[o] = r.softcap * std::tanh(s[o] / r.softcap);
+      }
+      float top = mx[m];
+      for (int64_t o = lo; o < hi; ++o) top = s[o] > top ? s[o] : top;
+      const float a = exp_nonpos(mx[m] - top);
+      for (int64_t o = 0; o < ps; ++o) p[o] = exp_nonpos(s[o] - top);  // every lane: vectorized
+      float add = 0.0f;
+      for (int64_t o = lo; o < hi; ++o) add += p[o];
+      sum[m] = sum[m] * a + add;
+      mx[m] = top;
+      float* am = acc + m * H;
+      if (a != 1.0f) {
+        for (int64_t h = 0; h < H; ++h) am[h] *= a;
+      }
+      for (int64_t o = lo; o < hi; ++o) {
+        if constexpr (kInt8) {
+          const float w = p[o] * vscale[o];
+          const int8_t* vr = v8 + o * H;
+          for (int64_t h = 0; h < H; ++h) am[h] += w * static_cast<float>(vr[h]);
+        } else {
+          const float w = p[o];
+          const float* vr = vf + o * H;
+          for (int64_t h = 0; h < H; ++h) am[h] += w * vr[h];
+        }
+      }
+    }
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t m = t * G + g;
+      const float inv = 1.0f / std::max(sum[m], 1e-30f);
+      float* dst = r.out + ((b * T + t) * r.N + kh * G + g) * H;
+      for (int64_t h = 0; h < H; ++h) dst[h] = acc[m * H + h] * inv;
+    }
+  }
+}
+
+
+// ---------------------------------------------------------------- the fast path: 16-wide blocks
+// Where pages and the head dim are whole multiples of 16 (SmolLM2, Gemma 3 at page size 16),
+// a page is taken 16 positions at a time as one vector per key row or value chunk, and the
+// queries QG at a time: their scores, and their accumulators for one 16-wide chunk of the head
+// dim, stay in registers while the block's keys and values stream past once. GCC's vector
+// extensions lower each v16 to one zmm register (AVX-512) or two ymm ones (AVX2).
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+constexpr int kMaxGroup = 4;
+
+__attribute__((always_inline)) inline v16f splat(float a) { return v16f{} + a; }
+__attribute__((always_inline)) inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+__attribute__((always_inline)) inline v16f load16(const int8_t* p) {
+  v16f v;  // sign-extended to int32, then converted (GCC 12 lowers this lane by lane otherwise)
+  if constexpr (kAvx512) {
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    std::memcpy(&v, &f, sizeof v);
+  } else {
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+    std::memcpy(&v, &lo, sizeof lo);
+    std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  }
+  return v;
+}
+__attribute__((always_inline)) inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+
+// exp_nonpos on 16 lanes (round to nearest by the 1.5 * 2^23 trick).
+__attribute__((always_inline)) inline v16f exp16(v16f x) {
+  x = x < splat(-87.3f) ? splat(-87.3f) : x;
+  const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  v16f r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  v16f p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  return p * __builtin_bit_cast(v16f, bits);
+}
+
+// Across the 16 lanes, in four halving steps.
+__attribute__((always_inline)) inline float hmax16(v16f v) {
+  v16f t = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v = v > t ? v : t;
+  t = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v = v > t ? v : t;
+  t = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v = v > t ? v : t;
+  t = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  v = v > t ? v : t;
+  return v[0];
+}
+__attribute__((always_inline)) inline float hsum16(v16f v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+// One 16-position block (key rows kb[h * ps], value rows vb[o * H]) for the QG queries from
+// m0: fold its scores into their running softmax and accumulators.
+template <int QG, bool kInt8>
+__attribute__((always_inline)) inline void block16(const Rows& r, const void* kb, const void* vb, const float* kscale,
+                                                   const float* vscale, int64_t pos, int64_t lim, int64_t m0,
+                                                   int64_t G, const int32_t* qpos, const float* qm, float* acc,
+                                                   float* mx, float* sum) {
+  const int64_t H = r.H, ps = r.ps;
+  // two partial sums per query (even and odd h), named so they stay in registers
+  const float* q0 = qm + m0 * H;
+  v16f s0a{}, s0b{}, s1a{}, s1b{}, s2a{}, s2b{}, s3a{}, s3b{};
+  for (int64_t h = 0; h < H; h += 2) {
+    const v16f ka = kInt8 ? load16(static_cast<const int8_t*>(kb) + h * ps)
+                          : load16(static_cast<const float*>(kb) + h * ps);
+    const v16f kz = kInt8 ? load16(static_cast<const int8_t*>(kb) + (h + 1) * ps)
+                          : load16(static_cast<const float*>(kb) + (h + 1) * ps);
+    s0a += q0[h] * ka;
+    s0b += q0[h + 1] * kz;
+    if constexpr (QG > 1) {
+      s1a += q0[H + h] * ka;
+      s1b += q0[H + h + 1] * kz;
+    }
+    if constexpr (QG > 2) {
+      s2a += q0[2 * H + h] * ka;
+      s2b += q0[2 * H + h + 1] * kz;
+    }
+    if constexpr (QG > 3) {
+      s3a += q0[3 * H + h] * ka;
+      s3b += q0[3 * H + h + 1] * kz;
+    }
+  }
+  const v16f s[4] = {s0a + s0b, s1a + s1b, s2a + s2b, s3a + s3b};
+  const v16i kpos = v16i{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + static_cast<int32_t>(pos);
+  alignas(64) float pw[QG][16];
+  float alpha[QG];
+  for (int j = 0; j < QG; ++j) {
+    const int32_t qp = qpos[(m0 + j) / G];
+    v16i ok = (kpos <= qp) & (kpos < static_cast<int32_t>(lim));
+    if (r.window > 0) ok &= (qp - kpos) < static_cast<int32_t>(r.window);
+    v16f sj = kInt8 ? s[j] * load16(kscale) : s[j];
+    if (r.softcap > 0.0f) {
+      alignas(64) float t[16];
+      store16(t, sj);
+      for (int o = 0; o < 16; ++o) t[o] = r.softcap * std::tanh(t[o] / r.softcap);
+      sj = load16(t);
+    }
+    sj = ok ? sj : splat(kNeg);
+    const float top = std::max(mx[m0 + j], hmax16(sj));
+    alpha[j] = exp_nonpos(mx[m0 + j] - top);
+    v16f p = exp16(sj - top);
+    p = ok ? p : v16f{};
+    sum[m0 + j] = sum[m0 + j] * alpha[j] + hsum16(p);
+    mx[m0 + j] = top;
+    store16(pw[j], kInt8 ? p * load16(vscale) : p);
+  }
+  const int64_t rows = std::min<int64_t>(16, lim - pos);  // value rows at or past lim may be NaN
+  for (int64_t c = 0; c < H; c += 16) {
+    v16f a[QG];
+    for (int j = 0; j < QG; ++j) a[j] = load16(acc + (m0 + j) * H + c) * alpha[j];
+    for (int64_t o = 0; o < rows; ++o) {
+      const v16f vv = kInt8 ? load16(static_cast<const int8_t*>(vb) + o * H + c)
+                            : load16(static_cast<const float*>(vb) + o * H + c);
+      for (int j = 0; j < QG; ++j) a[j] += pw[j][o] * vv;
+    }
+    for (int j = 0; j < QG; ++j) store16(acc + (m0 + j) * H + c, a[j]);
+  }
+}
+
+// A page of the pool holds its keys [K, H, ps] and values [K, ps, H] for all KV heads, a few
+// KB each, at a random place: the hardware prefetchers do not cross into the next page, so
+// without this every page starts with a wait on memory (most of the kernel's time in a running
+// engine's step, by perf). A row's work walks its pages in order, all heads of one page
+// together, and asks for the page kAheadPages ahead.
+constexpr int64_t kAheadPages = 2;
+
+template <bool kInt8>
+__attribute__((always_inline)) inline void prefetch_page(const Rows& r, int64_t b, int64_t c) {
+  const int64_t page = std::clamp<int64_t>(r.table[b * r.n + c], 0, r.P - 1);
+  const int64_t bytes = r.K * r.H * r.ps * (kInt8 ? 1 : 4), at = page * bytes;
+  const char* k = static_cast<const char*>(r.k) + at;
+  const char* v = static_cast<const char*>(r.v) + at;
+  for (int64_t i = 0; i < bytes; i += 64) {
+    __builtin_prefetch(k + i);
+    __builtin_prefetch(v + i);
+  }
+  if constexpr (kInt8) {
+    for (int64_t i = 0; i < r.K * r.ps; i += 16) {
+      __builtin_prefetch(r.ks + page * r.K * r.ps + i);
+      __builtin_prefetch(r.vs + page * r.K * r.ps + i);
+    }
+  }
+}
+
+// Row b, every KV head: acc [K * M, H], qm [K * M, H], mx and sum [K * M] (M = T * G queries
+// per head) are the caller's scratch.
+template <bool kInt8>
+__attribute__((always_inline)) inline void row16(const Rows& r, int64_t b, float* acc, float* qm, float* mx,
+                                                 float* sum) {
+  const int64_t T = r.T, H = r.H, ps = r.ps, K = r.K, G = r.N / K, M = T * G;
+  const int32_t* qpos = r.qpos + b * T;
+  int64_t qmax = qpos[0], qmin = qpos[0];
+  for (int64_t t = 0; t < T; ++t) {
+    qmax = std::max<int64_t>(qmax, qpos[t]);
+    qmin = std::min<int64_t>(qmin, qpos[t]);
+    for (int64_t kh = 0; kh < K; ++kh) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* src = r.q + ((b * T + t) * r.N + kh * G + g) * H;
+        float* dst = qm + (kh * M + t * G + g) * H;
+        for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * r.scale;
+      }
+    }
+  }
+  std::fill(acc, acc + K * M * H, 0.0f);
+  std::fill(mx, mx + K * M, kNeg);
+  std::fill(sum, sum + K * M, 0.0f);
+  const int64_t lim = std::min<int64_t>(r.end[b], qmax + 1);
+  const int64_t start = r.window > 0 ? std::max<int64_t>(0, qmin - r.window + 1) : 0;
+  const int64_t groups = (M + kMaxGroup - 1) / kMaxGroup;
+  for (int64_t c = 0; c < r.n; ++c) {
+    const int64_t pos0 = (r.base[b] + c) * ps;
+    if (pos0 >= lim) break;
+    if (pos0 + ps <= start) continue;
+    const int64_t page = std::clamp<int64_t>(r.table[b * r.n + c], 0, r.P - 1);
+    if (c + kAheadPages < r.n && pos0 + kAheadPages * ps < lim) prefetch_page<kInt8>(r, b, c + kAheadPages);
+    for (int64_t kh = 0; kh < K; ++kh) {
+      const int64_t at = (page * K + kh) * H * ps;
+      float *qk = qm + kh * M * H, *ak = acc + kh * M * H, *mk = mx + kh * M, *sk = sum + kh * M;
+      for (int64_t sb = 0; sb < ps && pos0 + sb < lim; sb += 16) {
+        if (pos0 + sb + 16 <= start) continue;
+        const int64_t koff = at + sb, voff = at + sb * H;
+        const void* kb = kInt8 ? static_cast<const void*>(static_cast<const int8_t*>(r.k) + koff)
+                               : static_cast<const void*>(static_cast<const float*>(r.k) + koff);
+        const void* vb = kInt8 ? static_cast<const void*>(static_cast<const int8_t*>(r.v) + voff)
+                               : static_cast<const void*>(static_cast<const float*>(r.v) + voff);
+        const float* kscale = kInt8 ? r.ks + (page * K + kh) * ps + sb : nullptr;
+        const float* vscale = kInt8 ? r.vs + (page * K + kh) * ps + sb : nullptr;
+        for (int64_t gi = 0, m0 = 0; gi < groups; ++gi) {
+          const int64_t size = (M - m0) / (groups - gi);  // as even as possible
+          switch (size) {
+#define JAXINFER_BLOCK(QG) \
+  case QG:                 \
+    block16<QG, kInt8>(r, kb, vb, kscale, vscale, pos0 + sb, lim, m0, G, qpos, qk, ak, mk, sk); \
+    break;
+            JAXINFER_BLOCK(1)
+            JAXINFER_BLOCK(2)
+            JAXINFER_BLOCK(3)
+            JAXINFER_BLOCK(4)
+#undef JAXINFER_BLOCK
+          }
+          m0 += size;
+        }
+      }
+    }
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t kh = 0; kh < K; ++kh) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t m = kh * M + t * G + g;
+        const float inv = 1.0f / std::max(sum[m], 1e-30f);
+        float* dst = r.out + ((b * T + t) * r.N + kh * G + g) * H;
+        for (int64_t h = 0; h < H; ++h) dst[h] = acc[m * H + h] * inv;
+      }
+    }
+  }
+}
+
+// Rows [c0, c1) of a job. Item i is row 2i for the first half of the items and 2(i - half) + 1
+// for the rest (split_run gives the pool the second half), so long and short rows mix.
+template <bool kInt8>
+__attribute__((always_inline)) inline void run_items(const Job& j) {
+  const Rows& r = *static_cast<const Rows*>(j.x);
+  const int64_t KM = r.K * r.T * (r.N / r.K), half = (r.B + 1) / 2;
+  std::vector<float> scratch(KM * r.H * 2 + 2 * KM);
+  float *acc = scratch.data(), *qm = acc + KM * r.H, *mx = qm + KM * r.H, *sum = mx + KM;
+  const bool fast = r.ps % 16 == 0 && r.H % 16 == 0;
+  for (int64_t i = j.c0; i < j.c1; ++i) {
+    const int64_t b = i < half ? 2 * i : 2 * (i - half) + 1;
+    if (fast && i + 1 < j.c1) {  // the next row's first pages (within a row, row16 runs ahead)
+      const int64_t next = i + 1 < half ? 2 * (i + 1) : 2 * (i + 1 - half) + 1;
+      for (int64_t c = 0; c < std::min(kAheadPages, r.n); ++c) prefetch_page<kInt8>(r, next, c);
+    }
+    if (fast) {
+      row16<kInt8>(r, b, acc, qm, mx, sum);
+    } else {
+      for (int64_t kh = 0; kh < r.K; ++kh) item<kInt8>(r, b, kh, acc, qm, mx, sum);
+    }
+  }
+}
+
+void run_f32(const Job& j) { run_items<false>(j); }
+void run_i8(const Job& j) { run_items<true>(j); }
