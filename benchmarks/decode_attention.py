@@ -3,7 +3,8 @@ dense copy of every row's pages (``cache.PagedKVCache.read_layer`` + ``layers.at
 against the packed step's reader (``models.packed.paged_rows_attention``) under several
 settings of its blocking: rows per group (``ROW_GROUP``), key positions per block
 (``ROW_BLOCK_POSITIONS``) and whether scores are unrolled multiply-adds
-(``UNROLL_QUERIES``). Interleaved, medians; pages scattered through a pool as in a running
+(``UNROLL_QUERIES``), and the native kernel (``cpu_kernels.paged_rows``), over float32 pages
+and over int8 ones. Interleaved, medians; pages scattered through a pool as in a running
 engine.
 
     python benchmarks/decode_attention.py --rows 64 --context 256 384 --page-size 16 [--ragged]
@@ -23,8 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer.models.packed as packed
-from jaxinfer.cache import PagedKVCache
+from jaxinfer import cpu_kernels as ck
+from jaxinfer.cache import PagedKVCache, QuantKV
 from jaxinfer.models.layers import attention
+from jaxinfer.quant import quantize_kv
 
 # name: (ROW_GROUP, ROW_BLOCK_POSITIONS, UNROLL_QUERIES); "before" is the reader as it was
 # (every row at once, blocks of 256 positions, batched dots)
@@ -52,6 +55,18 @@ def _reader(setting):
                                                            scale=0.125)
         finally:
             packed.ROW_GROUP, packed.ROW_BLOCK_POSITIONS, packed.UNROLL_QUERIES = saved
+
+    return f
+
+
+def _native(native: bool):
+    """The packed step's decode reader as the engine calls it: the native kernel where
+    ``native`` (float32 or int8 pools), else XLA's reader with its built-in settings."""
+
+    @jax.jit
+    def f(q, k, v, table, pos):
+        return packed.paged_rows_attention(q, k, v, table, None, pos, pos.max(axis=1) + 1, scale=0.125,
+                                           native=native)
 
     return f
 
@@ -90,20 +105,36 @@ def main():
 
             args = (q, k, v, table, pos)
             fns = {"dense copy": dense} | {name: _reader(s) for name, s in SETTINGS.items()}
+            if ck.f32_available():
+                fns["native kernel"] = _native(k.shape[3] <= ck.ROWS_MAX_PAGE)
             want = np.asarray(dense(*args))
             for f in fns.values():
                 np.testing.assert_allclose(np.asarray(f(*args)), want, rtol=2e-5, atol=2e-5)
-            times = {name: [] for name in fns}
+            # int8 pages: the XLA reader as built and the native kernel, over the same pools
+            (kq, ks), (vq, vs) = quantize_kv(k, axis=-2), quantize_kv(v, axis=-1)
+            args8 = (q, QuantKV(kq, ks, -2), QuantKV(vq, vs, -1), table, pos)
+            fns8 = {"int8 pages, XLA reader": _native(False)}
+            if ck.f32_available():
+                fns8["int8 pages, native kernel"] = _native(True)
+            want8 = np.asarray(fns8["int8 pages, XLA reader"](*args8))
+            for f in fns8.values():
+                np.testing.assert_allclose(np.asarray(f(*args8)), want8, rtol=2e-5, atol=2e-5)
+            times = {name: [] for name in [*fns, *fns8]}
             for _ in range(a.repeats):
                 for name, f in fns.items():
                     t0 = time.perf_counter()
                     jax.block_until_ready(f(*args))
                     times[name].append(time.perf_counter() - t0)
+                for name, f in fns8.items():
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(f(*args8))
+                    times[name].append(time.perf_counter() - t0)
             mb = 2 * B * ctx * K * H * 4 / 1e6
-            print(f"context {ctx}, pages of {ps} (KV read {mb:.1f} MB):")
+            mb8 = mb / 4 + 2 * B * ctx * K * 4 / 1e6  # int8 values and their scales
+            print(f"context {ctx}, pages of {ps} (KV read {mb:.1f} MB; int8 pages {mb8:.1f} MB):")
             for name, ts in times.items():
                 m = statistics.median(ts) * 1e3
-                print(f"  {name:28s} {m:7.2f} ms  {mb / m:5.1f} GB/s")
+                print(f"  {name:28s} {m:7.2f} ms  {(mb8 if name in fns8 else mb) / m:5.1f} GB/s")
 
 
 if __name__ == "__main__":

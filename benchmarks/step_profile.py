@@ -1,8 +1,8 @@
 """Where a packed step's time goes on this CPU: the bare jitted step of the real model (no
 scheduler, no host work) for a 64-row decode step and a 512-token prefill row (4 prompts of
 128), with its attention as built and with attention taken out (replaced by its queries, so
-what is left is every matmul, norm, rotary and the sampler), and with XLA's decode reader in
-place of the native one (``packed.NATIVE_ROWS``), interleaved in one process, min and median
+what is left is every matmul, norm, rotary and the sampler), and with XLA's readers in place
+of the native kernels (``packed.NATIVE_ROWS``), interleaved in one process, min and median
 of the rounds. The difference is the attention's share.
 
     python benchmarks/step_profile.py --context 200 --page-size 16 64 --rounds 5
@@ -87,7 +87,7 @@ def main():
     rng = np.random.default_rng(0)
     cases = {}
     variants = [(f"page {p}", p, True, True) for p in a.page_size] + [
-        (f"page {a.page_size[0]}, XLA decode reader", a.page_size[0], True, False),
+        (f"page {a.page_size[0]}, XLA readers", a.page_size[0], True, False),
         (f"page {a.page_size[0]}, no attention", a.page_size[0], False, True)]
     for name, ps, attention, native in variants:
         eng = _engine(ps, attention, native, opts)

@@ -1,9 +1,11 @@
-"""The native decode-row attention kernel (``cpu_kernels.paged_rows``) against its reference,
-``models.packed.paged_rows_attention`` run by XLA: float32 and int8 pools, one and several
-queries per row, windows, soft-capping, logical page bases, pages of 8 (the plain loop) and
-16 or 32 positions (the 16-wide blocks), head dims of 16 to 256, one and two threads, each
-vector variant this CPU runs, and pages past each row's end poisoned with NaN. Then the tiny
-model through it equals the model through XLA's reader, token for token."""
+"""The native attention kernels against their references run by XLA: decode rows
+(``cpu_kernels.paged_rows`` against ``models.packed.paged_rows_attention``) and the packed
+prefill row (``cpu_kernels.prefill_row`` against ``prefill_row_attention``). Over float32 and
+int8 pools, one and several queries per row, segments and history pages, windows,
+soft-capping, logical page bases, pages of 8 (decode's plain loop) and 16 or 32 positions,
+head dims of 16 to 256, one and two threads, each vector variant this CPU runs, with pages
+past each row's end and padding tokens poisoned with NaN. Then the tiny model through them
+equals the model through XLA's readers, token for token."""
 
 from __future__ import annotations
 
@@ -111,3 +113,75 @@ def test_the_model_through_the_kernel_equals_xla_reader(tiny_gguf, monkeypatch, 
     for a, b in zip(outs[True], outs[False]):
         assert a.token_ids == b.token_ids
         assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, rel=1e-5, abs=1e-5)
+
+
+def _prefill_case(rng, T, N, K, H, ps, lens, hist, *, int8, base):
+    """A packed prefill row: segments of ``lens`` tokens then padding (NaN keys and values);
+    segment 0 continues ``hist`` positions held in pages (past them NaN), the others start at 0."""
+    seg = np.full(T, -1, np.int32)
+    pos = np.zeros(T, np.int32)
+    at = 0
+    for s, n in enumerate(lens):
+        seg[at : at + n] = s
+        pos[at : at + n] = np.arange(n) + (hist if s == 0 else 0)
+        at += n
+    n_pages = -(-(hist + 1) // ps) + 1
+    P = n_pages + 5
+    b0 = 2 if base else 0  # the table's first column holds logical page b0
+    kp = rng.standard_normal((P, K, H, ps)).astype(np.float32)
+    vp = rng.standard_normal((P, K, ps, H)).astype(np.float32)
+    table = rng.permutation(np.arange(1, P))[:n_pages].astype(np.int32)
+    for c in range(n_pages):
+        for o in range(ps):
+            if (b0 + c) * ps + o >= hist:
+                kp[table[c], :, :, o] = np.nan
+                vp[table[c], :, o, :] = np.nan
+    k = rng.standard_normal((1, T, K, H)).astype(np.float32)
+    v = rng.standard_normal((1, T, K, H)).astype(np.float32)
+    k[0, seg < 0] = np.nan
+    v[0, seg < 0] = np.nan
+    q = jnp.asarray(rng.standard_normal((1, T, N, H)), jnp.float32)
+    if int8:
+        (kq, ks), (vq, vs) = quantize_kv(jnp.asarray(np.nan_to_num(kp)), axis=-2), quantize_kv(
+            jnp.asarray(np.nan_to_num(vp)), axis=-1)
+        pools = QuantKV(kq, ks, -2), QuantKV(vq, vs, -1)
+    else:
+        pools = jnp.asarray(kp), jnp.asarray(vp)
+    bases = jnp.asarray([b0], jnp.int32) if base else None  # positions before page b0: none
+    return (q, jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), jnp.asarray(seg), *pools, jnp.asarray(table[None]),
+            bases, jnp.int32(hist))
+
+
+@pytest.mark.parametrize("T,N,K,H,ps,lens,hist", [
+    (128, 9, 3, 64, 16, [40, 30, 20], 0),      # three prompts, no history
+    (64, 9, 3, 64, 16, [64], 37),              # one chunk continuing 37 positions
+    (96, 4, 1, 256, 16, [23, 50], 70),         # Gemma's heads; a chunk then a new prompt
+    (48, 4, 2, 16, 32, [5, 1, 9, 17], 100),    # short segments across query blocks
+])
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_row_equals_the_reference(T, N, K, H, ps, lens, hist, int8, threads):
+    rng = np.random.default_rng(T + hist + int8)
+    q, k, v, pos, seg, kp, vp, table, base, hist_end = _prefill_case(rng, T, N, K, H, ps, lens, hist, int8=int8,
+                                                                     base=False)
+    want = packed.prefill_row_attention(q, k, v, pos, seg, kp, vp, table, base, hist_end, scale=H ** -0.5)
+    quant = {"k_scale": kp.scale, "v_scale": vp.scale} if int8 else {}
+    pools = (kp.values, vp.values) if int8 else (kp, vp)
+    got = jax.jit(lambda q: ck.prefill_row(q[0], k[0], v[0], pos, seg, *pools, table, None, hist_end,
+                                           scale=H ** -0.5, threads=threads, **quant))(q)
+    assert not np.isnan(np.asarray(got)).any()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want)[0], rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("window,softcap,base", [(20, None, False), (None, 5.0, False), (30, None, True),
+                                                 (7, 3.0, True)])
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_prefill_row_windows_softcaps_and_bases(window, softcap, base, isa):
+    rng = np.random.default_rng(window or 1)
+    q, k, v, pos, seg, kp, vp, table, bases, hist_end = _prefill_case(rng, 80, 9, 3, 64, 16, [45, 20], 60,
+                                                                      int8=False, base=base)
+    opts = {"scale": 0.125, "window": window, "softcap": softcap}
+    want = packed.prefill_row_attention(q, k, v, pos, seg, kp, vp, table, bases, hist_end, **opts)
+    got = jax.jit(lambda q: ck.prefill_row(q[0], k[0], v[0], pos, seg, kp, vp, table,
+                                           None if bases is None else bases[0], hist_end, isa=isa, **opts))(q)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want)[0], rtol=1e-5, atol=2e-6)

@@ -60,6 +60,8 @@ F32_T_TARGET = "jaxinfer_f32_gemv_t"
 ROWS_TARGET = "jaxinfer_paged_rows"
 ROWS_I8_TARGET = "jaxinfer_paged_rows_i8"
 ROWS_MAX_PAGE = 64  # paged_rows: positions per page
+PREFILL_TARGET = "jaxinfer_prefill_row"
+PREFILL_I8_TARGET = "jaxinfer_prefill_row_i8"
 MAX_ROWS = 4  # int8_gemv, wo8_gemv
 F32_MAX_ROWS = 16  # f32_gemv: a verification step's k + 1 rows, decode batches of up to 16
 # f32_gemv's vector variants, best first, and the CPU flags each needs.
@@ -126,6 +128,9 @@ def _registered() -> bool:
             jax.ffi.register_ffi_target(F32_T_TARGET, jax.ffi.pycapsule(lib.jaxinfer_f32_gemv_t), platform="cpu")
             jax.ffi.register_ffi_target(ROWS_TARGET, jax.ffi.pycapsule(lib.jaxinfer_paged_rows), platform="cpu")
             jax.ffi.register_ffi_target(ROWS_I8_TARGET, jax.ffi.pycapsule(lib.jaxinfer_paged_rows_i8), platform="cpu")
+            jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(lib.jaxinfer_prefill_row), platform="cpu")
+            jax.ffi.register_ffi_target(PREFILL_I8_TARGET, jax.ffi.pycapsule(lib.jaxinfer_prefill_row_i8),
+                                        platform="cpu")
         except Exception as e:  # no compiler, a broken toolchain: XLA's dot serves
             print(f"jaxinfer: native gemv kernels unavailable, using XLA's dots ({e})", file=sys.stderr)
             return False
@@ -260,4 +265,41 @@ def paged_rows(q, k, v, table, base, qpos, end, *, scale: float, window: int | N
                 none if v_scale is None else v_scale.astype(jnp.float32),
                 *(jnp.asarray(a, jnp.int32) for a in (table, base, qpos, end)),
                 scale=np.float32(scale), softcap=np.float32(softcap or 0.0), window=int(window or 0),
+                threads=threads, isa=isa)
+
+
+def prefill_row_fits(T: int, H: int, page_size: int) -> bool:
+    """Whether prefill_row takes a row of T tokens with head dim H over pages of page_size."""
+    return T % 16 == 0 and H % 16 == 0 and page_size % 16 == 0
+
+
+def prefill_row(q, k, v, pos, seg, kpool, vpool, table, base, hist_end, *, scale: float, window: int | None = None,
+                softcap: float | None = None, k_scale=None, v_scale=None, threads: int | None = None,
+                isa: str | None = None) -> jax.Array:
+    """Attention of the packed prefill row through the native kernel (``paged_attention.cc``):
+    q [T, N, H] and the row's own keys and values k, v [T, K, H] at positions pos i32[T] in
+    segments seg i32[T] (-1: padding, last); a token sees the earlier tokens of its segment,
+    and segment 0 also the positions < hist_end of the pages table i32[n] (column c holding
+    logical page base + c) of the pools kpool [P, K, H, ps], vpool [P, K, ps, H] (float32, or
+    int8 with ``k_scale``/``v_scale``) -> f32[T, N, H]. The semantics of
+    ``models.packed.prefill_row_attention`` (its reference); call only where
+    ``f32_available()`` and ``prefill_row_fits``."""
+    if not f32_available():
+        raise RuntimeError("prefill_row needs AVX2 + FMA and g++ (check f32_available() first)")
+    if not prefill_row_fits(q.shape[0], q.shape[2], kpool.shape[3]):
+        raise ValueError(f"prefill_row: the row ({q.shape[0]}), head dim ({q.shape[2]}) and page size "
+                         f"({kpool.shape[3]}) must be multiples of 16")
+    int8 = k_scale is not None
+    isa = rows_isa() if isa is None else isa
+    threads = min(os.cpu_count() or 1, 2) if threads is None else threads
+    none = jnp.zeros((1,), jnp.float32)
+    hist = jnp.stack([jnp.asarray(0 if base is None else base, jnp.int32).reshape(()),
+                      jnp.asarray(hist_end, jnp.int32).reshape(())])
+    call = jax.ffi.ffi_call(PREFILL_I8_TARGET if int8 else PREFILL_TARGET,
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    return call(*f32, jnp.asarray(pos, jnp.int32), jnp.asarray(seg, jnp.int32), kpool, vpool,
+                none if k_scale is None else k_scale.astype(jnp.float32),
+                none if v_scale is None else v_scale.astype(jnp.float32), jnp.asarray(table, jnp.int32).reshape(-1),
+                hist, scale=np.float32(scale), softcap=np.float32(softcap or 0.0), window=int(window or 0),
                 threads=threads, isa=isa)

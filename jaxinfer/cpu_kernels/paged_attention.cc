@@ -63,6 +63,22 @@ struct Rows {
   float scale, softcap;                      // softcap 0: none
 };
 
+struct Prefill {
+  const float* q;    // [T, N, H]
+  const float* k;    // [T, K, H] the row's own keys and values
+  const float* v;
+  const int32_t* pos;  // [T]
+  const int32_t* seg;  // [T] segment, -1: padding (last)
+  const void* kp;      // pools [P, K, H, ps] and [P, K, ps, H]: segment 0's history
+  const void* vp;
+  const float* ks;  // [P, K, ps] (int8 pools) or null
+  const float* vs;
+  const int32_t* table;  // [n] segment 0's pages, column c holding logical page base0 + c
+  float* out;            // [T, N, H]
+  int64_t T, N, K, H, ps, P, n, base0, hist_end, window, valid;  // valid: tokens before the padding
+  float scale, softcap;
+};
+
 // exp(x) for x <= 0 (scores less their running max), to about 2 ulp: x = n ln2 + r, a
 // degree-6 polynomial for e^r on |r| <= ln2 / 2, then 2^n in the exponent bits. Below -87.3
 // it returns e^-87.3 (1e-38), nothing against the sum's 1 at the max.
@@ -146,6 +162,66 @@ ffi::Error paged_rows(bool int8, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi:
   return ffi::Error::Success();
 }
 
+ffi::Error prefill_row(bool int8, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                       ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> seg, ffi::AnyBuffer kp, ffi::AnyBuffer vp,
+                       ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs, ffi::Buffer<ffi::S32> table,
+                       ffi::Buffer<ffi::S32> hist, ffi::ResultBuffer<ffi::F32> out, float scale, float softcap,
+                       int64_t window, int64_t threads, std::string_view isa, ffi::ThreadPool pool) {
+  const std::string what = int8 ? "prefill_row_i8" : "prefill_row";
+  const auto qd = q.dimensions(), kd = k.dimensions(), pd = kp.dimensions(), vd = vp.dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || pd.size() != 4 || vd.size() != 4)
+    return ffi::Error::InvalidArgument(what + ": q [T, N, H], k and v [T, K, H], pools [P, K, H, ps] and [P, K, ps, H]");
+  const auto want = int8 ? ffi::DataType::S8 : ffi::DataType::F32;
+  if (kp.element_type() != want || vp.element_type() != want)
+    return ffi::Error::InvalidArgument(what + (int8 ? ": pools must be int8" : ": pools must be float32"));
+  const int64_t T = qd[0], N = qd[1], H = qd[2], K = kd[1], P = pd[0], ps = pd[3];
+  if (kd[0] != T || kd[2] != H || v.element_count() != k.element_count() || pd[1] != K || pd[2] != H || vd[0] != P || vd[1] != K ||
+      vd[2] != ps || vd[3] != H || K < 1 || N % K != 0 || pos.element_count() != static_cast<size_t>(T) ||
+      seg.element_count() != static_cast<size_t>(T) || hist.element_count() != 2)
+    return ffi::Error::InvalidArgument(what + ": shapes of q, k, v, pos, seg and pools disagree");
+  if (T % 16 != 0 || H % 16 != 0 || ps % 16 != 0)
+    return ffi::Error::InvalidArgument(what + ": the row, head dim and page size must be multiples of 16");
+  if (int8 && (ks.element_count() != static_cast<size_t>(P * K * ps) ||
+               vs.element_count() != static_cast<size_t>(P * K * ps)))
+    return ffi::Error::InvalidArgument(what + ": scales must be [P, K, ps]");
+  if (!cpu_has(isa)) return ffi::Error::InvalidArgument(what + ": this CPU lacks " + std::string(isa));
+  int64_t valid = 0;
+  while (valid < T && seg.typed_data()[valid] >= 0) ++valid;
+  Prefill r{q.typed_data(), k.typed_data(), v.typed_data(), pos.typed_data(), seg.typed_data(), kp.untyped_data(),
+            vp.untyped_data(), int8 ? ks.typed_data() : nullptr, int8 ? vs.typed_data() : nullptr,
+            table.typed_data(), out->typed_data(), T, N, K, H, ps, P,
+            static_cast<int64_t>(table.element_count()), hist.typed_data()[0], hist.typed_data()[1], window, valid,
+            scale, softcap};
+  void (*fn)(const Job&) = isa == "avx512" ? (int8 ? avx512::prefill_i8 : avx512::prefill_f32)
+                                           : (int8 ? avx2::prefill_i8 : avx2::prefill_f32);
+  const int64_t items = T / 16 * K;
+  const Job all{fn, &r, nullptr, nullptr, 0, 0, items, 0, items};
+  if (threads > 1) {
+    split_run(all, 1, pool);
+  } else {
+    fn(all);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error PrefillRow(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                      ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> seg, ffi::AnyBuffer kp, ffi::AnyBuffer vp,
+                      ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs, ffi::Buffer<ffi::S32> table,
+                      ffi::Buffer<ffi::S32> hist, ffi::ResultBuffer<ffi::F32> out, float scale, float softcap,
+                      int64_t window, int64_t threads, std::string_view isa, ffi::ThreadPool pool) {
+  return prefill_row(false, q, k, v, pos, seg, kp, vp, ks, vs, table, hist, out, scale, softcap, window, threads,
+                     isa, pool);
+}
+
+ffi::Error PrefillRowI8(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                        ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> seg, ffi::AnyBuffer kp, ffi::AnyBuffer vp,
+                        ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs, ffi::Buffer<ffi::S32> table,
+                        ffi::Buffer<ffi::S32> hist, ffi::ResultBuffer<ffi::F32> out, float scale, float softcap,
+                        int64_t window, int64_t threads, std::string_view isa, ffi::ThreadPool pool) {
+  return prefill_row(true, q, k, v, pos, seg, kp, vp, ks, vs, table, hist, out, scale, softcap, window, threads,
+                     isa, pool);
+}
+
 ffi::Error PagedRows(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::F32> ks,
                      ffi::Buffer<ffi::F32> vs, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> base,
                      ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::S32> end, ffi::ResultBuffer<ffi::F32> out,
@@ -185,3 +261,27 @@ ffi::Error PagedRowsI8(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_paged_rows, PagedRows, JAXINFER_PAGED_ROWS_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_paged_rows_i8, PagedRowsI8, JAXINFER_PAGED_ROWS_BINDING);
+
+#define JAXINFER_PREFILL_ROW_BINDING                \
+  ffi::Ffi::Bind()                                  \
+      .Arg<ffi::Buffer<ffi::F32>>()                 \
+      .Arg<ffi::Buffer<ffi::F32>>()                 \
+      .Arg<ffi::Buffer<ffi::F32>>()                 \
+      .Arg<ffi::Buffer<ffi::S32>>()                 \
+      .Arg<ffi::Buffer<ffi::S32>>()                 \
+      .Arg<ffi::AnyBuffer>()                        \
+      .Arg<ffi::AnyBuffer>()                        \
+      .Arg<ffi::Buffer<ffi::F32>>()                 \
+      .Arg<ffi::Buffer<ffi::F32>>()                 \
+      .Arg<ffi::Buffer<ffi::S32>>()                 \
+      .Arg<ffi::Buffer<ffi::S32>>()                 \
+      .Ret<ffi::Buffer<ffi::F32>>()                 \
+      .Attr<float>("scale")                         \
+      .Attr<float>("softcap")                       \
+      .Attr<int64_t>("window")                      \
+      .Attr<int64_t>("threads")                     \
+      .Attr<std::string_view>("isa")                \
+      .Ctx<ffi::ThreadPool>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_prefill_row, PrefillRow, JAXINFER_PREFILL_ROW_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_prefill_row_i8, PrefillRowI8, JAXINFER_PREFILL_ROW_BINDING);

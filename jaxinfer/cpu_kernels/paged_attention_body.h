@@ -165,22 +165,47 @@ __attribute__((always_inline)) inline float hsum16(v16f v) {
   return v[0];
 }
 
-// One 16-position block (key rows kb[h * ps], value rows vb[o * H]) for the QG queries from
-// m0: fold its scores into their running softmax and accumulators.
+// Sixteen key positions: key row h (16 lanes) at k + h * kstride, value row o at v + o * vstride
+// (elements), with per-position scales for int8.
+struct Keys16 {
+  const void* k;
+  const void* v;
+  const float* kscale;
+  const float* vscale;
+  int64_t kstride, vstride;
+  v16i pos;       // the lanes' positions
+  int64_t rows;   // value rows [0, rows) may be read (past them: unwritten, maybe NaN)
+  v16i ok;        // lanes any query may see (written, in the row's segment, ...)
+  bool segments;  // a query sees only lanes of its own segment (kseg)
+  v16i kseg;
+};
+
+// The queries of one item: scaled queries qm [M, H], running max mx, sum and accumulators acc
+// [M, H]; query m is token m / G at position qpos[m / G] in segment qseg[m / G].
+struct Queries {
+  const float* qm;
+  float* acc;
+  float* mx;
+  float* sum;
+  const int32_t* qpos;
+  const int32_t* qseg;
+  int64_t G, H, window;  // window 0: none
+  float softcap;         // 0: none
+};
+
+// One block of 16 keys for the QG queries from m0: fold its scores into their running softmax
+// and accumulators.
 template <int QG, bool kInt8>
-__attribute__((always_inline)) inline void block16(const Rows& r, const void* kb, const void* vb, const float* kscale,
-                                                   const float* vscale, int64_t pos, int64_t lim, int64_t m0,
-                                                   int64_t G, const int32_t* qpos, const float* qm, float* acc,
-                                                   float* mx, float* sum) {
-  const int64_t H = r.H, ps = r.ps;
+__attribute__((always_inline)) inline void block16(const Keys16& kb, const Queries& qs, int64_t m0) {
+  const int64_t H = qs.H, ks = kb.kstride;
   // two partial sums per query (even and odd h), named so they stay in registers
-  const float* q0 = qm + m0 * H;
+  const float* q0 = qs.qm + m0 * H;
   v16f s0a{}, s0b{}, s1a{}, s1b{}, s2a{}, s2b{}, s3a{}, s3b{};
   for (int64_t h = 0; h < H; h += 2) {
-    const v16f ka = kInt8 ? load16(static_cast<const int8_t*>(kb) + h * ps)
-                          : load16(static_cast<const float*>(kb) + h * ps);
-    const v16f kz = kInt8 ? load16(static_cast<const int8_t*>(kb) + (h + 1) * ps)
-                          : load16(static_cast<const float*>(kb) + (h + 1) * ps);
+    const v16f ka = kInt8 ? load16(static_cast<const int8_t*>(kb.k) + h * ks)
+                          : load16(static_cast<const float*>(kb.k) + h * ks);
+    const v16f kz = kInt8 ? load16(static_cast<const int8_t*>(kb.k) + (h + 1) * ks)
+                          : load16(static_cast<const float*>(kb.k) + (h + 1) * ks);
     s0a += q0[h] * ka;
     s0b += q0[h + 1] * kz;
     if constexpr (QG > 1) {
@@ -197,40 +222,71 @@ __attribute__((always_inline)) inline void block16(const Rows& r, const void* kb
     }
   }
   const v16f s[4] = {s0a + s0b, s1a + s1b, s2a + s2b, s3a + s3b};
-  const v16i kpos = v16i{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + static_cast<int32_t>(pos);
+  const v16i kpos = kb.pos;
   alignas(64) float pw[QG][16];
   float alpha[QG];
   for (int j = 0; j < QG; ++j) {
-    const int32_t qp = qpos[(m0 + j) / G];
-    v16i ok = (kpos <= qp) & (kpos < static_cast<int32_t>(lim));
-    if (r.window > 0) ok &= (qp - kpos) < static_cast<int32_t>(r.window);
-    v16f sj = kInt8 ? s[j] * load16(kscale) : s[j];
-    if (r.softcap > 0.0f) {
+    const int64_t m = m0 + j;
+    const int32_t qp = qs.qpos[m / qs.G];
+    v16i ok = kb.ok & (kpos <= qp);
+    if (qs.window > 0) ok &= (qp - kpos) < static_cast<int32_t>(qs.window);
+    if (kb.segments) ok &= kb.kseg == qs.qseg[m / qs.G];
+    v16f sj = kInt8 ? s[j] * load16(kb.kscale) : s[j];
+    if (qs.softcap > 0.0f) {
       alignas(64) float t[16];
       store16(t, sj);
-      for (int o = 0; o < 16; ++o) t[o] = r.softcap * std::tanh(t[o] / r.softcap);
+      for (int o = 0; o < 16; ++o) t[o] = qs.softcap * std::tanh(t[o] / qs.softcap);
       sj = load16(t);
     }
     sj = ok ? sj : splat(kNeg);
-    const float top = std::max(mx[m0 + j], hmax16(sj));
-    alpha[j] = exp_nonpos(mx[m0 + j] - top);
+    const float top = std::max(qs.mx[m], hmax16(sj));
+    alpha[j] = exp_nonpos(qs.mx[m] - top);
     v16f p = exp16(sj - top);
     p = ok ? p : v16f{};
-    sum[m0 + j] = sum[m0 + j] * alpha[j] + hsum16(p);
-    mx[m0 + j] = top;
-    store16(pw[j], kInt8 ? p * load16(vscale) : p);
+    qs.sum[m] = qs.sum[m] * alpha[j] + hsum16(p);
+    qs.mx[m] = top;
+    store16(pw[j], kInt8 ? p * load16(kb.vscale) : p);
   }
-  const int64_t rows = std::min<int64_t>(16, lim - pos);  // value rows at or past lim may be NaN
   for (int64_t c = 0; c < H; c += 16) {
     v16f a[QG];
-    for (int j = 0; j < QG; ++j) a[j] = load16(acc + (m0 + j) * H + c) * alpha[j];
-    for (int64_t o = 0; o < rows; ++o) {
-      const v16f vv = kInt8 ? load16(static_cast<const int8_t*>(vb) + o * H + c)
-                            : load16(static_cast<const float*>(vb) + o * H + c);
+    for (int j = 0; j < QG; ++j) a[j] = load16(qs.acc + (m0 + j) * H + c) * alpha[j];
+    for (int64_t o = 0; o < kb.rows; ++o) {
+      const v16f vv = kInt8 ? load16(static_cast<const int8_t*>(kb.v) + o * kb.vstride + c)
+                            : load16(static_cast<const float*>(kb.v) + o * kb.vstride + c);
       for (int j = 0; j < QG; ++j) a[j] += pw[j][o] * vv;
     }
-    for (int j = 0; j < QG; ++j) store16(acc + (m0 + j) * H + c, a[j]);
+    for (int j = 0; j < QG; ++j) store16(qs.acc + (m0 + j) * H + c, a[j]);
   }
+}
+
+// block16 for queries [0, M), in register groups of at most kMaxGroup, as even as possible.
+template <bool kInt8>
+__attribute__((always_inline)) inline void block16_all(const Keys16& kb, const Queries& qs, int64_t M) {
+  const int64_t groups = (M + kMaxGroup - 1) / kMaxGroup;
+  for (int64_t gi = 0, m0 = 0; gi < groups; ++gi) {
+    const int64_t size = (M - m0) / (groups - gi);
+    switch (size) {
+      case 1:
+        block16<1, kInt8>(kb, qs, m0);
+        break;
+      case 2:
+        block16<2, kInt8>(kb, qs, m0);
+        break;
+      case 3:
+        block16<3, kInt8>(kb, qs, m0);
+        break;
+      default:
+        block16<4, kInt8>(kb, qs, m0);
+        break;
+    }
+    m0 += size;
+  }
+}
+
+// out [.., H] rows = acc / sum (a query that saw nothing: 0, as the reference).
+__attribute__((always_inline)) inline void finish(const float* acc, const float* sum, float* dst, int64_t H) {
+  const float inv = 1.0f / std::max(*sum, 1e-30f);
+  for (int64_t h = 0; h < H; ++h) dst[h] = acc[h] * inv;
 }
 
 // A page of the pool holds its keys [K, H, ps] and values [K, ps, H] for all KV heads, a few
@@ -282,7 +338,7 @@ __attribute__((always_inline)) inline void row16(const Rows& r, int64_t b, float
   std::fill(sum, sum + K * M, 0.0f);
   const int64_t lim = std::min<int64_t>(r.end[b], qmax + 1);
   const int64_t start = r.window > 0 ? std::max<int64_t>(0, qmin - r.window + 1) : 0;
-  const int64_t groups = (M + kMaxGroup - 1) / kMaxGroup;
+  const v16i lanes = v16i{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t c = 0; c < r.n; ++c) {
     const int64_t pos0 = (r.base[b] + c) * ps;
     if (pos0 >= lim) break;
@@ -291,31 +347,20 @@ __attribute__((always_inline)) inline void row16(const Rows& r, int64_t b, float
     if (c + kAheadPages < r.n && pos0 + kAheadPages * ps < lim) prefetch_page<kInt8>(r, b, c + kAheadPages);
     for (int64_t kh = 0; kh < K; ++kh) {
       const int64_t at = (page * K + kh) * H * ps;
-      float *qk = qm + kh * M * H, *ak = acc + kh * M * H, *mk = mx + kh * M, *sk = sum + kh * M;
+      const Queries qs{qm + kh * M * H, acc + kh * M * H, mx + kh * M, sum + kh * M, qpos, nullptr, G, H,
+                       r.window, r.softcap};
       for (int64_t sb = 0; sb < ps && pos0 + sb < lim; sb += 16) {
         if (pos0 + sb + 16 <= start) continue;
         const int64_t koff = at + sb, voff = at + sb * H;
-        const void* kb = kInt8 ? static_cast<const void*>(static_cast<const int8_t*>(r.k) + koff)
-                               : static_cast<const void*>(static_cast<const float*>(r.k) + koff);
-        const void* vb = kInt8 ? static_cast<const void*>(static_cast<const int8_t*>(r.v) + voff)
-                               : static_cast<const void*>(static_cast<const float*>(r.v) + voff);
-        const float* kscale = kInt8 ? r.ks + (page * K + kh) * ps + sb : nullptr;
-        const float* vscale = kInt8 ? r.vs + (page * K + kh) * ps + sb : nullptr;
-        for (int64_t gi = 0, m0 = 0; gi < groups; ++gi) {
-          const int64_t size = (M - m0) / (groups - gi);  // as even as possible
-          switch (size) {
-#define JAXINFER_BLOCK(QG) \
-  case QG:                 \
-    block16<QG, kInt8>(r, kb, vb, kscale, vscale, pos0 + sb, lim, m0, G, qpos, qk, ak, mk, sk); \
-    break;
-            JAXINFER_BLOCK(1)
-            JAXINFER_BLOCK(2)
-            JAXINFER_BLOCK(3)
-            JAXINFER_BLOCK(4)
-#undef JAXINFER_BLOCK
-          }
-          m0 += size;
-        }
+        Keys16 kb{kInt8 ? static_cast<const void*>(static_cast<const int8_t*>(r.k) + koff)
+                        : static_cast<const void*>(static_cast<const float*>(r.k) + koff),
+                  kInt8 ? static_cast<const void*>(static_cast<const int8_t*>(r.v) + voff)
+                        : static_cast<const void*>(static_cast<const float*>(r.v) + voff),
+                  kInt8 ? r.ks + (page * K + kh) * ps + sb : nullptr,
+                  kInt8 ? r.vs + (page * K + kh) * ps + sb : nullptr,
+                  ps, H, lanes + static_cast<int32_t>(pos0 + sb), std::min<int64_t>(16, lim - pos0 - sb),
+                  (lanes + static_cast<int32_t>(pos0 + sb)) < static_cast<int32_t>(lim), false, v16i{}};
+        block16_all<kInt8>(kb, qs, M);
       }
     }
   }
@@ -323,9 +368,7 @@ __attribute__((always_inline)) inline void row16(const Rows& r, int64_t b, float
     for (int64_t kh = 0; kh < K; ++kh) {
       for (int64_t g = 0; g < G; ++g) {
         const int64_t m = kh * M + t * G + g;
-        const float inv = 1.0f / std::max(sum[m], 1e-30f);
-        float* dst = r.out + ((b * T + t) * r.N + kh * G + g) * H;
-        for (int64_t h = 0; h < H; ++h) dst[h] = acc[m * H + h] * inv;
+        finish(acc + m * H, sum + m, r.out + ((b * T + t) * r.N + kh * G + g) * H, H);
       }
     }
   }
@@ -356,3 +399,94 @@ __attribute__((always_inline)) inline void run_items(const Job& j) {
 
 void run_f32(const Job& j) { run_items<false>(j); }
 void run_i8(const Job& j) { run_items<true>(j); }
+
+// ---------------------------------------------------------------- the packed prefill row
+// Item (query block of 16 tokens, KV head). Its queries see the row's own keys of their segment
+// up to their position (the segment's key blocks, transposed 16 at a time into kt [H, 16]), and
+// segment-0 queries also the history pages before hist_end. Segments lie one after another and
+// padding (segment -1) comes last, so a block's segment-0 tokens come first. Scratch: acc and
+// qm [16 G, H], mx and sum [16 G], kt [H, 16].
+template <bool kInt8>
+__attribute__((always_inline)) inline void prefill_item(const Prefill& r, int64_t qb, int64_t kh, float* acc,
+                                                        float* qm, float* mx, float* sum, float* kt) {
+  const int64_t H = r.H, K = r.K, N = r.N, G = N / K, t0 = qb * 16;
+  const int64_t t1 = std::min<int64_t>(t0 + 16, r.valid);  // the block's tokens that are not padding
+  for (int64_t t = t0; t < t0 + 16; ++t) {  // padding queries see nothing: 0
+    if (t < t1) continue;
+    for (int64_t g = 0; g < G; ++g) std::fill_n(r.out + (t * N + kh * G + g) * H, H, 0.0f);
+  }
+  if (t1 <= t0) return;
+  const int64_t M = (t1 - t0) * G;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* src = r.q + ((t0 + m / G) * N + kh * G + m % G) * H;
+    for (int64_t h = 0; h < H; ++h) qm[m * H + h] = src[h] * r.scale;
+  }
+  std::fill(acc, acc + M * H, 0.0f);
+  std::fill(mx, mx + M, kNeg);
+  std::fill(sum, sum + M, 0.0f);
+  const Queries qs{qm, acc, mx, sum, r.pos + t0, r.seg + t0, G, H, r.window, r.softcap};
+  const v16i lanes = v16i{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const int32_t s0 = r.seg[t0];
+  const int64_t start = r.window > 0 ? std::max<int64_t>(0, r.pos[t0] - r.window + 1) : 0;
+  if (s0 == 0 && r.hist_end > 0) {  // segment 0's earlier positions, from its pages
+    int64_t t0_end = t0;
+    while (t0_end < t1 && r.seg[t0_end] == 0) ++t0_end;
+    const int64_t M0 = (t0_end - t0) * G, ps = r.ps;
+    for (int64_t c = 0; c < r.n; ++c) {
+      const int64_t pos0 = (r.base0 + c) * ps;
+      if (pos0 >= r.hist_end) break;
+      if (pos0 + ps <= start) continue;
+      const int64_t page = std::clamp<int64_t>(r.table[c], 0, r.P - 1), at = (page * K + kh) * H * ps;
+      for (int64_t sb = 0; sb < ps && pos0 + sb < r.hist_end; sb += 16) {
+        if (pos0 + sb + 16 <= start) continue;
+        const int64_t koff = at + sb, voff = at + sb * H;
+        const v16i kpos = lanes + static_cast<int32_t>(pos0 + sb);
+        const Keys16 kb{kInt8 ? static_cast<const void*>(static_cast<const int8_t*>(r.kp) + koff)
+                              : static_cast<const void*>(static_cast<const float*>(r.kp) + koff),
+                        kInt8 ? static_cast<const void*>(static_cast<const int8_t*>(r.vp) + voff)
+                              : static_cast<const void*>(static_cast<const float*>(r.vp) + voff),
+                        kInt8 ? r.ks + (page * K + kh) * ps + sb : nullptr,
+                        kInt8 ? r.vs + (page * K + kh) * ps + sb : nullptr,
+                        ps, H, kpos, std::min<int64_t>(16, r.hist_end - pos0 - sb),
+                        kpos < static_cast<int32_t>(r.hist_end), false, v16i{}};
+        block16_all<kInt8>(kb, qs, M0);
+      }
+    }
+  }
+  int64_t first = t0;  // the first token of the block's first segment
+  while (first > 0 && r.seg[first - 1] == s0) --first;
+  for (int64_t j = first / 16 * 16; j < t1; j += 16) {
+    const int64_t rows = std::min<int64_t>(16, r.valid - j);
+    for (int64_t o = 0; o < 16; ++o) {
+      const float* src = r.k + ((j + std::min(o, rows - 1)) * K + kh) * H;  // past rows: a copy (masked)
+      for (int64_t h = 0; h < H; ++h) kt[h * 16 + o] = src[h];
+    }
+    v16i kpos, kseg;
+    std::memcpy(&kpos, r.pos + j, sizeof kpos);
+    std::memcpy(&kseg, r.seg + j, sizeof kseg);
+    const Keys16 kb{kt, r.v + (j * K + kh) * H, nullptr, nullptr, 16, K * H, kpos, rows,
+                    (kseg >= 0) & (lanes < static_cast<int32_t>(rows)), true, kseg};
+    block16_all<false>(kb, qs, M);
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    finish(acc + m * H, sum + m, r.out + ((t0 + m / G) * N + kh * G + m % G) * H, H);
+  }
+}
+
+// Items [c0, c1) of a prefill job: (query block, KV head) pairs, even ones to the caller and odd
+// ones to the pool (later blocks see more keys).
+template <bool kInt8>
+__attribute__((always_inline)) inline void run_prefill(const Job& j) {
+  const Prefill& r = *static_cast<const Prefill*>(j.x);
+  const int64_t G = r.N / r.K, half = (r.T / 16 * r.K + 1) / 2;
+  std::vector<float> scratch(16 * G * r.H * 2 + 2 * 16 * G + 16 * r.H);
+  float *acc = scratch.data(), *qm = acc + 16 * G * r.H, *mx = qm + 16 * G * r.H, *sum = mx + 16 * G;
+  float* kt = sum + 16 * G;
+  for (int64_t i = j.c0; i < j.c1; ++i) {
+    const int64_t w = i < half ? 2 * i : 2 * (i - half) + 1;
+    prefill_item<kInt8>(r, w / r.K, w % r.K, acc, qm, mx, sum, kt);
+  }
+}
+
+void prefill_f32(const Job& j) { run_prefill<false>(j); }
+void prefill_i8(const Job& j) { run_prefill<true>(j); }

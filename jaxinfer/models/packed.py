@@ -154,7 +154,7 @@ class PackedKV:
             qp, kp, vp = q[:, R * Q :], k[:, R * Q :], v[:, R * Q :]
             outs.append(prefill_row_attention(
                 qp, kp, vp, b.positions[R * Q :], b.seg, ks[layer], vs[layer], table[R:],
-                None if base is None else base[R:], b.hist_end, **opts))
+                None if base is None else base[R:], b.hist_end, native=native_rows(ks[layer], vs[layer]), **opts))
         return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)), cache
 
 
@@ -259,10 +259,12 @@ def _visible(qpos, kpos, window):
 # The two readers are jitted with their options static: a layer calls them inside the step's
 # trace, and JAX then traces (and lowers) each one once per shape, not once per layer. Traced
 # 30 times over, their blocks made up most of a step's trace (see RESULTS.md, start-up).
-_reader = functools.partial(jax.jit, static_argnames=("scale", "window", "softcap"))
+# ``native`` (static, so that the per-shape trace cache cannot hand back the other reader) picks
+# the native kernel where the caller found it applies (``native_rows``).
+_reader = functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "native"))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "native"))
+@_reader
 def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window=None, softcap=None, own=None,
                          native=False):
     """Reference paged attention for rows of T queries: q [B, T, N, H] at positions
@@ -344,7 +346,7 @@ def _as_stored(a, pool):
 
 @_reader
 def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end, *, scale, window=None,
-                          softcap=None):
+                          softcap=None, native=False):
     """The packed prefill row: q [1, T, N, H], its own keys/values k, v [1, T, K, H] at
     positions pos i32[T] in segments seg i32[T] (-1: padding). A token sees the earlier
     tokens of its segment, and segment 0 also the positions < hist_end of the pages in
@@ -355,6 +357,12 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
     up to its own that still hold its first token's segment, and the pages only when that
     token is in segment 0; the rest is skipped at run time (``lax.cond``)."""
     _, T, N, H = q.shape
+    if native and cpu_kernels.prefill_row_fits(T, H, kpool.shape[3]):
+        quant = {"k_scale": kpool.scale, "v_scale": vpool.scale} if isinstance(kpool, QuantKV) else {}
+        pools = (kpool.values, vpool.values) if quant else (kpool, vpool)
+        out = cpu_kernels.prefill_row(q[0], k[0], v[0], pos, seg, *pools, table, None if base is None else base[0],
+                                      hist_end, scale=scale, window=window, softcap=softcap, **quant)
+        return out[None].astype(q.dtype)
     K = k.shape[2]
     G = N // K
     C = _query_block(T)
