@@ -219,6 +219,15 @@ def test_compilations_are_counted_exactly(tiny_gguf):
     assert eng.num_compilations() == first
 
 
+def test_warmup_with_one_slot(tiny_gguf):
+    """One decode slot: warm-up's last insert took slots[:1], which is then the slots themselves,
+    beside the donated slots (JAX refused the call)."""
+    llm = _paged(tiny_gguf, max_num_seqs=1)
+    assert llm.engine.warmup(max_prompt_len=8, max_len=16) > 0
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    assert len(llm.generate("Hello there", sp)[0].outputs[0].token_ids) == 4
+
+
 def test_warmup_leaves_nothing_to_compile(tiny_gguf):
     from jaxinfer.bench import WorkloadSpec, run_bench
 

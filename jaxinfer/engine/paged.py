@@ -327,7 +327,7 @@ class PagedEngine:
             from jax.sharding import NamedSharding, PartitionSpec
 
             self.slots = jax.device_put(self.slots, NamedSharding(self.mesh, PartitionSpec()))
-        dummy = jax.tree.map(lambda a: a[:1], self.slots)
+        dummy = jax.tree.map(lambda a: jnp.copy(a[:1]), self.slots)  # a copy: a[:1] is slots itself at one slot
         self.slots = self._insert(self.slots, jnp.int32(0), dummy)
         jax.block_until_ready(self.k_pages)
         return self.num_compilations() - before
