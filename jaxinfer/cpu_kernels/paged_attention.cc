@@ -32,6 +32,7 @@
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #pragma GCC diagnostic ignored "-Wpsabi"  // v16 values never cross a call: all inlined
@@ -79,27 +80,6 @@ struct Prefill {
   float scale, softcap;
 };
 
-// exp(x) for x <= 0 (scores less their running max), to about 2 ulp: x = n ln2 + r, a
-// degree-6 polynomial for e^r on |r| <= ln2 / 2, then 2^n in the exponent bits. Below -87.3
-// it returns e^-87.3 (1e-38), nothing against the sum's 1 at the max.
-__attribute__((always_inline)) inline float exp_nonpos(float x) {
-  x = x < -87.3f ? -87.3f : x;
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
-
 // Each vector variant compiles the kernel body (paged_attention_body.h) for its instructions.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma")
@@ -124,7 +104,8 @@ bool cpu_has(std::string_view isa) {
   return isa == "avx512" ? avx512 : isa == "avx2" ? avx2 : false;
 }
 
-ffi::Error paged_rows(bool int8, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+template <bool int8>
+ffi::Error paged_rows(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs, ffi::Buffer<ffi::S32> table,
                       ffi::Buffer<ffi::S32> base, ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::S32> end,
                       ffi::ResultBuffer<ffi::F32> out, float scale, float softcap, int64_t window,
@@ -162,7 +143,8 @@ ffi::Error paged_rows(bool int8, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi:
   return ffi::Error::Success();
 }
 
-ffi::Error prefill_row(bool int8, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+template <bool int8>
+ffi::Error prefill_row(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                        ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> seg, ffi::AnyBuffer kp, ffi::AnyBuffer vp,
                        ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs, ffi::Buffer<ffi::S32> table,
                        ffi::Buffer<ffi::S32> hist, ffi::ResultBuffer<ffi::F32> out, float scale, float softcap,
@@ -204,84 +186,50 @@ ffi::Error prefill_row(bool int8, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32>
   return ffi::Error::Success();
 }
 
-ffi::Error PrefillRow(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                      ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> seg, ffi::AnyBuffer kp, ffi::AnyBuffer vp,
-                      ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs, ffi::Buffer<ffi::S32> table,
-                      ffi::Buffer<ffi::S32> hist, ffi::ResultBuffer<ffi::F32> out, float scale, float softcap,
-                      int64_t window, int64_t threads, std::string_view isa, ffi::ThreadPool pool) {
-  return prefill_row(false, q, k, v, pos, seg, kp, vp, ks, vs, table, hist, out, scale, softcap, window, threads,
-                     isa, pool);
-}
-
-ffi::Error PrefillRowI8(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                        ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> seg, ffi::AnyBuffer kp, ffi::AnyBuffer vp,
-                        ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs, ffi::Buffer<ffi::S32> table,
-                        ffi::Buffer<ffi::S32> hist, ffi::ResultBuffer<ffi::F32> out, float scale, float softcap,
-                        int64_t window, int64_t threads, std::string_view isa, ffi::ThreadPool pool) {
-  return prefill_row(true, q, k, v, pos, seg, kp, vp, ks, vs, table, hist, out, scale, softcap, window, threads,
-                     isa, pool);
-}
-
-ffi::Error PagedRows(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::F32> ks,
-                     ffi::Buffer<ffi::F32> vs, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> base,
-                     ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::S32> end, ffi::ResultBuffer<ffi::F32> out,
-                     float scale, float softcap, int64_t window, int64_t threads, std::string_view isa,
-                     ffi::ThreadPool pool) {
-  return paged_rows(false, q, k, v, ks, vs, table, base, qpos, end, out, scale, softcap, window, threads, isa, pool);
-}
-
-ffi::Error PagedRowsI8(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::F32> ks,
-                       ffi::Buffer<ffi::F32> vs, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> base,
-                       ffi::Buffer<ffi::S32> qpos, ffi::Buffer<ffi::S32> end, ffi::ResultBuffer<ffi::F32> out,
-                       float scale, float softcap, int64_t window, int64_t threads, std::string_view isa,
-                       ffi::ThreadPool pool) {
-  return paged_rows(true, q, k, v, ks, vs, table, base, qpos, end, out, scale, softcap, window, threads, isa, pool);
-}
-
 }  // namespace
 
-#define JAXINFER_PAGED_ROWS_BINDING                 \
-  ffi::Ffi::Bind()                                  \
-      .Arg<ffi::Buffer<ffi::F32>>()                 \
-      .Arg<ffi::AnyBuffer>()                        \
-      .Arg<ffi::AnyBuffer>()                        \
-      .Arg<ffi::Buffer<ffi::F32>>()                 \
-      .Arg<ffi::Buffer<ffi::F32>>()                 \
-      .Arg<ffi::Buffer<ffi::S32>>()                 \
-      .Arg<ffi::Buffer<ffi::S32>>()                 \
-      .Arg<ffi::Buffer<ffi::S32>>()                 \
-      .Arg<ffi::Buffer<ffi::S32>>()                 \
-      .Ret<ffi::Buffer<ffi::F32>>()                 \
-      .Attr<float>("scale")                         \
-      .Attr<float>("softcap")                       \
-      .Attr<int64_t>("window")                      \
-      .Attr<int64_t>("threads")                     \
-      .Attr<std::string_view>("isa")                \
+// Both kernels return float32 [.., N, H] and take the same attributes.
+#define JAXINFER_ATTENTION_TAIL      \
+  Ret<ffi::Buffer<ffi::F32>>()       \
+      .Attr<float>("scale")          \
+      .Attr<float>("softcap")        \
+      .Attr<int64_t>("window")       \
+      .Attr<int64_t>("threads")      \
+      .Attr<std::string_view>("isa") \
       .Ctx<ffi::ThreadPool>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_paged_rows, PagedRows, JAXINFER_PAGED_ROWS_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_paged_rows_i8, PagedRowsI8, JAXINFER_PAGED_ROWS_BINDING);
+// q, pools k and v (float32 or int8), their scales, table, base, qpos, end
+#define JAXINFER_PAGED_ROWS_BINDING        \
+  ffi::Ffi::Bind()                         \
+      .Arg<ffi::Buffer<ffi::F32>>()        \
+      .Arg<ffi::AnyBuffer>()               \
+      .Arg<ffi::AnyBuffer>()               \
+      .Arg<ffi::Buffer<ffi::F32>>()        \
+      .Arg<ffi::Buffer<ffi::F32>>()        \
+      .Arg<ffi::Buffer<ffi::S32>>()        \
+      .Arg<ffi::Buffer<ffi::S32>>()        \
+      .Arg<ffi::Buffer<ffi::S32>>()        \
+      .Arg<ffi::Buffer<ffi::S32>>()        \
+      .JAXINFER_ATTENTION_TAIL
 
-#define JAXINFER_PREFILL_ROW_BINDING                \
-  ffi::Ffi::Bind()                                  \
-      .Arg<ffi::Buffer<ffi::F32>>()                 \
-      .Arg<ffi::Buffer<ffi::F32>>()                 \
-      .Arg<ffi::Buffer<ffi::F32>>()                 \
-      .Arg<ffi::Buffer<ffi::S32>>()                 \
-      .Arg<ffi::Buffer<ffi::S32>>()                 \
-      .Arg<ffi::AnyBuffer>()                        \
-      .Arg<ffi::AnyBuffer>()                        \
-      .Arg<ffi::Buffer<ffi::F32>>()                 \
-      .Arg<ffi::Buffer<ffi::F32>>()                 \
-      .Arg<ffi::Buffer<ffi::S32>>()                 \
-      .Arg<ffi::Buffer<ffi::S32>>()                 \
-      .Ret<ffi::Buffer<ffi::F32>>()                 \
-      .Attr<float>("scale")                         \
-      .Attr<float>("softcap")                       \
-      .Attr<int64_t>("window")                      \
-      .Attr<int64_t>("threads")                     \
-      .Attr<std::string_view>("isa")                \
-      .Ctx<ffi::ThreadPool>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_paged_rows, paged_rows<false>, JAXINFER_PAGED_ROWS_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_paged_rows_i8, paged_rows<true>, JAXINFER_PAGED_ROWS_BINDING);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_prefill_row, PrefillRow, JAXINFER_PREFILL_ROW_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_prefill_row_i8, PrefillRowI8, JAXINFER_PREFILL_ROW_BINDING);
+// q, the row's own k and v, pos, seg, pools (float32 or int8), their scales, table, (base0, hist_end)
+#define JAXINFER_PREFILL_ROW_BINDING       \
+  ffi::Ffi::Bind()                         \
+      .Arg<ffi::Buffer<ffi::F32>>()        \
+      .Arg<ffi::Buffer<ffi::F32>>()        \
+      .Arg<ffi::Buffer<ffi::F32>>()        \
+      .Arg<ffi::Buffer<ffi::S32>>()        \
+      .Arg<ffi::Buffer<ffi::S32>>()        \
+      .Arg<ffi::AnyBuffer>()               \
+      .Arg<ffi::AnyBuffer>()               \
+      .Arg<ffi::Buffer<ffi::F32>>()        \
+      .Arg<ffi::Buffer<ffi::F32>>()        \
+      .Arg<ffi::Buffer<ffi::S32>>()        \
+      .Arg<ffi::Buffer<ffi::S32>>()        \
+      .JAXINFER_ATTENTION_TAIL
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_prefill_row, prefill_row<false>, JAXINFER_PREFILL_ROW_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_prefill_row_i8, prefill_row<true>, JAXINFER_PREFILL_ROW_BINDING);

@@ -3,22 +3,97 @@
 // for the variant: everything here is compiled for that variant's instructions.
 // NOLINT(build/header_guard): included twice on purpose.
 
+// ---------------------------------------------------------------- 16-wide vectors
+// Where pages and the head dim are whole multiples of 16 (SmolLM2, Gemma 3 at page size 16),
+// a page is taken 16 positions at a time as one vector per key row or value chunk, and the
+// queries QG at a time: their scores, and their accumulators for one 16-wide chunk of the head
+// dim, stay in registers while the block's keys and values stream past once. GCC's vector
+// extensions lower each v16 to one zmm register (AVX-512) or two ymm ones (AVX2).
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+constexpr int kMaxGroup = 4;
+
+__attribute__((always_inline)) inline v16f splat(float a) { return v16f{} + a; }
+__attribute__((always_inline)) inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+__attribute__((always_inline)) inline v16f load16(const int8_t* p) {
+  v16f v;  // sign-extended to int32, then converted (GCC 12 lowers this lane by lane otherwise)
+  if constexpr (kAvx512) {
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    std::memcpy(&v, &f, sizeof v);
+  } else {
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+    std::memcpy(&v, &lo, sizeof lo);
+    std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  }
+  return v;
+}
+__attribute__((always_inline)) inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+
+// exp(x) for x <= 0 (scores less their running max), to about 2 ulp, on a float or 16 lanes:
+// x = n ln2 + r (n rounded to nearest by the 1.5 * 2^23 trick), a degree-6 polynomial for e^r
+// on |r| <= ln2 / 2, then 2^n in the exponent bits. Below -87.3 it gives e^-87.3 (1e-38),
+// nothing against the sum's 1 at the max.
+template <typename F, typename I>
+__attribute__((always_inline)) inline F exp_poly(F x) {
+  const F lo = F{} + -87.3f;
+  x = x < lo ? lo : x;
+  const F n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  F r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  F p = F{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  I bits;
+  if constexpr (std::is_same_v<F, float>) {
+    bits = (static_cast<I>(n) + 127) << 23;
+  } else {
+    bits = (__builtin_convertvector(n, I) + 127) << 23;
+  }
+  F two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+__attribute__((always_inline)) inline float exp_nonpos(float x) { return exp_poly<float, int32_t>(x); }
+__attribute__((always_inline)) inline v16f exp16(v16f x) { return exp_poly<v16f, v16i>(x); }
+
+
+// Row b's queries of KV heads [kh0, kh1), scaled, into qm [(kh - kh0) * M + t * G + g, H]
+// (M = T * G); the least and greatest of the row's query positions into qmin, qmax.
+__attribute__((always_inline)) inline void load_queries(const Rows& r, int64_t b, int64_t kh0, int64_t kh1,
+                                                        float* qm, int64_t* qmin, int64_t* qmax) {
+  const int64_t T = r.T, H = r.H, G = r.N / r.K, M = T * G;
+  const int32_t* qpos = r.qpos + b * T;
+  *qmin = *qmax = qpos[0];
+  for (int64_t t = 0; t < T; ++t) {
+    *qmin = std::min<int64_t>(*qmin, qpos[t]);
+    *qmax = std::max<int64_t>(*qmax, qpos[t]);
+    for (int64_t kh = kh0; kh < kh1; ++kh) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* src = r.q + ((b * T + t) * r.N + kh * G + g) * H;
+        float* dst = qm + ((kh - kh0) * M + t * G + g) * H;
+        for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * r.scale;
+      }
+    }
+  }
+}
+
 // One (row, KV head) item. acc [M, H], m, l [M] are the caller's scratch (M = T * G).
 template <bool kInt8>
 __attribute__((always_inline)) inline void item(const Rows& r, int64_t b, int64_t kh, float* acc, float* qm,
                                                 float* mx, float* sum) {
   const int64_t T = r.T, H = r.H, ps = r.ps, G = r.N / r.K, M = T * G;
   const int32_t* qpos = r.qpos + b * T;
-  int64_t qmax = qpos[0], qmin = qpos[0];
-  for (int64_t t = 0; t < T; ++t) {
-    qmax = std::max<int64_t>(qmax, qpos[t]);
-    qmin = std::min<int64_t>(qmin, qpos[t]);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* src = r.q + ((b * T + t) * r.N + kh * G + g) * H;
-      float* dst = qm + (t * G + g) * H;
-      for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * r.scale;
-    }
-  }
+  int64_t qmin, qmax;
+  load_queries(r, b, kh, kh + 1, qm, &qmin, &qmax);
   std::fill(acc, acc + M * H, 0.0f);
   std::fill(mx, mx + M, kNeg);
   std::fill(sum, sum + M, 0.0f);
@@ -96,54 +171,6 @@ __attribute__((always_inline)) inline void item(const Rows& r, int64_t b, int64_
   }
 }
 
-
-// ---------------------------------------------------------------- the fast path: 16-wide blocks
-// Where pages and the head dim are whole multiples of 16 (SmolLM2, Gemma 3 at page size 16),
-// a page is taken 16 positions at a time as one vector per key row or value chunk, and the
-// queries QG at a time: their scores, and their accumulators for one 16-wide chunk of the head
-// dim, stay in registers while the block's keys and values stream past once. GCC's vector
-// extensions lower each v16 to one zmm register (AVX-512) or two ymm ones (AVX2).
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-constexpr int kMaxGroup = 4;
-
-__attribute__((always_inline)) inline v16f splat(float a) { return v16f{} + a; }
-__attribute__((always_inline)) inline v16f load16(const float* p) {
-  v16f v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-__attribute__((always_inline)) inline v16f load16(const int8_t* p) {
-  v16f v;  // sign-extended to int32, then converted (GCC 12 lowers this lane by lane otherwise)
-  if constexpr (kAvx512) {
-    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-    std::memcpy(&v, &f, sizeof v);
-  } else {
-    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
-    std::memcpy(&v, &lo, sizeof lo);
-    std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
-  }
-  return v;
-}
-__attribute__((always_inline)) inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
-
-// exp_nonpos on 16 lanes (round to nearest by the 1.5 * 2^23 trick).
-__attribute__((always_inline)) inline v16f exp16(v16f x) {
-  x = x < splat(-87.3f) ? splat(-87.3f) : x;
-  const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  v16f r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  v16f p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-  return p * __builtin_bit_cast(v16f, bits);
-}
 
 // Across the 16 lanes, in four halving steps.
 __attribute__((always_inline)) inline float hmax16(v16f v) {
@@ -321,18 +348,8 @@ __attribute__((always_inline)) inline void row16(const Rows& r, int64_t b, float
                                                  float* sum) {
   const int64_t T = r.T, H = r.H, ps = r.ps, K = r.K, G = r.N / K, M = T * G;
   const int32_t* qpos = r.qpos + b * T;
-  int64_t qmax = qpos[0], qmin = qpos[0];
-  for (int64_t t = 0; t < T; ++t) {
-    qmax = std::max<int64_t>(qmax, qpos[t]);
-    qmin = std::min<int64_t>(qmin, qpos[t]);
-    for (int64_t kh = 0; kh < K; ++kh) {
-      for (int64_t g = 0; g < G; ++g) {
-        const float* src = r.q + ((b * T + t) * r.N + kh * G + g) * H;
-        float* dst = qm + (kh * M + t * G + g) * H;
-        for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * r.scale;
-      }
-    }
-  }
+  int64_t qmin, qmax;
+  load_queries(r, b, 0, K, qm, &qmin, &qmax);
   std::fill(acc, acc + K * M * H, 0.0f);
   std::fill(mx, mx + K * M, kNeg);
   std::fill(sum, sum + K * M, 0.0f);
