@@ -12,12 +12,13 @@ every matmul sees all of them at once (one read of the weights, large M for the 
   continue an earlier chunk or a cached prefix) also to the positions before ``hist_end``
   held in the extra last table row ``table[R]``.
 
-Decode rows on a one-device CPU backend, over float32 or int8 pools, are read by a native
-kernel (``cpu_kernels.paged_rows``, ``native=True`` below) that walks each row's pages where
-they lie, all KV heads of a page together, prefetching ahead: a 64-row w8a8 + int8 KV decode
-step of SmolLM2 went from 186 to 68 ms with it (``benchmarks/RESULTS.md``, session 16). The
-XLA reader below is its reference, and serves everywhere else (bfloat16 pools, deferred
-writes, several devices).
+On a one-device CPU backend, over float32 or int8 pools, decode rows and the prefill row are
+read by native kernels (``cpu_kernels.paged_rows`` and ``prefill_row``, ``native=True`` below)
+that walk the pages where they lie, all KV heads of a page together, prefetching ahead: with
+them a 64-row w8a8 + int8 KV decode step of SmolLM2 went from 187 to 70 ms and a 512-token
+prefill row from 227 to 149 ms (``benchmarks/RESULTS.md``, session 16). The XLA readers below
+are their references, and serve everywhere else (bfloat16 pools, deferred writes, several
+devices).
 
 XLA's decode reader never builds a dense copy of every row's whole context. The rows are
 taken ROW_GROUP at a time (a ``lax.map`` over groups), and each group's table a block of
@@ -59,8 +60,8 @@ PREFILL_QUERY_BLOCK = 128  # prefill-row queries attended together
 UNROLL_QUERIES = 16
 UNROLL_HEAD_DIM = 128
 _NEG = -1e30  # masked score: finite, so a block with nothing visible keeps the max finite
-# decode rows through the native kernel on CPU (cpu_kernels.paged_rows) where it applies; read
-# while tracing, so set it before the engine's steps are first traced
+# decode rows and the prefill row through the native kernels on CPU (cpu_kernels.paged_rows,
+# prefill_row) where they apply; read while tracing, so set it before the steps are first traced
 NATIVE_ROWS = True
 
 
@@ -297,9 +298,10 @@ def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, wind
 
 
 def native_rows(kpool, vpool) -> bool:
-    """Whether a trace should read decode rows through the native kernel (``native=True`` for
-    ``paged_rows_attention``): ``NATIVE_ROWS``, a one-device CPU backend where it builds, float32
-    or int8 pools, pages of at most 64 positions."""
+    """Whether a trace should read these pools through the native kernels (``native=True`` for
+    ``paged_rows_attention`` and ``prefill_row_attention``): ``NATIVE_ROWS``, a one-device CPU
+    backend where they build, float32 or int8 pools, pages of at most 64 positions (the prefill
+    kernel also checks its own shapes, ``cpu_kernels.prefill_row_fits``)."""
     if not NATIVE_ROWS or not cpu_kernels.f32_active():
         return False
     if isinstance(kpool, QuantKV):
