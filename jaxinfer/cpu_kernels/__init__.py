@@ -21,6 +21,12 @@ has the bits of XLA's one-row dot; for [O, I], float32 rounding apart. It has an
 an AVX2 + FMA variant (``isa``; by default the best this CPU has), so it also serves the AMD
 EPYC boxes without AVX-512.
 
+``paged_rows(q, k, v, table, ...)`` and ``prefill_row(q, k, v, pos, seg, ...)``: attention
+over the page pools (float32, or int8 with per-position scales) for the packed step's decode
+rows and its prefill row, reading the pages where they lie (``paged_attention.cc``). Their
+references are ``models.packed.paged_rows_attention`` and ``prefill_row_attention`` as XLA
+runs them; they agree to float32 rounding (the sums run in another order).
+
 The C++ sources are compiled on first use with the machine's g++ against jaxlib's FFI headers
 into ``$JAXINFER_HOME/native/`` (keyed by a hash of the sources, the compiler command and the
 jaxlib version), then registered with XLA, where the CPU has at least AVX2 and FMA. Two
