@@ -86,6 +86,26 @@ __attribute__((always_inline)) inline void load_queries(const Rows& r, int64_t b
   }
 }
 
+// M queries' running softmax before any key: nothing summed, max at the masked score.
+__attribute__((always_inline)) inline void start_softmax(float* acc, float* mx, float* sum, int64_t M, int64_t H) {
+  std::fill(acc, acc + M * H, 0.0f);
+  std::fill(mx, mx + M, kNeg);
+  std::fill(sum, sum + M, 0.0f);
+}
+
+// out [.., H] rows = acc / sum (a query that saw nothing: 0, as the reference).
+__attribute__((always_inline)) inline void finish(const float* acc, const float* sum, float* dst, int64_t H) {
+  const float inv = 1.0f / std::max(*sum, 1e-30f);
+  for (int64_t h = 0; h < H; ++h) dst[h] = acc[h] * inv;
+}
+
+// A job's item i of n: even ones in its first half, odd ones in its second (split_run gives the
+// pool the second half), so items of different cost mix between the two threads.
+__attribute__((always_inline)) inline int64_t interleaved(int64_t i, int64_t n) {
+  const int64_t half = (n + 1) / 2;
+  return i < half ? 2 * i : 2 * (i - half) + 1;
+}
+
 // One (row, KV head) item. acc [M, H], m, l [M] are the caller's scratch (M = T * G).
 template <bool kInt8>
 __attribute__((always_inline)) inline void item(const Rows& r, int64_t b, int64_t kh, float* acc, float* qm,
@@ -94,9 +114,7 @@ __attribute__((always_inline)) inline void item(const Rows& r, int64_t b, int64_
   const int32_t* qpos = r.qpos + b * T;
   int64_t qmin, qmax;
   load_queries(r, b, kh, kh + 1, qm, &qmin, &qmax);
-  std::fill(acc, acc + M * H, 0.0f);
-  std::fill(mx, mx + M, kNeg);
-  std::fill(sum, sum + M, 0.0f);
+  start_softmax(acc, mx, sum, M, H);
   const int64_t lim = std::min<int64_t>(r.end[b], qmax + 1);  // no position at or past lim is read
   const int64_t start = r.window > 0 ? std::max<int64_t>(0, qmin - r.window + 1) : 0;
   const int64_t page0 = r.base[b];
@@ -161,14 +179,7 @@ __attribute__((always_inline)) inline void item(const Rows& r, int64_t b, int64_
       }
     }
   }
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t m = t * G + g;
-      const float inv = 1.0f / std::max(sum[m], 1e-30f);
-      float* dst = r.out + ((b * T + t) * r.N + kh * G + g) * H;
-      for (int64_t h = 0; h < H; ++h) dst[h] = acc[m * H + h] * inv;
-    }
-  }
+  for (int64_t m = 0; m < M; ++m) finish(acc + m * H, sum + m, r.out + ((b * T + m / G) * r.N + kh * G + m % G) * H, H);
 }
 
 
@@ -310,10 +321,23 @@ __attribute__((always_inline)) inline void block16_all(const Keys16& kb, const Q
   }
 }
 
-// out [.., H] rows = acc / sum (a query that saw nothing: 0, as the reference).
-__attribute__((always_inline)) inline void finish(const float* acc, const float* sum, float* dst, int64_t H) {
-  const float inv = 1.0f / std::max(*sum, 1e-30f);
-  for (int64_t h = 0; h < H; ++h) dst[h] = acc[h] * inv;
+// Positions [pos, pos + 16) of a page: sub-block sb of page `page`, KV head kh, of the pools k
+// [P, K, H, ps] and v [P, K, ps, H] (and int8 scales ks, vs [P, K, ps]); positions at or past
+// lim are unwritten.
+template <bool kInt8>
+__attribute__((always_inline)) inline Keys16 page_block(const void* k, const void* v, const float* ks,
+                                                        const float* vs, int64_t page, int64_t K, int64_t kh,
+                                                        int64_t H, int64_t ps, int64_t sb, int64_t pos,
+                                                        int64_t lim) {
+  const int64_t at = (page * K + kh) * H * ps, koff = at + sb, voff = at + sb * H;
+  const v16i kpos = v16i{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + static_cast<int32_t>(pos);
+  return Keys16{kInt8 ? static_cast<const void*>(static_cast<const int8_t*>(k) + koff)
+                      : static_cast<const void*>(static_cast<const float*>(k) + koff),
+                kInt8 ? static_cast<const void*>(static_cast<const int8_t*>(v) + voff)
+                      : static_cast<const void*>(static_cast<const float*>(v) + voff),
+                kInt8 ? ks + (page * K + kh) * ps + sb : nullptr,
+                kInt8 ? vs + (page * K + kh) * ps + sb : nullptr,
+                ps, H, kpos, std::min<int64_t>(16, lim - pos), kpos < static_cast<int32_t>(lim), false, v16i{}};
 }
 
 // A page of the pool holds its keys [K, H, ps] and values [K, ps, H] for all KV heads, a few
@@ -350,12 +374,9 @@ __attribute__((always_inline)) inline void row16(const Rows& r, int64_t b, float
   const int32_t* qpos = r.qpos + b * T;
   int64_t qmin, qmax;
   load_queries(r, b, 0, K, qm, &qmin, &qmax);
-  std::fill(acc, acc + K * M * H, 0.0f);
-  std::fill(mx, mx + K * M, kNeg);
-  std::fill(sum, sum + K * M, 0.0f);
+  start_softmax(acc, mx, sum, K * M, H);
   const int64_t lim = std::min<int64_t>(r.end[b], qmax + 1);
   const int64_t start = r.window > 0 ? std::max<int64_t>(0, qmin - r.window + 1) : 0;
-  const v16i lanes = v16i{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t c = 0; c < r.n; ++c) {
     const int64_t pos0 = (r.base[b] + c) * ps;
     if (pos0 >= lim) break;
@@ -363,21 +384,11 @@ __attribute__((always_inline)) inline void row16(const Rows& r, int64_t b, float
     const int64_t page = std::clamp<int64_t>(r.table[b * r.n + c], 0, r.P - 1);
     if (c + kAheadPages < r.n && pos0 + kAheadPages * ps < lim) prefetch_page<kInt8>(r, b, c + kAheadPages);
     for (int64_t kh = 0; kh < K; ++kh) {
-      const int64_t at = (page * K + kh) * H * ps;
       const Queries qs{qm + kh * M * H, acc + kh * M * H, mx + kh * M, sum + kh * M, qpos, nullptr, G, H,
                        r.window, r.softcap};
       for (int64_t sb = 0; sb < ps && pos0 + sb < lim; sb += 16) {
         if (pos0 + sb + 16 <= start) continue;
-        const int64_t koff = at + sb, voff = at + sb * H;
-        Keys16 kb{kInt8 ? static_cast<const void*>(static_cast<const int8_t*>(r.k) + koff)
-                        : static_cast<const void*>(static_cast<const float*>(r.k) + koff),
-                  kInt8 ? static_cast<const void*>(static_cast<const int8_t*>(r.v) + voff)
-                        : static_cast<const void*>(static_cast<const float*>(r.v) + voff),
-                  kInt8 ? r.ks + (page * K + kh) * ps + sb : nullptr,
-                  kInt8 ? r.vs + (page * K + kh) * ps + sb : nullptr,
-                  ps, H, lanes + static_cast<int32_t>(pos0 + sb), std::min<int64_t>(16, lim - pos0 - sb),
-                  (lanes + static_cast<int32_t>(pos0 + sb)) < static_cast<int32_t>(lim), false, v16i{}};
-        block16_all<kInt8>(kb, qs, M);
+        block16_all<kInt8>(page_block<kInt8>(r.k, r.v, r.ks, r.vs, page, K, kh, H, ps, sb, pos0 + sb, lim), qs, M);
       }
     }
   }
@@ -391,20 +402,18 @@ __attribute__((always_inline)) inline void row16(const Rows& r, int64_t b, float
   }
 }
 
-// Rows [c0, c1) of a job. Item i is row 2i for the first half of the items and 2(i - half) + 1
-// for the rest (split_run gives the pool the second half), so long and short rows mix.
+// Rows [c0, c1) of a job, in the order interleaved() gives, so long and short rows mix.
 template <bool kInt8>
 __attribute__((always_inline)) inline void run_items(const Job& j) {
   const Rows& r = *static_cast<const Rows*>(j.x);
-  const int64_t KM = r.K * r.T * (r.N / r.K), half = (r.B + 1) / 2;
+  const int64_t KM = r.K * r.T * (r.N / r.K);
   std::vector<float> scratch(KM * r.H * 2 + 2 * KM);
   float *acc = scratch.data(), *qm = acc + KM * r.H, *mx = qm + KM * r.H, *sum = mx + KM;
   const bool fast = r.ps % 16 == 0 && r.H % 16 == 0;
   for (int64_t i = j.c0; i < j.c1; ++i) {
-    const int64_t b = i < half ? 2 * i : 2 * (i - half) + 1;
+    const int64_t b = interleaved(i, r.B);
     if (fast && i + 1 < j.c1) {  // the next row's first pages (within a row, row16 runs ahead)
-      const int64_t next = i + 1 < half ? 2 * (i + 1) : 2 * (i + 1 - half) + 1;
-      for (int64_t c = 0; c < std::min(kAheadPages, r.n); ++c) prefetch_page<kInt8>(r, next, c);
+      for (int64_t c = 0; c < std::min(kAheadPages, r.n); ++c) prefetch_page<kInt8>(r, interleaved(i + 1, r.B), c);
     }
     if (fast) {
       row16<kInt8>(r, b, acc, qm, mx, sum);
@@ -438,9 +447,7 @@ __attribute__((always_inline)) inline void prefill_item(const Prefill& r, int64_
     const float* src = r.q + ((t0 + m / G) * N + kh * G + m % G) * H;
     for (int64_t h = 0; h < H; ++h) qm[m * H + h] = src[h] * r.scale;
   }
-  std::fill(acc, acc + M * H, 0.0f);
-  std::fill(mx, mx + M, kNeg);
-  std::fill(sum, sum + M, 0.0f);
+  start_softmax(acc, mx, sum, M, H);
   const Queries qs{qm, acc, mx, sum, r.pos + t0, r.seg + t0, G, H, r.window, r.softcap};
   const v16i lanes = v16i{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const int32_t s0 = r.seg[t0];
@@ -453,20 +460,11 @@ __attribute__((always_inline)) inline void prefill_item(const Prefill& r, int64_
       const int64_t pos0 = (r.base0 + c) * ps;
       if (pos0 >= r.hist_end) break;
       if (pos0 + ps <= start) continue;
-      const int64_t page = std::clamp<int64_t>(r.table[c], 0, r.P - 1), at = (page * K + kh) * H * ps;
+      const int64_t page = std::clamp<int64_t>(r.table[c], 0, r.P - 1);
       for (int64_t sb = 0; sb < ps && pos0 + sb < r.hist_end; sb += 16) {
         if (pos0 + sb + 16 <= start) continue;
-        const int64_t koff = at + sb, voff = at + sb * H;
-        const v16i kpos = lanes + static_cast<int32_t>(pos0 + sb);
-        const Keys16 kb{kInt8 ? static_cast<const void*>(static_cast<const int8_t*>(r.kp) + koff)
-                              : static_cast<const void*>(static_cast<const float*>(r.kp) + koff),
-                        kInt8 ? static_cast<const void*>(static_cast<const int8_t*>(r.vp) + voff)
-                              : static_cast<const void*>(static_cast<const float*>(r.vp) + voff),
-                        kInt8 ? r.ks + (page * K + kh) * ps + sb : nullptr,
-                        kInt8 ? r.vs + (page * K + kh) * ps + sb : nullptr,
-                        ps, H, kpos, std::min<int64_t>(16, r.hist_end - pos0 - sb),
-                        kpos < static_cast<int32_t>(r.hist_end), false, v16i{}};
-        block16_all<kInt8>(kb, qs, M0);
+        block16_all<kInt8>(page_block<kInt8>(r.kp, r.vp, r.ks, r.vs, page, K, kh, H, ps, sb, pos0 + sb, r.hist_end),
+                           qs, M0);
       }
     }
   }
@@ -490,17 +488,17 @@ __attribute__((always_inline)) inline void prefill_item(const Prefill& r, int64_
   }
 }
 
-// Items [c0, c1) of a prefill job: (query block, KV head) pairs, even ones to the caller and odd
-// ones to the pool (later blocks see more keys).
+// Items [c0, c1) of a prefill job: (query block, KV head) pairs in the order interleaved() gives
+// (later blocks see more keys).
 template <bool kInt8>
 __attribute__((always_inline)) inline void run_prefill(const Job& j) {
   const Prefill& r = *static_cast<const Prefill*>(j.x);
-  const int64_t G = r.N / r.K, half = (r.T / 16 * r.K + 1) / 2;
+  const int64_t G = r.N / r.K;
   std::vector<float> scratch(16 * G * r.H * 2 + 2 * 16 * G + 16 * r.H);
   float *acc = scratch.data(), *qm = acc + 16 * G * r.H, *mx = qm + 16 * G * r.H, *sum = mx + 16 * G;
   float* kt = sum + 16 * G;
   for (int64_t i = j.c0; i < j.c1; ++i) {
-    const int64_t w = i < half ? 2 * i : 2 * (i - half) + 1;
+    const int64_t w = interleaved(i, r.T / 16 * r.K);
     prefill_item<kInt8>(r, w / r.K, w % r.K, acc, qm, mx, sum, kt);
   }
 }
