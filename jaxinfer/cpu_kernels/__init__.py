@@ -253,25 +253,30 @@ def paged_rows(q, k, v, table, base, qpos, end, *, scale: float, window: int | N
     ps]), column c holding logical page base[b] + c, positions < end[b] written -> f32[B, T, N,
     H]. The semantics of ``models.packed.paged_rows_attention`` without ``own`` (its
     reference); call only where ``f32_available()``."""
-    if not f32_available():
-        raise RuntimeError("paged_rows needs AVX2 + FMA and g++ (check f32_available() first)")
     if k.shape[3] > ROWS_MAX_PAGE:
         raise ValueError(f"paged_rows takes pages of at most {ROWS_MAX_PAGE} positions, got {k.shape[3]}")
-    int8 = k_scale is not None
-    if isa is None:
-        isa = rows_isa()
-    if threads is None:
-        threads = min(os.cpu_count() or 1, 2)
-    B = q.shape[0]
-    none = jnp.zeros((1,), jnp.float32)
-    call = jax.ffi.ffi_call(ROWS_I8_TARGET if int8 else ROWS_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                            vmap_method="sequential")
-    base = jnp.zeros((B,), jnp.int32) if base is None else base
-    return call(q.astype(jnp.float32), k, v, none if k_scale is None else k_scale.astype(jnp.float32),
-                none if v_scale is None else v_scale.astype(jnp.float32),
-                *(jnp.asarray(a, jnp.int32) for a in (table, base, qpos, end)),
-                scale=np.float32(scale), softcap=np.float32(softcap or 0.0), window=int(window or 0),
-                threads=threads, isa=isa)
+    base = jnp.zeros((q.shape[0],), jnp.int32) if base is None else base
+    return _attention("paged_rows", ROWS_I8_TARGET if k_scale is not None else ROWS_TARGET, q.shape,
+                      q.astype(jnp.float32), k, v, *_scales(k_scale, v_scale),
+                      *(jnp.asarray(a, jnp.int32) for a in (table, base, qpos, end)),
+                      scale=scale, window=window, softcap=softcap, threads=threads, isa=isa)
+
+
+def _scales(k_scale, v_scale) -> list:
+    """The int8 pools' scales as float32, or placeholders for float32 pools."""
+    return [jnp.zeros((1,), jnp.float32) if a is None else a.astype(jnp.float32) for a in (k_scale, v_scale)]
+
+
+def _attention(name: str, target: str, out_shape, *args, scale: float, window: int | None, softcap: float | None,
+               threads: int | None, isa: str | None) -> jax.Array:
+    """Call the attention handler ``target`` of ``paged_attention.cc`` on ``args`` (in its
+    order) with the attributes both kernels take -> f32 ``out_shape``."""
+    if not f32_available():
+        raise RuntimeError(f"{name} needs AVX2 + FMA and g++ (check f32_available() first)")
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, jnp.float32), vmap_method="sequential")
+    return call(*args, scale=np.float32(scale), softcap=np.float32(softcap or 0.0), window=int(window or 0),
+                threads=min(os.cpu_count() or 1, 2) if threads is None else threads,
+                isa=rows_isa() if isa is None else isa)
 
 
 def prefill_row_fits(T: int, H: int, page_size: int) -> bool:
@@ -290,22 +295,13 @@ def prefill_row(q, k, v, pos, seg, kpool, vpool, table, base, hist_end, *, scale
     int8 with ``k_scale``/``v_scale``) -> f32[T, N, H]. The semantics of
     ``models.packed.prefill_row_attention`` (its reference); call only where
     ``f32_available()`` and ``prefill_row_fits``."""
-    if not f32_available():
-        raise RuntimeError("prefill_row needs AVX2 + FMA and g++ (check f32_available() first)")
     if not prefill_row_fits(q.shape[0], q.shape[2], kpool.shape[3]):
         raise ValueError(f"prefill_row: the row ({q.shape[0]}), head dim ({q.shape[2]}) and page size "
                          f"({kpool.shape[3]}) must be multiples of 16")
-    int8 = k_scale is not None
-    isa = rows_isa() if isa is None else isa
-    threads = min(os.cpu_count() or 1, 2) if threads is None else threads
-    none = jnp.zeros((1,), jnp.float32)
     hist = jnp.stack([jnp.asarray(0 if base is None else base, jnp.int32).reshape(()),
                       jnp.asarray(hist_end, jnp.int32).reshape(())])
-    call = jax.ffi.ffi_call(PREFILL_I8_TARGET if int8 else PREFILL_TARGET,
-                            jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
-    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
-    return call(*f32, jnp.asarray(pos, jnp.int32), jnp.asarray(seg, jnp.int32), kpool, vpool,
-                none if k_scale is None else k_scale.astype(jnp.float32),
-                none if v_scale is None else v_scale.astype(jnp.float32), jnp.asarray(table, jnp.int32).reshape(-1),
-                hist, scale=np.float32(scale), softcap=np.float32(softcap or 0.0), window=int(window or 0),
-                threads=threads, isa=isa)
+    return _attention("prefill_row", PREFILL_I8_TARGET if k_scale is not None else PREFILL_TARGET, q.shape,
+                      *(a.astype(jnp.float32) for a in (q, k, v)), jnp.asarray(pos, jnp.int32),
+                      jnp.asarray(seg, jnp.int32), kpool, vpool, *_scales(k_scale, v_scale),
+                      jnp.asarray(table, jnp.int32).reshape(-1), hist,
+                      scale=scale, window=window, softcap=softcap, threads=threads, isa=isa)
