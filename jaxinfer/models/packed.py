@@ -280,12 +280,9 @@ def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, wind
     as the pool would store them)."""
     B = q.shape[0]
     if native and own is None:
-        if isinstance(kpool, QuantKV):
-            return cpu_kernels.paged_rows(q, kpool.values, vpool.values, table, base, qpos, end, scale=scale,
-                                          window=window, softcap=softcap, k_scale=kpool.scale,
-                                          v_scale=vpool.scale).astype(q.dtype)
-        return cpu_kernels.paged_rows(q, kpool, vpool, table, base, qpos, end, scale=scale, window=window,
-                                      softcap=softcap).astype(q.dtype)
+        (k, v), scales = _kernel_pools(kpool, vpool)
+        return cpu_kernels.paged_rows(q, k, v, table, base, qpos, end, scale=scale, window=window, softcap=softcap,
+                                      **scales).astype(q.dtype)
     g = math.gcd(B, ROW_GROUP)
     opts = {"scale": scale, "window": window, "softcap": softcap}
     if g == B:
@@ -295,6 +292,14 @@ def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, wind
           None if own is None else tuple(split(a) for a in own))
     out = jax.lax.map(lambda x: _rows_attention(x[0], kpool, vpool, *x[1:5], own=x[5], **opts), xs)
     return out.reshape(q.shape)
+
+
+def _kernel_pools(kpool, vpool):
+    """The pools as the native kernels take them: (k, v) arrays, and int8 pools' scales as
+    keyword arguments (none for float pools)."""
+    if isinstance(kpool, QuantKV):
+        return (kpool.values, vpool.values), {"k_scale": kpool.scale, "v_scale": vpool.scale}
+    return (kpool, vpool), {}
 
 
 def native_rows(kpool, vpool) -> bool:
@@ -360,10 +365,9 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
     token is in segment 0; the rest is skipped at run time (``lax.cond``)."""
     _, T, N, H = q.shape
     if native and cpu_kernels.prefill_row_fits(T, H, kpool.shape[3]):
-        quant = {"k_scale": kpool.scale, "v_scale": vpool.scale} if isinstance(kpool, QuantKV) else {}
-        pools = (kpool.values, vpool.values) if quant else (kpool, vpool)
+        pools, scales = _kernel_pools(kpool, vpool)
         out = cpu_kernels.prefill_row(q[0], k[0], v[0], pos, seg, *pools, table, None if base is None else base[0],
-                                      hist_end, scale=scale, window=window, softcap=softcap, **quant)
+                                      hist_end, scale=scale, window=window, softcap=softcap, **scales)
         return out[None].astype(q.dtype)
     K = k.shape[2]
     G = N // K
