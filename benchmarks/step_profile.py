@@ -3,7 +3,9 @@ scheduler, no host work) for a 64-row decode step and a 512-token prefill row (4
 128), with its attention as built and with attention taken out (replaced by its queries, so
 what is left is every matmul, norm, rotary and the sampler), and with XLA's readers in place
 of the native kernels (``packed.NATIVE_ROWS``), interleaved in one process, min and median
-of the rounds. The difference is the attention's share.
+of the rounds. The difference is the attention's share. Under w8a8 on an AMX CPU, "XLA int8
+dots" is the engine with its weights left unpacked, so its dots run through XLA's s8 dot
+(which repacks each weight per call) instead of ``cpu_kernels.int8_amx``.
 
     python benchmarks/step_profile.py --context 200 --page-size 16 64 --rounds 5
     python benchmarks/step_profile.py --quantize w8a8 --kv-cache-dtype int8
@@ -22,14 +24,16 @@ import jax
 import numpy as np
 
 import jaxinfer.models.packed as packed
-from jaxinfer import LLM
+from jaxinfer import LLM, cpu_kernels, quant
 from jaxinfer.engine import buckets
 
 REAL = (packed.paged_rows_attention, packed.prefill_row_attention)
+PACK = quant.pack_for_cpu
 
 
-def _engine(page_size: int, attention: bool, native: bool, opts: dict):
+def _engine(page_size: int, attention: bool, native: bool, opts: dict, amx: bool = True):
     packed.NATIVE_ROWS = native  # read while the steps are traced (in main, right after this)
+    quant.pack_for_cpu = PACK if amx else (lambda w: w)
     if attention:
         packed.paged_rows_attention, packed.prefill_row_attention = REAL
     else:
@@ -86,17 +90,21 @@ def main():
     opts = {"quantize": a.quantize, "kv_cache_dtype": a.kv_cache_dtype}
     rng = np.random.default_rng(0)
     cases = {}
-    variants = [(f"page {p}", p, True, True) for p in a.page_size] + [
-        (f"page {a.page_size[0]}, XLA readers", a.page_size[0], True, False),
-        (f"page {a.page_size[0]}, no attention", a.page_size[0], False, True)]
-    for name, ps, attention, native in variants:
-        eng = _engine(ps, attention, native, opts)
+    ps0 = a.page_size[0]
+    variants = [(f"page {p}", p, True, True, True) for p in a.page_size] + [
+        (f"page {ps0}, XLA readers", ps0, True, False, True),
+        (f"page {ps0}, no attention", ps0, False, True, True)]
+    if a.quantize == "w8a8" and cpu_kernels.amx_available():
+        variants.append((f"page {ps0}, XLA int8 dots", ps0, True, True, False))
+    for name, ps, attention, native, amx in variants:
+        eng = _engine(ps, attention, native, opts, amx)
         batches = {"decode, 64 rows": _decode_batch(eng, a.context, rng), "prefill row, 512": _prefill_batch(eng, rng)}
         for b in batches.values():
             _time(eng, b, 2)  # traced and compiled now, with this variant's attention
         cases[name] = (eng, batches)
     packed.paged_rows_attention, packed.prefill_row_attention = REAL
     packed.NATIVE_ROWS = True
+    quant.pack_for_cpu = PACK
     times = {}
     for _ in range(a.rounds):
         for name, (eng, batches) in cases.items():

@@ -124,11 +124,11 @@ def quant_matmul(w, x: jax.Array) -> jax.Array:
         if w.smooth is not None:
             xf = xf * w.smooth
         xq, xs = quantize_rows(xf)
-        y = qm.int8_matmul(xq, xs, w.values, w.scale, out_dtype=jnp.float32, interpret=interpret)
+        y = qm.int8_matmul(xq, xs, w.values_io(), w.scale, out_dtype=jnp.float32, interpret=interpret)
         return y.astype(x.dtype)
     if w.scheme == QuantScheme.INT4 and w.group % 64:
         return w.matmul(x)  # the kernel unpacks int4 in tiles of 64 rows; XLA serves the rest
-    return qm.weight_only_matmul(x, w.values, w.scale, interpret=interpret).astype(x.dtype)
+    return qm.weight_only_matmul(x, w.values_io(), w.scale, interpret=interpret).astype(x.dtype)
 
 
 def matmul_for_quantized():

@@ -102,6 +102,8 @@ class LLM:
         loaded = checkpoint.load(self.model_path, dtype=dtype, quantize=qcfg, shardings_fn=shardings_fn,
                                  on_config=on_config)
         self.cfg, self.weights, self.tokenizer = loaded.cfg, loaded.weights, loaded.tokenizer
+        if mesh is None:  # w8a8 on an AMX CPU: each int8 weight packed once for its kernel
+            self.weights = quant.pack_for_cpu(self.weights)
         self.mesh = mesh
         self.parallel = None
         if mesh is not None:
@@ -149,7 +151,7 @@ class LLM:
             return None
         path = registry.resolve(spec.model, progress=progress)
         loaded = checkpoint.load(path, dtype=dtype, quantize=quant.quant_config(spec.quantization))
-        return loaded.cfg, loaded.weights
+        return loaded.cfg, quant.pack_for_cpu(loaded.weights)
 
     def get_tokenizer(self):
         return self.tokenizer

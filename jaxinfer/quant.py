@@ -109,6 +109,9 @@ class QuantArray:
     contract: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # its contracted axes
     scheme: QuantScheme = dataclasses.field(metadata={"static": True})
     group: int = dataclasses.field(default=0, metadata={"static": True})  # int4 group size
+    # "io": values as above; "amx": w8a8 values packed for the AMX kernel
+    # (cpu_kernels.amx_pack, [O/16, I/64, 16, 16, 4]), made by ``pack_for_cpu``
+    layout: str = dataclasses.field(default="io", metadata={"static": True})
 
     @property
     def free(self) -> tuple[int, ...]:
@@ -127,6 +130,10 @@ class QuantArray:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in jax.tree.leaves(self))
 
+    def values_io(self) -> jax.Array:
+        """``values`` in the "io" layout, unpacked where they are packed for AMX."""
+        return cpu_kernels.amx_unpack(self.values) if self.layout == "amx" else self.values
+
     # ------------------------------------------------------------------ float views
     def dequantize_matrix(self, dtype=jnp.float32) -> jax.Array:
         """The float weight as the [I, O] matrix (smoothing undone)."""
@@ -134,7 +141,7 @@ class QuantArray:
             w = unpack_int4(self.values, self.group).astype(jnp.float32)
             w = w * jnp.repeat(self.scale, self.group, axis=0)
         else:
-            w = self.values.astype(jnp.float32) * self.scale
+            w = self.values_io().astype(jnp.float32) * self.scale
         if self.smooth is not None:
             w = w * self.smooth[:, None]
         return w.astype(dtype)
@@ -151,7 +158,10 @@ class QuantArray:
         if len(self.free) != 1:
             raise ValueError(f"take needs one output axis; this weight has {self.free=}")
         flat = indices.reshape(-1)
-        cols = jnp.take(self.values, flat, axis=1)  # [I or I/2, n]
+        if self.layout == "amx":
+            cols = cpu_kernels.amx_take_columns(self.values, flat.astype(jnp.int32))  # [I, n]
+        else:
+            cols = jnp.take(self.values, flat, axis=1)  # [I or I/2, n]
         if self.scheme == QuantScheme.INT4:
             w = unpack_int4(cols, self.group).astype(jnp.float32)
             w = w * jnp.repeat(jnp.take(self.scale, flat, axis=1), self.group, axis=0)
@@ -192,7 +202,10 @@ class QuantArray:
 
     def matmul_rows(self, xq: jax.Array, xs: jax.Array, dtype=jnp.float32) -> jax.Array:
         """w8a8 on already quantized rows: int8[M, I] (scales f32[M]) @ W -> [M, O] dtype."""
-        return _s8_matmul(xq, xs, self.values, self.scale).astype(dtype)
+        if self.layout == "amx" and cpu_kernels.amx_active():
+            acc = cpu_kernels.int8_amx(xq, self.values)
+            return (acc.astype(jnp.float32) * xs[:, None] * self.scale).astype(dtype)
+        return _s8_matmul(xq, xs, self.values_io(), self.scale).astype(dtype)
 
     def einsum(self, eq: str, x: jax.Array, *, matmul=None) -> jax.Array:
         """``jnp.einsum(eq, x, w)`` with this as w, e.g. "BTD,DNH->BTNH", "BTNH,NHD->BTD",
@@ -271,6 +284,34 @@ def einsum_shared(x: jax.Array, *pairs: tuple[str, QuantArray]) -> tuple[jax.Arr
         raise ValueError("einsum_shared needs w8a8 weights contracting the same input alike")
     xq, xs = ws[0].quantize_input(rows[0][0])
     return tuple(done(w.matmul_rows(xq, xs, x.dtype)) for w, (_, done) in zip(ws, rows))
+
+
+def pack_for_cpu(weights):
+    """``weights`` with every w8a8 weight that fits packed for the AMX kernel (layout "amx"),
+    where that kernel runs on this (one-device CPU) backend; otherwise ``weights`` as they are.
+    XLA's own s8 dot repacks the whole weight on every call; this packs it once."""
+    if not cpu_kernels.amx_active():
+        return weights
+    pack = jax.jit(cpu_kernels.amx_pack)
+
+    def one(w):
+        if (isinstance(w, QuantArray) and w.scheme == QuantScheme.W8A8 and w.layout == "io"
+                and cpu_kernels.amx_fits(w.in_size, w.out_size)):
+            return dataclasses.replace(w, values=pack(w.values), layout="amx")
+        return w
+
+    return jax.tree.map(one, weights, is_leaf=lambda x: isinstance(x, QuantArray))
+
+
+def io_layout(weights):
+    """``weights`` with every packed weight back in the "io" layout (the inverse of
+    ``pack_for_cpu``): what a checkpoint stores."""
+    def one(w):
+        if isinstance(w, QuantArray) and w.layout != "io":
+            return dataclasses.replace(w, values=w.values_io(), layout="io")
+        return w
+
+    return jax.tree.map(one, weights, is_leaf=lambda x: isinstance(x, QuantArray))
 
 
 def shares_input(ws) -> bool:

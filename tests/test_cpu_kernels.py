@@ -141,6 +141,7 @@ def test_quantized_model_through_the_kernels_equals_xla(tiny_gguf, monkeypatch, 
     native = LLM(str(tiny_gguf), quantize=scheme, progress=False, max_num_seqs=2).generate(prompt, sp)[0]
     asked = []
     monkeypatch.setattr(quant, "_native_gemv", lambda: asked.append(1) or False)
+    monkeypatch.setattr(ck, "amx_active", lambda: asked.append(1) or False)
     xla = LLM(str(tiny_gguf), quantize=scheme, progress=False, max_num_seqs=2).generate(prompt, sp)[0]
     assert asked  # the second engine traced its steps anew, through XLA's dot
     assert native.outputs[0].token_ids == xla.outputs[0].token_ids

@@ -6,6 +6,13 @@ batch-1 (and small-verify) w8a8 dot. Its reference is XLA's own s8 x s8 -> s32 d
 YNNPACK, which repacks the whole weight on every call; this kernel streams the weight as it
 is stored (``int8_gemv.cc`` says how).
 
+``int8_amx(xq, p)``: int8 rows [M, I] @ an int8 weight packed once into AMX's tile layout
+(``amx_pack``: [O/16, I/64, 16, 16, 4]) -> int32 [M, O], for any M, on Intel AMX (Sapphire
+Rapids and later): w8a8's dots wherever ``quant.pack_for_cpu`` packed the weights (``LLM`` does
+on a one-device CPU with AMX). Its reference is XLA's s8 dot of the unpacked weight
+(``int8_amx_reference``); the two give the same integers. XLA's own dot runs on AMX as well,
+through YNNPACK, but repacks the weight on every call (``int8_amx.cc`` says more).
+
 ``wo8_gemv(x, w)``: float32 rows [M <= 4, I] @ int8 weight [I, O] -> float32 [M, O], the
 weight-only int8 dot before its per-channel scale. XLA widens the whole int8 weight to
 float32 on every call; this kernel widens it in registers as it streams it. Its reference is
@@ -31,14 +38,16 @@ The C++ sources are compiled on first use with the machine's g++ against jaxlib'
 into ``$JAXINFER_HOME/native/`` (keyed by a hash of the sources, the compiler command and the
 jaxlib version), then registered with XLA, where the CPU has at least AVX2 and FMA. Two
 questions are answered apart, and callers keep the references where the answer is no:
-``available()``, whether the int8 kernels are usable (their vector loops need AVX-512BW), and
-``f32_available()``, whether the float32 kernel is (AVX2 + FMA or AVX-512F). ``active()`` and
+``available()``, whether the int8 kernels are usable (their vector loops need AVX-512BW),
+``f32_available()``, whether the float32 kernel is (AVX2 + FMA or AVX-512F), and
+``amx_available()``, whether int8_amx is (AMX-INT8, and Linux grants the process its tiles). ``active()`` and
 ``f32_active()`` add that the trace is for a one-device CPU backend.
 
 Two environment variables, each read once per process: ``JAXINFER_NATIVE_GEMV=0`` turns all
 the native kernels off; ``JAXINFER_NATIVE_ISA=avx2`` makes them act as on an AVX2-only box
 (the float32 kernel's AVX2 variant by default, no int8 kernels), to test and time that path on
-an AVX-512 machine.
+an AVX-512 machine; ``JAXINFER_NATIVE_AMX=0`` leaves w8a8 weights unpacked, on XLA's dots and
+int8_gemv, as on a VNNI box without AMX.
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "int8_gemv.cc", _HERE / "f32_gemv.cc", _HERE / "paged_attention.cc"]
+SOURCES = [_HERE / "int8_gemv.cc", _HERE / "f32_gemv.cc", _HERE / "paged_attention.cc", _HERE / "int8_amx.cc"]
 HEADERS = [_HERE / "gemv_split.h", _HERE / "paged_attention_body.h"]
 TARGET = "jaxinfer_int8_gemv"
 WO8_TARGET = "jaxinfer_wo8_gemv"
@@ -68,6 +77,8 @@ ROWS_I8_TARGET = "jaxinfer_paged_rows_i8"
 ROWS_MAX_PAGE = 64  # paged_rows: positions per page
 PREFILL_TARGET = "jaxinfer_prefill_row"
 PREFILL_I8_TARGET = "jaxinfer_prefill_row_i8"
+AMX_TARGET = "jaxinfer_int8_amx"
+AMX_FLAGS = {"amx_tile", "amx_int8"}
 MAX_ROWS = 4  # int8_gemv, wo8_gemv
 F32_MAX_ROWS = 16  # f32_gemv: a verification step's k + 1 rows, decode batches of up to 16
 # f32_gemv's vector variants, best first, and the CPU flags each needs.
@@ -119,12 +130,17 @@ def isas() -> tuple[str, ...]:
     return tuple(isa for isa in allowed if ISA_FLAGS[isa] <= _cpu_flags())
 
 
-@functools.cache
 def _registered() -> bool:
     """Whether the library is built and its handlers registered with XLA (once per process):
     where the native kernels are not turned off, some vector variant runs here, and g++ works."""
+    return _library() is not None
+
+
+@functools.cache
+def _library():
+    """The built library with its handlers registered with XLA, or None (see _registered)."""
     if os.environ.get("JAXINFER_NATIVE_GEMV", "1") == "0" or not isas():
-        return False
+        return None
     with _lock:
         try:
             lib = ctypes.cdll.LoadLibrary(str(_build()))
@@ -137,10 +153,11 @@ def _registered() -> bool:
             jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(lib.jaxinfer_prefill_row), platform="cpu")
             jax.ffi.register_ffi_target(PREFILL_I8_TARGET, jax.ffi.pycapsule(lib.jaxinfer_prefill_row_i8),
                                         platform="cpu")
+            jax.ffi.register_ffi_target(AMX_TARGET, jax.ffi.pycapsule(lib.jaxinfer_int8_amx), platform="cpu")
         except Exception as e:  # no compiler, a broken toolchain: XLA's dot serves
             print(f"jaxinfer: native gemv kernels unavailable, using XLA's dots ({e})", file=sys.stderr)
-            return False
-    return True
+            return None
+    return lib
 
 
 def available() -> bool:
@@ -170,6 +187,72 @@ def f32_active() -> bool:
     """Whether the trace being built should call the float32 kernel: a one-device CPU backend
     where it is available."""
     return _one_cpu_device() and f32_available()
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether int8_amx runs here: the CPU has AMX-INT8 (Sapphire Rapids and later), Linux
+    grants this process AMX's tile state, the library is built, and neither
+    ``JAXINFER_NATIVE_AMX=0`` nor ``JAXINFER_NATIVE_ISA=avx2`` turns it off."""
+    if os.environ.get("JAXINFER_NATIVE_AMX", "1") == "0" or "avx512" not in isas():
+        return False
+    if not AMX_FLAGS <= _cpu_flags():
+        return False
+    lib = _library()
+    return lib is not None and lib.jaxinfer_amx_ready() == 1
+
+
+def amx_active() -> bool:
+    """Whether the trace being built should call int8_amx: a one-device CPU backend where it
+    is available."""
+    return _one_cpu_device() and amx_available()
+
+
+def amx_fits(I: int, O: int) -> bool:
+    """Whether an int8 weight [I, O] has a packed form: I a multiple of 64, O of 16."""
+    return I % 64 == 0 and O % 16 == 0 and I > 0 and O > 0
+
+
+def amx_pack(w: jax.Array) -> jax.Array:
+    """int8 w [I, O] -> the packed weight [O/16, I/64, 16, 16, 4] int8 that int8_amx reads:
+    element (nb, kb, r, n, j) = w[64 kb + 4 r + j, 16 nb + n] (``int8_amx.cc``)."""
+    I, O = w.shape
+    if not amx_fits(I, O):
+        raise ValueError(f"amx_pack needs I % 64 == 0 and O % 16 == 0, got [{I}, {O}]")
+    return w.reshape(I // 64, 16, 4, O // 16, 16).transpose(3, 0, 1, 4, 2)
+
+
+def amx_unpack(p: jax.Array) -> jax.Array:
+    """The inverse of amx_pack: [O/16, I/64, 16, 16, 4] -> [I, O]."""
+    NB, KB = p.shape[:2]
+    return p.transpose(1, 2, 4, 0, 3).reshape(KB * 64, NB * 16)
+
+
+def amx_take_columns(p: jax.Array, cols: jax.Array) -> jax.Array:
+    """Columns ``cols`` i32[n] of the packed weight's [I, O] -> int8 [I, n], reading only
+    their tiles' rows (a quantized embedding's lookup)."""
+    blocks = jnp.take(p, cols // 16, axis=0)  # [n, KB, 16, 16, 4]
+    idx = (cols % 16)[:, None, None, None, None]
+    one = jnp.take_along_axis(blocks, idx, axis=3)[:, :, :, 0, :]  # [n, KB, 16, 4]
+    return one.reshape(cols.shape[0], -1).T
+
+
+def int8_amx(xq: jax.Array, p: jax.Array, *, threads: int | None = None) -> jax.Array:
+    """int8 [M, I] @ the packed int8 weight p (amx_pack of [I, O]) -> int32 [M, O], for any M,
+    on AMX; call only where ``amx_available()``. The same integers as XLA's s8 dot of the
+    unpacked weight (``int8_amx_reference``)."""
+    if not amx_available():
+        raise RuntimeError("int8_amx needs AMX-INT8 and g++ (check amx_available() first)")
+    O = p.shape[0] * 16
+    if threads is None:
+        threads = min(os.cpu_count() or 1, 2)
+    call = jax.ffi.ffi_call(AMX_TARGET, jax.ShapeDtypeStruct((xq.shape[0], O), jnp.int32), vmap_method="sequential")
+    return call(xq.astype(jnp.int8), p, threads=threads)
+
+
+def int8_amx_reference(xq: jax.Array, p: jax.Array) -> jax.Array:
+    """XLA's s8 dot of the unpacked weight: the same integers as int8_amx."""
+    return int8_gemv_reference(xq, amx_unpack(p))
 
 
 def _gemv(target: str, x: jax.Array, w: jax.Array, x_dtype, out_dtype, threads: int | None) -> jax.Array:

@@ -127,7 +127,7 @@ def save(dest, cfg: ModelConfig, weights: dict, tokenizer_source) -> Path:
     try:
         tok_kind = _save_tokenizer(tmp, tokenizer_source)
         with _quiet(), ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(tmp / WEIGHTS_DIR, weights)
+            ckptr.save(tmp / WEIGHTS_DIR, quant.io_layout(weights))
             ckptr.wait_until_finished()
         meta = {"format": FORMAT, "version": VERSION, "config": config_to_dict(cfg), "tokenizer": tok_kind}
         layouts = quantized_layouts(weights)
