@@ -33,6 +33,7 @@ from jaxinfer.models.layers import (
     gelu_tanh,
     rms_norm,
     rope_inv_freq,
+    rope_table,
     take,
 )
 from jaxinfer.specs import WeightSpec
@@ -111,18 +112,18 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
     -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools);
     each layer's kind (local or global rotary and window) is the model layer's."""
     norm = functools.partial(rms_norm, eps=cfg.norm_eps, plus_one=True)
-    inv_freq = {}  # one table per distinct rotary config (local / global)
+    tables = {}  # one rotary table per distinct rotary config (local / global)
     for j, w in enumerate(layers):
         i = first + j
         rope, window = cfg.layer_rope(i), cfg.layer_window(i)
-        if rope not in inv_freq:
-            inv_freq[rope] = jnp.asarray(rope_inv_freq(cfg.head_dim, rope))
+        if rope not in tables:
+            tables[rope] = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, rope)))
         kind = "local" if window else "global"
         with jax.named_scope(f"layer{i}/{kind}_attention"):
             h = norm(x, w["attn_norm"])
             q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
             q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
-            o, cache = attend_layer(cache, j, q, k, v, positions, start, inv_freq[rope], read_cache=read_cache,
+            o, cache = attend_layer(cache, j, q, k, v, positions, start, tables[rope], read_cache=read_cache,
                                     scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
             x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
         with jax.named_scope(f"layer{i}/mlp"):

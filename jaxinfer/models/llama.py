@@ -22,6 +22,7 @@ from jaxinfer.models.layers import (
     gated_mlp,
     rms_norm,
     rope_inv_freq,
+    rope_table,
     silu,
     take,
 )
@@ -91,7 +92,7 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
                    first: int = 0, read_cache: bool = True):
     """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
     -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools)."""
-    inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope))
+    rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)))
     scale = cfg.head_dim**-0.5
     for j, w in enumerate(layers):
         i = first + j
@@ -100,7 +101,7 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
             q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
             if cfg.qkv_bias:
                 q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
-            o, cache = attend_layer(cache, j, q, k, v, positions, start, inv_freq, read_cache=read_cache,
+            o, cache = attend_layer(cache, j, q, k, v, positions, start, rope, read_cache=read_cache,
                                     scale=scale)
             x = x + dot("BTNH,NHD->BTD", o, w["wo"])
         with jax.named_scope(f"layer{i}/mlp"):
