@@ -202,10 +202,7 @@ class QuantArray:
 
     def matmul_rows(self, xq: jax.Array, xs: jax.Array, dtype=jnp.float32) -> jax.Array:
         """w8a8 on already quantized rows: int8[M, I] (scales f32[M]) @ W -> [M, O] dtype."""
-        if self.layout == "amx" and cpu_kernels.amx_active():
-            acc = cpu_kernels.int8_amx(xq, self.values)
-            return (acc.astype(jnp.float32) * xs[:, None] * self.scale).astype(dtype)
-        return _s8_matmul(xq, xs, self.values_io(), self.scale).astype(dtype)
+        return _s8_matmul(xq, xs, self.values, self.scale, self.layout).astype(dtype)
 
     def einsum(self, eq: str, x: jax.Array, *, matmul=None) -> jax.Array:
         """``jnp.einsum(eq, x, w)`` with this as w, e.g. "BTD,DNH->BTNH", "BTNH,NHD->BTD",
@@ -252,19 +249,28 @@ class QuantArray:
         return x2, done
 
 
-def _s8_matmul(xq: jax.Array, xs: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
-    """int8 rows xq [M, I] (scales xs f32[M]) @ int8 values [I, O] (scales f32[O]) -> f32[M, O]."""
+def _s8_matmul(xq: jax.Array, xs: jax.Array, values: jax.Array, scale: jax.Array, layout: str = "io") -> jax.Array:
+    """int8 rows xq [M, I] (scales xs f32[M]) @ int8 values [I, O] (layout "amx": packed by
+    ``cpu_kernels.amx_pack``; scales f32[O]) -> f32[M, O]."""
+    return _s8_dot(xq, values, layout).astype(jnp.float32) * xs[:, None] * scale
+
+
+def _s8_dot(xq: jax.Array, values: jax.Array, layout: str) -> jax.Array:
+    """The int32 sums of ``_s8_matmul``, by the fastest path this trace has; every path gives
+    the same integers."""
+    if layout == "amx":
+        if cpu_kernels.amx_active():
+            return cpu_kernels.int8_amx(xq, values)  # the weight was packed once, at load
+        values = cpu_kernels.amx_unpack(values)
     if xq.shape[0] <= cpu_kernels.MAX_ROWS and _native_gemv():
         # a few rows (batch-1 decode): the native kernel streams the weight as stored, where
-        # XLA's dot would repack all of it first; the same integers either way
-        acc = cpu_kernels.int8_gemv(xq, values)
-        return acc.astype(jnp.float32) * xs[:, None] * scale
+        # XLA's dot would repack all of it first
+        return cpu_kernels.int8_gemv(xq, values)
     if xq.shape[0] == 1:
         # XLA CPU rewrites a one-row s8 dot as an s32 one, converting the whole weight
         # every call (measured 30x slower than two rows); pay for a second row.
-        return _s8_matmul(jnp.concatenate([xq, xq]), jnp.concatenate([xs, xs]), values, scale)[:1]
-    acc = jax.lax.dot_general(xq, values, _MATMUL, preferred_element_type=jnp.int32)
-    return acc.astype(jnp.float32) * xs[:, None] * scale
+        return _s8_dot(jnp.concatenate([xq, xq]), values, "io")[:1]
+    return jax.lax.dot_general(xq, values, _MATMUL, preferred_element_type=jnp.int32)
 
 
 def _native_gemv() -> bool:
