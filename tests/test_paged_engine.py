@@ -219,6 +219,23 @@ def test_compilations_are_counted_exactly(tiny_gguf):
     assert eng.num_compilations() == first
 
 
+def test_committed_weights_build_each_shape_once(tiny_gguf):
+    """A real checkpoint's weights are committed to their device (packed or placed at load),
+    so every step's outputs are: the pools and slots the engine starts with must be committed
+    too, or jit builds the first step shape's executable again once the step's own outputs
+    replace them (in the middle of the second run)."""
+    from jaxinfer.engine.paged import PagedEngine
+
+    llm = _paged(tiny_gguf, page_size=8, max_num_seqs=4, prefill_chunk=32)
+    eng = llm.engine = PagedEngine(llm.cfg, jax.device_put(llm.weights, jax.devices()[0]), llm.tokenizer,
+                                   max_model_len=llm.max_model_len, config=llm.engine.config)
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    llm.generate(PROMPTS, sp, use_tqdm=False)
+    first = eng.num_compilations()
+    llm.generate(PROMPTS, sp, use_tqdm=False)
+    assert eng.num_compilations() == first == len(eng.shapes_run) + 1
+
+
 def test_warmup_with_one_slot(tiny_gguf):
     """One decode slot: warm-up's last insert took slots[:1], which is then the slots themselves,
     beside the donated slots (JAX refused the call)."""
@@ -261,7 +278,10 @@ def test_pools_filled_beside_the_load_are_the_engines(tiny_gguf, monkeypatch):
     real = paged.start_pools
     monkeypatch.setattr("jaxinfer.llm.start_pools", lambda *a: started.append(real(*a)) or started[-1])
     llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=2, kv_cache_bytes=1 << 20)
-    assert len(started) == 1 and llm.engine.k_pages[0] is started[0].result().k[0]
+    # the same buffers (committed to the weights' device: no copy, no second fill)
+    assert len(started) == 1
+    assert llm.engine.k_pages[0].unsafe_buffer_pointer() == started[0].result().k[0].unsafe_buffer_pointer()
+    assert llm.engine.k_pages[0].committed and llm.engine.slots.last_tokens.committed
     sp = SamplingParams(temperature=0.0, max_tokens=4)
     assert len(llm.generate("hello there", sp)[0].outputs[0].token_ids) == 4
     other = dataclasses.replace(llm.engine.config, max_num_seqs=4)

@@ -121,7 +121,6 @@ class PagedEngine:
                                prefill_chunk=config.prefill_chunk, prefix_caching=config.prefix_caching,
                                scheduling=config.scheduling, window=self.window, num_window_pages=num_window_pages)
         self.allocator, self.window_allocator = self.sched.allocator, self.sched.window_allocator
-        self.slots = make_slots(cfg.vocab_size, config.max_num_seqs, seed)
         self.mesh = mesh
         self.pipeline = None
         if mesh is not None and mesh.shape.get("stage", 1) > 1:
@@ -141,10 +140,9 @@ class PagedEngine:
             cache = (pools.result() if pools is not None else
                      kv.init_paged_cache(cfg, num_pages, ps, kv_dtype, num_window_pages=num_window_pages))
             self.k_pages, self.v_pages, self.windowed = cache.k, cache.v, cache.windowed
-        if mesh is not None:
-            from jax.sharding import NamedSharding, PartitionSpec
-
-            self.slots = jax.device_put(self.slots, NamedSharding(mesh, PartitionSpec()))
+            if mesh is None:
+                self.k_pages, self.v_pages = _committed((self.k_pages, self.v_pages), weights)
+        self.slots = self._fresh_slots()
         if mesh is not None and self.pipeline is None:  # tensor parallel: pools split over KV heads (or replicated)
             from jaxinfer.sharding import kv_pool_sharding
 
@@ -207,7 +205,7 @@ class PagedEngine:
             raise InvalidRequest("speculative_config method draft_model does not run with tensor parallelism yet")
         pools = kv.init_paged_cache(dcfg, num_pages, self.config.page_size,
                                     kv.kv_storage_dtype(self.config.kv_cache_dtype, dcfg))
-        self.draft_cfg, self.draft_weights, self.draft_kv = dcfg, dweights, (pools.k, pools.v)
+        self.draft_cfg, self.draft_weights, self.draft_kv = dcfg, dweights, _committed((pools.k, pools.v), self.weights)
 
     def _init_eagle(self, num_pages: int) -> None:
         """The EAGLE draft head (its layer, fc, and the LM-head rows of its draft vocabulary)
@@ -230,7 +228,7 @@ class PagedEngine:
             rows = quantize_int8(rows, (1,))  # [Vd, D], one scale per draft token
         self._eagle = {"head": head, "rows": rows, "vocab": vocab}
         pools = kv.init_paged_cache(eagle.layer_cfg(self.cfg), num_pages, self.config.page_size, jnp.float32)
-        self.eagle_kv = (pools.k, pools.v)
+        self.eagle_kv = _committed((pools.k, pools.v), self.weights)
 
     # ------------------------------------------------------------------ reports
     @property
@@ -322,12 +320,9 @@ class PagedEngine:
                     z = lambda *shape: jnp.zeros(shape, jnp.int32)
                     self._run_spec_step(self.idle_batch(R, w, 0, q=q), None, num_logprobs=-1, prompt_logprobs=-1,
                                         draft_layers=0, chain=(z(R), z(R, K), z(R)))
-        self.slots = make_slots(self.cfg.vocab_size, self.max_num_seqs, self.seed)  # warm-up sampled into idle slots
-        if self.mesh is not None:
-            from jax.sharding import NamedSharding, PartitionSpec
-
-            self.slots = jax.device_put(self.slots, NamedSharding(self.mesh, PartitionSpec()))
-        dummy = jax.tree.map(lambda a: jnp.copy(a[:1]), self.slots)  # a copy: a[:1] is slots itself at one slot
+        self.slots = self._fresh_slots()  # warm-up sampled into idle slots
+        # one slot's state from the host, as _insert_row's (slot_state_for) comes
+        dummy = jax.tree.map(lambda a: jax.device_put(np.asarray(a[:1])), self.slots)
         self.slots = self._insert(self.slots, jnp.int32(0), dummy)
         jax.block_until_ready(self.k_pages)
         return self.num_compilations() - before
@@ -718,9 +713,31 @@ class PagedEngine:
         return done
 
     # ------------------------------------------------------------------ slots
+    def _fresh_slots(self) -> SlotState:
+        """Every slot idle, placed as the steps' own outputs will be: replicated over the mesh,
+        or committed to the weights' device."""
+        slots = make_slots(self.cfg.vocab_size, self.max_num_seqs, self.seed)
+        if self.mesh is None:
+            return _committed(slots, self.weights)
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return jax.device_put(slots, NamedSharding(self.mesh, PartitionSpec()))
+
     def _insert_row(self, seq: Seq) -> None:
         new = slot_state_for(seq.row, self.cfg.vocab_size, self.tokenizer.eos_ids, self.seed)
         self.slots = self._insert(self.slots, jnp.int32(seq.slot), new)
+
+
+def _committed(tree, weights):
+    """``tree`` committed to the device of the (one-device) weights, without a copy. jit keys
+    its executables on whether each argument is committed: a step's outputs are (its weights
+    are), so pools or slots left uncommitted (made by jnp.zeros or a bare device_put) would
+    make the first step shape's executable twice, once for them and again for the outputs
+    that replace them (a second lowering, 0.5-1 s, in the middle of a run)."""
+    leaf = next((a for a in jax.tree.leaves(weights) if getattr(a, "committed", False)), None)
+    if leaf is None:  # uncommitted weights: on the default device, where the tree was made too
+        leaf = jax.tree.leaves(tree)[0]
+    return jax.device_put(tree, next(iter(leaf.devices())))
 
 
 def pool_sizes(cfg: ModelConfig, config: EngineConfig, kv_dtype, pages_per_seq: int):
