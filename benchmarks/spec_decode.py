@@ -4,7 +4,8 @@ interleaved per repeat so the machine's load falls on all of them alike; medians
     python benchmarks/spec_decode.py --repeats 3 --json benchmarks/spec_decode.json
 
 * batch 1, input-grounded prompts (copy or quote a passage, edit or annotate code), greedy,
-  up to 128 new tokens, one request at a time: off, ngram (k=4, lookup 1-4), early_exit;
+  up to 128 new tokens, one request at a time: off, ngram (k=--ngram-k, default 4; lookup 1-4),
+  early_exit;
 * batch 1, general chat prompts: off, early_exit, ngram, medusa (k=3, the committed heads),
   eagle (k=--eagle-k, branches=--eagle-branches, head weights --eagle-quantization; the
   committed EAGLE head),
@@ -65,6 +66,7 @@ def main() -> None:
                     help="Medusa heads directory (jaxinfer train-medusa); skipped if missing")
     ap.add_argument("--eagle", default="checkpoints/eagle-smollm2-135m-instruct",
                     help="EAGLE head directory (jaxinfer train-eagle); skipped if missing")
+    ap.add_argument("--ngram-k", type=int, nargs="+", default=[4], help="k of each ngram mode (several: ngram_k4, ...)")
     ap.add_argument("--eagle-k", type=int, nargs="+", default=[2], help="k of each eagle mode (several: eagle_k2, ...)")
     ap.add_argument("--eagle-branches", type=int, nargs="+", default=[1],
                     help="branches of each eagle mode (several: eagle_b1, eagle_b3, ...)")
@@ -86,7 +88,9 @@ def main() -> None:
 
     modes = {
         "off": None,
-        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
+        **{"ngram" + (f"_k{k}" if len(args.ngram_k) > 1 else ""):
+           {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+           for k in args.ngram_k},
         "early_exit": {"method": "early_exit", "num_speculative_tokens": 2, "num_layers": args.early_exit_layers},
     }
     import os
@@ -131,8 +135,8 @@ def main() -> None:
         "batch1_chat": (one_at_a_time, CHAT, ["off", "early_exit", "ngram", "medusa", "draft_model", "eagle"]),
         "batch16_chat": (batched, (CHAT * 4)[:16], ["off", "ngram"]),
     }
-    eagles = [m for m in modes if m.startswith("eagle")]
-    cases = {name: (run, prompts, [m for m in ms if m in modes and not m.startswith("eagle")] + (eagles if "eagle" in ms else []))
+    # a case's mode "eagle" (or "ngram") runs every eagle_* (ngram_*) variant loaded
+    cases = {name: (run, prompts, [x for m in ms for x in modes if x == m or x.startswith(m + "_")])
              for name, (run, prompts, ms) in cases.items()}
     results = {}
     mismatched = {}  # (case, mode) -> prompts whose greedy tokens differ from plain decoding
