@@ -22,6 +22,7 @@ from jaxinfer.engine.speculative import SpecMethod, SpeculativeConfig
 from jaxinfer.engine.static import StaticEngine
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.loaders import checkpoint
+from jaxinfer.models.registry import family_module
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.sampling import SamplingParams, StopChecker, default_seed_for
 
@@ -102,8 +103,8 @@ class LLM:
         loaded = checkpoint.load(self.model_path, dtype=dtype, quantize=qcfg, shardings_fn=shardings_fn,
                                  on_config=on_config)
         self.cfg, self.weights, self.tokenizer = loaded.cfg, loaded.weights, loaded.tokenizer
-        if mesh is None:  # w8a8 on an AMX CPU: each int8 weight packed once for its kernel
-            self.weights = quant.pack_for_cpu(self.weights)
+        if mesh is None:  # one CPU: w8a8 weights packed once for AMX, float32 ones for AVX-512
+            self.weights = quant.pack_for_cpu(self.weights, family_module(self.cfg.family).weight_specs(self.cfg))
         self.mesh = mesh
         self.parallel = None
         if mesh is not None:
@@ -151,7 +152,7 @@ class LLM:
             return None
         path = registry.resolve(spec.model, progress=progress)
         loaded = checkpoint.load(path, dtype=dtype, quantize=quant.quant_config(spec.quantization))
-        return loaded.cfg, quant.pack_for_cpu(loaded.weights)
+        return loaded.cfg, quant.pack_for_cpu(loaded.weights, family_module(loaded.cfg.family).weight_specs(loaded.cfg))
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -97,21 +97,12 @@ _MATMUL = (((1,), (0,)), ((), ()))
 
 
 # ----------------------------------------------------------------------------- QuantArray
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QuantArray:
-    """A quantized weight. Pass it wherever the float weight went into ``layers.dot``."""
+class _Matrix:
+    """A matmul weight of ``shape`` whose ``contract`` axes are summed over, stored as (a form
+    of) its [I, O] matrix: the contracted axes first, in order, then the free ones."""
 
-    values: jax.Array  # int8[I, O]; int4: int8[I/2, O], two values per byte
-    scale: jax.Array  # f32[O] per output channel; int4: f32[I/group, O]
-    smooth: jax.Array | None  # f32[I] (w8a8 with smoothing): x * smooth is what is quantized
-    shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # float weight's
-    contract: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # its contracted axes
-    scheme: QuantScheme = dataclasses.field(metadata={"static": True})
-    group: int = dataclasses.field(default=0, metadata={"static": True})  # int4 group size
-    # "io": values as above; "amx": w8a8 values packed for the AMX kernel
-    # (cpu_kernels.amx_pack, [O/16, I/64, 16, 16, 4]), made by ``pack_for_cpu``
-    layout: str = dataclasses.field(default="io", metadata={"static": True})
+    shape: tuple[int, ...]
+    contract: tuple[int, ...]
 
     @property
     def free(self) -> tuple[int, ...]:
@@ -129,6 +120,63 @@ class QuantArray:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in jax.tree.leaves(self))
+
+    def as_rows(self, eq: str, x: jax.Array):
+        """The einsum ``eq`` as a 2-D product: (x2 [M, I], done) where ``done(y2 [M, O])``
+        gives the einsum's output. Checks ``eq`` against this weight."""
+        xs, ws, out = _parse(eq)
+        if len(ws) != len(self.shape):
+            raise ValueError(
+                f"{eq!r}: weight has {len(self.shape)} axes {self.shape}, not {len(ws)}"
+            )
+        summed = tuple(a for a, c in enumerate(ws) if c in xs and c not in out)
+        if summed != self.contract:
+            raise ValueError(
+                f"{eq!r} sums weight axes {summed}, but this weight was stored "
+                f"contracting axes {self.contract}"
+            )
+        if any(c in xs for c in (ws[a] for a in self.free)):
+            raise ValueError(f"{eq!r}: batch axes shared by x and the weight are not supported")
+        c_letters = "".join(ws[a] for a in self.contract)
+        keep = "".join(c for c in xs if c not in c_letters)
+        for a, c in zip(self.contract, c_letters):
+            if x.shape[xs.index(c)] != self.shape[a]:
+                raise ValueError(
+                    f"{eq!r}: x axis {c!r} has {x.shape[xs.index(c)]}, weight {self.shape[a]}"
+                )
+        x2 = jnp.einsum(f"{xs}->{keep}{c_letters}", x) if xs != keep + c_letters else x
+        lead = x2.shape[: len(keep)]
+        x2 = x2.reshape(math.prod(lead), self.in_size)
+        have = keep + "".join(ws[a] for a in self.free)
+
+        def done(y: jax.Array) -> jax.Array:
+            y = y.reshape(*lead, *(self.shape[a] for a in self.free))
+            return y if have == out else jnp.einsum(f"{have}->{out}", y)
+
+        return x2, done
+
+    def _from_matrix(self, w: jax.Array) -> jax.Array:
+        """The [I, O] matrix ``w`` as the weight in its original shape."""
+        order = self.contract + self.free
+        w = w.reshape([self.shape[a] for a in order])
+        return jnp.transpose(w, np.argsort(order))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantArray(_Matrix):
+    """A quantized weight. Pass it wherever the float weight went into ``layers.dot``."""
+
+    values: jax.Array  # int8[I, O]; int4: int8[I/2, O], two values per byte
+    scale: jax.Array  # f32[O] per output channel; int4: f32[I/group, O]
+    smooth: jax.Array | None  # f32[I] (w8a8 with smoothing): x * smooth is what is quantized
+    shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # float weight's
+    contract: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # its contracted axes
+    scheme: QuantScheme = dataclasses.field(metadata={"static": True})
+    group: int = dataclasses.field(default=0, metadata={"static": True})  # int4 group size
+    # "io": values as above; "amx": w8a8 values packed for the AMX kernel
+    # (cpu_kernels.amx_pack, [O/16, I/64, 16, 16, 4]), made by ``pack_for_cpu``
+    layout: str = dataclasses.field(default="io", metadata={"static": True})
 
     def values_io(self) -> jax.Array:
         """``values`` in the "io" layout, unpacked where they are packed for AMX."""
@@ -148,9 +196,7 @@ class QuantArray:
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The float weight in its original shape."""
-        order = self.contract + self.free
-        w = self.dequantize_matrix(dtype).reshape([self.shape[a] for a in order])
-        return jnp.transpose(w, np.argsort(order))
+        return self._from_matrix(self.dequantize_matrix(dtype))
 
     def take(self, indices: jax.Array, dtype=jnp.float32) -> jax.Array:
         """Dequantized output channels ``indices`` -> [*indices.shape, I]: the embedding
@@ -214,40 +260,6 @@ class QuantArray:
         x2, done = self.as_rows(eq, x)
         return done(self.matmul(x2) if matmul is None else matmul(self, x2))
 
-    def as_rows(self, eq: str, x: jax.Array):
-        """The einsum ``eq`` as a 2-D product: (x2 [M, I], done) where ``done(y2 [M, O])``
-        gives the einsum's output. Checks ``eq`` against this weight."""
-        xs, ws, out = _parse(eq)
-        if len(ws) != len(self.shape):
-            raise ValueError(
-                f"{eq!r}: weight has {len(self.shape)} axes {self.shape}, not {len(ws)}"
-            )
-        summed = tuple(a for a, c in enumerate(ws) if c in xs and c not in out)
-        if summed != self.contract:
-            raise ValueError(
-                f"{eq!r} sums weight axes {summed}, but this weight was quantized "
-                f"contracting axes {self.contract}"
-            )
-        if any(c in xs for c in (ws[a] for a in self.free)):
-            raise ValueError(f"{eq!r}: batch axes shared by x and the weight are not supported")
-        c_letters = "".join(ws[a] for a in self.contract)
-        keep = "".join(c for c in xs if c not in c_letters)
-        for a, c in zip(self.contract, c_letters):
-            if x.shape[xs.index(c)] != self.shape[a]:
-                raise ValueError(
-                    f"{eq!r}: x axis {c!r} has {x.shape[xs.index(c)]}, weight {self.shape[a]}"
-                )
-        x2 = jnp.einsum(f"{xs}->{keep}{c_letters}", x) if xs != keep + c_letters else x
-        lead = x2.shape[: len(keep)]
-        x2 = x2.reshape(math.prod(lead), self.in_size)
-        have = keep + "".join(ws[a] for a in self.free)
-
-        def done(y: jax.Array) -> jax.Array:
-            y = y.reshape(*lead, *(self.shape[a] for a in self.free))
-            return y if have == out else jnp.einsum(f"{have}->{out}", y)
-
-        return x2, done
-
 
 def _s8_matmul(xq: jax.Array, xs: jax.Array, values: jax.Array, scale: jax.Array, layout: str = "io") -> jax.Array:
     """int8 rows xq [M, I] (scales xs f32[M]) @ int8 values [I, O] (layout "amx": packed by
@@ -292,32 +304,83 @@ def einsum_shared(x: jax.Array, *pairs: tuple[str, QuantArray]) -> tuple[jax.Arr
     return tuple(done(w.matmul_rows(xq, xs, x.dtype)) for w, (_, done) in zip(ws, rows))
 
 
-def pack_for_cpu(weights):
-    """``weights`` with every w8a8 weight that fits packed for the AMX kernel (layout "amx"),
-    where that kernel runs on this (one-device CPU) backend; otherwise ``weights`` as they are.
-    XLA's own s8 dot repacks the whole weight on every call; this packs it once."""
-    if not cpu_kernels.amx_active():
-        return weights
-    pack = jax.jit(cpu_kernels.amx_pack)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedF32(_Matrix):
+    """A float32 matmul weight packed once for ``cpu_kernels.f32_gemm_packed`` (its [I, O]
+    matrix in panels of 16 columns, ``cpu_kernels.f32_pack``), made by ``pack_for_cpu``. Pass
+    it wherever the float weight went into ``layers.dot``."""
 
-    def one(w):
-        if (isinstance(w, QuantArray) and w.scheme == QuantScheme.W8A8 and w.layout == "io"
-                and cpu_kernels.amx_fits(w.in_size, w.out_size)):
-            return dataclasses.replace(w, values=pack(w.values), layout="amx")
-        return w
+    values: jax.Array  # f32[O/16, I, 16]
+    shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # the float weight's
+    contract: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # its contracted axes
 
-    return jax.tree.map(one, weights, is_leaf=lambda x: isinstance(x, QuantArray))
+    dtype = jnp.dtype(jnp.float32)
+
+    def unpacked(self) -> jax.Array:
+        """The float weight in its original shape."""
+        return self._from_matrix(cpu_kernels.f32_unpack(self.values))
+
+    def einsum(self, eq: str, x: jax.Array, *, matmul=None) -> jax.Array:
+        """``jnp.einsum(eq, x, w)`` with this as w, through the native kernel (``matmul``, the
+        TPU/GPU seam of QuantArray.einsum, never applies: this form exists on CPU only)."""
+        x2, done = self.as_rows(eq, x)
+        return done(cpu_kernels.f32_gemm_packed(x2, self.values).astype(x.dtype))
+
+
+def pack_for_cpu(weights, specs=None):
+    """``weights`` with each weight a native CPU kernel reads better packed, packed once, where
+    that kernel runs on this (one-device CPU) backend; the rest as they are:
+
+    * every w8a8 weight that fits, for the AMX kernel (layout "amx"): XLA's own s8 dot repacks
+      the whole weight on every call;
+    * given the model's ``specs``, every float32 matmul weight whose outputs come in whole
+      panels of 16 (``PackedF32``; not the embedding, which is also looked up), on AVX-512:
+      XLA's float32 dot transposes its weight on every call past one row."""
+    if cpu_kernels.amx_active():
+        pack = jax.jit(cpu_kernels.amx_pack)
+
+        def one(w):
+            if (isinstance(w, QuantArray) and w.scheme == QuantScheme.W8A8 and w.layout == "io"
+                    and cpu_kernels.amx_fits(w.in_size, w.out_size)):
+                return dataclasses.replace(w, values=pack(w.values), layout="amx")
+            return w
+
+        weights = jax.tree.map(one, weights, is_leaf=lambda x: isinstance(x, QuantArray))
+    if specs is not None and cpu_kernels.f32_packed_active():
+        from jaxinfer.specs import is_spec
+
+        def f32(spec, w):
+            contract = spec.contract_axes
+            if (not isinstance(w, jax.Array) or w.dtype != jnp.float32 or not contract or "vocab" in spec.axes
+                    or w.shape != tuple(spec.shape)):
+                return w
+            free = tuple(a for a in range(w.ndim) if a not in contract)
+            if not cpu_kernels.f32_packed_fits(math.prod(w.shape[a] for a in contract),
+                                               math.prod(w.shape[a] for a in free)):
+                return w
+            return PackedF32(_pack_f32(w, contract, free), tuple(w.shape), contract)
+
+        weights = jax.tree.map(f32, specs, weights, is_leaf=is_spec)
+    return weights
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _pack_f32(w: jax.Array, contract: tuple[int, ...], free: tuple[int, ...]) -> jax.Array:
+    return cpu_kernels.f32_pack(_as_matrix(w, contract, free))
 
 
 def io_layout(weights):
-    """``weights`` with every packed weight back in the "io" layout (the inverse of
+    """``weights`` with every packed weight back in its stored form (the inverse of
     ``pack_for_cpu``): what a checkpoint stores."""
     def one(w):
         if isinstance(w, QuantArray) and w.layout != "io":
             return dataclasses.replace(w, values=w.values_io(), layout="io")
+        if isinstance(w, PackedF32):
+            return w.unpacked()
         return w
 
-    return jax.tree.map(one, weights, is_leaf=lambda x: isinstance(x, QuantArray))
+    return jax.tree.map(one, weights, is_leaf=lambda x: isinstance(x, (QuantArray, PackedF32)))
 
 
 def shares_input(ws) -> bool:

@@ -283,7 +283,7 @@ def test_bad_scheme_axes_and_einsum_messages():
     qa = quant.quantize_int8(_weight((256, 384)), (0,))
     with pytest.raises(
         ValueError,
-        match=r"sums weight axes \(1,\), but this weight was quantized contracting axes \(0,\)",
+        match=r"sums weight axes \(1,\), but this weight was stored contracting axes \(0,\)",
     ):
         qa.einsum("BTF,DF->BTD", jnp.ones((1, 1, 384)))
     with pytest.raises(ValueError, match=r"x axis 'D' has 255, weight 256"):

@@ -28,6 +28,13 @@ has the bits of XLA's one-row dot; for [O, I], float32 rounding apart. It has an
 an AVX2 + FMA variant (``isa``; by default the best this CPU has), so it also serves the AMD
 EPYC boxes without AVX-512.
 
+``f32_gemm_packed(x, p)``: float32 rows [M, I] @ a float32 weight packed once into panels of
+16 columns (``f32_pack``: [O/16, I, 16]) -> [M, O], for any M, on AVX-512: the float32
+projections wherever ``quant.pack_for_cpu`` packed them (``LLM`` does on a one-device CPU).
+XLA CPU transposes a float32 weight for its dot on every call past one row. Its reference is
+XLA's dot of the unpacked weight (``f32_gemm_packed_reference``): each row has the bits of
+XLA's one-row dot. ``JAXINFER_NATIVE_F32_PACK=0`` leaves float32 weights unpacked.
+
 ``paged_rows(q, k, v, table, ...)`` and ``prefill_row(q, k, v, pos, seg, ...)``: attention
 over the page pools (float32, or int8 with per-position scales) for the packed step's decode
 rows and its prefill row, reading the pages where they lie (``paged_attention.cc``). Their
@@ -72,6 +79,8 @@ TARGET = "jaxinfer_int8_gemv"
 WO8_TARGET = "jaxinfer_wo8_gemv"
 F32_TARGET = "jaxinfer_f32_gemv"
 F32_T_TARGET = "jaxinfer_f32_gemv_t"
+F32_PACKED_TARGET = "jaxinfer_f32_gemm_packed"
+F32_PACKED_MAX_ROWS = 512  # rows per call of f32_gemm_packed (more: several calls)
 ROWS_TARGET = "jaxinfer_paged_rows"
 ROWS_I8_TARGET = "jaxinfer_paged_rows_i8"
 ROWS_MAX_PAGE = 64  # paged_rows: positions per page
@@ -152,6 +161,8 @@ def _library():
             jax.ffi.register_ffi_target(ROWS_I8_TARGET, jax.ffi.pycapsule(lib.jaxinfer_paged_rows_i8), platform="cpu")
             jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(lib.jaxinfer_prefill_row), platform="cpu")
             jax.ffi.register_ffi_target(PREFILL_I8_TARGET, jax.ffi.pycapsule(lib.jaxinfer_prefill_row_i8),
+                                        platform="cpu")
+            jax.ffi.register_ffi_target(F32_PACKED_TARGET, jax.ffi.pycapsule(lib.jaxinfer_f32_gemm_packed),
                                         platform="cpu")
             jax.ffi.register_ffi_target(AMX_TARGET, jax.ffi.pycapsule(lib.jaxinfer_int8_amx), platform="cpu")
         except Exception as e:  # no compiler, a broken toolchain: XLA's dot serves
@@ -312,6 +323,58 @@ def f32_gemv(x: jax.Array, w: jax.Array, *, transposed: bool = False, threads: i
     call = jax.ffi.ffi_call(F32_T_TARGET if transposed else F32_TARGET, jax.ShapeDtypeStruct((M, O), jnp.float32),
                             vmap_method="sequential")
     return call(x.astype(jnp.float32), w.astype(jnp.float32), threads=threads, isa=isa)
+
+
+@functools.cache
+def f32_packed_available() -> bool:
+    """Whether f32_gemm_packed runs here: AVX-512F, the library built, and
+    ``JAXINFER_NATIVE_F32_PACK=0`` not set."""
+    return os.environ.get("JAXINFER_NATIVE_F32_PACK", "1") != "0" and "avx512" in isas() and _registered()
+
+
+def f32_packed_active() -> bool:
+    """f32_packed_available on a one-device CPU backend (where ``LLM`` packs float32 weights)."""
+    return _one_cpu_device() and f32_packed_available()
+
+
+def f32_packed_fits(I: int, O: int) -> bool:
+    """Whether a float32 weight [I, O] can be packed: whole panels of 16 columns."""
+    return I >= 1 and O % 16 == 0 and O > 0
+
+
+def f32_pack(w: jax.Array) -> jax.Array:
+    """float32 w [I, O] -> panels of 16 columns [O/16, I, 16]: element (p, k, n) = w[k, 16 p + n]."""
+    I, O = w.shape
+    if not f32_packed_fits(I, O):
+        raise ValueError(f"f32_pack needs O % 16 == 0, got [{I}, {O}]")
+    return w.reshape(I, O // 16, 16).transpose(1, 0, 2)
+
+
+def f32_unpack(p: jax.Array) -> jax.Array:
+    """The inverse of f32_pack: [O/16, I, 16] -> [I, O]."""
+    return p.transpose(1, 0, 2).reshape(p.shape[1], p.shape[0] * 16)
+
+
+def f32_gemm_packed(x: jax.Array, p: jax.Array, *, threads: int | None = None) -> jax.Array:
+    """float32 x [M, I] @ the packed weight p [O/16, I, 16] -> float32 [M, O], any M (512 rows
+    per kernel call); call only where ``f32_packed_available()``."""
+    M, O = x.shape[0], p.shape[0] * 16
+    if threads is None:
+        threads = min(os.cpu_count() or 1, 2)
+    call = jax.ffi.ffi_call(F32_PACKED_TARGET, jax.ShapeDtypeStruct((min(M, F32_PACKED_MAX_ROWS), O), jnp.float32),
+                            vmap_method="sequential")
+    x = x.astype(jnp.float32)
+    if M <= F32_PACKED_MAX_ROWS:
+        return call(x, p, threads=threads)
+    parts = [x[i : i + F32_PACKED_MAX_ROWS] for i in range(0, M, F32_PACKED_MAX_ROWS)]
+    tail = jax.ffi.ffi_call(F32_PACKED_TARGET, jax.ShapeDtypeStruct((parts[-1].shape[0], O), jnp.float32),
+                            vmap_method="sequential")
+    return jnp.concatenate([call(a, p, threads=threads) for a in parts[:-1]] + [tail(parts[-1], p, threads=threads)])
+
+
+def f32_gemm_packed_reference(x: jax.Array, p: jax.Array) -> jax.Array:
+    """XLA's float32 dot of the unpacked weight."""
+    return jax.lax.dot_general(x, f32_unpack(p), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def f32_gemv_reference(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:

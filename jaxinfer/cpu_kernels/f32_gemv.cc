@@ -45,7 +45,8 @@ using jaxinfer_native::split_run;
 
 namespace {
 
-constexpr int kMaxRows = 16;
+constexpr int kMaxRows = 16;    // f32_gemv's rows
+constexpr int kMaxGroups = 64;  // row groups per call: f32_gemm_packed's 512 rows, in groups of 8
 // [I, O]: weight rows per pass over a column block. A pass reads KC rows 64-256 bytes at a time
 // (one block), prefetching the same rows a few blocks ahead. Measured on the AVX-512 box with
 // AVX2 forced (2 threads, the 30 SmolLM2 layers, M = 2 / 5 / 8, ms, 64 columns ahead): KC 64:
@@ -74,7 +75,7 @@ bool cpu_has(Isa isa) {
 // the weight the first just brought in, so the weight streams from memory once for all rows.
 // Groups are as even as possible (10 rows: 5 + 5; AVX2 [I, O], 5 rows: 3 + 2).
 struct Groups {
-  int n, size[kMaxRows];
+  int n, size[kMaxGroups];
 };
 
 constexpr int max_group(Isa isa) { return isa == Isa::kAvx512 ? 8 : 4; }
@@ -107,8 +108,8 @@ constexpr int nr_oi(Isa isa, int G) {
 // ----------------------------------------------------------------------------- w [I, O]
 // G rows of the block at column o over weight rows [k0, k1): each output one FMA chain over k
 // (the accumulators wait in `out` between passes). The first group prefetches the rows at pf
-// for the blocks to come.
-template <int G, int NV, bool kPrefetch>
+// for the blocks to come. kPacked: w is packed in panels [O / 16, I, 16] instead (below).
+template <int G, int NV, bool kPrefetch, bool kPacked = false>
 __attribute__((target("avx512f"))) void io_rows_avx512(const float* x, const float* w, float* out, int64_t I,
                                                        int64_t O, int64_t o, int64_t k0, int64_t k1,
                                                        const float* pf) {
@@ -118,10 +119,13 @@ __attribute__((target("avx512f"))) void io_rows_avx512(const float* x, const flo
       acc[m][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * O + o + 16 * j);
   for (int64_t k = k0; k < k1; ++k) {
     const float* row = w + k * O + o;
-    if (kPrefetch)
+    if (kPrefetch && !kPacked)
       for (int j = 0; j < NV; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + k * O + 16 * j), _MM_HINT_T0);
+    if (kPrefetch && kPacked)  // this block's panels, 32 rows ahead
+      for (int j = 0; j < NV; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + ((o / 16 + j) * I + k + 32) * 16), _MM_HINT_T0);
     __m512 wv[NV];
-    for (int j = 0; j < NV; ++j) wv[j] = _mm512_loadu_ps(row + 16 * j);
+    for (int j = 0; j < NV; ++j)
+      wv[j] = kPacked ? _mm512_loadu_ps(w + ((o / 16 + j) * I + k) * 16) : _mm512_loadu_ps(row + 16 * j);
     for (int m = 0; m < G; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * I + k]);
       for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_fmadd_ps(xb, wv[j], acc[m][j]);
@@ -216,7 +220,7 @@ void run_io(const Job& j) {
   const int nv = nv_io(A, g.size[0]);  // the first group is the largest
   const int64_t CB = lanes(A) * nv, I = j.I, O = j.O, c0 = j.c0;
   const int64_t nb = I > 0 ? (j.c1 - c0) / CB : 0;
-  IoRows first = io_rows_for<A, true>(g.size[0], nv), rest[kMaxRows] = {};
+  IoRows first = io_rows_for<A, true>(g.size[0], nv), rest[kMaxGroups] = {};
   for (int i = 1; i < g.n; ++i) rest[i] = io_rows_for<A, false>(g.size[i], nv);
   const int64_t ahead = (kAheadCols + CB - 1) / CB;  // blocks
   for (int64_t k0 = 0; k0 < I && nb; k0 += KC) {
@@ -232,6 +236,43 @@ void run_io(const Job& j) {
     }
   }
   io_scalar(x, w, out, M, I, O, c0 + nb * CB, j.c1);
+}
+
+// ----------------------------------------------------------------------------- packed
+// f32_gemm_packed: the weight packed once, at load, into panels of 16 columns [O / 16, I, 16]
+// (cpu_kernels.f32_pack), for any number of rows up to 512 (AVX-512 only). XLA CPU transposes
+// (packs) a float32 weight for its dot on every call, at every row count past one: in a 64-row
+// float32 decode step ynn::transpose_* took a third as many samples as the dot itself. Here a
+// block of 48 columns is three contiguous panel streams (a last block may have one or two); each group of up to 8 rows sums the
+// block's whole K with its 8 x 3 accumulators in registers, the first group streaming the
+// panels from memory (prefetching 32 rows ahead in each) and the others re-reading them from
+// L2 (I x 48 floats: 110 KB at I = 576). Each output is one FMA chain over k in order, as in
+// run_io, so row m has the bits of XLA's one-row dot of x[m]. Microbenchmark (the 30 SmolLM2
+// layers' seven projections, 2 threads, ms): M = 1 / 3 / 16 / 64 / 512: XLA 17.9 / 31.5 / 43.3 /
+// 64.7 / 378.6, f32_gemv (M <= 16) 17.3 / 18.2 / 25.3, this 15.8 / 15.7 / 23.9 / 56.7 / 376.7.
+template <bool P, int NV>
+IoRows packed_rows_for(int G) {
+  return for_group<Isa::kAvx512>(G, [](auto g) -> IoRows { return io_rows_avx512<decltype(g)::value, NV, P, true>; });
+}
+
+// Columns [c0, c1) (whole panels): blocks of three panels, then one of the one or two left.
+template <int NV>
+void packed_block(const float* x, const float* w, float* out, const Groups& g, int64_t I, int64_t O, int64_t o) {
+  const IoRows first = packed_rows_for<true, NV>(g.size[0]);
+  first(x, w, out, I, O, o, 0, I, nullptr);
+  for (int i = 1, m0 = g.size[0]; i < g.n; m0 += g.size[i++])
+    packed_rows_for<false, NV>(g.size[i])(x + m0 * I, w, out + m0 * O, I, O, o, 0, I, nullptr);
+}
+
+void run_packed(const Job& j) {
+  const auto* x = static_cast<const float*>(j.x);
+  const auto* w = static_cast<const float*>(j.w);
+  auto* out = static_cast<float*>(j.out);
+  const Groups g = groups_of(Isa::kAvx512, static_cast<int>(j.M));
+  int64_t o = j.c0;
+  for (; o + 48 <= j.c1; o += 48) packed_block<3>(x, w, out, g, j.I, j.O, o);
+  if (j.c1 - o == 32) packed_block<2>(x, w, out, g, j.I, j.O, o);
+  if (j.c1 - o == 16) packed_block<1>(x, w, out, g, j.I, j.O, o);
 }
 
 // ----------------------------------------------------------------------------- w [O, I]
@@ -357,7 +398,7 @@ void run_oi(const Job& j) {
   const Groups g = groups_of(A, M);
   const int nr = nr_oi(A, g.size[0]);
   const int64_t I = j.I, O = j.O;
-  OiRows first = oi_rows_for<A, true>(g.size[0], nr), rest[kMaxRows] = {};
+  OiRows first = oi_rows_for<A, true>(g.size[0], nr), rest[kMaxGroups] = {};
   for (int i = 1; i < g.n; ++i) rest[i] = oi_rows_for<A, false>(g.size[i], nr);
   const int64_t r1 = j.c0 + (j.c1 - j.c0) / nr * nr;
   for (int64_t r = j.c0; r < r1; r += nr) {
@@ -411,6 +452,23 @@ ffi::Error F32GemvT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Resul
   return f32_gemv(true, x, w, out, threads, isa, pool);
 }
 
+ffi::Error F32GemmPacked(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out,
+                         int64_t threads, ffi::ThreadPool pool) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != 16 || wd[1] != xd[1])
+    return ffi::Error::InvalidArgument("f32_gemm_packed: x must be [M, I] and w [O / 16, I, 16]");
+  const int64_t M = xd[0], I = xd[1], O = wd[0] * 16;
+  if (M < 1 || M > 8 * kMaxGroups) return ffi::Error::InvalidArgument("f32_gemm_packed: 1 to 512 rows");
+  if (!cpu_has(Isa::kAvx512)) return ffi::Error::InvalidArgument("f32_gemm_packed: needs AVX-512");
+  const Job all{run_packed, x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O};
+  if (threads > 1) {
+    split_run(all, 48, pool);
+  } else {
+    run(all);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_f32_gemv, F32Gemv,
@@ -429,4 +487,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_f32_gemv_t, F32GemvT,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("threads")
                                   .Attr<std::string_view>("isa")
+                                  .Ctx<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_f32_gemm_packed, F32GemmPacked,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("threads")
                                   .Ctx<ffi::ThreadPool>());
