@@ -492,12 +492,14 @@ def _parallel_mesh(tp: int, pp: int, dp: int, mesh):
 
 def _enable_compilation_cache() -> None:
     """JAX's persistent compilation cache, on by default under $JAXINFER_HOME/xla-cache
-    (a directory the user configured for JAX is left alone)."""
+    (a directory the user configured for JAX is left alone). Executables that took 0.1 s or
+    more to compile are kept: a step whose projections are native calls (packed float32
+    weights) compiles in 0.15-0.4 s, and loading it back takes ~0.03 s."""
     import jax
 
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(registry.home() / "xla-cache"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 
 
 def _sample_params(p: SamplingParams, j: int, request_seed: int) -> SamplingParams:
