@@ -37,6 +37,8 @@ VARIANTS = {
     "jaxinfer:float32+kv8": {"kv_cache_dtype": "int8"},
     "jaxinfer:float32+ps64": {"page_size": 64},  # KV pages of 64 positions (default 16)
     "jaxinfer:float32+ps128": {"page_size": 128},
+    # float32 with XLA's own dots (the weights left unpacked, as before session 18)
+    "jaxinfer:float32+xla-dots": {"env": {"JAXINFER_NATIVE_F32_PACK": "0"}},
     "jaxinfer:w8a8": {"quantize": "w8a8"},
     "jaxinfer:w8a8+kv8": {"quantize": "w8a8", "kv_cache_dtype": "int8"},
     "transformers:bfloat16": {},
@@ -131,7 +133,9 @@ def worker(name, model, repeats, malloc):
 
         keep_freed_memory()
     if engine == "jaxinfer":
-        return run_jaxinfer(model, VARIANTS[name], repeats)
+        opts = dict(VARIANTS[name])
+        os.environ.update(opts.pop("env", {}))  # read when the kernels are first asked for
+        return run_jaxinfer(model, opts, repeats)
     return run_transformers(model, variant, repeats)
 
 
