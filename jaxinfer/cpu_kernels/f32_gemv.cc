@@ -2,7 +2,9 @@
 //   jaxinfer_f32_gemv:   y[m, o] = sum_k x[m, k] w[k, o], the weight stored [I, O] (the
 //                        layers' projections);
 //   jaxinfer_f32_gemv_t: y[m, v] = sum_k x[m, k] w[v, k], the weight stored [O, I] (a tied
-//                        LM head, the embedding table).
+//                        LM head, the embedding table);
+//   jaxinfer_f32_gemm_packed: y[m, o] = sum_k x[m, k] w[k, o] for any number of rows, the
+//                        weight packed once into panels of 16 columns (below, "packed").
 //
 // Why: a speculative verification step runs the model on k + 1 = 2..8 rows, a small decode batch
 // on up to 16. XLA CPU streams a float32 weight at one row (20-32 GB/s on the AMX box), but from
@@ -122,7 +124,8 @@ __attribute__((target("avx512f"))) void io_rows_avx512(const float* x, const flo
     if (kPrefetch && !kPacked)
       for (int j = 0; j < NV; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + k * O + 16 * j), _MM_HINT_T0);
     if (kPrefetch && kPacked)  // this block's panels, 32 rows ahead
-      for (int j = 0; j < NV; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + ((o / 16 + j) * I + k + 32) * 16), _MM_HINT_T0);
+      for (int j = 0; j < NV; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + ((o / 16 + j) * I + k + 32) * 16), _MM_HINT_T0);
     __m512 wv[NV];
     for (int j = 0; j < NV; ++j)
       wv[j] = kPacked ? _mm512_loadu_ps(w + ((o / 16 + j) * I + k) * 16) : _mm512_loadu_ps(row + 16 * j);
@@ -243,13 +246,14 @@ void run_io(const Job& j) {
 // (cpu_kernels.f32_pack), for any number of rows up to 512 (AVX-512 only). XLA CPU transposes
 // (packs) a float32 weight for its dot on every call, at every row count past one: in a 64-row
 // float32 decode step ynn::transpose_* took a third as many samples as the dot itself. Here a
-// block of 48 columns is three contiguous panel streams (a last block may have one or two); each group of up to 8 rows sums the
-// block's whole K with its 8 x 3 accumulators in registers, the first group streaming the
-// panels from memory (prefetching 32 rows ahead in each) and the others re-reading them from
-// L2 (I x 48 floats: 110 KB at I = 576). Each output is one FMA chain over k in order, as in
-// run_io, so row m has the bits of XLA's one-row dot of x[m]. Microbenchmark (the 30 SmolLM2
-// layers' seven projections, 2 threads, ms): M = 1 / 3 / 16 / 64 / 512: XLA 17.9 / 31.5 / 43.3 /
-// 64.7 / 378.6, f32_gemv (M <= 16) 17.3 / 18.2 / 25.3, this 15.8 / 15.7 / 23.9 / 56.7 / 376.7.
+// block of 48 columns is three contiguous panel streams (a last block may have one or two);
+// each group of up to 8 rows sums the block's whole K with its 8 x 3 accumulators in
+// registers, the first group streaming the panels from memory (prefetching 32 rows ahead in
+// each) and the others re-reading them from L2 (I x 48 floats: 110 KB at I = 576). Each
+// output is one FMA chain over k in order, as in run_io, so row m has the bits of XLA's
+// one-row dot of x[m]. Microbenchmark (the 30 SmolLM2 layers' seven projections, 2 threads,
+// ms), M = 1 / 3 / 16 / 64 / 512: XLA 17.9 / 31.5 / 43.3 / 64.7 / 378.6, f32_gemv (M <= 16)
+// 17.3 / 18.2 / 25.3, this 15.8 / 15.7 / 23.9 / 56.7 / 376.7.
 template <bool P, int NV>
 IoRows packed_rows_for(int G) {
   return for_group<Isa::kAvx512>(G, [](auto g) -> IoRows { return io_rows_avx512<decltype(g)::value, NV, P, true>; });
