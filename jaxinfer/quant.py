@@ -355,7 +355,7 @@ def pack_for_cpu(weights, specs=None):
             if (not isinstance(w, jax.Array) or w.dtype != jnp.float32 or not contract or "vocab" in spec.axes
                     or w.shape != tuple(spec.shape)):
                 return w
-            free = tuple(a for a in range(w.ndim) if a not in contract)
+            free = _axes(w.shape, contract)[1]
             if not cpu_kernels.f32_packed_fits(math.prod(w.shape[a] for a in contract),
                                                math.prod(w.shape[a] for a in free)):
                 return w

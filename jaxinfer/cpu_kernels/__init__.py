@@ -361,15 +361,15 @@ def f32_gemm_packed(x: jax.Array, p: jax.Array, *, threads: int | None = None) -
     M, O = x.shape[0], p.shape[0] * 16
     if threads is None:
         threads = min(os.cpu_count() or 1, 2)
-    call = jax.ffi.ffi_call(F32_PACKED_TARGET, jax.ShapeDtypeStruct((min(M, F32_PACKED_MAX_ROWS), O), jnp.float32),
-                            vmap_method="sequential")
+
+    def call(rows: jax.Array) -> jax.Array:
+        out = jax.ShapeDtypeStruct((rows.shape[0], O), jnp.float32)
+        return jax.ffi.ffi_call(F32_PACKED_TARGET, out, vmap_method="sequential")(rows, p, threads=threads)
+
     x = x.astype(jnp.float32)
     if M <= F32_PACKED_MAX_ROWS:
-        return call(x, p, threads=threads)
-    parts = [x[i : i + F32_PACKED_MAX_ROWS] for i in range(0, M, F32_PACKED_MAX_ROWS)]
-    tail = jax.ffi.ffi_call(F32_PACKED_TARGET, jax.ShapeDtypeStruct((parts[-1].shape[0], O), jnp.float32),
-                            vmap_method="sequential")
-    return jnp.concatenate([call(a, p, threads=threads) for a in parts[:-1]] + [tail(parts[-1], p, threads=threads)])
+        return call(x)
+    return jnp.concatenate([call(x[i : i + F32_PACKED_MAX_ROWS]) for i in range(0, M, F32_PACKED_MAX_ROWS)])
 
 
 def f32_gemm_packed_reference(x: jax.Array, p: jax.Array) -> jax.Array:
