@@ -18,6 +18,12 @@ from jaxinfer.specs import is_spec
 class Family(str, enum.Enum):
     LLAMA = "llama"  # Llama 1/2/3, SmolLM, Mistral (no SWA), Qwen2 (q/k/v bias)
     GEMMA3 = "gemma3"
+    QWEN3 = "qwen3"
+    GEMMA2 = "gemma2"
+    GEMMA4 = "gemma4"
+    PHI3 = "phi3"
+    OLMO2 = "olmo2"
+    SMOLLM3 = "smollm3"
 
 
 class RopeKind(str, enum.Enum):

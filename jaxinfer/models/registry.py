@@ -1,4 +1,5 @@
-"""Family name -> the module implementing it (weight_specs, forward, embed, unembed)."""
+"""Family name -> the module implementing it (weight_specs, forward, embed, unembed,
+decoder_layers, CHECKPOINT_NAMES, HF_ARCHITECTURES, config_from_hf): ``jaxinfer.models.<family>``."""
 
 from __future__ import annotations
 
@@ -6,8 +7,6 @@ import importlib
 
 from jaxinfer.config import Family
 
-_MODULES = {Family.LLAMA: "jaxinfer.models.llama", Family.GEMMA3: "jaxinfer.models.gemma3"}
-
 
 def family_module(family: Family):
-    return importlib.import_module(_MODULES[Family(family)])
+    return importlib.import_module(f"jaxinfer.models.{Family(family).value}")
