@@ -93,7 +93,7 @@ def main():
             v = jnp.asarray(rng.standard_normal((P, K, ps, H), np.float32))
             table = jnp.asarray(rng.permutation(np.arange(1, P))[: B * n].reshape(B, n), jnp.int32)
             q = jnp.asarray(rng.standard_normal((B, 1, N, H), np.float32))
-            if a.ragged:  # row lengths spread as in the issue-10 workload, up to the table's width
+            if a.ragged:  # row lengths spread as in the batch workload, up to the table's width
                 pos = jnp.asarray(rng.integers(ctx // 10, ctx - 2, (B, 1)), jnp.int32)
             else:
                 pos = jnp.full((B, 1), ctx - 3, jnp.int32)

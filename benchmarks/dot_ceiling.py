@@ -1,6 +1,6 @@
-"""The matmul ceiling of the issue-10 workload on this CPU: XLA's float32 dot against torch's
-float32 and bfloat16 matmuls at SmolLM2-135M's weight shapes, side by side, and the
-workload time those rates bound.
+"""The matmul ceiling of the batch workload (``workload.py``) on this CPU: XLA's float32 dot
+against torch's float32 and bfloat16 matmuls at SmolLM2-135M's weight shapes, side by side,
+and the workload time those rates bound.
 
     python benchmarks/dot_ceiling.py --m 64 256 512 --repeats 15
 

@@ -1,18 +1,19 @@
 """The Pallas kernels and the engine on a real GPU: compiled (not interpreted), checked against
 their references, timed, and set against the card's measured copy bandwidth (MBU) and matmul
-rate. Written for a lent H100 through the device tool, in one call (carry [".gpu"], timeout_s
-540). The engine section needs the gguf wheel: installed outside the checkout, or else
-imported from the wheel itself (a pure-Python zip), so a failed pip stops nothing else:
+rate. Written to run as one command within --budget seconds on a GPU machine without network
+access that gets the checkout and `.gpu/`. The engine section needs the gguf wheel: installed
+outside the checkout, or else imported from the wheel itself (a pure-Python zip), so a failed
+pip stops nothing else:
 
     python -m pip install -q --no-index --no-deps --target /tmp/gguf .gpu/gguf-0.19.0-py3-none-any.whl; \\
     XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda,cpu \\
     PYTHONPATH=/tmp/gguf:.gpu/gguf-0.19.0-py3-none-any.whl \\
         python benchmarks/gpu_check.py --out $OUT --budget 400
 
-Prepare on this machine first (both go in `.gpu/`, which git ignores):
-  the gguf wheel (the device image lacks it): pip download --no-deps --only-binary=:all:
+Prepare on a machine with network access first (both go in `.gpu/`, which git ignores):
+  the gguf wheel (a GPU image may lack it): pip download --no-deps --only-binary=:all:
       --python-version 3.12 --platform manylinux2014_x86_64 -d .gpu gguf==0.19.0
-  SmolLM2's tokenizer in a 3 MB GGUF (the real checkpoint is over the 64 MB a call carries):
+  SmolLM2's tokenizer in a 3 MB GGUF (so the 94 MB checkpoint need not be copied over):
       python -c "from tests.tiny_gguf import write_tiny_llama; from jaxinfer import registry;
       write_tiny_llama('.gpu/tokenizer-smollm2.gguf', registry.fetch('smollm2-135m-instruct'),
       layers=1, d=8, heads=2, kv_heads=1, ff=8, context=2048)"
@@ -40,7 +41,7 @@ about 20 ms of work): after each call every input has its first element rewritte
 itself plus a zero computed from the call's outputs (behind an optimization barrier), so XLA
 can neither hoist any part of the call out of the loop nor narrow it to the elements read;
 that costs one in-place element per input per step, and one copy of the inputs per loop.
-`*_us` is that loop's median time over n; `*_call_us` the old Python-loop time (20 calls per
+`*_us` is that loop's median time over n; `*_call_us` the Python-loop time (20 calls per
 timed region, blocking on the last), kept beside it; ops slower than 300 us per call (where
 the floor does not matter) are timed by the call loop only. The ceilings give both
 harnesses' floor on a trivial op. MBU for spec_verify counts the bytes any implementation

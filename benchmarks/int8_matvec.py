@@ -1,5 +1,5 @@
-"""Microbenchmark: formulations of the int8 matrix-vector product (batch-1 decode, issue 10
-item 5) on XLA CPU, streaming weights that do not fit in cache.
+"""Microbenchmark: formulations of the int8 matrix-vector product (batch-1 decode) on XLA
+CPU, streaming weights that do not fit in cache.
 
 Each candidate multiplies one activation row by ``n`` distinct int8 weights of one of
 SmolLM2-135M's shapes inside one jitted call (enough copies that they total >= --mbytes, so
@@ -9,8 +9,8 @@ GB/s of int8 weight read. ``read`` is the machine's read bandwidth on as many by
 
 Candidates, for x f32[1, I] and an int8 weight stored [I, O] (QuantArray's layout) or
 [O, I] (transposed at load):
-  s8 dot M=2     quantize x, duplicate the row, s8 x s8 -> s32 dot (the path before this
-                 change: XLA CPU's one-row s8 dot is slower still)
+  s8 dot M=2     quantize x, duplicate the row, s8 x s8 -> s32 dot (QuantArray's one-row
+                 path through XLA: XLA CPU's one-row s8 dot is slower still)
   f32 dot        x @ w.astype(f32) (XLA converts the weight, then a float gemv)
   reduce [I,O]   sum over I of x[i] * w[i, :]: one elementwise-and-reduce fusion
   reduce [O,I]   sum over I of w[o, i] * x[i]: the reduction along contiguous memory

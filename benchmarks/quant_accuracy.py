@@ -1,4 +1,4 @@
-"""Accuracy and cost of weight quantization (issue #5): float32 / int8 / int4 / w8a8.
+"""Accuracy and cost of weight quantization: float32 / int8 / int4 / w8a8.
 
 For each scheme: perplexity on benchmarks/data/english.txt (jaxinfer.evaluate.perplexity,
 teacher-forced, windows of --window tokens advancing by --stride) and its ratio to float32;

@@ -1,4 +1,4 @@
-"""Batch throughput of each quantization scheme on the engine issue's workload, side by side.
+"""Batch throughput of each quantization scheme on the batch workload, side by side.
 
 Runs ``jaxinfer bench`` once per scheme and round in its own process (so each scheme
 compiles and warms up alone, and a crash in one does not stop the others), rounds

@@ -6,8 +6,7 @@
 
 Each tree runs as `python -m jaxinfer` with PYTHONPATH pointing at it, sharing this venv and
 $JAXINFER_HOME (the model and the persistent compilation cache). Round 0 warms the caches and
-is not counted. Prints each round and the medians (issue 10 item 6: <= 8 s for the main job
-warm, <= 3 s to generate's first output).
+is not counted. Prints each round and the medians. Results: benchmarks/RESULTS.md, "Start-up".
 """
 
 from __future__ import annotations

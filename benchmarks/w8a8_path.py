@@ -1,4 +1,5 @@
-"""The w8a8 path step by step (issue 10 items 4 and 5): whole model steps and their parts.
+"""The w8a8 path step by step (prefill, 64-row and batch-1 decode): whole model steps and
+their parts.
 
 Steps, timed on the real model through its own ``forward`` + ``unembed`` with a dense cache
 (no engine, no sampling): a prefill of [1, T] tokens, a decode step of B rows at context C,

@@ -1,5 +1,6 @@
-"""The issue-10 batch workload, side by side in one run: jaxinfer's schemes against
-transformers' dtypes, each at its best settings.
+"""The batch workload, side by side in one run: jaxinfer's schemes against transformers'
+dtypes, each at its best settings (benchmarks/RESULTS.md, "Batch workload against
+transformers").
 
     python benchmarks/workload.py --json benchmarks/workload.json
     python benchmarks/workload.py --only jaxinfer:float32 transformers:bfloat16 --repeats 1
@@ -37,7 +38,7 @@ VARIANTS = {
     "jaxinfer:float32+kv8": {"kv_cache_dtype": "int8"},
     "jaxinfer:float32+ps64": {"page_size": 64},  # KV pages of 64 positions (default 16)
     "jaxinfer:float32+ps128": {"page_size": 128},
-    # float32 with XLA's own dots (the weights left unpacked, as before session 18)
+    # float32 with XLA's own dots (the weights left unpacked: JAXINFER_NATIVE_F32_PACK=0)
     "jaxinfer:float32+xla-dots": {"env": {"JAXINFER_NATIVE_F32_PACK": "0"}},
     "jaxinfer:w8a8": {"quantize": "w8a8"},
     "jaxinfer:w8a8+kv8": {"quantize": "w8a8", "kv_cache_dtype": "int8"},

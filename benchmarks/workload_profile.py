@@ -1,4 +1,4 @@
-"""Where the issue-10 workload's wall time goes, step by step: the same 128 requests as
+"""Where the batch workload's wall time goes, step by step: the same 128 requests as
 ``workload.py`` through ``LLM.generate``, with every packed step timed to completion (the
 step is made synchronous, so host work and device work no longer overlap; the total is a
 little above the pipelined run's) and grouped by kind and shape.

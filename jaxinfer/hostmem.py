@@ -5,7 +5,7 @@ glibc's malloc serves every request above 32 MB (its largest mmap threshold) wit
 the outputs that do not alias a donated input, anew on every call, so under glibc's defaults
 every engine step faults in (and the kernel zeroes) the same tens of megabytes again:
 ``clear_page_erms`` was 11% of a profile of the packed decode step, and the whole batch
-workload ran 10-15% faster with it gone (``benchmarks/RESULTS.md``, "host memory").
+workload ran 10-15% faster with it gone (``benchmarks/RESULTS.md``, "Host memory").
 
 ``keep_freed_memory`` turns chunk mmaps off (large blocks come from the heap and are reused)
 and keeps up to ``trim_threshold`` bytes of free heap top instead of returning it at once.

@@ -142,8 +142,8 @@ def test_speculative_rows_through_the_ragged_kernel_give_the_reference_tokens(ti
 
 
 def test_kernel_mode_is_part_of_the_step_key(tiny_gguf):
-    """An executable traced on the reference path is never reused inside interpret_kernels()
-    (issue 14: the switch used to be thread-local state read only while tracing)."""
+    """An executable traced on the reference path is never reused inside interpret_kernels():
+    the kernel mode is part of the step's cache key, not state read only while tracing."""
     from jaxinfer import LLM, kernels
 
     llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64)

@@ -1,5 +1,5 @@
 """The w8a8 path with SmoothQuant folded at load time and q/k/v, gate/up sharing one quantized
-input (issue 10 item 4), against the unfolded, unfused form on tiny random models.
+input, against the unfolded, unfused form on tiny random models.
 
 The reference keeps the very same int8 weights (diag(s) W) but divides the activations by s
 at run time, keeps the original norms, biases and output scales, and runs every projection

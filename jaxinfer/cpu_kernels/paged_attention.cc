@@ -6,8 +6,9 @@
 // Why: XLA CPU runs the packed step's reference reader (models/packed.py, paged_rows_attention)
 // by gathering a block of pages per group of rows, transposing it and folding it into a running
 // softmax. On the AMX box that reads the keys and values at 5-7 GB/s and is three quarters of a
-// 64-row w8a8 decode step (RESULTS.md, session 9), as slow over int8 pages as over float32
-// ones: the gathers, transposes and per-block work bind it, not the bytes.
+// 64-row w8a8 decode step (benchmarks/RESULTS.md, "Native attention kernels"), as slow over
+// int8 pages as over float32 ones: the gathers, transposes and per-block work bind it, not the
+// bytes.
 //
 // Here one work item is one (row, KV head): its T x G queries (T query tokens, G query heads
 // per KV head) walk the row's pages in order. A page's keys [H, ps] (transposed, as the pools

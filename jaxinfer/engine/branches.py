@@ -18,8 +18,9 @@ entry pass writes the entries of what was accepted.
 
 Where it pays: where verifying W * (k + 1) tokens costs about what k + 1 do (a memory-bound
 accelerator). On the 2-core CPU it does not: SmolLM2 chat at batch 1, k = 2, took 1.44 / 1.57
-/ 1.64 / 1.69 tokens per block at W = 1 / 2 / 3 / 4, but the 9-token verification at W = 3
-costs ~1.5 plain steps there (benchmarks/RESULTS.md, session 14), so W = 1 stays the default.
+/ 1.64 / 1.69 tokens per block at W = 1 / 2 / 3 / 4, but ran at 1.10x / 0.98x / 0.86x / 0.76x
+speculation off, because the 9-token verification at W = 3 costs ~1.5 plain steps there
+(benchmarks/RESULTS.md, "Speculative decoding"), so W = 1 stays the default.
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ every matmul sees all of them at once (one read of the weights, large M for the 
 On a one-device CPU backend, over float32 or int8 pools, decode rows and the prefill row are
 read by native kernels (``cpu_kernels.paged_rows`` and ``prefill_row``, ``native=True`` below)
 that walk the pages where they lie, all KV heads of a page together, prefetching ahead: with
-them a 64-row w8a8 + int8 KV decode step of SmolLM2 went from 187 to 70 ms and a 512-token
-prefill row from 227 to 149 ms (``benchmarks/RESULTS.md``, session 16). The XLA readers below
-are their references, and serve everywhere else (bfloat16 pools, deferred writes, several
-devices).
+them a 64-row w8a8 + int8 KV decode step of SmolLM2 takes 61 ms instead of 171 and a 512-token
+prefill row 113 ms instead of 193 (``benchmarks/RESULTS.md``, "Native attention kernels"). The
+XLA readers below are their references, and serve everywhere else (bfloat16 pools, deferred
+writes, several devices).
 
 XLA's decode reader never builds a dense copy of every row's whole context. The rows are
 taken ROW_GROUP at a time (a ``lax.map`` over groups), and each group's table a block of
@@ -26,7 +26,7 @@ page columns at a time (contiguous pages of ``page_size`` positions); each block
 are folded into a running softmax (max, sum, weighted values). What one group gathers for
 one block (8 rows x ROW_BLOCK_POSITIONS: 3 MB at SmolLM2's heads) is read back from cache;
 the whole step's gathered pages, 19-38 MB per layer, were not, and ran 2-4x slower (see
-``benchmarks/RESULTS.md``, "attention blocked for the cache"). With few queries per KV head
+``benchmarks/RESULTS.md``, "Native attention kernels"). With few queries per KV head
 (decode, short drafts) the scores are a multiply-add unrolled over the head dim, which XLA
 CPU fuses into one pass over the keys: about twice as fast as its batched dot at M = 3.
 
@@ -259,7 +259,7 @@ def _visible(qpos, kpos, window):
 
 # The two readers are jitted with their options static: a layer calls them inside the step's
 # trace, and JAX then traces (and lowers) each one once per shape, not once per layer. Traced
-# 30 times over, their blocks made up most of a step's trace (see RESULTS.md, start-up).
+# 30 times over, their blocks made up most of a step's trace, and of start-up.
 # ``native`` (static, so that the per-shape trace cache cannot hand back the other reader) picks
 # the native kernel where the caller found it applies (``native_rows``).
 _reader = functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "native"))

@@ -26,7 +26,8 @@ def spec_verify(z, thr, drafts, num_drafts, uniforms, greedy, draft_probs=None, 
     """Dispatch: the Pallas kernel on TPU (or anywhere with interpret=True), else the reference.
     On GPU the reference stays: the Triton variant compiles and equals it, but on an H100 it
     ran slower than XLA's fusion of the reference (175 vs 124 us at B = 64, k = 4, V = 49152;
-    benchmarks/RESULTS.md, session 14); ``spec_verify_kernel`` still runs it there."""
+    benchmarks/RESULTS.md, "GPU kernels (NVIDIA H100)"); ``spec_verify_kernel`` still runs it
+    there."""
     use = interpret or platform() == "tpu"
     fn = spec_verify_kernel if use else spec_verify_reference
     return fn(z, thr, drafts, num_drafts, uniforms, greedy, draft_probs, block_sizes=block_sizes, interpret=interpret)
