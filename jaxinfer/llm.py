@@ -32,8 +32,13 @@ _DTYPES = ("float32", "bfloat16", "float16")
 class LLM:
     """A model loaded for offline generation.
 
-    model: a registry name (see ``jaxinfer models``) or a path to a .gguf file, a Hugging Face
-    directory or an Orbax checkpoint. dtype: None picks float32 on CPU and bfloat16 on TPU/GPU.
+    model: a registry name (see ``jaxinfer models``), a Hugging Face Hub id (``org/name``, or
+    ``org/name:FILE.gguf`` for one GGUF file of a repository; downloaded once into
+    huggingface_hub's cache, see ``jaxinfer.hub``) or a path to a .gguf file, a Hugging Face
+    directory or an Orbax checkpoint. revision: the Hub id's branch, tag or commit (default: its
+    main branch). download_dir: the cache to download into instead of huggingface_hub's
+    (``HF_HUB_CACHE``).
+    dtype: None picks float32 on CPU and bfloat16 on TPU/GPU.
     max_model_len: the longest prompt + output allowed (default: the checkpoint's context).
     engine: "paged" (continuous batching over a paged KV cache, the default) or "static"
     (length-sorted static batches over a dense cache). quantize: "int8" (weight-only, one
@@ -56,7 +61,8 @@ class LLM:
                  scheduling: str = "fcfs", windowed_kv: bool = True, quantize: str | None = None,
                  quant_group: int | None = None, kv_cache_dtype: str = "auto",
                  speculative_config: dict | str | None = None, tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None):
+                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None,
+                 revision: str | None = None, download_dir: str | None = None):
         dtype = dtype or default_dtype()
         if dtype == "auto":
             dtype = default_dtype()
@@ -91,7 +97,8 @@ class LLM:
             if engine == "paged" and mesh is None and 1 < (max_model_len or cfg.max_position) <= cfg.max_position:
                 pools = start_pools(cfg, ecfg, max_model_len or cfg.max_position)
 
-        self.model_path = registry.resolve(model, progress=progress)
+        self.model_path = registry.resolve(model, revision=revision, download_dir=download_dir, progress=progress,
+                                           check_config=_architecture_check(model))
         shardings_fn = None
         if mesh is not None:
             from jaxinfer.sharding import pipeline_weight_shardings, stage_bounds, tensor_parallel_plan
@@ -136,7 +143,7 @@ class LLM:
             else:
                 self.engine = PagedEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
                                           config=ecfg, seed=seed, speculative=spec, mesh=mesh,
-                                          draft=self._load_draft(spec, dtype, progress), pools=pools)
+                                          draft=self._load_draft(spec, dtype, progress, download_dir), pools=pools)
             if getattr(self.engine, "pipeline", None) is not None:  # the weights now live stacked by stage
                 self.weights = self.engine.weights
                 self.parallel = dict(self.parallel, **self.engine.pipeline.report())
@@ -145,12 +152,14 @@ class LLM:
         self._request_counter = 0
 
     @staticmethod
-    def _load_draft(spec: SpeculativeConfig | None, dtype: str, progress: bool):
+    def _load_draft(spec: SpeculativeConfig | None, dtype: str, progress: bool, download_dir: str | None = None):
         """(ModelConfig, weights) of speculative_config's draft model, loaded like the target (in
-        its dtype, quantized while loading when the config says so), or None."""
+        its dtype, quantized while loading when the config says so), or None. A Hub id is
+        downloaded at the config's ``revision`` into the target's download_dir."""
         if spec is None or spec.method != SpecMethod.DRAFT_MODEL:
             return None
-        path = registry.resolve(spec.model, progress=progress)
+        path = registry.resolve(spec.model, revision=spec.revision, download_dir=download_dir, progress=progress,
+                                check_config=_architecture_check(spec.model))
         loaded = checkpoint.load(path, dtype=dtype, quantize=quant.quant_config(spec.quantization))
         return loaded.cfg, quant.pack_for_cpu(loaded.weights, family_module(loaded.cfg.family).weight_specs(loaded.cfg))
 
@@ -488,6 +497,14 @@ def _parallel_mesh(tp: int, pp: int, dp: int, mesh):
                              "(a tensor-parallel group stays within one host)")
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     return make_mesh(data=dp, stage=pp, model=tp, devices=devices[:n])
+
+
+def _architecture_check(model):
+    """For a Hub download: refuse a config.json whose architecture no family implements, before
+    any weight is fetched."""
+    from jaxinfer.loaders.hf import family_for
+
+    return lambda config: family_for(config, model)
 
 
 def _enable_compilation_cache() -> None:
