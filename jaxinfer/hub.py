@@ -98,6 +98,8 @@ def _weight_files(repo_id: str, snapshot: Path) -> list[str]:
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{repo_id}: {INDEX_FILE} has no weight_map")
         return sorted(set(map(str, weight_map.values())))
+    if (snapshot / SINGLE_FILE).is_file():  # cached by an earlier call: nothing to ask the Hub
+        return [SINGLE_FILE]
     files = _repo_files(repo_id, snapshot.name)
     if files is not None and SINGLE_FILE not in files:  # None: the Hub cannot be asked; the cache may hold it
         raise CheckpointError(f"{repo_id} has no {SINGLE_FILE} or {INDEX_FILE}" + _hint(repo_id, files))
