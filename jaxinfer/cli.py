@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -24,7 +25,12 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     from jaxinfer.registry import DEFAULT_MODEL
 
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help=f"registry name or path to .gguf / HF dir / Orbax dir (default {DEFAULT_MODEL})")
+                   help="registry name, Hugging Face Hub id (org/name, or org/name:FILE.gguf) or path to "
+                        f".gguf / HF dir / Orbax dir (default {DEFAULT_MODEL})")
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hub id (default: its main branch)")
+    p.add_argument("--download-dir", default=None,
+                   help="cache Hub downloads here instead of huggingface_hub's cache (HF_HUB_CACHE)")
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="default: float32 on CPU, bfloat16 on TPU/GPU")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -64,6 +70,11 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="replicas, each with its own slots and KV pages (max-num-seqs each); "
                         "data x pipeline x tensor parallel size devices in all")
+
+
+def _model_kwargs(a) -> dict:
+    return dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
+                revision=a.revision, download_dir=a.download_dir)
 
 
 def _engine_kwargs(a) -> dict:
@@ -226,9 +237,8 @@ def cmd_generate(a) -> int:
     sp = _sampling(a)  # invalid values fail before the model loads
     # one prompt: as many decode slots as it has choices, so the page pool is sized for those
     # sequences rather than the default 64 (allocating that pool was a quarter of start-up)
-    llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
-              progress=not a.json, quantize=a.quantize, quant_group=a.quant_group, max_num_seqs=max(sp.n, 1),
-              speculative_config=a.speculative_config, **_parallel_kwargs(a))
+    llm = LLM(a.model, **_model_kwargs(a), progress=not a.json, quantize=a.quantize, quant_group=a.quant_group,
+              max_num_seqs=max(sp.n, 1), speculative_config=a.speculative_config, **_parallel_kwargs(a))
     t0 = time.perf_counter()
     if not a.json and not a.no_stream and hasattr(llm.engine, "step"):
         prompt = [{"role": "user", "content": a.chat}] if a.chat is not None else a.prompt
@@ -264,8 +274,8 @@ def cmd_chat(a) -> int:
     from jaxinfer.errors import JaxinferError
 
     sp = _sampling(a)
-    llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
-              progress=False, quantize=a.quantize, quant_group=a.quant_group, max_num_seqs=max(sp.n, 1))
+    llm = LLM(a.model, **_model_kwargs(a), progress=False, quantize=a.quantize, quant_group=a.quant_group,
+              max_num_seqs=max(sp.n, 1))
     conv = [{"role": "system", "content": a.system}] if a.system else []
     tty = sys.stdin.isatty()
     while True:
@@ -307,9 +317,9 @@ def cmd_batch(a) -> int:
         me, count = init_distributed(a.coordinator_address, a.num_processes, a.process_id)
     spmd = count > 1 and spans_processes(**_parallel_kwargs(a))
     s = run_batch(
-        lambda: LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len, **_engine_kwargs(a)),
+        lambda: LLM(a.model, **_model_kwargs(a), **_engine_kwargs(a)),
         a.input, a.output, kind=fmt, order=a.order, defaults=given, sampling_params=quick,
-        raw=a.raw, model_name=a.model if "/" not in a.model and not a.model.endswith(".gguf") else None,
+        raw=a.raw, model_name=None if Path(a.model).exists() else a.model,
         metrics_out=a.metrics_out, progress=not a.no_progress, grace_period=a.grace_period,
         process_index=me, process_count=count, spmd=spmd,
     )
@@ -336,8 +346,9 @@ def cmd_bench(a) -> int:
 
     spec = WorkloadSpec(a.num_requests, tuple(a.prompt_len), tuple(a.output_len), a.shared_prefix_len,
                         a.shared_prefix_share, a.seed)
-    llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len or max(1024, a.prompt_len[1] + a.shared_prefix_len + a.output_len[1]),
-              **_engine_kwargs(a))
+    kw = _model_kwargs(a)
+    kw["max_model_len"] = a.max_model_len or max(1024, a.prompt_len[1] + a.shared_prefix_len + a.output_len[1])
+    llm = LLM(a.model, **kw, **_engine_kwargs(a))
     s = run_bench(llm, spec, warmup=not a.no_warmup, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo)
     print(format_summary(s))
     if a.json:
@@ -349,7 +360,7 @@ def cmd_bench(a) -> int:
 def cmd_warmup(a) -> int:
     from jaxinfer import LLM
 
-    llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len, **_engine_kwargs(a))
+    llm = LLM(a.model, **_model_kwargs(a), **_engine_kwargs(a))
     t0 = time.perf_counter()
     n = llm.engine.warmup(max_prompt_len=a.max_prompt_len) if hasattr(llm.engine, "warmup") else 0
     print(f"compiled {n} executables in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -374,8 +385,7 @@ def cmd_serve(a) -> int:
     model = a.model_name or a.model
     config = ServerConfig(model_name=model, api_key=a.api_key, max_waiting=a.max_waiting,
                           rate_limit=_rate_limit(a.rate_limit))  # bad flags fail before the model loads
-    llm = LLM(model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
-              progress=True, **_engine_kwargs(a))
+    llm = LLM(model, **_model_kwargs(a), progress=True, **_engine_kwargs(a))
     serve(llm, config, host=a.host, port=a.port, grace_period=a.grace_period)
     return 0
 

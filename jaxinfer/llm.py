@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from pathlib import Path
 from typing import Sequence
 
 from jaxinfer import quant, registry
@@ -20,7 +21,7 @@ from jaxinfer.engine.paged import EngineConfig, PagedEngine, Scheduling, start_p
 from jaxinfer.engine.rows import Row
 from jaxinfer.engine.speculative import SpecMethod, SpeculativeConfig
 from jaxinfer.engine.static import StaticEngine
-from jaxinfer.errors import InvalidRequest
+from jaxinfer.errors import CheckpointError, InvalidRequest
 from jaxinfer.loaders import checkpoint
 from jaxinfer.models.registry import family_module
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -32,8 +33,17 @@ _DTYPES = ("float32", "bfloat16", "float16")
 class LLM:
     """A model loaded for offline generation.
 
-    model: a registry name (see ``jaxinfer models``) or a path to a .gguf file, a Hugging Face
-    directory or an Orbax checkpoint. dtype: None picks float32 on CPU and bfloat16 on TPU/GPU.
+    model: a registry name (see ``jaxinfer models``), a Hugging Face Hub id (``org/name``, or
+    ``org/name:FILE.gguf`` for one GGUF file of a repository; downloaded once into
+    huggingface_hub's cache, see ``jaxinfer.hub``) or a path to a .gguf file, a Hugging Face
+    directory or an Orbax checkpoint. revision: the Hub id's branch, tag or commit (default: its
+    main branch). download_dir: the cache to download into instead of huggingface_hub's
+    (``HF_HUB_CACHE``). generation_config: "auto" (vLLM's default) makes the sampling values of
+    the checkpoint's ``generation_config.json`` (temperature, top_p, top_k, min_p,
+    repetition_penalty, max_new_tokens) the defaults of ``get_default_sampling_params``, used
+    when ``generate``/``chat``/``stream`` get no SamplingParams; "vllm" ignores them. Either way
+    the file's ``eos_token_id`` (an id or a list) ends generation, as in vLLM.
+    dtype: None picks float32 on CPU and bfloat16 on TPU/GPU.
     max_model_len: the longest prompt + output allowed (default: the checkpoint's context).
     engine: "paged" (continuous batching over a paged KV cache, the default) or "static"
     (length-sorted static batches over a dense cache). quantize: "int8" (weight-only, one
@@ -56,7 +66,8 @@ class LLM:
                  scheduling: str = "fcfs", windowed_kv: bool = True, quantize: str | None = None,
                  quant_group: int | None = None, kv_cache_dtype: str = "auto",
                  speculative_config: dict | str | None = None, tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None):
+                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None,
+                 revision: str | None = None, download_dir: str | None = None, generation_config: str = "auto"):
         dtype = dtype or default_dtype()
         if dtype == "auto":
             dtype = default_dtype()
@@ -66,6 +77,8 @@ class LLM:
             raise InvalidRequest(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        if generation_config not in ("auto", "vllm"):
+            raise InvalidRequest(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
         qcfg = quant.quant_config(quantize, quant_group)  # bad options fail before the download
         spec = SpeculativeConfig.parse(speculative_config)  # likewise (layer count checked once loaded)
         mesh = _parallel_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, mesh)
@@ -91,7 +104,10 @@ class LLM:
             if engine == "paged" and mesh is None and 1 < (max_model_len or cfg.max_position) <= cfg.max_position:
                 pools = start_pools(cfg, ecfg, max_model_len or cfg.max_position)
 
-        self.model_path = registry.resolve(model, progress=progress)
+        self.model_path = registry.resolve(model, revision=revision, download_dir=download_dir, progress=progress,
+                                           check_config=_architecture_check(model))
+        # vLLM's generation_config="auto": the checkpoint's sampling values become the defaults
+        self._sampling_defaults = generation_defaults(self.model_path) if generation_config == "auto" else {}
         shardings_fn = None
         if mesh is not None:
             from jaxinfer.sharding import pipeline_weight_shardings, stage_bounds, tensor_parallel_plan
@@ -136,7 +152,7 @@ class LLM:
             else:
                 self.engine = PagedEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
                                           config=ecfg, seed=seed, speculative=spec, mesh=mesh,
-                                          draft=self._load_draft(spec, dtype, progress), pools=pools)
+                                          draft=self._load_draft(spec, dtype, progress, download_dir), pools=pools)
             if getattr(self.engine, "pipeline", None) is not None:  # the weights now live stacked by stage
                 self.weights = self.engine.weights
                 self.parallel = dict(self.parallel, **self.engine.pipeline.report())
@@ -145,17 +161,27 @@ class LLM:
         self._request_counter = 0
 
     @staticmethod
-    def _load_draft(spec: SpeculativeConfig | None, dtype: str, progress: bool):
+    def _load_draft(spec: SpeculativeConfig | None, dtype: str, progress: bool, download_dir: str | None = None):
         """(ModelConfig, weights) of speculative_config's draft model, loaded like the target (in
-        its dtype, quantized while loading when the config says so), or None."""
+        its dtype, quantized while loading when the config says so), or None. A Hub id is
+        downloaded at the config's ``revision`` into the target's download_dir."""
         if spec is None or spec.method != SpecMethod.DRAFT_MODEL:
             return None
-        path = registry.resolve(spec.model, progress=progress)
+        path = registry.resolve(spec.model, revision=spec.revision, download_dir=download_dir, progress=progress,
+                                check_config=_architecture_check(spec.model))
         loaded = checkpoint.load(path, dtype=dtype, quantize=quant.quant_config(spec.quantization))
         return loaded.cfg, quant.pack_for_cpu(loaded.weights, family_module(loaded.cfg.family).weight_specs(loaded.cfg))
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams used when none are given: vLLM's defaults, with the sampling values
+        of the checkpoint's generation_config.json over them (``generation_config="auto"``)."""
+        return SamplingParams(**self._sampling_defaults)
+
+    def _given_or_default(self, sampling_params):
+        return self.get_default_sampling_params() if sampling_params is None else sampling_params
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -163,7 +189,7 @@ class LLM:
         """Generate for one prompt or many. A prompt is a str, a list of token ids, or a dict
         with "prompt" or "prompt_token_ids". Outputs come back in prompt order."""
         items = _normalize_prompts(prompts)
-        params = _normalize_params(sampling_params, len(items))
+        params = _normalize_params(self._given_or_default(sampling_params), len(items))
         reqs = [(str(i), *self.encode_prompt(p, i), sp) for i, (p, sp) in enumerate(zip(items, params))]
         self.check_guided(params)
         return self._run_all(reqs, use_tqdm)
@@ -172,7 +198,7 @@ class LLM:
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        params = _normalize_params(sampling_params, len(convs))
+        params = _normalize_params(self._given_or_default(sampling_params), len(convs))
         reqs = [(str(i), *self.encode_chat(c, i, add_generation_prompt=add_generation_prompt), sp)
                 for i, (c, sp) in enumerate(zip(convs, params))]
         self.check_guided(params)
@@ -242,7 +268,7 @@ class LLM:
         order, until the request finishes; ``self.last_stream_output`` is then its
         RequestOutput. prompt: as for ``generate`` (``chat=True``: a conversation, a list of
         {"role", "content"} dicts). n must be 1. The engine must not be running other work."""
-        sp = sampling_params or SamplingParams()
+        sp = self._given_or_default(sampling_params)
         if sp.n != 1:
             raise InvalidRequest(f"stream takes n=1, got n={sp.n}")
         if chat:
@@ -490,6 +516,41 @@ def _parallel_mesh(tp: int, pp: int, dp: int, mesh):
     return make_mesh(data=dp, stage=pp, model=tp, devices=devices[:n])
 
 
+# generation_config.json keys that set a SamplingParams default, as vLLM reads them
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(path) -> dict:
+    """SamplingParams fields from a checkpoint's ``generation_config.json`` (a Hugging Face
+    directory's, or the copy an Orbax checkpoint converted from one keeps beside its tokenizer);
+    {} for a GGUF file or a checkpoint without one. Values the file leaves null are left out."""
+    from jaxinfer.loaders.orbax_io import HF_TOKENIZER_DIR
+
+    path = Path(path)
+    file = next((f for f in (path / "generation_config.json", path / HF_TOKENIZER_DIR / "generation_config.json")
+                 if path.is_dir() and f.is_file()), None)
+    if file is None:
+        return {}
+    gen = checkpoint.read_json(file)
+    if not isinstance(gen, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(gen).__name__}")
+    out = {field: gen[key] for key, field in _GENERATION_KEYS.items() if gen.get(key) is not None}
+    try:
+        SamplingParams(**out)
+    except InvalidRequest as e:
+        raise CheckpointError(f"{file}: {e}") from None
+    return out
+
+
+def _architecture_check(model):
+    """For a Hub download: refuse a config.json whose architecture no family implements, before
+    any weight is fetched."""
+    from jaxinfer.loaders.hf import family_for
+
+    return lambda config: family_for(config, model)
+
+
 def _enable_compilation_cache() -> None:
     """JAX's persistent compilation cache, on by default under $JAXINFER_HOME/xla-cache
     (a directory the user configured for JAX is left alone). Executables that took 0.1 s or
@@ -539,8 +600,6 @@ def _normalize_prompts(prompts) -> list:
 
 
 def _normalize_params(sp, n: int) -> list[SamplingParams]:
-    if sp is None:
-        return [SamplingParams()] * n
     if isinstance(sp, SamplingParams):
         return [sp] * n
     sp = list(sp)

@@ -8,7 +8,8 @@ own dependencies are never installed.
 
 Wherever a model name is accepted, a local path works too: a ``.gguf`` file, a Hugging Face
 directory (``config.json`` + ``*.safetensors``) or an Orbax directory written by
-``jaxinfer convert``.
+``jaxinfer convert``; and so does a Hugging Face Hub id, ``org/name`` or
+``org/name:FILE.gguf``, downloaded into huggingface_hub's cache (``jaxinfer.hub``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from jaxinfer.errors import CheckpointError, UnknownModel
+from jaxinfer import hub
+from jaxinfer.errors import CheckpointError, InvalidRequest, UnknownModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +111,9 @@ def _entry(name: str) -> ModelEntry:
         return REGISTRY[name]
     except KeyError:
         raise UnknownModel(
-            f"unknown model {name!r}: not a registered name ({', '.join(sorted(REGISTRY))}) "
-            "and not an existing path to a .gguf file, a Hugging Face directory or an Orbax "
-            "checkpoint"
+            f"unknown model {name!r}: not a registered name ({', '.join(sorted(REGISTRY))}), "
+            "not a Hugging Face Hub id (org/name or org/name:FILE.gguf) and not an existing path "
+            "to a .gguf file, a Hugging Face directory or an Orbax checkpoint"
         ) from None
 
 
@@ -187,14 +189,23 @@ def fetch(name: str, *, progress: bool = True) -> Path:
     return dest / entry.filename
 
 
-def resolve(name_or_path: str | os.PathLike, *, progress: bool = True) -> Path:
-    """A local checkpoint path for a registered name (fetched if needed) or a local path."""
+def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None,
+            download_dir: str | os.PathLike | None = None, progress: bool = True,
+            check_config=None) -> Path:
+    """A local checkpoint path for an existing path, a registered name (fetched if needed) or a
+    Hugging Face Hub id (``org/name``, ``org/name:FILE.gguf``; downloaded if needed, at
+    ``revision``, into ``download_dir`` or huggingface_hub's cache). check_config: called with a
+    Hub checkpoint's ``config.json`` before its weights are downloaded (``hub.download``)."""
+    name = str(name_or_path)
     p = Path(name_or_path).expanduser()
-    if p.exists():
-        return p
-    if str(name_or_path) in REGISTRY:
-        return fetch(str(name_or_path), progress=progress)
-    _entry(str(name_or_path))  # raises UnknownModel with the list of names
+    if p.exists() or name in REGISTRY:
+        if revision is not None:
+            raise InvalidRequest(f"revision applies to a Hugging Face Hub id, not to {name!r}")
+        return p if p.exists() else fetch(name, progress=progress)
+    if hub.parse_hub_id(name) is not None:
+        return hub.download(name, revision=revision, download_dir=download_dir, progress=progress,
+                            check_config=check_config)
+    _entry(name)  # raises UnknownModel with the list of names
     raise AssertionError("unreachable")
 
 

@@ -51,7 +51,7 @@ class SpecMethod(str, enum.Enum):
 
 
 _FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "num_layers",
-           "disable_by_batch_size", "model", "quantization", "branches"}
+           "disable_by_batch_size", "model", "revision", "quantization", "branches"}
 MAX_BRANCHES = 8
 _QUANTIZATIONS = ("int8", "int4")  # draft_model: weight-only schemes applied while loading the draft
 
@@ -65,6 +65,7 @@ class SpeculativeConfig:
     num_layers: int | None = None  # early_exit: layers that draft
     disable_by_batch_size: int = 4  # steps with more decoding rows than this run without speculation
     model: str | None = None  # medusa: the heads directory (``jaxinfer train-medusa``); draft_model: the draft
+    revision: str | None = None  # draft_model given as a Hugging Face Hub id: its branch, tag or commit
     quantization: str | None = None  # draft_model: quantize the draft while loading (int8, int4); eagle: int8
     branches: int = 1  # eagle: chains per row, one from each of the head's top-`branches` first drafts
 
@@ -93,13 +94,14 @@ class SpeculativeConfig:
                 raise InvalidRequest(f"speculative_config method must be one of "
                                      f"{', '.join(m.value for m in SpecMethod)}, got {spec['method']!r}") from None
             kw = {k: v for k, v in spec.items() if k != "method"}
-            if "model" in kw and not isinstance(kw["model"], str):
-                raise InvalidRequest(f"speculative_config model must be a path, got {kw['model']!r}")
+            for name in ("model", "revision"):
+                if name in kw and not isinstance(kw[name], str):
+                    raise InvalidRequest(f"speculative_config {name} must be a string, got {kw[name]!r}")
             if kw.get("quantization") is not None and kw["quantization"] not in _QUANTIZATIONS:
                 raise InvalidRequest(f"speculative_config quantization must be one of {', '.join(_QUANTIZATIONS)}, "
                                      f"got {kw['quantization']!r}")
             for name, v in kw.items():
-                if name not in ("model", "quantization") and (not isinstance(v, int) or isinstance(v, bool)):
+                if name not in ("model", "revision", "quantization") and (not isinstance(v, int) or isinstance(v, bool)):
                     raise InvalidRequest(f"speculative_config {name} must be an integer, got {v!r}")
             if "num_speculative_tokens" not in kw:
                 raise InvalidRequest("speculative_config needs num_speculative_tokens (k >= 1)")
@@ -132,8 +134,10 @@ class SpeculativeConfig:
             raise InvalidRequest("speculative_config method eagle needs model: an EAGLE head directory "
                                  "(made by jaxinfer train-eagle)")
         if self.method == SpecMethod.DRAFT_MODEL and not self.model:
-            raise InvalidRequest("speculative_config method draft_model needs model: a registry name or a path "
-                                 "of a model with the target's vocabulary")
+            raise InvalidRequest("speculative_config method draft_model needs model: a registry name, a Hugging "
+                                 "Face Hub id or a path of a model with the target's vocabulary")
+        if self.revision is not None and self.method != SpecMethod.DRAFT_MODEL:
+            raise InvalidRequest(f"speculative_config revision applies to draft_model, not {self.method.value}")
         if self.method not in (SpecMethod.MEDUSA, SpecMethod.EAGLE, SpecMethod.DRAFT_MODEL) and self.model is not None:
             raise InvalidRequest(f"speculative_config model applies to medusa, eagle and draft_model, "
                                  f"not {self.method.value}")

@@ -1,6 +1,6 @@
-"""``jaxinfer convert``: any checkpoint (a registry name, GGUF, Hugging Face or Orbax) to an
-Orbax checkpoint (see ``orbax_io`` for the layout). It loads through ``checkpoint.load`` and
-writes through ``orbax_io.save``, so it sits above both.
+"""``jaxinfer convert``: any checkpoint (a registry name, a Hub id, GGUF, Hugging Face or
+Orbax) to an Orbax checkpoint (see ``orbax_io`` for the layout). It loads through
+``checkpoint.load`` and writes through ``orbax_io.save``, so it sits above both.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def default_dest(dest) -> Path:
 
 def convert(src, dest, *, dtype: str | None = None, progress: bool = True,
             quantize: str | None = None, quant_group: int | None = None) -> Path:
-    """Convert a registry name or a checkpoint path to an Orbax checkpoint; returns its path.
+    """Convert a registry name, a Hub id or a checkpoint path to an Orbax checkpoint; returns its path.
 
     dtype None or "auto" keeps the source's precision: float32 for GGUF (dequantized), the
     saved dtype of a Hugging Face or converted checkpoint. quantize ("int8" / "int4" /
@@ -38,7 +38,7 @@ def convert(src, dest, *, dtype: str | None = None, progress: bool = True,
     dest = default_dest(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise CheckpointError(f"{dest}: already exists; remove it or choose another destination")
-    path = registry.resolve(src, progress=progress)
+    path = registry.resolve(src, progress=progress, check_config=lambda config: hf.family_for(config, src))
     fmt = detect_format(path)
     if dtype in (None, "auto"):
         dtype = _source_dtype(path, fmt)
