@@ -161,8 +161,8 @@ def fused_blocks(specs, names: dict, which: int) -> dict[str, tuple[int, ...]]:
 def block_reader(blocks: dict[str, tuple[int, ...]], load: Callable[[str], np.ndarray | None]):
     """A reader: checkpoint name -> (tensor name, the array ``load(tensor)`` or the rows of
     the block the name selects, or None where the tensor is missing). A fused tensor is loaded
-    once for its blocks asked for in a row (``assemble`` reads a layer's weights together) and
-    let go after its last block."""
+    once while its blocks are asked for before any other fused tensor's (``assemble`` reads a
+    layer's weights together) and let go after its last block."""
     held: list = [None, None]  # (tensor name, array) of the fused tensor being split
 
     def read(name: str):
