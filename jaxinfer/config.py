@@ -44,6 +44,12 @@ class RopeConfig:
     # converter writes Llama 3 scaling): inverse frequency i is divided by freq_factors[i],
     # after ``kind``'s own scaling. A tuple so the config stays hashable (a jit static).
     freq_factors: tuple[float, ...] | None = None
+    # Partial rotary (Phi-4-mini's partial_rotary_factor): only the first rotary_dim dims of each
+    # head rotate, half-split among themselves; the rest pass through. None: all of head_dim.
+    rotary_dim: int | None = None
+    # cos and sin multiplied by this (LongRoPE's sqrt(1 + ln(s) / ln(original context))), so the
+    # rotated part of every score grows by its square.
+    attention_factor: float = 1.0
 
 
 class AttentionKind(str, enum.Enum):

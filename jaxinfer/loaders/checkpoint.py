@@ -17,8 +17,10 @@ from jaxinfer.loaders import hf, orbax_io
 from jaxinfer.loaders.common import (  # noqa: F401 (Loaded, read_json, assemble: re-exported)
     Loaded,
     assemble,
+    block_reader,
     checkpoint_names,
     detect_format,
+    fused_blocks,
     make_quantizer,
     read_json,
     refuse_unmapped,
@@ -41,11 +43,13 @@ def load_gguf(path: Path, *, dtype: str, shardings_fn=None, quantize=None, on_co
     permuted = arch in getattr(mod, "GGUF_PERMUTED_QK", ())
     # A family whose llama.cpp converter rewrote tensors says how to undo it (Gemma's norms).
     undo = getattr(mod, "gguf_tensor", None)
+    read = block_reader(fused_blocks(specs, mod.CHECKPOINT_NAMES, 1),
+                        lambda name: ck.load(name) if name in ck.tensors else None)
 
     def fetch(name, transpose):
-        if name not in ck.tensors:
+        name, a = read(name)
+        if a is None:
             return None
-        a = ck.load(name)
         if permuted and (name.endswith("attn_q.weight") or name.endswith("attn_k.weight")):
             heads = cfg.n_heads if "attn_q" in name else cfg.n_kv_heads
             a = unpermute_llama_qk(a, heads)

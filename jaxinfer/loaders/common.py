@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -113,13 +114,80 @@ def make_quantizer(quantize, specs, cfg, tokenizer):
 
 
 def checkpoint_names(specs, names: dict, which: int) -> set[str]:
-    """Every tensor name (HF: which=0, GGUF: which=1) that ``assemble`` will ask for."""
+    """Every tensor name (HF: which=0, GGUF: which=1) that ``assemble`` will read from (a
+    fused tensor once, however many blocks of it are named)."""
     out = set()
     for path, _ in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
         key, layer = weight_key(path)
         if key in names:
-            out.add(names[key][which].format(i=layer))
+            out.add(fused_block(names[key][which].format(i=layer))[0])
     return out
+
+
+# ----------------------------------------------------------------------------- fused tensors
+# A checkpoint may store several of our weights as one tensor (Phi-3's qkv_proj, gate_up_proj).
+# Its CHECKPOINT_NAMES entries then name row blocks: "<tensor>[j]" is block j of <tensor>, the
+# blocks stacked along the stored tensor's first axis (torch's output features, a GGUF's rows)
+# in index order, each as many rows as its weight declares. The format's fetch reads the block
+# (``read_block``) before any transpose; our weights stay separate, so sharding sees each one.
+_BLOCK = re.compile(r"^(?P<tensor>.+)\[(?P<block>\d+)\]$")
+
+
+def fused_block(name: str) -> tuple[str, int | None]:
+    """A checkpoint name as (tensor, block): ``"m.qkv_proj.weight[1]"`` -> ``("m.qkv_proj.weight", 1)``,
+    a plain name -> ``(name, None)``."""
+    m = _BLOCK.match(name)
+    return (m["tensor"], int(m["block"])) if m else (name, None)
+
+
+def fused_blocks(specs, names: dict, which: int) -> dict[str, tuple[int, ...]]:
+    """Each fused tensor (HF: which=0, GGUF: which=1) -> the sizes (elements) of its blocks,
+    in block order, from the weights the blocks hold."""
+    sizes: dict[str, dict[int, int]] = {}
+    for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
+        key, layer = weight_key(path)
+        if key in names:
+            tensor, block = fused_block(names[key][which].format(i=layer))
+            if block is not None:
+                sizes.setdefault(tensor, {})[block] = int(np.prod(spec.shape))
+    out = {}
+    for tensor, by_block in sizes.items():
+        if sorted(by_block) != list(range(len(by_block))):
+            raise ValueError(f"{tensor}: blocks {sorted(by_block)} are not 0 .. {len(by_block) - 1}")
+        out[tensor] = tuple(by_block[j] for j in range(len(by_block)))
+    return out
+
+
+def block_reader(blocks: dict[str, tuple[int, ...]], load: Callable[[str], np.ndarray | None]):
+    """A reader: checkpoint name -> (tensor name, the array ``load(tensor)`` or the rows of
+    the block the name selects, or None where the tensor is missing). A fused tensor is loaded
+    once while its blocks are asked for before any other fused tensor's (``assemble`` reads a
+    layer's weights together) and let go after its last block."""
+    held: list = [None, None]  # (tensor name, array) of the fused tensor being split
+
+    def read(name: str):
+        tensor, block = fused_block(name)
+        if block is None:
+            return tensor, load(tensor)
+        if held[0] != tensor:
+            held[:] = [tensor, load(tensor)]
+        a = held[1]
+        if block == len(blocks[tensor]) - 1:
+            held[:] = [None, None]
+        return tensor, None if a is None else read_block(a, blocks[tensor], block, tensor)
+
+    return read
+
+
+def read_block(a: np.ndarray, sizes: tuple[int, ...], block: int, tensor: str) -> np.ndarray:
+    """Rows of block ``block`` of the fused tensor a [rows, ...] whose blocks hold ``sizes``
+    elements each (``fused_blocks``)."""
+    row = a.size // a.shape[0] if a.ndim and a.shape[0] else 0
+    if not row or sum(sizes) != a.size or any(n % row for n in sizes):
+        raise CheckpointError(f"tensor {tensor!r} has shape {a.shape}, which does not split into blocks of "
+                              f"{', '.join(map(str, sizes))} elements along its first axis")
+    start = sum(sizes[:block]) // row
+    return a[start : start + sizes[block] // row]
 
 
 def refuse_unmapped(path, present, expected: set[str], what: str) -> None:

@@ -22,7 +22,16 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxinfer.errors import CheckpointError
-from jaxinfer.loaders.common import Loaded, assemble, make_quantizer, read_json, refuse_unmapped
+from jaxinfer.loaders.common import (
+    Loaded,
+    assemble,
+    block_reader,
+    fused_block,
+    fused_blocks,
+    make_quantizer,
+    read_json,
+    refuse_unmapped,
+)
 from jaxinfer.specs import is_spec, weight_key
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -217,10 +226,11 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
         shards = SafetensorsShards(path, stack)
         present = [n for n in shards.weight_map if not n.endswith(_DERIVED_SUFFIXES)
                    and not (cfg.tie_embeddings and n == "lm_head.weight")]
-        refuse_unmapped(path, present, set(declared), "the safetensors carry")
+        refuse_unmapped(path, present, {fused_block(n)[0] for n in declared}, "the safetensors carry")
+        read = block_reader(fused_blocks(specs, mod.CHECKPOINT_NAMES, 0), shards.get)
 
         def fetch(name, transpose):
-            a = shards.get(name)
+            a = read(name)[1]
             if a is None:
                 return None
             a = a.T if transpose else a

@@ -101,9 +101,11 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, *, plus_one: bool = False) 
 
 # ----------------------------------------------------------------------------- rotary
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
-    """Inverse frequencies f32[H/2], with linear or Llama 3 scaling and explicit per-frequency
-    divisors (``rope.freq_factors``) applied."""
-    inv = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    """Inverse frequencies f32[R/2] (R: ``rope.rotary_dim``, head_dim unless partial), with
+    linear or Llama 3 scaling and explicit per-frequency divisors (``rope.freq_factors``)
+    applied."""
+    dim = rope.rotary_dim or head_dim
+    inv = 1.0 / (rope.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     if rope.kind == RopeKind.LINEAR:
         inv = inv / rope.factor
     elif rope.kind == RopeKind.LLAMA3:
@@ -117,14 +119,15 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
         inv = np.where(wavelen > low_wavelen, inv / rope.factor, np.where(wavelen < high_wavelen, inv, mid))
     if rope.freq_factors is not None:
         if len(rope.freq_factors) != inv.shape[0]:
-            raise ValueError(f"{len(rope.freq_factors)=} must equal {head_dim // 2=}")
+            raise ValueError(f"{len(rope.freq_factors)=} must equal {dim // 2=}")
         inv = inv / np.asarray(rope.freq_factors, np.float64)
     return inv.astype(np.float32)
 
 
-def rope_table(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin) f32[B, T, H/2] of the rotary angles at positions i32[B, T], computed once per
-    forward pass for every layer's q and k.
+def rope_table(positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) f32[B, T, R/2] of the rotary angles at positions i32[B, T], each times
+    ``scale`` (``RopeConfig.attention_factor``), computed once per forward pass for every
+    layer's q and k.
 
     XLA CPU fused sin and cos into each of their uses, evaluating them 120 times per step (3%
     of a 64-row decode step's samples), and drops an optimization barrier before fusion. A
@@ -132,13 +135,16 @@ def rope_table(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, ja
     one. Positions are never below -2^30, so its first branch runs; the second (sin as a
     shifted cos) is there to keep the branches apart, so that XLA does not merge them, and
     would give the same table to float32 rounding. (On GPU a conditional waits on the host.)"""
+    def scaled(cos, sin):
+        return (cos, sin) if scale == 1.0 else (cos * np.float32(scale), sin * np.float32(scale))
+
     def table(p):
         angles = p.astype(jnp.float32)[..., None] * inv_freq
-        return jnp.cos(angles), jnp.sin(angles)
+        return scaled(jnp.cos(angles), jnp.sin(angles))
 
     def shifted(p):
         angles = p.astype(jnp.float32)[..., None] * inv_freq
-        return jnp.cos(angles), jnp.cos(angles - np.float32(np.pi / 2))
+        return scaled(jnp.cos(angles), jnp.cos(angles - np.float32(np.pi / 2)))
 
     if jax.default_backend() != "cpu":
         return table(positions)
@@ -146,11 +152,15 @@ def rope_table(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, ja
 
 
 def apply_rope(x: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotary embedding in the half-split layout. x: [B, T, n, H], table: ``rope_table``."""
+    """Rotary embedding in the half-split layout. x: [B, T, n, H], table: ``rope_table``
+    with R/2 angles: the first R dims of each head rotate (dim i with i + R/2), the last
+    H - R pass through (partial rotary)."""
     cos, sin = (a[:, :, None, :] for a in table)
+    R = 2 * cos.shape[-1]
     xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x1, x2 = jnp.split(xf[..., :R], 2, axis=-1)
+    rest = [xf[..., R:]] if R < x.shape[-1] else []
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, *rest], axis=-1)
     return out.astype(x.dtype)
 
 
