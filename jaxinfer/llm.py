@@ -175,6 +175,13 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """The SamplingParams fields generation_config.json sets ({} under
+        ``generation_config="vllm"``): the server and batch jobs apply them to requests that
+        leave those fields unset, over OpenAI's defaults, as vLLM does."""
+        return dict(self._sampling_defaults)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams used when none are given: vLLM's defaults, with the sampling values
         of the checkpoint's generation_config.json over them (``generation_config="auto"``)."""

@@ -292,6 +292,18 @@ def test_generation_config_as_vllm_reads_it(ckpt, local_llm, tmp_path):
     plain = LLM(str(gen), generation_config="vllm", **ENGINE)
     assert plain.get_default_sampling_params() == SamplingParams()
     assert {2, 7} <= auto.tokenizer.eos_ids and {2, 7} <= plain.tokenizer.eos_ids  # EOS either way, as vLLM
+    # batch jobs (and the server, through the same defaults) take the file's values for fields a
+    # request leaves unset; the command line's and the request's own win
+    from jaxinfer.batch.formats import _OpenAIFormat
+
+    body = {"method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "t5 t6"}}
+    line = lambda b: json.dumps({"custom_id": "a", **body, "body": {**body["body"], **b}}).encode()  # noqa: E731
+    for fmt, b, want in ((_OpenAIFormat(None, "m"), {}, (0.6, 0.9, 20, 5)),
+                         (_OpenAIFormat({"top_k": 3}, "m"), {"temperature": 0.0}, (0.0, 0.9, 3, 5))):
+        key, _, env = fmt.classify(1, line(b), indexing=True)
+        p = fmt.work(auto, 1, key, env).params
+        assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == want
+    assert fmt.work(plain, 1, key, env).params.top_p == 1.0
     assert 7 not in local_llm.tokenizer.eos_ids
 
     # the same seeded samples without and with 7 as EOS: a row that drew 7 stops there

@@ -77,7 +77,9 @@ class _OpenAIFormat:
             return oai.line_error_line(env)
         cid, obj = env
         try:
-            req = schema.parse_request(cid, obj, n, self.defaults)
+            # the command line's defaults over the checkpoint's generation_config.json
+            defaults = {**llm.sampling_defaults, **self.defaults}
+            req = schema.parse_request(cid, obj, n, defaults)
             prompts, params = _encode(llm, req)
         except oai.RequestError as e:
             return oai.error_response_line(cid, e)

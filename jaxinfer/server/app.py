@@ -127,7 +127,7 @@ class Server:
         self.admit(request)
         body = await _json_body(request)
         try:
-            req = schema.parse_body(kind, body)
+            req = schema.parse_body(kind, body, defaults=self.llm.sampling_defaults)
             prompts, params = await asyncio.to_thread(self._encode, req)
             on_row = await asyncio.to_thread(self._grammar, req, len(prompts) * params.n)
         except oai.RequestError as e:
