@@ -55,6 +55,28 @@ def test_int8_loads(plain):
     ct.int8_loads(plain)
 
 
+def test_w8a8_calibrates_each_layer_as_the_model_runs_it(plain):
+    """w8a8 calibration runs layer i as a one-layer model: NoPE layers must stay NoPE there."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxinfer import quant
+    from jaxinfer.loaders import checkpoint, quantize
+
+    loaded = checkpoint.load(plain, dtype="float32")
+    cfg, layers = loaded.cfg, loaded.weights["layers"]
+    x = jax.random.normal(jax.random.key(0), (1, 12, cfg.d_model))
+    positions = jnp.arange(12, dtype=jnp.int32)[None]
+    for i in range(cfg.n_layers):
+        want, _ = smollm3.decoder_layers(layers[i : i + 1], x, positions, None, None, cfg=cfg, first=i)
+        got, _ = smollm3.decoder_layers(layers[i : i + 1], x, positions, None, None,
+                                        cfg=quantize.one_layer_config(cfg, i))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6, err_msg=f"layer {i}")
+    w8a8 = checkpoint.load(plain, dtype="float32", quantize=quant.quant_config("w8a8"))
+    assert w8a8.weights["layers"][3]["wq"].scheme == quant.QuantScheme.W8A8
+
+
 # ----------------------------------------------------------------------------- configs
 # SmolLM3-3B's config.json as published (abridged: no_rope_layers derived below)
 HUB = {"architectures": ["SmolLM3ForCausalLM"], "attention_bias": False, "hidden_act": "silu", "hidden_size": 2048,
