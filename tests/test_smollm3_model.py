@@ -9,6 +9,7 @@ import pytest
 
 from jaxinfer.config import AttentionKind, Family
 from jaxinfer.errors import CheckpointError
+from jaxinfer.loaders import orbax_io
 from jaxinfer.models import smollm3
 from tests import checkpoint_testing as ct
 from tests import family_testing as ft
@@ -91,6 +92,7 @@ def test_published_config():
     assert cfg.nope_layers == tuple(range(3, 36, 4)) and cfg.layer_kinds == ()
     assert cfg.tie_embeddings and cfg.rope.theta == 5e6 and cfg.head_dim == 128  # SmolLM3Config's defaults
     assert round(cfg.num_params() / 1e9, 2) == 3.08  # SmolLM3-3B
+    assert orbax_io.config_from_dict(orbax_io.config_to_dict(cfg)) == cfg  # as `jaxinfer convert` stores it
 
 
 def test_no_rope_layers_flags_mark_the_layers_that_use_rotary():

@@ -24,7 +24,16 @@ import jax.numpy as jnp
 from jaxinfer.config import Family, ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import llama
-from jaxinfer.models.layers import attend_layer, dot, dot_many, gated_mlp, rms_norm, rope_inv_freq, rope_table, silu
+from jaxinfer.models.layers import (
+    attend_layer,
+    dot,
+    dot_many,
+    gated_mlp,
+    rms_norm,
+    rope_inv_freq,
+    rope_table,
+    silu,
+)
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (this family's, unchanged)
 from jaxinfer.specs import WeightSpec
 
