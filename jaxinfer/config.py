@@ -81,6 +81,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # scores scaled by this**-0.5 (None: head_dim)
     attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
     final_logit_softcap: float | None = None  # output logits -> cap * tanh(logits / cap)
+    # Layers that apply no rotary embedding to q and k (SmolLM3's NoPE layers): model layer indices.
+    nope_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:

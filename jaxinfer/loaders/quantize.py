@@ -188,6 +188,13 @@ def _run_layer(mod, contracts, layer, x, tokens, *, cfg, observe):
     return out, {n: w.absmax for n, w in observed.items() if isinstance(w, _Observed)}
 
 
+def one_layer_config(cfg, i: int):
+    """The config of a one-layer model that computes what layer i of ``cfg``'s model does: cut
+    to layer i's kind (window, rotary) and NoPE."""
+    return dataclasses.replace(cfg, n_layers=1, layer_kinds=cfg.layer_kinds[i : i + 1],
+                               nope_layers=(0,) if i in cfg.nope_layers else ())
+
+
 class _Calibration:
     """Layer-by-layer SmoothQuant calibration (see the module docstring). Two jitted passes
     per layer: float with observers (the statistics), then quantized (the next layer's input),
@@ -195,7 +202,6 @@ class _Calibration:
     per kind of layer."""
 
     def __init__(self, cfg, family, tokenizer, qcfg: QuantConfig):
-        import dataclasses
         import functools
 
         from jaxinfer.models.registry import family_module
@@ -210,9 +216,7 @@ class _Calibration:
         self.layer_names = set(layer_specs)
         contracts = {n: len(sp.contract_axes) for n, sp in layer_specs.items() if sp.contract_axes}
         self.run = jax.jit(functools.partial(_run_layer, self.mod, contracts), static_argnames=("cfg", "observe"))
-        # one layer's config: the model's, cut to layer i's kind (window, rotary)
-        self.layer_cfg = lambda i: dataclasses.replace(
-            cfg, n_layers=1, layer_kinds=cfg.layer_kinds[i : i + 1])
+        self.layer_cfg = functools.partial(one_layer_config, cfg)
         self.x = None  # hidden state entering the next layer, [1, T, D]
         # Calibration runs each layer on one device, even when the model loads sharded (the
         # peak there: one float layer). Sharded matmuls sum in another order, the maxima move

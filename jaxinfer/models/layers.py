@@ -225,14 +225,15 @@ def cache_attention(cache, layer: int, q, qpos, end, *, scale, window=None, soft
 
 def attend_layer(cache, layer: int, q, k, v, positions, start, rope, *, read_cache: bool = True,
                  scale, window=None, softcap=None):
-    """One layer's attention for both model families: rotary (``rope``: the positions'
-    ``rope_table``) on q [B, T, N, H] and k [B, T, K, H] at positions i32[B, T], the new
-    keys/values written into the cache (if any) at start i32[B], then attention over the cache
-    up to start + T, or, without a cache or with read_cache False (every row a fresh prompt
-    from 0), over the new tokens alone.
+    """One layer's attention for every model family: rotary (``rope``: the positions'
+    ``rope_table``; None for a layer without position embeddings) on q [B, T, N, H] and k
+    [B, T, K, H] at positions i32[B, T], the new keys/values written into the cache (if any) at
+    start i32[B], then attention over the cache up to start + T, or, without a cache or with
+    read_cache False (every row a fresh prompt from 0), over the new tokens alone.
     Returns (o [B, T, N, H], cache)."""
-    q = apply_rope(q, rope)
-    k = apply_rope(k, rope)
+    if rope is not None:
+        q = apply_rope(q, rope)
+        k = apply_rope(k, rope)
     opts = {"scale": scale, "window": window, "softcap": softcap}
     if getattr(cache, "packed", False):  # models.packed.PackedKV: a packed engine step
         return cache.attend(layer, q, k, v, **opts)

@@ -1,4 +1,6 @@
 """The Llama family (Llama 1-3, SmolLM, Qwen2 with q/k/v bias) as plain functions over pytrees.
+Layers listed in ``cfg.nope_layers`` apply no rotary embedding, and LOCAL layers (``cfg.layer_kinds``)
+attend to the last ``cfg.sliding_window`` positions only (SmolLM3 reuses these layers).
 
 weights = {"embed": [V, D], "layers": [one dict per layer], "final_norm": [D],
            "lm_head": [D, V] (untied models only)}
@@ -96,13 +98,14 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
     scale = cfg.head_dim**-0.5
     for j, w in enumerate(layers):
         i = first + j
+        layer_rope = None if i in cfg.nope_layers else rope
         with jax.named_scope(f"layer{i}/attention"):
             h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
             q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
             if cfg.qkv_bias:
                 q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
-            o, cache = attend_layer(cache, j, q, k, v, positions, start, rope, read_cache=read_cache,
-                                    scale=scale)
+            o, cache = attend_layer(cache, j, q, k, v, positions, start, layer_rope, read_cache=read_cache,
+                                    scale=scale, window=cfg.layer_window(i))
             x = x + dot("BTNH,NHD->BTD", o, w["wo"])
         with jax.named_scope(f"layer{i}/mlp"):
             h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
@@ -197,7 +200,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     n_heads = hf["num_attention_heads"]
     # transformers >= 5 writes rope_parameters (theta inside); older configs rope_theta + rope_scaling
     rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    rope = RopeConfig(theta=float(hf.get("rope_theta", rs.get("rope_theta", 10000.0))))
+    rope = RopeConfig(theta=float(rs.get("rope_theta", hf.get("rope_theta", 10000.0))))
     kind = rs.get("rope_type", rs.get("type"))
     if kind == "linear":
         rope = RopeConfig(theta=rope.theta, kind=RopeKind.LINEAR, factor=float(rs["factor"]))

@@ -1,0 +1,150 @@
+"""The Qwen 3 family (dense Qwen3ForCausalLM) as plain functions over pytrees.
+
+What sets it apart from Llama, layer by layer:
+  h = attn_norm(x); q, k = q_norm(q), k_norm(k)    (RMSNorm over each head's H values, scaled
+                                                    by w, before rotary; shared by all heads)
+  x = x + attention(h)                             (SLIDING layers: the last ``sliding_window``)
+  x = x + SwiGLU(mlp_norm(x))
+Sliding-window layers are those transformers' ``layer_types`` names "sliding_attention"; a
+config without ``layer_types`` slides on layers max_window_layers .. L-1 when
+``use_sliding_window`` is set (no published Qwen 3 sets it). ``attention_bias`` gives q, k, v
+and the output projection a bias each (``cfg.qkv_bias`` here covers all four).
+
+weights = {"embed": [V, D], "layers": [one dict per layer], "final_norm": [D],
+           "lm_head": [D, V] (untied models only)}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import AttentionKind, Family, ModelConfig
+from jaxinfer.errors import CheckpointError
+from jaxinfer.models import llama
+from jaxinfer.models.layers import (
+    attend_layer,
+    dot,
+    dot_many,
+    gated_mlp,
+    rms_norm,
+    rope_inv_freq,
+    rope_table,
+    silu,
+)
+from jaxinfer.models.llama import embed, unembed  # noqa: F401 (this family's, unchanged)
+from jaxinfer.specs import WeightSpec
+
+
+def weight_specs(cfg: ModelConfig) -> dict:
+    """Llama's weights, plus a q and a k norm [H] per layer (and the output bias with biases)."""
+    specs = llama.weight_specs(cfg)
+    layer = specs["layers"][0] | {
+        "q_norm": WeightSpec((cfg.head_dim,), ("head_dim",), "ones"),
+        "k_norm": WeightSpec((cfg.head_dim,), ("head_dim",), "ones"),
+    }
+    if cfg.qkv_bias:
+        layer["bo"] = WeightSpec((cfg.d_model,), ("embed",), "zeros")
+    return specs | {"layers": [layer] * cfg.n_layers}
+
+
+def forward(
+    weights: dict,
+    tokens: jax.Array,  # i32[B, T]
+    start: jax.Array,  # i32[B] position of tokens[:, 0]
+    cache,  # kv.KVCache | kv.PagedKVCache | None
+    *,
+    cfg: ModelConfig,
+    read_cache: bool = True,  # False when every row starts at 0: attend over the new tokens only
+    positions: jax.Array | None = None,  # i32[B, T] explicit positions (a packed step's); default start + t
+) -> tuple[jax.Array, object]:  # hidden [B, T, D] before the final norm, cache
+    """The decoder over T new tokens per row (see ``llama.forward``)."""
+    if positions is None:
+        positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)  # i32[B, T]
+    x = embed(weights, tokens, cfg)
+    return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache)
+
+
+def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
+                   first: int = 0, read_cache: bool = True):
+    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
+    -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools)."""
+    rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)))
+    norm = functools.partial(rms_norm, eps=cfg.norm_eps)
+    for j, w in enumerate(layers):
+        i = first + j
+        window = cfg.layer_window(i)
+        with jax.named_scope(f"layer{i}/{'local' if window else 'global'}_attention"):
+            h = norm(x, w["attn_norm"])
+            q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
+            if cfg.qkv_bias:
+                q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
+            q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
+            o, cache = attend_layer(cache, j, q, k, v, positions, start, rope, read_cache=read_cache,
+                                    scale=cfg.head_dim**-0.5, window=window)
+            o = dot("BTNH,NHD->BTD", o, w["wo"])
+            x = x + (o + w["bo"].astype(o.dtype) if cfg.qkv_bias else o)
+        with jax.named_scope(f"layer{i}/mlp"):
+            h = norm(x, w["mlp_norm"])
+            x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
+    return x, cache
+
+
+# Where each weight lives in the two external formats: our path -> (HF name, GGUF name, transpose).
+CHECKPOINT_NAMES = llama.CHECKPOINT_NAMES | {
+    ("layers", "q_norm"): ("model.layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight", False),
+    ("layers", "k_norm"): ("model.layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight", False),
+    ("layers", "bo"): ("model.layers.{i}.self_attn.o_proj.bias", "blk.{i}.attn_output.bias", False),
+}
+
+GGUF_ARCHITECTURES = frozenset({"qwen3"})  # llama.cpp keeps HF's (NeoX) rotary layout: no Q/K permutation
+GGUF_CONFIG_TENSORS = llama.GGUF_CONFIG_TENSORS
+HF_ARCHITECTURES = frozenset({"Qwen3ForCausalLM"})
+
+# Qwen3Config's defaults, for keys a config.json leaves out.
+HF_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 32768,
+               "head_dim": 128, "rope_theta": 10000.0}
+
+
+def sliding_kinds(types, n_layers: int, window: int | None) -> tuple[AttentionKind, ...]:
+    """transformers' ``layer_types`` as layer kinds ("sliding_attention" -> LOCAL); () when no
+    layer slides. A sliding layer without a window is refused: transformers cannot build its
+    mask either."""
+    if len(types) != n_layers:
+        raise CheckpointError(f"layer_types lists {len(types)} layers, the model has {n_layers}")
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise CheckpointError(f"unsupported layer_types {sorted(unknown)} (supported: full_attention, "
+                              "sliding_attention)")
+    if "sliding_attention" not in types:
+        return ()
+    if not window:
+        raise CheckpointError("layer_types has sliding_attention layers but no sliding_window is set "
+                              "(with use_sliding_window)")
+    return tuple(AttentionKind.LOCAL if t == "sliding_attention" else AttentionKind.GLOBAL for t in types)
+
+
+def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
+    """A Qwen3ForCausalLM config.json. The window counts only with ``use_sliding_window`` (as
+    Qwen3Config drops it otherwise)."""
+    hf = HF_DEFAULTS | hf
+    n_layers = hf["num_hidden_layers"]
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    types = hf.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= hf.get("max_window_layers", 28) else "full_attention"
+        for i in range(n_layers)]
+    kinds = sliding_kinds(types, n_layers, window)
+    return dataclasses.replace(
+        llama.config_from_hf(hf, dtype=dtype), family=Family.QWEN3,
+        qkv_bias=bool(hf.get("attention_bias", False)),
+        layer_kinds=kinds, sliding_window=window if kinds else None)
+
+
+def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) -> ModelConfig:
+    """llama.cpp's reading of a qwen3 GGUF: Llama's keys; every layer global (llama.cpp has no
+    sliding window for qwen3)."""
+    cfg = llama.config_from_gguf(meta, tensor_names, dtype=dtype, load_tensor=load_tensor)
+    return dataclasses.replace(cfg, family=Family.QWEN3)
