@@ -14,7 +14,7 @@ FAMILIES = {
     "llama": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                   "original_max_position_embeddings": 32}},
-    "mistral": {"sliding_window": None},
+    "mistral": {"sliding_window": 8},  # every layer slides
     "qwen2": {"tie_word_embeddings": True},
     "gemma3_text": {"architectures": ["Gemma3ForCausalLM"], "sliding_window": 8, "query_pre_attn_scalar": 24,
                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],

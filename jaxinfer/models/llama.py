@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import cache as kv
-from jaxinfer.config import Family, ModelConfig, RopeConfig, RopeKind
+from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models.layers import (
     attend_layer,
@@ -196,8 +196,45 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
     )
 
 
+def sliding_kinds(types, n_layers: int, window: int | None) -> tuple[AttentionKind, ...]:
+    """transformers' ``layer_types`` as layer kinds ("sliding_attention" -> LOCAL); () when no
+    layer slides. A sliding layer without a window is refused: transformers cannot build its
+    mask either."""
+    if len(types) != n_layers:
+        raise CheckpointError(f"layer_types lists {len(types)} layers, the model has {n_layers}")
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise CheckpointError(f"unsupported layer_types {sorted(unknown)} (supported: full_attention, "
+                              "sliding_attention)")
+    if "sliding_attention" not in types:
+        return ()
+    if not window:
+        raise CheckpointError("layer_types has sliding_attention layers but no sliding_window is set "
+                              "(with use_sliding_window)")
+    return tuple(AttentionKind.LOCAL if t == "sliding_attention" else AttentionKind.GLOBAL for t in types)
+
+
+def hf_layer_kinds(hf: dict) -> tuple[tuple[AttentionKind, ...], int | None]:
+    """(layer kinds, window) as transformers decides which layers slide: Mistral slides every
+    layer by ``sliding_window`` when it is set; Qwen 2/3 only with ``use_sliding_window``, on
+    the layers ``layer_types`` names (or from ``max_window_layers`` on)."""
+    n_layers = hf["num_hidden_layers"]
+    if hf.get("model_type") == "mistral" or "MistralForCausalLM" in (hf.get("architectures") or ()):
+        window = hf.get("sliding_window")
+        if not window or window >= int(hf.get("max_position_embeddings", 2048)):
+            return (), None  # a window past the context slides nothing
+        return (AttentionKind.LOCAL,) * n_layers, int(window)
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    types = hf.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= hf.get("max_window_layers", 28) else "full_attention"
+        for i in range(n_layers)]
+    kinds = sliding_kinds(types, n_layers, window)
+    return kinds, (int(window) if kinds else None)
+
+
 def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     n_heads = hf["num_attention_heads"]
+    kinds, window = hf_layer_kinds(hf)
     # transformers >= 5 writes rope_parameters (theta inside); older configs rope_theta + rope_scaling
     rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     rope = RopeConfig(theta=float(rs.get("rope_theta", hf.get("rope_theta", 10000.0))))
@@ -228,4 +265,6 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         qkv_bias=bool(hf.get("attention_bias", False)) or "Qwen2ForCausalLM" in hf.get("architectures", []),
         dtype=dtype,
         name=hf.get("_name_or_path", "") or hf.get("model_type", ""),
+        layer_kinds=kinds,
+        sliding_window=window,
     )

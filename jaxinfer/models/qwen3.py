@@ -22,8 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import AttentionKind, Family, ModelConfig
-from jaxinfer.errors import CheckpointError
+from jaxinfer.config import Family, ModelConfig
 from jaxinfer.models import llama
 from jaxinfer.models.layers import (
     attend_layer,
@@ -109,38 +108,12 @@ HF_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position
                "head_dim": 128, "rope_theta": 10000.0}
 
 
-def sliding_kinds(types, n_layers: int, window: int | None) -> tuple[AttentionKind, ...]:
-    """transformers' ``layer_types`` as layer kinds ("sliding_attention" -> LOCAL); () when no
-    layer slides. A sliding layer without a window is refused: transformers cannot build its
-    mask either."""
-    if len(types) != n_layers:
-        raise CheckpointError(f"layer_types lists {len(types)} layers, the model has {n_layers}")
-    unknown = set(types) - {"full_attention", "sliding_attention"}
-    if unknown:
-        raise CheckpointError(f"unsupported layer_types {sorted(unknown)} (supported: full_attention, "
-                              "sliding_attention)")
-    if "sliding_attention" not in types:
-        return ()
-    if not window:
-        raise CheckpointError("layer_types has sliding_attention layers but no sliding_window is set "
-                              "(with use_sliding_window)")
-    return tuple(AttentionKind.LOCAL if t == "sliding_attention" else AttentionKind.GLOBAL for t in types)
-
-
 def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     """A Qwen3ForCausalLM config.json. The window counts only with ``use_sliding_window`` (as
     Qwen3Config drops it otherwise)."""
     hf = HF_DEFAULTS | hf
-    n_layers = hf["num_hidden_layers"]
-    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-    types = hf.get("layer_types") or [
-        "sliding_attention" if window is not None and i >= hf.get("max_window_layers", 28) else "full_attention"
-        for i in range(n_layers)]
-    kinds = sliding_kinds(types, n_layers, window)
-    return dataclasses.replace(
-        llama.config_from_hf(hf, dtype=dtype), family=Family.QWEN3,
-        qkv_bias=bool(hf.get("attention_bias", False)),
-        layer_kinds=kinds, sliding_window=window if kinds else None)
+    return dataclasses.replace(llama.config_from_hf(hf, dtype=dtype), family=Family.QWEN3,
+                               qkv_bias=bool(hf.get("attention_bias", False)))
 
 
 def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) -> ModelConfig:

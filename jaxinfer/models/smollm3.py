@@ -27,7 +27,7 @@ from jaxinfer.models.llama import (  # noqa: F401 (this family's, unchanged)
     unembed,
     weight_specs,
 )
-from jaxinfer.models.qwen3 import sliding_kinds
+from jaxinfer.models.llama import sliding_kinds
 
 # llama.cpp converts SmolLM3 as a Llama (its rotary is the interleaved one): Q/K rows permuted.
 GGUF_PERMUTED_QK = frozenset({"smollm3"})
