@@ -19,7 +19,7 @@ from jaxinfer.cache import QuantKV
 from jaxinfer.models import packed
 from jaxinfer.quant import quantize_kv
 
-pytestmark = pytest.mark.skipif(not ck.f32_available(), reason="native kernels not built here (need AVX2, g++)")
+pytestmark = pytest.mark.skipif(not ck.attention_available(), reason="native kernels not built here (need AVX2, g++)")
 VARIANTS = [pytest.param(isa, marks=pytest.mark.skipif(
     isa == "avx512" and ck.rows_isa() != "avx512", reason="no AVX-512 BW/DQ/VL here")) for isa in ("avx512", "avx2")]
 
