@@ -1,11 +1,14 @@
 """The native gemv kernels (jaxinfer.cpu_kernels) against their references, over shapes that
-reach every path of each kernel (column blocks, a column tail, an odd last row, 1-4 rows, one
-and two threads): the int8 gemv gives XLA's s8 dot's integers, the weight-only gemv XLA's
+reach every path of each kernel (column blocks, a column tail, an odd last row, 1-4 rows, one,
+two and four threads): the int8 gemv gives XLA's s8 dot's integers, the weight-only gemv XLA's
 float32 dot's bits at one row, the float32 gemv (each of its vector variants this CPU runs)
 XLA's one-row dots' bits; and the models through them equal the models through XLA's dots,
-token for token."""
+token for token. How a call is cut between threads, and the same bits at any thread count
+(four on a machine of two cores too)."""
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +28,7 @@ ISAS = [pytest.param(isa, marks=pytest.mark.skipif(isa not in ck.isas(), reason=
 
 @pytest.mark.parametrize("M,I,O", [(1, 576, 576), (1, 576, 192), (2, 1536, 576), (4, 576, 3072), (3, 577, 1000),
                                    (1, 7, 64), (1, 1, 1), (2, 130, 63), (1, 64, 49152 // 8)])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 @needs_int8
 def test_gemv_equals_xla_s8_dot(M, I, O, threads):
     rng = np.random.default_rng(M * 1000 + I + O)
@@ -38,7 +41,7 @@ def test_gemv_equals_xla_s8_dot(M, I, O, threads):
 
 @pytest.mark.parametrize("M,I,O", [(1, 576, 576), (1, 1536, 576), (2, 576, 3072), (4, 577, 1000), (1, 7, 33),
                                    (3, 64, 49152 // 8)])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 @needs_int8
 def test_weight_only_gemv_equals_xla_float_dot(M, I, O, threads):
     rng = np.random.default_rng(M * 1000 + I + O)
@@ -55,7 +58,7 @@ def test_weight_only_gemv_equals_xla_float_dot(M, I, O, threads):
 @pytest.mark.parametrize("M,I,O", [(2, 576, 960), (5, 576, 3072), (8, 1536, 576), (3, 577, 1000), (7, 7, 33),
                                    (1, 64, 49152 // 8), (6, 130, 63), (4, 1, 1), (10, 576, 960), (16, 1536, 576),
                                    (13, 577, 1000)])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("isa", ISAS)
 @needs_f32
 def test_float_gemv_rows_are_xla_one_row_dots(M, I, O, threads, isa):
@@ -77,7 +80,7 @@ def test_float_gemv_rows_are_xla_one_row_dots(M, I, O, threads, isa):
 @pytest.mark.parametrize("M,I,O", [(2, 576, 4096), (5, 576, 1000), (8, 640, 513), (3, 577, 64), (6, 15, 7),
                                    (7, 16, 30), (1, 576, 2048), (4, 1, 5), (12, 576, 4096), (16, 640, 513),
                                    (9, 15, 7)])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("isa", ISAS)
 @needs_f32
 def test_float_gemv_transposed_equals_xla_dot(M, I, O, threads, isa):
@@ -101,6 +104,77 @@ def test_float_gemv_variants_give_the_same_bits(M):
     w = jnp.asarray(rng.normal(size=(577, 1000)), jnp.float32)
     got = {isa: np.asarray(jax.jit(lambda x, w, isa=isa: ck.f32_gemv(x, w, isa=isa))(x, w)) for isa in ck.isas()}
     np.testing.assert_array_equal(got["avx2"], got["avx512"])
+
+
+def test_default_threads_are_the_cores_this_process_may_run_on():
+    want = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert ck.default_threads() == want
+
+
+@needs_f32
+@pytest.mark.parametrize("width,unit,threads,want", [
+    (3072, 64, 4, [(0, 768), (768, 1536), (1536, 2304), (2304, 3072)]),  # 48 blocks, 12 a range
+    (1000, 48, 4, [(0, 240), (240, 480), (480, 720), (720, 1000)]),  # 20 blocks; the tail with the last
+    (576, 64, 2, [(0, 320), (320, 576)]),  # 9 blocks: the first range one more
+    (576, 64, 4, [(0, 320), (320, 576)]),  # at least 4 blocks a range
+    (9, 1, 4, [(0, 5), (5, 9)]),  # paged_rows' rows
+    (7, 1, 4, [(0, 7)]),
+    (4096, 64, 1, [(0, 4096)]),
+    (49152, 64, 32, [(1536 * k, 1536 * (k + 1)) for k in range(32)]),  # a 32-core server
+])
+def test_a_call_is_cut_into_one_range_per_thread(width, unit, threads, want):
+    assert ck.split_plan(width, unit=unit, threads=threads) == want
+
+
+@needs_f32
+def test_ranges_cover_the_call_in_whole_units():
+    for width in (0, 1, 63, 64, 255, 256, 257, 1000, 4099, 49152):
+        for unit in (1, 16, 48, 64):
+            for threads in (1, 2, 3, 4, 7, 16, 64):
+                ranges = ck.split_plan(width, unit=unit, threads=threads)
+                assert len(ranges) == max(1, min(threads, width // unit // 4))
+                assert ranges[0][0] == 0 and ranges[-1][1] == width
+                assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+                sizes = [c1 - c0 for c0, c1 in ranges[:-1]]
+                assert all(s % unit == 0 for s in sizes)
+                last = ranges[-1][1] - ranges[-1][0] - width % unit
+                assert max(sizes + [last]) - min(sizes + [last]) <= unit
+
+
+@needs_f32
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_four_threads_give_the_bits_of_one(M, transposed):
+    """threads=4 cuts a call into four ranges even on a machine of two cores (the caller runs
+    the ranges XLA's pool does not take), and every output is computed as at one thread."""
+    rng = np.random.default_rng(M + transposed)
+    I, O = 576, 4099
+    x = jnp.asarray(rng.normal(size=(M, I)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(O, I) if transposed else (I, O)), jnp.float32)
+    f = {t: jax.jit(lambda x, w, t=t: ck.f32_gemv(x, w, transposed=transposed, threads=t)) for t in (1, 4)}
+    one = np.asarray(f[1](x, w))
+    f[4](x, w).block_until_ready()  # compiled
+    before = ck.split_count("f32_gemv")
+    four = np.asarray(f[4](x, w))
+    assert ck.split_count("f32_gemv") - before == 4
+    np.testing.assert_array_equal(four, one)
+
+
+@needs_int8
+@pytest.mark.parametrize("M", [1, 4])
+def test_four_threads_give_the_integers_of_one(M):
+    rng = np.random.default_rng(M)
+    x = jnp.asarray(rng.integers(-128, 128, (M, 576)), jnp.int8)
+    w = jnp.asarray(rng.integers(-128, 128, (576, 4099)), jnp.int8)
+    xf = jnp.asarray(rng.normal(size=(M, 576)), jnp.float32)
+    for kernel, a in ((ck.int8_gemv, x), (ck.wo8_gemv, xf)):
+        f = {t: jax.jit(lambda a, w, t=t, kernel=kernel: kernel(a, w, threads=t)) for t in (1, 4)}
+        one = np.asarray(f[1](a, w))
+        f[4](a, w).block_until_ready()
+        before = ck.split_count("int8_gemv")
+        four = np.asarray(f[4](a, w))
+        assert ck.split_count("int8_gemv") - before == 4
+        np.testing.assert_array_equal(four, one)
 
 
 @needs_int8

@@ -54,6 +54,13 @@ tiles). ``library_state(name)`` says why one is not: the CPU lacks its instructi
 to build (with the compiler's error). ``active()``, ``f32_active()`` and ``attention_active()``
 add that the trace is for a one-device CPU backend.
 
+Each call runs on ``threads`` threads, by default ``default_threads()``: the cores this process
+may run on. A call cuts its output columns (or rows, or attention items) into one contiguous
+range of whole column blocks per thread, at least four blocks each (``split_plan``); the calling
+thread runs the first and XLA's intra-op pool, which XLA sizes to the same cores, the others
+(``gemv_split.h``; ``split_count`` counts the ranges). The cut never changes which code computes
+an output, so the results are the same bits at any thread count.
+
 Environment variables, each read once per process: ``JAXINFER_NATIVE_GEMV=0`` turns all
 the native kernels off; ``JAXINFER_NATIVE_ISA=avx2`` makes them act as on an AVX2-only box
 (the float32 kernel's AVX2 variant by default, no int8 kernels), to test and time that path on
@@ -105,6 +112,16 @@ LIBRARIES = {
     "int8_amx": (AMX_TARGET,),
 }
 _lock = threading.Lock()
+
+
+def default_threads() -> int:
+    """The threads a kernel call runs on by default: the cores this process may run on
+    (its CPU affinity, as ``taskset`` or a container's cpuset leave it), else all of the
+    machine's. XLA sizes the intra-op pool the kernels hand their work to the same way."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS, Windows)
+        return max(1, os.cpu_count() or 1)
 
 
 def _cpu_flags() -> set[str]:
@@ -227,6 +244,34 @@ def _library(name: str):
     return _load(name)[0]
 
 
+def split_plan(width: int, *, unit: int, threads: int, library: str = "f32_gemv") -> list[tuple[int, int]]:
+    """The column ranges [c0, c1) a kernel call cuts ``width`` outputs in units of ``unit``
+    into at ``threads`` threads, one range per thread (``gemv_split.h``), as the loaded
+    ``library`` computes them."""
+    lib = _library(library)
+    if lib is None:
+        raise RuntimeError(f"split_plan: {library_state(library).reason}")
+    if unit < 1 or threads < 1 or width < 0:
+        raise ValueError(f"split_plan needs unit >= 1, threads >= 1 and width >= 0, got {unit=}, {threads=}, {width=}")
+    bounds = (ctypes.c_int64 * (min(threads, max(1, width // unit)) + 1))()
+    fn = lib.jaxinfer_split_plan
+    fn.restype = ctypes.c_int64
+    parts = fn(ctypes.c_int64(width), ctypes.c_int64(unit), ctypes.c_int64(threads), bounds)
+    return [(bounds[k], bounds[k + 1]) for k in range(parts)]
+
+
+def split_count(library: str) -> int:
+    """How many ranges the calls of the loaded ``library`` have been cut into so far in this
+    process (a call left whole counts one): its difference over one call is how many threads
+    that call shared its work among, the caller's included."""
+    lib = _library(library)
+    if lib is None:
+        raise RuntimeError(f"split_count: {library_state(library).reason}")
+    fn = lib.jaxinfer_split_count
+    fn.restype = ctypes.c_int64
+    return fn()
+
+
 def available() -> bool:
     """Whether the int8 kernels (int8_gemv, wo8_gemv) are registered and worth calling here:
     their vector loops need AVX-512F and AVX-512BW (elsewhere they would run their scalar
@@ -320,7 +365,7 @@ def int8_amx(xq: jax.Array, p: jax.Array, *, threads: int | None = None) -> jax.
         raise RuntimeError("int8_amx needs AMX-INT8 and g++ (check amx_available() first)")
     O = p.shape[0] * 16
     if threads is None:
-        threads = min(os.cpu_count() or 1, 2)
+        threads = default_threads()
     call = jax.ffi.ffi_call(AMX_TARGET, jax.ShapeDtypeStruct((xq.shape[0], O), jnp.int32), vmap_method="sequential")
     return call(xq.astype(jnp.int8), p, threads=threads)
 
@@ -338,15 +383,16 @@ def _gemv(target: str, x: jax.Array, w: jax.Array, x_dtype, out_dtype, threads: 
     if not available():
         raise RuntimeError(f"{target} needs AVX-512BW and g++ (check available() first)")
     if threads is None:
-        threads = min(os.cpu_count() or 1, 2)
+        threads = default_threads()
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, O), out_dtype), vmap_method="sequential")
     return call(x.astype(x_dtype), w.astype(jnp.int8), threads=threads)
 
 
 def int8_gemv(xq: jax.Array, w: jax.Array, *, threads: int | None = None) -> jax.Array:
     """int8 [M, I] @ int8 [I, O] -> int32 [M, O] (M <= 4) through the native kernel; call
-    only where ``available()``. ``threads`` (default: 2 where there are 2 cores) > 1 offers
-    half the columns of a weight at least 512 wide to XLA's intra-op thread pool."""
+    only where ``available()``. ``threads`` (default: ``default_threads()``) > 1 cuts the
+    columns of a weight at least 512 wide into up to that many ranges of at least 256 columns,
+    all but the first offered to XLA's intra-op thread pool (``split_plan``)."""
     return _gemv(TARGET, xq, w, jnp.int8, jnp.int32, threads)
 
 
@@ -383,7 +429,7 @@ def f32_gemv(x: jax.Array, w: jax.Array, *, transposed: bool = False, threads: i
     if isa not in isas():
         raise ValueError(f"{isa=} does not run here: one of {isas()}")
     if threads is None:
-        threads = min(os.cpu_count() or 1, 2)
+        threads = default_threads()
     call = jax.ffi.ffi_call(F32_T_TARGET if transposed else F32_TARGET, jax.ShapeDtypeStruct((M, O), jnp.float32),
                             vmap_method="sequential")
     return call(x.astype(jnp.float32), w.astype(jnp.float32), threads=threads, isa=isa)
@@ -424,7 +470,7 @@ def f32_gemm_packed(x: jax.Array, p: jax.Array, *, threads: int | None = None) -
     per kernel call); call only where ``f32_packed_available()``."""
     M, O = x.shape[0], p.shape[0] * 16
     if threads is None:
-        threads = min(os.cpu_count() or 1, 2)
+        threads = default_threads()
 
     def call(rows: jax.Array) -> jax.Array:
         out = jax.ShapeDtypeStruct((rows.shape[0], O), jnp.float32)
@@ -485,7 +531,7 @@ def _attention(name: str, target: str, out_shape, *args, scale: float, window: i
         raise RuntimeError(f"{name} needs AVX2 + FMA and g++ (check attention_available() first)")
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, jnp.float32), vmap_method="sequential")
     return call(*args, scale=np.float32(scale), softcap=np.float32(softcap or 0.0), window=int(window or 0),
-                threads=min(os.cpu_count() or 1, 2) if threads is None else threads,
+                threads=default_threads() if threads is None else threads,
                 isa=rows_isa() if isa is None else isa)
 
 
