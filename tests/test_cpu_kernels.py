@@ -3,12 +3,16 @@ reach every path of each kernel (column blocks, a column tail, an odd last row, 
 two and four threads): the int8 gemv gives XLA's s8 dot's integers, the weight-only gemv XLA's
 float32 dot's bits at one row, the float32 gemv (each of its vector variants this CPU runs)
 XLA's one-row dots' bits; and the models through them equal the models through XLA's dots,
-token for token. How a call is cut between threads, and the same bits at any thread count
-(four on a machine of two cores too)."""
+token for token. How a call is cut between threads, the same bits at any thread count (four
+on a machine of two cores too), and the libraries' builds: one per source, and under CI=true a
+CPU with the instructions but no library fails the run."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +23,9 @@ from jaxinfer import cpu_kernels as ck
 from jaxinfer import quant
 from jaxinfer.models import packed
 
-needs_int8 = pytest.mark.skipif(not ck.available(), reason="native int8 kernels not built here (need AVX-512BW, g++)")
-needs_f32 = pytest.mark.skipif(not ck.f32_available(), reason="native float32 kernel not built here (needs AVX2, g++)")
+# Skipped where the CPU lacks the instructions (or the library did not build; under CI=true that fails)
+needs_int8 = pytest.mark.usefixtures("int8_kernels")
+needs_f32 = pytest.mark.usefixtures("f32_kernels")
 # f32_gemv's vector variants, each where this CPU runs it (JAXINFER_NATIVE_ISA=avx2 leaves avx2)
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(isa not in ck.isas(), reason=f"no {isa} here"))
         for isa in ck.ISA_FLAGS]
@@ -175,6 +180,71 @@ def test_four_threads_give_the_integers_of_one(M):
         four = np.asarray(f[4](a, w))
         assert ck.split_count("int8_gemv") - before == 4
         np.testing.assert_array_equal(four, one)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _fake_compiler(tmp_path, fails_on: str) -> Path:
+    """A g++ that fails on sources whose name has ``fails_on`` in it (as an old compiler fails
+    on AMX's intrinsics) and hands the rest to the real one."""
+    cxx = tmp_path / "g++"
+    cxx.write_text(f"""#!/bin/sh
+case "$*" in
+  *--version*) exec g++ --version ;;
+  *{fails_on}*) echo "{fails_on}: error: this compiler is too old for it" >&2; exit 1 ;;
+esac
+exec g++ "$@"
+""")
+    cxx.chmod(0o755)
+    return cxx
+
+
+def _env(tmp_path, cxx: Path, ci: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env |= {"CXX": str(cxx), "JAXINFER_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)}
+    if ci:
+        env["CI"] = "true"
+    return env
+
+
+@pytest.mark.skipif(not ck.isas(), reason="this CPU runs no native kernel (no AVX2 + FMA)")
+@pytest.mark.parametrize("ci", [False, True])
+def test_a_failed_build_skips_locally_and_fails_under_ci(tmp_path, ci):
+    """A pytest run whose compiler fails on f32_gemv.cc, on a CPU that runs the kernel: the
+    float32 kernel's tests skip, and under CI=true fail, naming the compiler's error."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+           "tests/test_cpu_kernels.py", "-k", "test_float_rows_out_of_range_are_refused"]
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path, _fake_compiler(tmp_path, "f32_gemv.cc"), ci),
+                       capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    if ci:
+        assert r.returncode == 1, out
+        assert "CI=true and this CPU runs f32_gemv, but f32_gemv did not build or load" in out
+        assert "this compiler is too old for it" in out
+    else:
+        assert r.returncode == 0, out
+        assert "1 skipped" in out and "passed" not in out
+
+
+@pytest.mark.slow  # builds f32_gemv.cc anew (a minute or two)
+@pytest.mark.skipif(not ck.isas(), reason="this CPU runs no native kernel (no AVX2 + FMA)")
+def test_one_source_failing_takes_no_other_library_with_it(tmp_path):
+    """A compiler that fails on paged_attention.cc: the float32 kernels still build and load,
+    and only the attention kernels are off (the engine keeps XLA's readers)."""
+    code = """if True:
+        from jaxinfer import cpu_kernels as ck
+        print(ck.library_state("paged_attention"))
+        print(ck.f32_available(), ck.attention_available())
+    """
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                       env=_env(tmp_path, _fake_compiler(tmp_path, "paged_attention.cc"), ci=False),
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    state, available = r.stdout.strip().splitlines()[-2:]
+    assert "failed=True" in state and "this compiler is too old for it" in state
+    assert available == "True False"
+    assert [p.name.split("-")[0] for p in (tmp_path / "home" / "native").glob("*.so")] == ["f32_gemv"]
 
 
 @needs_int8
