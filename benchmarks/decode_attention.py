@@ -105,7 +105,7 @@ def main():
 
             args = (q, k, v, table, pos)
             fns = {"dense copy": dense} | {name: _reader(s) for name, s in SETTINGS.items()}
-            if ck.f32_available():
+            if ck.attention_available():
                 fns["native kernel"] = _native(k.shape[3] <= ck.ROWS_MAX_PAGE)
             want = np.asarray(dense(*args))
             for f in fns.values():
@@ -114,7 +114,7 @@ def main():
             (kq, ks), (vq, vs) = quantize_kv(k, axis=-2), quantize_kv(v, axis=-1)
             args8 = (q, QuantKV(kq, ks, -2), QuantKV(vq, vs, -1), table, pos)
             fns8 = {"int8 pages, XLA reader": _native(False)}
-            if ck.f32_available():
+            if ck.attention_available():
                 fns8["int8 pages, native kernel"] = _native(True)
             want8 = np.asarray(fns8["int8 pages, XLA reader"](*args8))
             for f in fns8.values():

@@ -4,9 +4,10 @@ tied LM head ([V, D], contracted on D) separately. Every weight is distinct and 
 chained (each input depends on the last output), so the weights stream from memory in order,
 as in a decode or verification step.
 
-    python benchmarks/f32_gemv.py [--rows 1 2 5 8] [--rounds 7] [--threads 2] [--isa avx2]
+    python benchmarks/f32_gemv.py [--rows 1 2 5 8] [--rounds 7] [--threads N] [--isa avx2]
 
-``--isa`` picks the kernel's vector variant (default: the best this CPU runs); ``avx2`` on an
+``--threads`` is the kernel's (default: ``cpu_kernels.default_threads()``, the cores this
+process may run on); XLA's dot uses its own pool, of the same size. ``--isa`` picks the kernel's vector variant (default: the best this CPU runs); ``avx2`` on an
 AVX-512 machine times what an AVX2-only box (AMD EPYC) would run.
 
 Prints, per M and candidate, the median time and the weight bytes read per second. A
@@ -45,14 +46,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 8])
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=ck.default_threads())
     ap.add_argument("--isa", choices=list(ck.ISA_FLAGS), default=None)
     a = ap.parse_args()
     if not ck.f32_available():
         raise SystemExit("the native float32 kernel is not available here (needs AVX2 + FMA and g++)")
     if a.isa is not None and a.isa not in ck.isas():
         raise SystemExit(f"--isa {a.isa} does not run here: {', '.join(ck.isas())}")
-    print(f"isa: {a.isa or ck.isas()[0]}", flush=True)
+    print(f"isa: {a.isa or ck.isas()[0]}, threads: {a.threads}", flush=True)
     rng = np.random.default_rng(0)
     layers = [(jnp.asarray(rng.standard_normal(s, np.float32) * 0.05), False) for s in LAYER * LAYERS]
     head = [(jnp.asarray(rng.standard_normal((V, D), np.float32) * 0.05), True)]

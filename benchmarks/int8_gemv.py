@@ -1,6 +1,6 @@
 """The int8 dots of one batch-1 w8a8 decode token of SmolLM2-135M, alone: XLA's s8 dot (two
 rows, as quant._s8_matmul ran it before) against the native kernel (jaxinfer.cpu_kernels)
-with one and two threads. Every weight is distinct and the calls are chained (each input
+with one thread, two, and one per core this process may run on. Every weight is distinct and the calls are chained (each input
 depends on the last output), so the 134 MB stream from memory in order, as in a decode step.
 
     python benchmarks/int8_gemv.py [--rounds 7]
@@ -51,6 +51,9 @@ def main():
         "native, 1 thread": chain(lambda x, w: ck.int8_gemv(x, w, threads=1)),
         "native, 2 threads": chain(lambda x, w: ck.int8_gemv(x, w, threads=2)),
     }
+    if ck.default_threads() > 2:
+        n = ck.default_threads()
+        cands[f"native, {n} threads"] = chain(lambda x, w: ck.int8_gemv(x, w, threads=n))
     got = {k: int(f(x0, ws)) for k, f in cands.items()}
     assert len(set(got.values())) == 1, got  # the same integers
     times = {k: [] for k in cands}

@@ -41,6 +41,54 @@ def require(module: str):
                     pytrace=False)
 
 
+def require_native(library: str) -> None:
+    """Skip the calling test where the native library ``library`` (a key of
+    ``cpu_kernels.LIBRARIES``) is not loaded: this CPU lacks its instructions, an environment
+    variable turns it off, or it did not build. Under CI=true a CPU that has the instructions
+    but no library fails the test with the build's error instead: a broken toolchain must not
+    pass as a CPU without AVX-512."""
+    from jaxinfer import cpu_kernels
+
+    state = cpu_kernels.library_state(library)
+    if state.loaded:
+        return
+    if state.failed and on_ci():
+        pytest.fail(f"CI=true and this CPU runs {library}, but {state.reason}", pytrace=False)
+    pytest.skip(state.reason)
+
+
+@pytest.fixture
+def int8_kernels():
+    require_native("int8_gemv")
+
+
+@pytest.fixture
+def f32_kernels():
+    require_native("f32_gemv")
+
+
+@pytest.fixture
+def attention_kernels():
+    require_native("paged_attention")
+
+
+@pytest.fixture
+def amx_kernel():
+    from jaxinfer import cpu_kernels
+
+    require_native("int8_amx")
+    if not cpu_kernels.amx_available():
+        pytest.skip("Linux does not grant this process AMX's tile state")
+
+
+@pytest.fixture
+def f32_packed_kernel(f32_kernels):
+    from jaxinfer import cpu_kernels
+
+    if not cpu_kernels.f32_packed_available():
+        pytest.skip("f32_gemm_packed needs AVX-512F (and JAXINFER_NATIVE_F32_PACK unset)")
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     from jaxinfer import registry

@@ -1,7 +1,7 @@
 """The packed float32 kernel (``cpu_kernels.f32_gemm_packed``) against XLA's dot of the same
 weight unpacked, over row counts that reach every path (a group of 1-8 rows, several groups,
 more than one kernel call's 512 rows), column counts with whole 48-column blocks and a last
-block of one or two 16-column panels, one and two threads; the packed layout's round trip;
+block of one or two 16-column panels, one, two and four threads; the packed layout's round trip;
 ``quant.PackedF32`` against the einsums the models run; and a model whose float32 weights are
 packed against the same model through XLA's dots."""
 
@@ -15,12 +15,12 @@ import pytest
 from jaxinfer import cpu_kernels as ck
 from jaxinfer import quant
 
-needs_kernel = pytest.mark.skipif(not ck.f32_packed_available(), reason="no AVX-512 here (or no g++)")
+needs_kernel = pytest.mark.usefixtures("f32_packed_kernel")  # AVX-512F; under CI=true a failed build fails
 
 
 @pytest.mark.parametrize("M,I,O", [(1, 576, 192), (3, 64, 16), (8, 40, 32), (9, 576, 1536), (64, 1536, 576),
                                    (100, 96, 80), (513, 64, 48), (1030, 32, 112)])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 @needs_kernel
 def test_packed_equals_xla_dot(M, I, O, threads):
     rng = np.random.default_rng(M * 1000 + I + O)
@@ -33,6 +33,23 @@ def test_packed_equals_xla_dot(M, I, O, threads):
     np.testing.assert_allclose(np.asarray(jax.jit(ck.f32_gemm_packed_reference)(x, p)), want, rtol=1e-6, atol=1e-6)
     if M == 1:  # one row: one FMA chain per output in order, XLA's one-row dot exactly
         np.testing.assert_array_equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [1, 9, 100])
+def test_four_threads_give_the_bits_of_one(M):
+    """768 columns (16 blocks of 48) at threads=4: four ranges of four blocks, on any machine,
+    each column computed as at one thread."""
+    rng = np.random.default_rng(M)
+    x = jnp.asarray(rng.standard_normal((M, 576)), jnp.float32)
+    p = jax.jit(ck.f32_pack)(jnp.asarray(rng.standard_normal((576, 768)), jnp.float32))
+    f = {t: jax.jit(lambda x, p, t=t: ck.f32_gemm_packed(x, p, threads=t)) for t in (1, 4)}
+    one = np.asarray(f[1](x, p))
+    f[4](x, p).block_until_ready()  # compiled
+    before = ck.split_count("f32_gemv")
+    four = np.asarray(f[4](x, p))
+    assert ck.split_count("f32_gemv") - before == 4
+    np.testing.assert_array_equal(four, one)
 
 
 def test_packed_layout_round_trip():

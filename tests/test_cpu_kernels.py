@@ -1,11 +1,18 @@
 """The native gemv kernels (jaxinfer.cpu_kernels) against their references, over shapes that
-reach every path of each kernel (column blocks, a column tail, an odd last row, 1-4 rows, one
-and two threads): the int8 gemv gives XLA's s8 dot's integers, the weight-only gemv XLA's
+reach every path of each kernel (column blocks, a column tail, an odd last row, 1-4 rows, one,
+two and four threads): the int8 gemv gives XLA's s8 dot's integers, the weight-only gemv XLA's
 float32 dot's bits at one row, the float32 gemv (each of its vector variants this CPU runs)
 XLA's one-row dots' bits; and the models through them equal the models through XLA's dots,
-token for token."""
+token for token. How a call is cut between threads, the same bits at any thread count (four
+on a machine of two cores too), and the libraries' builds: one per source, and under CI=true a
+CPU with the instructions but no library fails the run."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +23,9 @@ from jaxinfer import cpu_kernels as ck
 from jaxinfer import quant
 from jaxinfer.models import packed
 
-needs_int8 = pytest.mark.skipif(not ck.available(), reason="native int8 kernels not built here (need AVX-512BW, g++)")
-needs_f32 = pytest.mark.skipif(not ck.f32_available(), reason="native float32 kernel not built here (needs AVX2, g++)")
+# Skipped where the CPU lacks the instructions (or the library did not build; under CI=true that fails)
+needs_int8 = pytest.mark.usefixtures("int8_kernels")
+needs_f32 = pytest.mark.usefixtures("f32_kernels")
 # f32_gemv's vector variants, each where this CPU runs it (JAXINFER_NATIVE_ISA=avx2 leaves avx2)
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(isa not in ck.isas(), reason=f"no {isa} here"))
         for isa in ck.ISA_FLAGS]
@@ -25,7 +33,7 @@ ISAS = [pytest.param(isa, marks=pytest.mark.skipif(isa not in ck.isas(), reason=
 
 @pytest.mark.parametrize("M,I,O", [(1, 576, 576), (1, 576, 192), (2, 1536, 576), (4, 576, 3072), (3, 577, 1000),
                                    (1, 7, 64), (1, 1, 1), (2, 130, 63), (1, 64, 49152 // 8)])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 @needs_int8
 def test_gemv_equals_xla_s8_dot(M, I, O, threads):
     rng = np.random.default_rng(M * 1000 + I + O)
@@ -38,7 +46,7 @@ def test_gemv_equals_xla_s8_dot(M, I, O, threads):
 
 @pytest.mark.parametrize("M,I,O", [(1, 576, 576), (1, 1536, 576), (2, 576, 3072), (4, 577, 1000), (1, 7, 33),
                                    (3, 64, 49152 // 8)])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 @needs_int8
 def test_weight_only_gemv_equals_xla_float_dot(M, I, O, threads):
     rng = np.random.default_rng(M * 1000 + I + O)
@@ -55,7 +63,7 @@ def test_weight_only_gemv_equals_xla_float_dot(M, I, O, threads):
 @pytest.mark.parametrize("M,I,O", [(2, 576, 960), (5, 576, 3072), (8, 1536, 576), (3, 577, 1000), (7, 7, 33),
                                    (1, 64, 49152 // 8), (6, 130, 63), (4, 1, 1), (10, 576, 960), (16, 1536, 576),
                                    (13, 577, 1000)])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("isa", ISAS)
 @needs_f32
 def test_float_gemv_rows_are_xla_one_row_dots(M, I, O, threads, isa):
@@ -77,7 +85,7 @@ def test_float_gemv_rows_are_xla_one_row_dots(M, I, O, threads, isa):
 @pytest.mark.parametrize("M,I,O", [(2, 576, 4096), (5, 576, 1000), (8, 640, 513), (3, 577, 64), (6, 15, 7),
                                    (7, 16, 30), (1, 576, 2048), (4, 1, 5), (12, 576, 4096), (16, 640, 513),
                                    (9, 15, 7)])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("isa", ISAS)
 @needs_f32
 def test_float_gemv_transposed_equals_xla_dot(M, I, O, threads, isa):
@@ -101,6 +109,142 @@ def test_float_gemv_variants_give_the_same_bits(M):
     w = jnp.asarray(rng.normal(size=(577, 1000)), jnp.float32)
     got = {isa: np.asarray(jax.jit(lambda x, w, isa=isa: ck.f32_gemv(x, w, isa=isa))(x, w)) for isa in ck.isas()}
     np.testing.assert_array_equal(got["avx2"], got["avx512"])
+
+
+def test_default_threads_are_the_cores_this_process_may_run_on():
+    want = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert ck.default_threads() == want
+
+
+@needs_f32
+@pytest.mark.parametrize("width,unit,threads,want", [
+    (3072, 64, 4, [(0, 768), (768, 1536), (1536, 2304), (2304, 3072)]),  # 48 blocks, 12 a range
+    (1000, 48, 4, [(0, 240), (240, 480), (480, 720), (720, 1000)]),  # 20 blocks; the tail with the last
+    (576, 64, 2, [(0, 320), (320, 576)]),  # 9 blocks: the first range one more
+    (576, 64, 4, [(0, 320), (320, 576)]),  # at least 4 blocks a range
+    (9, 1, 4, [(0, 5), (5, 9)]),  # paged_rows' rows
+    (7, 1, 4, [(0, 7)]),
+    (4096, 64, 1, [(0, 4096)]),
+    (49152, 64, 32, [(1536 * k, 1536 * (k + 1)) for k in range(32)]),  # a 32-core server
+])
+def test_a_call_is_cut_into_one_range_per_thread(width, unit, threads, want):
+    assert ck.split_plan(width, unit=unit, threads=threads) == want
+
+
+@needs_f32
+def test_ranges_cover_the_call_in_whole_units():
+    for width in (0, 1, 63, 64, 255, 256, 257, 1000, 4099, 49152):
+        for unit in (1, 16, 48, 64):
+            for threads in (1, 2, 3, 4, 7, 16, 64):
+                ranges = ck.split_plan(width, unit=unit, threads=threads)
+                assert len(ranges) == max(1, min(threads, width // unit // 4))
+                assert ranges[0][0] == 0 and ranges[-1][1] == width
+                assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+                sizes = [c1 - c0 for c0, c1 in ranges[:-1]]
+                assert all(s % unit == 0 for s in sizes)
+                last = ranges[-1][1] - ranges[-1][0] - width % unit
+                assert max(sizes + [last]) - min(sizes + [last]) <= unit
+
+
+@needs_f32
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_four_threads_give_the_bits_of_one(M, transposed):
+    """threads=4 cuts a call into four ranges even on a machine of two cores (the caller runs
+    the ranges XLA's pool does not take), and every output is computed as at one thread."""
+    rng = np.random.default_rng(M + transposed)
+    I, O = 576, 4099
+    x = jnp.asarray(rng.normal(size=(M, I)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(O, I) if transposed else (I, O)), jnp.float32)
+    f = {t: jax.jit(lambda x, w, t=t: ck.f32_gemv(x, w, transposed=transposed, threads=t)) for t in (1, 4)}
+    one = np.asarray(f[1](x, w))
+    f[4](x, w).block_until_ready()  # compiled
+    before = ck.split_count("f32_gemv")
+    four = np.asarray(f[4](x, w))
+    assert ck.split_count("f32_gemv") - before == 4
+    np.testing.assert_array_equal(four, one)
+
+
+@needs_int8
+@pytest.mark.parametrize("M", [1, 4])
+def test_four_threads_give_the_integers_of_one(M):
+    rng = np.random.default_rng(M)
+    x = jnp.asarray(rng.integers(-128, 128, (M, 576)), jnp.int8)
+    w = jnp.asarray(rng.integers(-128, 128, (576, 4099)), jnp.int8)
+    xf = jnp.asarray(rng.normal(size=(M, 576)), jnp.float32)
+    for kernel, a in ((ck.int8_gemv, x), (ck.wo8_gemv, xf)):
+        f = {t: jax.jit(lambda a, w, t=t, kernel=kernel: kernel(a, w, threads=t)) for t in (1, 4)}
+        one = np.asarray(f[1](a, w))
+        f[4](a, w).block_until_ready()
+        before = ck.split_count("int8_gemv")
+        four = np.asarray(f[4](a, w))
+        assert ck.split_count("int8_gemv") - before == 4
+        np.testing.assert_array_equal(four, one)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _fake_compiler(tmp_path, fails_on: str) -> Path:
+    """A g++ that fails on sources whose name has ``fails_on`` in it (as an old compiler fails
+    on AMX's intrinsics) and hands the rest to the real one."""
+    cxx = tmp_path / "g++"
+    cxx.write_text(f"""#!/bin/sh
+case "$*" in
+  *--version*) exec g++ --version ;;
+  *{fails_on}*) echo "{fails_on}: error: this compiler is too old for it" >&2; exit 1 ;;
+esac
+exec g++ "$@"
+""")
+    cxx.chmod(0o755)
+    return cxx
+
+
+def _env(tmp_path, cxx: Path, ci: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env |= {"CXX": str(cxx), "JAXINFER_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)}
+    if ci:
+        env["CI"] = "true"
+    return env
+
+
+@pytest.mark.skipif(not ck.isas(), reason="this CPU runs no native kernel (no AVX2 + FMA)")
+@pytest.mark.parametrize("ci", [False, True])
+def test_a_failed_build_skips_locally_and_fails_under_ci(tmp_path, ci):
+    """A pytest run whose compiler fails on f32_gemv.cc, on a CPU that runs the kernel: the
+    float32 kernel's tests skip, and under CI=true fail, naming the compiler's error."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+           "tests/test_cpu_kernels.py", "-k", "test_float_rows_out_of_range_are_refused"]
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path, _fake_compiler(tmp_path, "f32_gemv.cc"), ci),
+                       capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    if ci:
+        assert r.returncode == 1, out
+        assert "CI=true and this CPU runs f32_gemv, but f32_gemv did not build or load" in out
+        assert "this compiler is too old for it" in out
+    else:
+        assert r.returncode == 0, out
+        assert "1 skipped" in out and "passed" not in out
+
+
+@pytest.mark.slow  # builds f32_gemv.cc anew (a minute or two)
+@pytest.mark.skipif(not ck.isas(), reason="this CPU runs no native kernel (no AVX2 + FMA)")
+def test_one_source_failing_takes_no_other_library_with_it(tmp_path):
+    """A compiler that fails on paged_attention.cc: the float32 kernels still build and load,
+    and only the attention kernels are off (the engine keeps XLA's readers)."""
+    code = """if True:
+        from jaxinfer import cpu_kernels as ck
+        print(ck.library_state("paged_attention"))
+        print(ck.f32_available(), ck.attention_available())
+    """
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                       env=_env(tmp_path, _fake_compiler(tmp_path, "paged_attention.cc"), ci=False),
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    state, available = r.stdout.strip().splitlines()[-2:]
+    assert "failed=True" in state and "this compiler is too old for it" in state
+    assert available == "True False"
+    assert [p.name.split("-")[0] for p in (tmp_path / "home" / "native").glob("*.so")] == ["f32_gemv"]
 
 
 @needs_int8

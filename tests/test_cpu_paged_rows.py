@@ -3,7 +3,7 @@
 prefill row (``cpu_kernels.prefill_row`` against ``prefill_row_attention``). Over float32 and
 int8 pools, one and several queries per row, segments and history pages, windows,
 soft-capping, logical page bases, pages of 8 (decode's plain loop) and 16 or 32 positions,
-head dims of 16 to 256, one and two threads, each vector variant this CPU runs, with pages
+head dims of 16 to 256, one, two and four threads, each vector variant this CPU runs, with pages
 past each row's end and padding tokens poisoned with NaN. Then the tiny model through them
 equals the model through XLA's readers, token for token."""
 
@@ -19,7 +19,8 @@ from jaxinfer.cache import QuantKV
 from jaxinfer.models import packed
 from jaxinfer.quant import quantize_kv
 
-pytestmark = pytest.mark.skipif(not ck.f32_available(), reason="native kernels not built here (need AVX2, g++)")
+# Skipped where the CPU lacks AVX2 + FMA (or the library did not build; under CI=true that fails)
+pytestmark = pytest.mark.usefixtures("attention_kernels")
 VARIANTS = [pytest.param(isa, marks=pytest.mark.skipif(
     isa == "avx512" and ck.rows_isa() != "avx512", reason="no AVX-512 BW/DQ/VL here")) for isa in ("avx512", "avx2")]
 
@@ -60,7 +61,7 @@ def _case(rng, B, T, N, K, H, ps, n, *, int8, base):
     (8, 9, 8, 4, 32, 16, 3),    # more queries per KV head than one register group (4)
 ])
 @pytest.mark.parametrize("int8", [False, True])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 def test_equals_the_reference(B, T, N, K, H, ps, n, int8, threads):
     rng = np.random.default_rng(B * 100 + T * 10 + ps + int8)
     q, (kp, vp), table, base, qpos, end = _case(rng, B, T, N, K, H, ps, n, int8=int8, base=False)
@@ -159,7 +160,7 @@ def _prefill_case(rng, T, N, K, H, ps, lens, hist, *, int8, base):
     (48, 4, 2, 16, 32, [5, 1, 9, 17], 100),    # short segments across query blocks
 ])
 @pytest.mark.parametrize("int8", [False, True])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 def test_prefill_row_equals_the_reference(T, N, K, H, ps, lens, hist, int8, threads):
     rng = np.random.default_rng(T + hist + int8)
     q, k, v, pos, seg, kp, vp, table, base, hist_end = _prefill_case(rng, T, N, K, H, ps, lens, hist, int8=int8,
@@ -185,3 +186,30 @@ def test_prefill_row_windows_softcaps_and_bases(window, softcap, base, isa):
     got = jax.jit(lambda q: ck.prefill_row(q[0], k[0], v[0], pos, seg, kp, vp, table,
                                            None if bases is None else bases[0], hist_end, isa=isa, **opts))(q)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want)[0], rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_four_threads_give_the_bits_of_one(int8):
+    """16 decode rows and a prefill row of 24 (query block, KV head) items at threads=4: four
+    ranges of items even on a machine of two cores (the caller runs what XLA's pool does not
+    take), each item computed alone as at one thread, so the same bits."""
+    rng = np.random.default_rng(16 + int8)
+    q, (kp, vp), table, base, qpos, end = _case(rng, 16, 2, 8, 2, 64, 16, 4, int8=int8, base=True)
+    extra = {"k_scale": kp.scale, "v_scale": vp.scale} if int8 else {}
+    ka, va = (kp.values, vp.values) if int8 else (kp, vp)
+    rows = {t: jax.jit(lambda q, t=t: ck.paged_rows(q, ka, va, table, base, qpos, end, scale=0.125, threads=t,
+                                                    **extra)) for t in (1, 4)}
+    q2, k, v, pos, seg, kp2, vp2, table2, _, hist_end = _prefill_case(rng, 128, 9, 3, 64, 16, [40, 30, 20], 37,
+                                                                      int8=int8, base=False)
+    extra2 = {"k_scale": kp2.scale, "v_scale": vp2.scale} if int8 else {}
+    pools = (kp2.values, vp2.values) if int8 else (kp2, vp2)
+    prefill = {t: jax.jit(lambda q, t=t: ck.prefill_row(q[0], k[0], v[0], pos, seg, *pools, table2, None, hist_end,
+                                                        scale=0.125, threads=t, **extra2)) for t in (1, 4)}
+    for fns, x in ((rows, q), (prefill, q2)):
+        one = np.asarray(fns[1](x))
+        fns[4](x).block_until_ready()  # compiled
+        before = ck.split_count("paged_attention")
+        four = np.asarray(fns[4](x))
+        assert ck.split_count("paged_attention") - before == 4
+        assert not np.isnan(four).any()
+        np.testing.assert_array_equal(four, one)

@@ -41,16 +41,27 @@ rows and its prefill row, reading the pages where they lie (``paged_attention.cc
 references are ``models.packed.paged_rows_attention`` and ``prefill_row_attention`` as XLA
 runs them; they agree to float32 rounding (the sums run in another order).
 
-The C++ sources are compiled on first use with the machine's g++ against jaxlib's FFI headers
-into ``$JAXINFER_HOME/native/`` (keyed by a hash of the sources, the compiler command and the
-jaxlib version), then registered with XLA, where the CPU has at least AVX2 and FMA. Two
-questions are answered apart, and callers keep the references where the answer is no:
-``available()``, whether the int8 kernels are usable (their vector loops need AVX-512BW),
-``f32_available()``, whether the float32 kernel is (AVX2 + FMA or AVX-512F), and
-``amx_available()``, whether int8_amx is (AMX-INT8, and Linux grants the process its tiles). ``active()`` and
-``f32_active()`` add that the trace is for a one-device CPU backend.
+Each C++ source is compiled on first use, as a shared library of its own (``LIBRARIES``; a
+compiler too old for one source, AMX's, costs only that one), with the machine's g++ against
+jaxlib's FFI headers into ``$JAXINFER_HOME/native/`` (keyed by a hash of the source and headers,
+the compiler command, the compiler's ``--version`` and the jaxlib version), then registered with
+XLA, where the CPU has the library's instructions. The questions are answered per library, and
+callers keep the references where the answer is no: ``available()``, whether the int8 kernels
+are usable (their vector loops need AVX-512BW), ``f32_available()``, whether the float32 kernels
+are (AVX2 + FMA or AVX-512F), ``attention_available()``, whether the attention kernels are (the
+same), and ``amx_available()``, whether int8_amx is (AMX-INT8, and Linux grants the process its
+tiles). ``library_state(name)`` says why one is not: the CPU lacks its instructions, or it failed
+to build (with the compiler's error). ``active()``, ``f32_active()`` and ``attention_active()``
+add that the trace is for a one-device CPU backend.
 
-Two environment variables, each read once per process: ``JAXINFER_NATIVE_GEMV=0`` turns all
+Each call runs on ``threads`` threads, by default ``default_threads()``: the cores this process
+may run on. A call cuts its output columns (or rows, or attention items) into one contiguous
+range of whole column blocks per thread, at least four blocks each (``split_plan``); the calling
+thread runs the first and XLA's intra-op pool, which XLA sizes to the same cores, the others
+(``gemv_split.h``; ``split_count`` counts the ranges). The cut never changes which code computes
+an output, so the results are the same bits at any thread count.
+
+Environment variables, each read once per process: ``JAXINFER_NATIVE_GEMV=0`` turns all
 the native kernels off; ``JAXINFER_NATIVE_ISA=avx2`` makes them act as on an AVX2-only box
 (the float32 kernel's AVX2 variant by default, no int8 kernels), to test and time that path on
 an AVX-512 machine; ``JAXINFER_NATIVE_AMX=0`` leaves w8a8 weights unpacked, on XLA's dots and
@@ -60,6 +71,7 @@ int8_gemv, as on a VNNI box without AMX.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -73,7 +85,6 @@ import jax.numpy as jnp
 import numpy as np
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "int8_gemv.cc", _HERE / "f32_gemv.cc", _HERE / "paged_attention.cc", _HERE / "int8_amx.cc"]
 HEADERS = [_HERE / "gemv_split.h", _HERE / "paged_attention_body.h"]
 TARGET = "jaxinfer_int8_gemv"
 WO8_TARGET = "jaxinfer_wo8_gemv"
@@ -92,7 +103,25 @@ MAX_ROWS = 4  # int8_gemv, wo8_gemv
 F32_MAX_ROWS = 16  # f32_gemv: a verification step's k + 1 rows, decode batches of up to 16
 # f32_gemv's vector variants, best first, and the CPU flags each needs.
 ISA_FLAGS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma"}}
+# The libraries, one per source file (one that fails to compile takes no other with it), and
+# the XLA targets each registers: its handler symbols of the same names.
+LIBRARIES = {
+    "int8_gemv": (TARGET, WO8_TARGET),
+    "f32_gemv": (F32_TARGET, F32_T_TARGET, F32_PACKED_TARGET),
+    "paged_attention": (ROWS_TARGET, ROWS_I8_TARGET, PREFILL_TARGET, PREFILL_I8_TARGET),
+    "int8_amx": (AMX_TARGET,),
+}
 _lock = threading.Lock()
+
+
+def default_threads() -> int:
+    """The threads a kernel call runs on by default: the cores this process may run on
+    (its CPU affinity, as ``taskset`` or a container's cpuset leave it), else all of the
+    machine's. XLA sizes the intra-op pool the kernels hand their work to the same way."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS, Windows)
+        return max(1, os.cpu_count() or 1)
 
 
 def _cpu_flags() -> set[str]:
@@ -105,25 +134,44 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _command(out: Path) -> list[str]:
-    return [os.environ.get("CXX", "g++"), "-O3", "-std=c++17", "-shared", "-fPIC",
-            f"-I{jax.ffi.include_dir()}", f"-I{_HERE}", *map(str, SOURCES), "-o", str(out)]
+def _compiler() -> str:
+    return os.environ.get("CXX", "g++")
 
 
-def _build() -> Path:
+def _command(source: Path, out: Path) -> list[str]:
+    return [_compiler(), "-O3", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", f"-I{_HERE}",
+            str(source), "-o", str(out)]
+
+
+@functools.cache
+def _compiler_version() -> str:
+    """``$CXX --version`` (its first lines name the compiler and its version): part of the
+    build key, so a compiler upgrade rebuilds the libraries."""
+    p = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=60)
+    if p.returncode != 0:
+        raise RuntimeError(f"{_compiler()} --version failed:\n{p.stderr[-2000:]}")
+    return p.stdout
+
+
+def _build(name: str) -> Path:
+    """Compile ``{name}.cc`` into ``$JAXINFER_HOME/native/{name}-{key}.so`` unless that is
+    there, key a hash of the source, the headers, the compiler command, the compiler's version
+    and jaxlib's version."""
     from jaxinfer import registry
 
     import jaxlib
 
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS) + " ".join(_command(Path("x"))).encode()
+    source = _HERE / f"{name}.cc"
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in [source, *HEADERS])
+                         + " ".join(_command(source, Path("x"))).encode() + _compiler_version().encode()
                          + jaxlib.__version__.encode()).hexdigest()[:16]
-    out = registry.home() / "native" / f"gemv-{key}.so"
+    out = registry.home() / "native" / f"{name}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        p = subprocess.run(_command(tmp), capture_output=True, text=True)
+        p = subprocess.run(_command(source, tmp), capture_output=True, text=True)
         if p.returncode != 0:
-            raise RuntimeError(f"building {', '.join(f.name for f in SOURCES)} failed:\n{p.stderr[-2000:]}")
+            raise RuntimeError(f"building {source.name} failed:\n{p.stderr[-2000:]}")
         tmp.replace(out)  # atomic: a concurrent build by another process is harmless
     return out
 
@@ -139,48 +187,107 @@ def isas() -> tuple[str, ...]:
     return tuple(isa for isa in allowed if ISA_FLAGS[isa] <= _cpu_flags())
 
 
-def _registered() -> bool:
-    """Whether the library is built and its handlers registered with XLA (once per process):
-    where the native kernels are not turned off, some vector variant runs here, and g++ works."""
-    return _library() is not None
+def _not_for_here(name: str) -> str | None:
+    """Why library ``name`` is not wanted here (the CPU lacks its instructions, or an
+    environment variable turns it off), or None where it should be built."""
+    if os.environ.get("JAXINFER_NATIVE_GEMV", "1") == "0":
+        return "JAXINFER_NATIVE_GEMV=0 turns the native kernels off"
+    capped = " (JAXINFER_NATIVE_ISA caps the CPU)" if os.environ.get("JAXINFER_NATIVE_ISA") else ""
+    if name in ("f32_gemv", "paged_attention"):
+        return None if isas() else f"{name} needs AVX2 + FMA or AVX-512F{capped}"
+    if name == "int8_amx" and os.environ.get("JAXINFER_NATIVE_AMX", "1") == "0":
+        return "JAXINFER_NATIVE_AMX=0 turns int8_amx off"
+    needs = {"int8_gemv": ("avx512bw",), "int8_amx": ("avx512bw", *sorted(AMX_FLAGS))}[name]
+    if "avx512" not in isas() or not set(needs) <= _cpu_flags():
+        names = {"avx512bw": "AVX-512BW", "amx_tile": "AMX-TILE", "amx_int8": "AMX-INT8"}
+        return f"{name} needs AVX-512F, {', '.join(names[f] for f in needs)}{capped}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class LibraryState:
+    """Where a native library stands in this process (``library_state``)."""
+
+    loaded: bool  # built, loaded and its handlers registered with XLA
+    failed: bool  # wanted here (the CPU has its instructions) but it did not build or load
+    reason: str  # why it is not loaded: the missing instructions, or the build's error; "" if loaded
 
 
 @functools.cache
-def _library():
-    """The built library with its handlers registered with XLA, or None (see _registered)."""
-    if os.environ.get("JAXINFER_NATIVE_GEMV", "1") == "0" or not isas():
-        return None
+def _load(name: str):
+    """(the loaded library with its handlers registered with XLA, None) or (None, its
+    LibraryState), once per process."""
+    if name not in LIBRARIES:
+        raise ValueError(f"{name=}: one of {', '.join(LIBRARIES)}")
+    why = _not_for_here(name)
+    if why is not None:
+        return None, LibraryState(loaded=False, failed=False, reason=why)
     with _lock:
         try:
-            lib = ctypes.cdll.LoadLibrary(str(_build()))
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxinfer_int8_gemv), platform="cpu")
-            jax.ffi.register_ffi_target(WO8_TARGET, jax.ffi.pycapsule(lib.jaxinfer_wo8_gemv), platform="cpu")
-            jax.ffi.register_ffi_target(F32_TARGET, jax.ffi.pycapsule(lib.jaxinfer_f32_gemv), platform="cpu")
-            jax.ffi.register_ffi_target(F32_T_TARGET, jax.ffi.pycapsule(lib.jaxinfer_f32_gemv_t), platform="cpu")
-            jax.ffi.register_ffi_target(ROWS_TARGET, jax.ffi.pycapsule(lib.jaxinfer_paged_rows), platform="cpu")
-            jax.ffi.register_ffi_target(ROWS_I8_TARGET, jax.ffi.pycapsule(lib.jaxinfer_paged_rows_i8), platform="cpu")
-            jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(lib.jaxinfer_prefill_row), platform="cpu")
-            jax.ffi.register_ffi_target(PREFILL_I8_TARGET, jax.ffi.pycapsule(lib.jaxinfer_prefill_row_i8),
-                                        platform="cpu")
-            jax.ffi.register_ffi_target(F32_PACKED_TARGET, jax.ffi.pycapsule(lib.jaxinfer_f32_gemm_packed),
-                                        platform="cpu")
-            jax.ffi.register_ffi_target(AMX_TARGET, jax.ffi.pycapsule(lib.jaxinfer_int8_amx), platform="cpu")
-        except Exception as e:  # no compiler, a broken toolchain: XLA's dot serves
-            print(f"jaxinfer: native gemv kernels unavailable, using XLA's dots ({e})", file=sys.stderr)
-            return None
-    return lib
+            lib = ctypes.cdll.LoadLibrary(str(_build(name)))
+            for target in LIBRARIES[name]:
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+        except Exception as e:  # no compiler, a compiler too old for the source: XLA's dots serve
+            print(f"jaxinfer: native {name} kernels unavailable, using XLA ({e})", file=sys.stderr)
+            return None, LibraryState(loaded=False, failed=True, reason=f"{name} did not build or load: {e}")
+    return lib, LibraryState(loaded=True, failed=False, reason="")
+
+
+def library_state(name: str) -> LibraryState:
+    """Whether library ``name`` (a key of ``LIBRARIES``) is loaded here, building it on first
+    use, and if not, whether that is the CPU's doing (or an environment variable's) or a
+    failed build's."""
+    return _load(name)[1]
+
+
+def _library(name: str):
+    return _load(name)[0]
+
+
+def split_plan(width: int, *, unit: int, threads: int, library: str = "f32_gemv") -> list[tuple[int, int]]:
+    """The column ranges [c0, c1) a kernel call cuts ``width`` outputs in units of ``unit``
+    into at ``threads`` threads, one range per thread (``gemv_split.h``), as the loaded
+    ``library`` computes them."""
+    lib = _library(library)
+    if lib is None:
+        raise RuntimeError(f"split_plan: {library_state(library).reason}")
+    if unit < 1 or threads < 1 or width < 0:
+        raise ValueError(f"split_plan needs unit >= 1, threads >= 1 and width >= 0, got {unit=}, {threads=}, {width=}")
+    bounds = (ctypes.c_int64 * (min(threads, max(1, width // unit)) + 1))()
+    fn = lib.jaxinfer_split_plan
+    fn.restype = ctypes.c_int64
+    parts = fn(ctypes.c_int64(width), ctypes.c_int64(unit), ctypes.c_int64(threads), bounds)
+    return [(bounds[k], bounds[k + 1]) for k in range(parts)]
+
+
+def split_count(library: str) -> int:
+    """How many ranges the calls of the loaded ``library`` have been cut into so far in this
+    process (a call left whole counts one): its difference over one call is how many threads
+    that call shared its work among, the caller's included."""
+    lib = _library(library)
+    if lib is None:
+        raise RuntimeError(f"split_count: {library_state(library).reason}")
+    fn = lib.jaxinfer_split_count
+    fn.restype = ctypes.c_int64
+    return fn()
 
 
 def available() -> bool:
     """Whether the int8 kernels (int8_gemv, wo8_gemv) are registered and worth calling here:
     their vector loops need AVX-512F and AVX-512BW (elsewhere they would run their scalar
     loops, slower than XLA's dot)."""
-    return "avx512" in isas() and "avx512bw" in _cpu_flags() and _registered()
+    return library_state("int8_gemv").loaded
 
 
 def f32_available() -> bool:
-    """Whether the float32 kernel (f32_gemv) is registered here: AVX2 + FMA or AVX-512F."""
-    return _registered()
+    """Whether the float32 kernels (f32_gemv) are registered here: AVX2 + FMA or AVX-512F."""
+    return library_state("f32_gemv").loaded
+
+
+def attention_available() -> bool:
+    """Whether the attention kernels (paged_rows, prefill_row) are registered here: AVX2 + FMA
+    or AVX-512F."""
+    return library_state("paged_attention").loaded
 
 
 def _one_cpu_device() -> bool:
@@ -200,16 +307,18 @@ def f32_active() -> bool:
     return _one_cpu_device() and f32_available()
 
 
+def attention_active() -> bool:
+    """Whether the trace being built may call the attention kernels: a one-device CPU backend
+    where they are available."""
+    return _one_cpu_device() and attention_available()
+
+
 @functools.cache
 def amx_available() -> bool:
     """Whether int8_amx runs here: the CPU has AMX-INT8 (Sapphire Rapids and later), Linux
     grants this process AMX's tile state, the library is built, and neither
     ``JAXINFER_NATIVE_AMX=0`` nor ``JAXINFER_NATIVE_ISA=avx2`` turns it off."""
-    if os.environ.get("JAXINFER_NATIVE_AMX", "1") == "0" or "avx512" not in isas():
-        return False
-    if not AMX_FLAGS <= _cpu_flags():
-        return False
-    lib = _library()
+    lib = _library("int8_amx")
     return lib is not None and lib.jaxinfer_amx_ready() == 1
 
 
@@ -256,7 +365,7 @@ def int8_amx(xq: jax.Array, p: jax.Array, *, threads: int | None = None) -> jax.
         raise RuntimeError("int8_amx needs AMX-INT8 and g++ (check amx_available() first)")
     O = p.shape[0] * 16
     if threads is None:
-        threads = min(os.cpu_count() or 1, 2)
+        threads = default_threads()
     call = jax.ffi.ffi_call(AMX_TARGET, jax.ShapeDtypeStruct((xq.shape[0], O), jnp.int32), vmap_method="sequential")
     return call(xq.astype(jnp.int8), p, threads=threads)
 
@@ -274,15 +383,16 @@ def _gemv(target: str, x: jax.Array, w: jax.Array, x_dtype, out_dtype, threads: 
     if not available():
         raise RuntimeError(f"{target} needs AVX-512BW and g++ (check available() first)")
     if threads is None:
-        threads = min(os.cpu_count() or 1, 2)
+        threads = default_threads()
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, O), out_dtype), vmap_method="sequential")
     return call(x.astype(x_dtype), w.astype(jnp.int8), threads=threads)
 
 
 def int8_gemv(xq: jax.Array, w: jax.Array, *, threads: int | None = None) -> jax.Array:
     """int8 [M, I] @ int8 [I, O] -> int32 [M, O] (M <= 4) through the native kernel; call
-    only where ``available()``. ``threads`` (default: 2 where there are 2 cores) > 1 offers
-    half the columns of a weight at least 512 wide to XLA's intra-op thread pool."""
+    only where ``available()``. ``threads`` (default: ``default_threads()``) > 1 cuts the
+    columns of a weight at least 512 wide into up to that many ranges of at least 256 columns,
+    all but the first offered to XLA's intra-op thread pool (``split_plan``)."""
     return _gemv(TARGET, xq, w, jnp.int8, jnp.int32, threads)
 
 
@@ -319,7 +429,7 @@ def f32_gemv(x: jax.Array, w: jax.Array, *, transposed: bool = False, threads: i
     if isa not in isas():
         raise ValueError(f"{isa=} does not run here: one of {isas()}")
     if threads is None:
-        threads = min(os.cpu_count() or 1, 2)
+        threads = default_threads()
     call = jax.ffi.ffi_call(F32_T_TARGET if transposed else F32_TARGET, jax.ShapeDtypeStruct((M, O), jnp.float32),
                             vmap_method="sequential")
     return call(x.astype(jnp.float32), w.astype(jnp.float32), threads=threads, isa=isa)
@@ -329,7 +439,7 @@ def f32_gemv(x: jax.Array, w: jax.Array, *, transposed: bool = False, threads: i
 def f32_packed_available() -> bool:
     """Whether f32_gemm_packed runs here: AVX-512F, the library built, and
     ``JAXINFER_NATIVE_F32_PACK=0`` not set."""
-    return os.environ.get("JAXINFER_NATIVE_F32_PACK", "1") != "0" and "avx512" in isas() and _registered()
+    return os.environ.get("JAXINFER_NATIVE_F32_PACK", "1") != "0" and "avx512" in isas() and f32_available()
 
 
 def f32_packed_active() -> bool:
@@ -360,7 +470,7 @@ def f32_gemm_packed(x: jax.Array, p: jax.Array, *, threads: int | None = None) -
     per kernel call); call only where ``f32_packed_available()``."""
     M, O = x.shape[0], p.shape[0] * 16
     if threads is None:
-        threads = min(os.cpu_count() or 1, 2)
+        threads = default_threads()
 
     def call(rows: jax.Array) -> jax.Array:
         out = jax.ShapeDtypeStruct((rows.shape[0], O), jnp.float32)
@@ -398,7 +508,7 @@ def paged_rows(q, k, v, table, base, qpos, end, *, scale: float, window: int | N
     [P, K, H, ps] and v [P, K, ps, H] (float32; or int8 with ``k_scale``/``v_scale`` f32[P, K,
     ps]), column c holding logical page base[b] + c, positions < end[b] written -> f32[B, T, N,
     H]. The semantics of ``models.packed.paged_rows_attention`` without ``own`` (its
-    reference); call only where ``f32_available()``."""
+    reference); call only where ``attention_available()``."""
     if k.shape[3] > ROWS_MAX_PAGE:
         raise ValueError(f"paged_rows takes pages of at most {ROWS_MAX_PAGE} positions, got {k.shape[3]}")
     base = jnp.zeros((q.shape[0],), jnp.int32) if base is None else base
@@ -417,11 +527,11 @@ def _attention(name: str, target: str, out_shape, *args, scale: float, window: i
                threads: int | None, isa: str | None) -> jax.Array:
     """Call the attention handler ``target`` of ``paged_attention.cc`` on ``args`` (in its
     order) with the attributes both kernels take -> f32 ``out_shape``."""
-    if not f32_available():
-        raise RuntimeError(f"{name} needs AVX2 + FMA and g++ (check f32_available() first)")
+    if not attention_available():
+        raise RuntimeError(f"{name} needs AVX2 + FMA and g++ (check attention_available() first)")
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, jnp.float32), vmap_method="sequential")
     return call(*args, scale=np.float32(scale), softcap=np.float32(softcap or 0.0), window=int(window or 0),
-                threads=min(os.cpu_count() or 1, 2) if threads is None else threads,
+                threads=default_threads() if threads is None else threads,
                 isa=rows_isa() if isa is None else isa)
 
 
@@ -440,7 +550,7 @@ def prefill_row(q, k, v, pos, seg, kpool, vpool, table, base, hist_end, *, scale
     logical page base + c) of the pools kpool [P, K, H, ps], vpool [P, K, ps, H] (float32, or
     int8 with ``k_scale``/``v_scale``) -> f32[T, N, H]. The semantics of
     ``models.packed.prefill_row_attention`` (its reference); call only where
-    ``f32_available()`` and ``prefill_row_fits``."""
+    ``attention_available()`` and ``prefill_row_fits``."""
     if not prefill_row_fits(q.shape[0], q.shape[2], kpool.shape[3]):
         raise ValueError(f"prefill_row: the row ({q.shape[0]}), head dim ({q.shape[2]}) and page size "
                          f"({kpool.shape[3]}) must be multiples of 16")

@@ -438,11 +438,7 @@ ffi::Error f32_gemv(bool transposed, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F
   const Job all{fn, x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O};
   const int m = static_cast<int>(M);
   const int64_t unit = transposed ? 16 * oi_rows_at_a_time(isa, m) : io_cols(isa, m);
-  if (threads > 1) {
-    split_run(all, unit, pool);
-  } else {
-    run(all);
-  }
+  split_run(all, unit, threads, pool);
   return ffi::Error::Success();
 }
 
@@ -465,11 +461,7 @@ ffi::Error F32GemmPacked(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::
   if (M < 1 || M > 8 * kMaxGroups) return ffi::Error::InvalidArgument("f32_gemm_packed: 1 to 512 rows");
   if (!cpu_has(Isa::kAvx512)) return ffi::Error::InvalidArgument("f32_gemm_packed: needs AVX-512");
   const Job all{run_packed, x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O};
-  if (threads > 1) {
-    split_run(all, 48, pool);
-  } else {
-    run(all);
-  }
+  split_run(all, 48, threads, pool);
   return ffi::Error::Success();
 }
 

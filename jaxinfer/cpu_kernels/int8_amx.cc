@@ -142,11 +142,7 @@ ffi::Error Int8Amx(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w, ffi::ResultBu
     return ffi::Error::InvalidArgument("int8_amx: the packed weight does not match x [M, I] and out [M, O]");
   if (M == 0) return ffi::Error::Success();
   const Job all{run_amx, x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O};
-  if (threads > 1) {
-    split_run(all, 32, pool);  // O past a multiple of 32 (16 columns) runs as the caller's tail
-  } else {
-    run(all);
-  }
+  split_run(all, 32, threads, pool);  // O past a multiple of 32 (16 columns) runs with the last range
   return ffi::Error::Success();
 }
 

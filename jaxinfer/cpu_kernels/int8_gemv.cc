@@ -15,8 +15,9 @@
 // x[k] w[k, o] + x[k+1] w[k+1, o]. |x|, |w| <= 128, so a pair is at most 2^15 and int32 holds
 // any realistic I. A column block of 64 outputs is four accumulators whose lanes are a fixed
 // permutation of the 64 outputs (unpack works within 128-bit lanes), undone when stored.
-// The column blocks are split between the calling thread and a task offered to XLA's own
-// intra-op thread pool (the FFI's ThreadPool context). Measured against the alternatives: a
+// The column blocks are split into one contiguous range per thread: the calling thread runs the
+// first, the others are offered to XLA's own intra-op thread pool (the FFI's ThreadPool context;
+// gemv_split.h). Measured on two cores against the alternatives: a
 // helper thread of our own that spun between calls fought XLA's spinning pool threads for the
 // two cores (57 tok/s at batch 1, against 68-75 this way), and two custom calls on column
 // windows left to XLA's executor to overlap were slower still.
@@ -155,11 +156,7 @@ ffi::Error gemv(void (*fn)(const Job&), const char* what, X x, ffi::Buffer<ffi::
   const int64_t M = xd[0], I = xd[1], O = wd[1];
   if (M < 1 || M > kMaxRows) return ffi::Error::InvalidArgument(std::string(what) + ": 1 to 4 rows");
   const Job all{fn, x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O};
-  if (threads > 1) {
-    split_run(all, unit, pool);
-  } else {
-    run(all);
-  }
+  split_run(all, unit, threads, pool);
   return ffi::Error::Success();
 }
 

@@ -22,7 +22,8 @@
 // The loops are plain C++ written for the compiler's vectorizer (ps-wide and H-wide inner
 // loops, an exp by range reduction and a polynomial), compiled once per vector variant
 // (AVX-512 and AVX2 + FMA, as f32_gemv.cc). Items are split between the caller and XLA's
-// thread pool (gemv_split.h), even items to one, odd to the other, so long and short rows mix.
+// thread pool (gemv_split.h), dealt round-robin (of n threads, one takes items 0, n, 2n, ..., the
+// next 1, n + 1, ...), so long and short rows mix.
 // Results equal the reference to float32 rounding (the sums run in another order).
 
 #include <immintrin.h>
@@ -136,11 +137,7 @@ ffi::Error paged_rows(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer 
   void (*fn)(const Job&) = isa == "avx512" ? (int8 ? avx512::run_i8 : avx512::run_f32)
                                            : (int8 ? avx2::run_i8 : avx2::run_f32);
   const Job all{fn, &r, nullptr, nullptr, 0, 0, r.B, 0, r.B};  // one item per row
-  if (threads > 1) {
-    split_run(all, 1, pool);
-  } else {
-    fn(all);
-  }
+  split_run(all, 1, threads, pool);
   return ffi::Error::Success();
 }
 
@@ -179,11 +176,7 @@ ffi::Error prefill_row(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Bu
                                            : (int8 ? avx2::prefill_i8 : avx2::prefill_f32);
   const int64_t items = T / 16 * K;
   const Job all{fn, &r, nullptr, nullptr, 0, 0, items, 0, items};
-  if (threads > 1) {
-    split_run(all, 1, pool);
-  } else {
-    fn(all);
-  }
+  split_run(all, 1, threads, pool);
   return ffi::Error::Success();
 }
 

@@ -99,11 +99,14 @@ __attribute__((always_inline)) inline void finish(const float* acc, const float*
   for (int64_t h = 0; h < H; ++h) dst[h] = acc[h] * inv;
 }
 
-// A job's item i of n: even ones in its first half, odd ones in its second (split_run gives the
-// pool the second half), so items of different cost mix between the two threads.
-__attribute__((always_inline)) inline int64_t interleaved(int64_t i, int64_t n) {
-  const int64_t half = (n + 1) / 2;
-  return i < half ? 2 * i : 2 * (i - half) + 1;
+// Which item of n the job's i-th is, where split_run cut the n into `parts` ranges (the first
+// n % parts of them one longer): range k holds items k, k + parts, k + 2 parts, ..., so items of
+// different cost mix between the threads. At one part, item i.
+__attribute__((always_inline)) inline int64_t interleaved(int64_t i, int64_t n, int64_t parts) {
+  const int64_t q = n / parts, extra = n % parts, long_ones = extra * (q + 1);
+  const int64_t k = i < long_ones ? i / (q + 1) : extra + (i - long_ones) / q;
+  const int64_t at = i < long_ones ? i % (q + 1) : (i - long_ones) % q;
+  return at * parts + k;
 }
 
 // One (row, KV head) item. acc [M, H], m, l [M] are the caller's scratch (M = T * G).
@@ -463,9 +466,9 @@ __attribute__((always_inline)) inline void run_items(const Job& j) {
   float *acc = scratch.data(), *qm = acc + KM * r.H, *mx = qm + KM * r.H, *sum = mx + KM;
   const bool fast = r.ps % 16 == 0 && r.H % 16 == 0;
   for (int64_t i = j.c0; i < j.c1; ++i) {
-    const int64_t b = interleaved(i, r.B);
+    const int64_t b = interleaved(i, r.B, j.parts);
     if (fast && i + 1 < j.c1) {  // the next row's first pages (within a row, row16 runs ahead)
-      for (int64_t c = 0; c < std::min(kAheadPages, r.n); ++c) prefetch_page<kInt8>(r, interleaved(i + 1, r.B), c);
+      for (int64_t c = 0; c < std::min(kAheadPages, r.n); ++c) prefetch_page<kInt8>(r, interleaved(i + 1, r.B, j.parts), c);
     }
     if (fast) {
       row16<kInt8>(r, b, acc, qm, mx, sum);
@@ -550,7 +553,7 @@ __attribute__((always_inline)) inline void run_prefill(const Job& j) {
   float *acc = scratch.data(), *qm = acc + 16 * G * r.H, *mx = qm + 16 * G * r.H, *sum = mx + 16 * G;
   float* kt = sum + 16 * G;
   for (int64_t i = j.c0; i < j.c1; ++i) {
-    const int64_t w = interleaved(i, r.T / 16 * r.K);
+    const int64_t w = interleaved(i, r.T / 16 * r.K, j.parts);
     prefill_item<kInt8>(r, w / r.K, w % r.K, acc, qm, mx, sum, kt);
   }
 }

@@ -307,7 +307,7 @@ def native_rows(kpool, vpool) -> bool:
     ``paged_rows_attention`` and ``prefill_row_attention``): ``NATIVE_ROWS``, a one-device CPU
     backend where they build, float32 or int8 pools, pages of at most 64 positions (the prefill
     kernel also checks its own shapes, ``cpu_kernels.prefill_row_fits``)."""
-    if not NATIVE_ROWS or not cpu_kernels.f32_active():
+    if not NATIVE_ROWS or not cpu_kernels.attention_active():
         return False
     if isinstance(kpool, QuantKV):
         return kpool.axis == -2 and vpool.axis == -1 and kpool.shape[3] <= cpu_kernels.ROWS_MAX_PAGE
