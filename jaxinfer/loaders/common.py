@@ -168,8 +168,19 @@ def _read_weight(shape, dtype, sharding, name, transpose, fetch, stored: StoredT
 
 def _cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``a`` as ``dtype``: itself when it already is (a bfloat16 tensor loaded as bfloat16 is
-    never widened), else one pass in its memory order."""
-    return a if a.dtype == dtype else a.astype(dtype)
+    never widened), else one pass in its memory order into a ``hostmem.mapped_empty`` array
+    (C or Fortran order, as ``a``; a transposed one is laid out by device_put, several times
+    faster than a numpy transposing copy)."""
+    if a.dtype == dtype:
+        return a
+    if a.flags.c_contiguous:
+        out = mapped_empty(a.shape, dtype)
+    elif a.flags.f_contiguous:
+        out = mapped_empty(a.shape[::-1], dtype).T
+    else:
+        return a.astype(dtype)
+    out[...] = a
+    return out
 
 
 def _stored_box(stored, transpose: bool, shape, bounds) -> tuple[slice, ...] | None:
