@@ -6,7 +6,7 @@ memory at a time, no torch or transformers), an index, ``config.json`` and a sma
 (``VmHWM``, reset once jax and jaxinfer are imported and the devices are up) above its resident
 memory at that point, beside the bytes of the loaded weights and of each device's part of them.
 
-    python -m tests.random_hf measure DIR --dtype bfloat16 [--tp 2]
+    python tests/random_hf.py measure DIR --dtype bfloat16 [--tp 2]
 
 prints that report as one JSON line.
 """
@@ -146,14 +146,17 @@ def _write_tokenizer(path: Path) -> None:
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True}))
 
 
-def measure_load(path, *, dtype: str, tp: int = 1, timeout: float = 600) -> dict:
+def measure_load(path, *, dtype: str, tp: int = 1, tree=None, timeout: float = 600) -> dict:
     """Load ``path`` in a fresh process (``tp`` virtual CPU devices, the weights split over
-    them as ``LLM(tensor_parallel_size=tp)`` splits them) and return its report."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(_ROOT),
+    them as ``LLM(tensor_parallel_size=tp)`` splits them) and return its report. tree: the
+    source tree whose jaxinfer loads it (default this one)."""
+    pythonpath = os.pathsep.join(str(p) for p in ([tree] if tree else []) + [_ROOT])
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=pythonpath,
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={tp}")
-    out = subprocess.run([sys.executable, "-m", "tests.random_hf", "measure", str(path), "--dtype", dtype,
-                          "--tp", str(tp)], env=env, cwd=_ROOT, capture_output=True, text=True,
-                         timeout=timeout)
+    # Run as a script, not with -m: that would put the working directory, and its jaxinfer,
+    # ahead of PYTHONPATH.
+    out = subprocess.run([sys.executable, __file__, "measure", str(path), "--dtype", dtype, "--tp", str(tp)],
+                         env=env, capture_output=True, text=True, timeout=timeout)
     if out.returncode:
         raise RuntimeError(f"loading {path} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

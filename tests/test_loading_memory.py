@@ -10,16 +10,20 @@ themselves, so they are counted apart from the transient copies the bounds are a
 """
 
 import json
+import mmap
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxinfer.loaders import common
+from jaxinfer.loaders import checkpoint, common
 from jaxinfer.loaders.common import StoredTensor, _stored_box
 from tests.random_hf import measure_load, write_llama
 
@@ -68,11 +72,6 @@ def test_stored_box_reads_what_the_reshape_holds(stored, ours, transpose):
 def test_stored_tensor_reads_a_box_in_chunks(tmp_path, monkeypatch, dtype):
     """A box of a mapped tensor, copied a few rows at a time (a 100-byte chunk here: 2 rows of
     a bfloat16 [7, 24]), cast on the way, into a new array jax on CPU can adopt as is."""
-    import mmap
-
-    import jax
-    import ml_dtypes
-
     monkeypatch.setattr(common, "READ_CHUNK", 100)
     src = (np.arange(7 * 24, dtype=np.float32).reshape(7, 24) / 8).astype(ml_dtypes.bfloat16)
     (tmp_path / "t").write_bytes(b"x" * 40 + src.tobytes())
@@ -80,11 +79,30 @@ def test_stored_tensor_reads_a_box_in_chunks(tmp_path, monkeypatch, dtype):
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     t = StoredTensor(buf, 40, src.shape, src.dtype)
     for box in [(slice(1, 6), slice(3, 17)), (slice(None), slice(20, 24)), (slice(6, 7), slice(None))]:
-        got = t.read(box, jax.numpy.dtype(dtype))
-        assert got.dtype == jax.numpy.dtype(dtype) and got.flags.c_contiguous and got.ctypes.data % 64 == 0
+        got = t.read(box, jnp.dtype(dtype))
+        assert got.dtype == jnp.dtype(dtype) and got.flags.c_contiguous and got.ctypes.data % 64 == 0
         np.testing.assert_array_equal(got, src[box].astype(got.dtype))
         del got
     buf.close()  # nothing read still points into the mapping
+
+
+def test_bfloat16_is_read_as_bfloat16(tmp_path, monkeypatch):
+    """A bfloat16 checkpoint loaded as bfloat16 (the default off CPU) goes from the file into
+    bfloat16 buffers only: no float32 copy of any tensor is made on the way."""
+    reads = []
+    read = StoredTensor.read
+
+    def spy(self, box, dtype):
+        out = read(self, box, dtype)
+        reads.append((self.dtype, out.dtype))
+        return out
+
+    monkeypatch.setattr(StoredTensor, "read", spy)
+    write_llama(tmp_path, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, vocab=128)
+    w = checkpoint.load(tmp_path, dtype="bfloat16").weights
+    assert len(reads) == 2 * 9 + 3  # every weight, straight from its stored tensor
+    assert set(reads) == {(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.bfloat16))}
+    assert {a.dtype for a in jax.tree.leaves(w)} == {jnp.dtype(jnp.bfloat16)}
 
 
 _PARTS = textwrap.dedent("""
