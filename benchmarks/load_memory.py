@@ -2,15 +2,17 @@
 
     python benchmarks/load_memory.py [--dir DIR] [--keep] [--dtype bfloat16] [--layers 14]
                                      [--shards 4] [--trees NAME=PATH ...]
+    python benchmarks/load_memory.py --checkpoint FILE_OR_DIR [--trees NAME=PATH ...]
 
 Writes a random Llama-shaped bfloat16 checkpoint (``tests.random_hf.SHAPE_2GB``: width 2048,
-14 layers, MLP 8192, 32000-token vocabulary, 1.01 billion parameters, 2.02 GB; ``--dtype float32
---layers 6`` is 2.03 GB of float32) as safetensors shards, then loads it in a fresh process per case: bfloat16 on one CPU device, bfloat16 split
-over two virtual CPU devices (tensor parallel, as ``LLM(tensor_parallel_size=2)`` splits it),
-and float32 (the CPU default) on one. Each process reports its peak resident memory above its
-resident memory before the load. On CPU the loaded weights are host memory themselves, so the
-figure that matters is the transient: peak minus the weights' bytes, to compare with one shard
-file and with the largest tensor (in the loaded dtype).
+14 layers, MLP 8192, 32000-token vocabulary, 1.01 billion parameters, 2.02 GB; ``--dtype
+float32 --layers 6`` is 2.03 GB of float32) as safetensors shards, then loads it in a fresh
+process per case: bfloat16 on one CPU device, bfloat16 split over two virtual CPU devices
+(tensor parallel, as ``LLM(tensor_parallel_size=2)`` splits it), and float32 (the CPU
+default) on one. Each process reports its peak resident memory above its resident memory
+before the load. On CPU the loaded weights are host memory themselves, so the figure that
+matters is the transient: peak minus the weights' bytes, to compare with one shard file and
+with the largest tensor (in the loaded dtype).
 
 --trees measures other source trees' jaxinfer on the same checkpoint, case by case in turn
 (``git archive <commit> jaxinfer | tar -x -C /tmp/before`` makes one). The checkpoint is
