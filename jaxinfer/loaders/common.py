@@ -150,8 +150,10 @@ def _read_weight(shape, dtype, sharding, name, transpose, fetch, stored: StoredT
             whole = _fit(_need(fetch(name, transpose), name), shape, name)
         return _cast(whole[tuple(slice(s, b) for s, b in bounds)], dtype)
 
+    # Transfers run asynchronously and keep their host parts alive until done: waiting for
+    # each weight keeps what is in flight to one weight.
     if sharding is None:
-        return jax.device_put(part([(0, n) for n in shape]))
+        return jax.device_put(part([(0, n) for n in shape])).block_until_ready()
     devices_of: dict[tuple, list] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
@@ -161,8 +163,6 @@ def _read_weight(shape, dtype, sharding, name, transpose, fetch, stored: StoredT
         host = part(bounds)
         arrays += [jax.device_put(host, d) for d in devices]
         del host
-    # Transfers run asynchronously and keep their host parts alive until done: waiting here
-    # keeps what is in flight to one weight.
     return jax.make_array_from_single_device_arrays(shape, sharding, jax.block_until_ready(arrays))
 
 
