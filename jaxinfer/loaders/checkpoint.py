@@ -5,7 +5,7 @@ A path may be a ``.gguf`` file, a Hugging Face directory (``config.json`` + safe
 an Orbax directory written by ``jaxinfer convert``. Weights are laid out per the family's one
 declaration (``weight_specs``): each tensor is read, reshaped to its declared shape, cast
 once to the target dtype and put on device (optionally with a sharding derived from the
-logical axes).
+logical axes, each device receiving only its part; see ``common.assemble``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders import hf, orbax_io
 from jaxinfer.loaders.common import (  # noqa: F401 (Loaded, read_json, assemble: re-exported)
     Loaded,
+    StoredTensor,
     assemble,
     block_reader,
     checkpoint_names,
@@ -46,23 +47,35 @@ def load_gguf(path: Path, *, dtype: str, shardings_fn=None, quantize=None, on_co
     read = block_reader(fused_blocks(specs, mod.CHECKPOINT_NAMES, 1),
                         lambda name: ck.load(name) if name in ck.tensors else None)
 
+    def qk_permuted(name):
+        return permuted and (name.endswith("attn_q.weight") or name.endswith("attn_k.weight"))
+
     def fetch(name, transpose):
         name, a = read(name)
         if a is None:
             return None
-        if permuted and (name.endswith("attn_q.weight") or name.endswith("attn_k.weight")):
+        if qk_permuted(name):
             heads = cfg.n_heads if "attn_q" in name else cfg.n_kv_heads
             a = unpermute_llama_qk(a, heads)
         if undo is not None:
             a = undo(name, a)
         return a.T if transpose else a
 
+    def view(name, transpose):
+        """Float tensors that need no rewriting are read per device part straight from the
+        file, in their stored dtype; block-quantized ones are dequantized whole by fetch."""
+        if name not in ck.tensors or not ck.is_float(name) or undo is not None or qk_permuted(name):
+            return None
+        info = ck.tensors[name]
+        return StoredTensor(ck.mapping, info.offset, info.shape, ck.raw(name).dtype)
+
     shardings = shardings_fn(specs, cfg) if shardings_fn else None
     if on_config is not None:  # the config is known before any tensor is read
         on_config(cfg)
     tok = tokenizer_from_gguf(ck.metadata)
     quantizer = make_quantizer(quantize, specs, cfg, tok)
-    weights = assemble(specs, cfg, mod.CHECKPOINT_NAMES, fetch, 1, shardings=shardings, quantizer=quantizer)
+    weights = assemble(specs, cfg, mod.CHECKPOINT_NAMES, fetch, 1, shardings=shardings, quantizer=quantizer,
+                       view=view)
     return Loaded(cfg, weights, tok, "gguf")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import re
 from pathlib import Path
 from typing import Callable
@@ -19,6 +20,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
+from jaxinfer.hostmem import mapped_empty, release_mapped
 from jaxinfer.specs import is_spec, spec_dtype, weight_key
 
 
@@ -52,6 +54,44 @@ def _has_gguf_magic(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+# Bytes of a mapped file copied between two hand-backs of their pages (``StoredTensor.read``).
+READ_CHUNK = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a memory-mapped checkpoint file, not yet read: where it lies in the
+    mapping, and its stored shape and dtype."""
+
+    buf: mmap.mmap
+    offset: int  # of the tensor's first byte in buf
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def read(self, box: tuple[slice, ...], dtype) -> np.ndarray:
+        """One box of the tensor (a slice per stored dim, step 1) as a new array of ``dtype``
+        in the stored layout. It is copied from the mapping a chunk of rows at a time, each
+        chunk's pages handed back once copied, so the host never holds the box twice. The
+        array is a ``hostmem.mapped_empty``, which jax on CPU adopts as the device buffer
+        instead of copying it once more."""
+        count = int(np.prod(self.shape, dtype=np.int64))
+        view = np.frombuffer(self.buf, self.dtype, count, self.offset).reshape(self.shape)
+        bounds = [s.indices(n)[:2] for s, n in zip(box, self.shape)]
+        out = mapped_empty([b - s for s, b in bounds], dtype)
+        if not self.shape or out.size == 0:
+            out[...] = view[box]
+            release_mapped(self.buf, self.offset, count * self.dtype.itemsize)
+            return out
+        row = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        step = max(1, READ_CHUNK // max(row, 1))
+        (r0, r1), rest = bounds[0], tuple(box[1:])
+        for i in range(r0, r1, step):
+            j = min(i + step, r1)
+            out[i - r0 : j - r0] = view[(slice(i, j),) + rest]
+            release_mapped(self.buf, self.offset + i * row, (j - i) * row)
+        return out
+
+
 def assemble(
     specs: dict,
     cfg: ModelConfig,
@@ -60,10 +100,16 @@ def assemble(
     which: int,  # 0: HF names, 1: GGUF names
     shardings=None,  # same tree as specs, NamedSharding leaves
     quantizer=None,  # loaders.quantize.WeightQuantizer: quantize each weight as it is read
+    view: Callable[[str, bool], StoredTensor | None] | None = None,  # (name, transpose) -> tensor or None
 ) -> dict:
-    """Build the weights pytree from per-tensor reads, one array per declaration. With a
-    quantizer, each float weight goes to it right away and is dropped once quantized, so
-    the whole float model never exists."""
+    """Build the weights pytree from per-tensor reads, one array per declaration.
+
+    A tensor ``view`` offers is read per device part: each device receives only its part of
+    the weight, read from the mapped file, cast and sent before the next part is read. Other
+    tensors (block-quantized GGUF, a part that is no box of the stored tensor) come whole
+    from ``fetch``, once per weight, and are split on the host. Either way the host holds
+    about one tensor at a time, never the model. With a quantizer, each float weight goes to
+    it right away and is dropped once quantized, so the whole float model never exists."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
     shard_leaves = jax.tree.leaves(shardings) if shardings is not None else [None] * len(leaves)
     out = [None] * len(leaves)
@@ -73,8 +119,8 @@ def assemble(
         if entry is None:
             raise CheckpointError(f"no checkpoint name is known for weight {'/'.join(key)}")
         name = entry[which].format(i=layer)
-        a = _fit(_need(fetch(name, entry[2]), name), spec.shape, name).astype(spec_dtype(spec, cfg))
-        a = jax.device_put(a, sharding) if sharding is not None else jax.device_put(a)
+        stored = view(name, entry[2]) if view is not None else None
+        a = _read_weight(tuple(spec.shape), spec_dtype(spec, cfg), sharding, name, entry[2], fetch, stored)
         if quantizer is None:
             out[index] = a
         else:
@@ -85,6 +131,136 @@ def assemble(
         for i, leaf in quantizer.finish():
             out[i] = place(leaf, shard_leaves[i])
     return jax.tree.unflatten(treedef, out)
+
+
+def _read_weight(shape, dtype, sharding, name, transpose, fetch, stored: StoredTensor | None) -> jax.Array:
+    """One weight of our ``shape`` and ``dtype`` on the devices of ``sharding`` (None: the
+    default device). Devices that hold the same part (replicated dims) share one read."""
+    dtype = np.dtype(dtype)
+    whole = None
+
+    def part(bounds) -> np.ndarray:  # bounds: ((start, stop), ...) over our shape
+        nonlocal whole
+        box = _stored_box(stored.shape, transpose, shape, bounds) if stored is not None else None
+        if box is not None:
+            # Cast in the stored layout (one pass in memory order); a transposed part stays a
+            # strided view: device_put lays it out, several times faster than numpy would.
+            a = stored.read(box, dtype)
+            return (a.T if transpose else a).reshape([b - s for s, b in bounds])
+        if whole is None:
+            whole = _fit(_need(fetch(name, transpose), name), shape, name)
+        return _cast(whole[tuple(slice(s, b) for s, b in bounds)], dtype)
+
+    # Transfers run asynchronously and keep their host parts alive until done: waiting for
+    # each weight keeps what is in flight to one weight.
+    if sharding is None:
+        return jax.device_put(part([(0, n) for n in shape])).block_until_ready()
+    devices_of: dict[tuple, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        devices_of.setdefault(bounds, []).append(device)
+    arrays = []
+    for bounds, devices in devices_of.items():
+        host = part(bounds)
+        arrays += [jax.device_put(host, d) for d in devices]
+        del host
+    return jax.make_array_from_single_device_arrays(shape, sharding, jax.block_until_ready(arrays))
+
+
+def _cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``a`` as ``dtype``: itself when it already is (a bfloat16 tensor loaded as bfloat16 is
+    never widened), else one pass in its memory order into a ``hostmem.mapped_empty`` array
+    (C or Fortran order, as ``a``; a transposed one is laid out by device_put, several times
+    faster than a numpy transposing copy)."""
+    if a.dtype == dtype:
+        return a
+    if a.flags.c_contiguous:
+        out = mapped_empty(a.shape, dtype)
+    elif a.flags.f_contiguous:
+        out = mapped_empty(a.shape[::-1], dtype).T
+    else:
+        return a.astype(dtype)
+    out[...] = a
+    return out
+
+
+def _stored_box(stored, transpose: bool, shape, bounds) -> tuple[slice, ...] | None:
+    """The box of a stored tensor of shape ``stored`` that holds the part ``bounds`` of our
+    ``shape``, or None when that part is not one box there. Our shape is the stored one
+    (reversed when ``transpose``) with runs of dims merged or split, e.g. (D, N, H) for
+    (D, N*H): dims go in groups of equal size, and a part is a box when, in each group, it
+    is one contiguous run of the flattened group that is also a box of the stored dims."""
+    t_shape = tuple(reversed(stored)) if transpose else tuple(stored)
+    groups = _groups(tuple(shape), t_shape)
+    if groups is None:
+        return None
+    box: list[tuple[int, int]] = []
+    for (d0, d1), (t0, t1) in groups:
+        run = _run(shape[d0:d1], bounds[d0:d1])
+        sub = None if run is None else _box_of_run(t_shape[t0:t1], *run)
+        if sub is None:
+            return None
+        box += sub
+    slices = tuple(slice(s, b) for s, b in box)
+    return tuple(reversed(slices)) if transpose else slices
+
+
+def _groups(ours, theirs):
+    """Pair runs of adjacent dims of two shapes whose products are equal, smallest runs first:
+    ((our dims), (their dims)) index ranges; None when the sizes differ."""
+    if int(np.prod(ours, dtype=np.int64)) != int(np.prod(theirs, dtype=np.int64)):
+        return None
+    out, i, j = [], 0, 0
+    while i < len(ours) or j < len(theirs):
+        gi, gj, p, q = i, j, 1, 1
+        if i < len(ours):
+            p, i = p * ours[i], i + 1
+        if j < len(theirs):
+            q, j = q * theirs[j], j + 1
+        while p != q:
+            if p < q and i < len(ours):
+                p, i = p * ours[i], i + 1
+            elif q < p and j < len(theirs):
+                q, j = q * theirs[j], j + 1
+            else:
+                return None
+        out.append(((gi, i), (gj, j)))
+    return out
+
+
+def _run(dims, bounds) -> tuple[int, int] | None:
+    """The box ``bounds`` of ``dims`` as a run [start, stop) of the row-major flattening, or
+    None when it is not one run (a dim before the last partial one spans several indices)."""
+    partial = [k for k, ((s, b), n) in enumerate(zip(bounds, dims)) if b - s != n]
+    last = partial[-1] if partial else -1
+    if any(b - s != 1 for s, b in bounds[: max(last, 0)]):
+        return None
+    start = 0
+    for (s, _), n in zip(bounds, dims):
+        start = start * n + s
+    if last < 0:
+        return start, start + int(np.prod(dims, dtype=np.int64))
+    inner = int(np.prod(dims[last + 1:], dtype=np.int64))
+    return start, start + (bounds[last][1] - bounds[last][0]) * inner
+
+
+def _box_of_run(dims, start: int, stop: int) -> list[tuple[int, int]] | None:
+    """The run [start, stop) of the row-major flattening of ``dims`` as a box, or None."""
+    if not dims:
+        return [] if (start, stop) == (0, 1) else None
+    for k in range(len(dims) - 1, -1, -1):
+        inner = int(np.prod(dims[k + 1:], dtype=np.int64))
+        block = inner * dims[k]
+        if start % inner or stop % inner or start // block != (stop - 1) // block:
+            continue
+        outer = []
+        rest = start // block
+        for n in reversed(dims[:k]):
+            rest, i = divmod(rest, n)
+            outer.append((i, i + 1))
+        lo = start // inner % dims[k]
+        return outer[::-1] + [(lo, lo + (stop - start) // inner)] + [(0, n) for n in dims[k + 1:]]
+    return None
 
 
 def place(leaf, sharding):

@@ -30,6 +30,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from jaxinfer.errors import CheckpointError
+from jaxinfer.hostmem import mapped_empty, release_mapped
 
 GGUF_MAGIC = b"GGUF"
 GGUF_DEFAULT_ALIGNMENT = 32
@@ -263,11 +264,15 @@ def dequantize(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarr
             f"{qtype} data of {raw.size} bytes does not hold a tensor of {shape=} "
             f"({block_size} values per {type_size}-byte block along the last axis)"
         )
+    # A mapping of its own: jax on CPU takes it as the device buffer, and dropped it leaves
+    # no hole in the heap (``hostmem.mapped_empty``).
     if qtype in _FLOATS:
-        return raw.view(_FLOATS[qtype]).astype(np.float32).reshape(shape)
+        out = mapped_empty(shape, np.float32)
+        out[...] = raw.view(_FLOATS[qtype]).reshape(shape)
+        return out
     fn = _QUANTS[qtype][2]
     blocks = raw.reshape(-1, type_size)  # u8[n_blocks, type_size]
-    out = np.empty((blocks.shape[0], block_size), np.float32)
+    out = mapped_empty((blocks.shape[0], block_size), np.float32)
     step = max(1, _BATCH_VALUES // block_size)
     for start in range(0, blocks.shape[0], step):
         out[start : start + step] = fn(blocks[start : start + step])
@@ -474,11 +479,31 @@ class GGUFCheckpoint:
         return data.reshape(*rows, info.shape[-1] // block_size * type_size)
 
     def load(self, name: str, dtype=np.float32) -> np.ndarray:
-        """The tensor dequantized to a new array of ``dtype`` in ``TensorInfo.shape``."""
+        """The tensor dequantized to a new array of ``dtype`` in ``TensorInfo.shape``; its
+        mapped pages are handed back afterwards (``release``)."""
         info = self._info(name)
         if info.qtype not in SUPPORTED_QTYPES:
             raise CheckpointError(f"{self.path}: tensor {name!r}: {_unsupported(info.qtype)}")
-        return dequantize(self.raw(name), info.qtype, info.shape).astype(dtype, copy=False)
+        try:
+            return dequantize(self.raw(name), info.qtype, info.shape).astype(dtype, copy=False)
+        finally:
+            self.release(name)
+
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process's resident memory (they are read
+        again from the file if it is read again): a load that reads every tensor once then
+        holds one tensor of the file at a time, not the file."""
+        info = self._info(name)
+        release_mapped(self._buf, info.offset, info.nbytes)
+
+    @property
+    def mapping(self) -> mmap.mmap:
+        """The read-only map of the whole file, which ``TensorInfo.offset`` indexes."""
+        return self._buf
+
+    def is_float(self, name: str) -> bool:
+        """Whether the tensor is stored as plain floats (F32, F16, BF16), not in blocks."""
+        return self._info(name).qtype in _FLOATS
 
     def __repr__(self) -> str:
         return (

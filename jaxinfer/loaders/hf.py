@@ -1,29 +1,29 @@
 """Hugging Face checkpoints: a directory with ``config.json`` and safetensors weights.
 
 The weights are one ``model.safetensors`` or several shards listed in
-``model.safetensors.index.json``. Shards are opened lazily with ``safetensors.safe_open``
-(memory-mapped) and read one tensor at a time as ``assemble`` asks for it, so at most one
-stacked weight plus one source tensor is in host memory at once.
-
-numpy has no bfloat16 or float8, and ``safe_open(framework="numpy")`` refuses those
-tensors; they are read as raw bytes from the offsets in the file's header and viewed with
-the ``ml_dtypes`` types.
+``model.safetensors.index.json``. A shard is a JSON header (each tensor's dtype, shape and
+byte range) followed by the raw tensors; each shard is memory-mapped when first needed, and
+``assemble`` reads from it only each device's part of each weight, handing the mapped pages
+back as it copies them (``StoredTensor.read``), so the host holds about one tensor at a time,
+never the checkpoint. Tensors are viewed in their stored dtype (bfloat16 and float8
+through ``ml_dtypes``) and cast once, only when the target dtype differs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import struct
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.common import (
     Loaded,
+    StoredTensor,
     assemble,
     block_reader,
     fused_block,
@@ -37,11 +37,14 @@ from jaxinfer.specs import is_spec, weight_key
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-# safetensors dtypes numpy cannot hold natively, read as raw bytes.
-_RAW_DTYPES = {
+# safetensors dtype names -> numpy dtypes (little-endian, as the format stores them).
+_DTYPES = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
     "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
 }
 # Tensors some checkpoints carry beside the weights that carry nothing config.json does not:
 # rotary buffers older transformers saved, and the lm_head copy of a tied embedding.
@@ -104,13 +107,13 @@ def _check_supported(hf: dict, path, mod) -> None:
 
 
 class SafetensorsShards:
-    """Lazy access to the tensors of one safetensors file or an index of shards."""
+    """Lazy access to the tensors of one safetensors file or an index of shards: each file
+    is memory-mapped when first needed and closed with ``stack``."""
 
     def __init__(self, path: Path, stack: contextlib.ExitStack):
         self.path = Path(path)
         self._stack = stack
-        self._open: dict[str, object] = {}
-        self._headers: dict[str, tuple[int, dict]] = {}
+        self._open: dict[str, tuple[mmap.mmap, int, dict]] = {}  # file -> (map, data start, header)
         index = self.path / INDEX_FILE
         if index.is_file():
             weight_map = read_json(index).get("weight_map")
@@ -118,58 +121,70 @@ class SafetensorsShards:
                 raise CheckpointError(f"{index}: no weight_map")
             self.weight_map: dict[str, str] = weight_map
         elif (self.path / SINGLE_FILE).is_file():
-            self.weight_map = {name: SINGLE_FILE for name in self._file(SINGLE_FILE).keys()}
+            header = self._file(SINGLE_FILE)[2]
+            self.weight_map = {name: SINGLE_FILE for name in header if name != "__metadata__"}
         else:
             others = sorted(p.name for pat in ("*.bin", "*.pt*") for p in self.path.glob(pat))
             hint = f" (found {', '.join(others)}: only safetensors are supported)" if others else ""
             raise CheckpointError(f"{self.path}: neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
 
-    def _file(self, fname: str):
+    def _file(self, fname: str) -> tuple[mmap.mmap, int, dict]:
         if fname not in self._open:
             fpath = self.path / fname
             if not fpath.is_file():
                 raise CheckpointError(f"{fpath}: shard listed in {INDEX_FILE} is missing")
             try:
-                self._open[fname] = self._stack.enter_context(safe_open(str(fpath), framework="numpy"))
-            except Exception as e:  # safetensors raises its own error types for a bad header
+                with open(fpath, "rb") as fh:
+                    buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:  # ValueError: mmap refuses an empty file
                 raise CheckpointError(f"{fpath}: not a readable safetensors file ({e})") from None
+            self._stack.callback(_close, buf)
+            try:
+                (n,) = struct.unpack("<Q", buf[:8])
+                if 8 + n > len(buf):
+                    raise ValueError(f"a header of {n} bytes runs past the end of the file")
+                header = json.loads(buf[8 : 8 + n])
+                if not isinstance(header, dict):
+                    raise ValueError("the header is not a JSON object")
+            except (struct.error, ValueError) as e:  # json.JSONDecodeError is a ValueError
+                raise CheckpointError(f"{fpath}: not a readable safetensors file ({e})") from None
+            self._open[fname] = (buf, 8 + n, header)
         return self._open[fname]
 
-    def get(self, name: str) -> np.ndarray | None:
-        """The tensor in its stored dtype (bfloat16 etc. via ml_dtypes), or None if absent."""
+    def tensor(self, name: str) -> StoredTensor | None:
+        """The tensor as stored in its file, not read yet; None if the checkpoint lacks it."""
         fname = self.weight_map.get(name)
         if fname is None:
             return None
-        f = self._file(fname)
-        try:
-            dtype = f.get_slice(name).get_dtype()
-        except Exception:
-            raise CheckpointError(
-                f"{self.path / fname}: has no tensor {name!r} (listed in {INDEX_FILE})"
-            ) from None
-        if dtype in _RAW_DTYPES:
-            return self._raw(fname, name, _RAW_DTYPES[dtype])
-        try:
-            return f.get_tensor(name)
-        except Exception as e:
-            raise CheckpointError(f"{self.path / fname}: cannot read tensor {name!r} ({e})") from None
-
-    def _raw(self, fname: str, name: str, dtype: np.dtype) -> np.ndarray:
         fpath = self.path / fname
-        if fname not in self._headers:
-            with open(fpath, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                self._headers[fname] = (8 + n, json.loads(fh.read(n)))
-        data_start, header = self._headers[fname]
-        info = header[name]
-        begin, end = info["data_offsets"]
-        shape = tuple(info["shape"])
+        buf, data_start, header = self._file(fname)
+        info = header.get(name)
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{fpath}: has no tensor {name!r} (listed in {INDEX_FILE})")
+        try:
+            dtype = _DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{fpath}: tensor {name!r} has an unreadable or unsupported header "
+                                  f"entry {info}") from None
         if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
             raise CheckpointError(f"{fpath}: tensor {name!r} has {end - begin} bytes for shape {shape}")
-        a = np.fromfile(fpath, dtype=np.uint8, count=end - begin, offset=data_start + begin)
-        if a.size != end - begin:
+        if data_start + end > len(buf):
             raise CheckpointError(f"{fpath}: truncated inside tensor {name!r}")
-        return a.view(dtype).reshape(shape)
+        return StoredTensor(buf, data_start + begin, shape, dtype)
+
+    def get(self, name: str) -> np.ndarray | None:
+        """The whole tensor in its stored dtype (bfloat16 etc. via ml_dtypes), or None if absent."""
+        t = self.tensor(name)
+        return None if t is None else t.read(tuple(slice(None) for _ in t.shape), t.dtype)
+
+
+def _close(buf: mmap.mmap) -> None:
+    try:
+        buf.close()
+    except BufferError:  # an error unwinding a load still holds a view: the map goes with it
+        pass
 
 
 def _merges_to(shape: tuple[int, ...], declared: tuple[int, ...]) -> bool:
@@ -229,24 +244,33 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
         refuse_unmapped(path, present, {fused_block(n)[0] for n in declared}, "the safetensors carry")
         read = block_reader(fused_blocks(specs, mod.CHECKPOINT_NAMES, 0), shards.get)
 
+        def check_fits(name, shape, transpose):
+            ours = tuple(reversed(shape)) if transpose else tuple(shape)
+            want = declared.get(name)
+            if want is not None and not _merges_to(ours, tuple(want)):
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} has shape {tuple(shape)}, which does not fit the "
+                    f"declared {tuple(want)}{' (transposed)' if transpose else ''} for this config.json"
+                )
+
         def fetch(name, transpose):
             a = read(name)[1]
             if a is None:
                 return None
-            a = a.T if transpose else a
-            want = declared.get(name)
-            if want is not None and not _merges_to(tuple(a.shape), tuple(want)):
-                stored = tuple(reversed(a.shape)) if transpose else tuple(a.shape)
-                raise CheckpointError(
-                    f"{path}: tensor {name!r} has shape {stored}, which does not fit the "
-                    f"declared {tuple(want)}{' (transposed)' if transpose else ''} for this config.json"
-                )
-            return a
+            check_fits(name, a.shape, transpose)
+            return a.T if transpose else a
+
+        def view(name, transpose):
+            t = shards.tensor(name)
+            if t is not None:
+                check_fits(name, t.shape, transpose)
+            return t
 
         shardings = shardings_fn(specs, cfg) if shardings_fn else None
         if on_config is not None:  # the config is known before any tensor is read
             on_config(cfg)
         tok = tokenizer_from_hf_dir(path)
         quantizer = make_quantizer(quantize, specs, cfg, tok)
-        weights = assemble(specs, cfg, mod.CHECKPOINT_NAMES, fetch, 0, shardings=shardings, quantizer=quantizer)
+        weights = assemble(specs, cfg, mod.CHECKPOINT_NAMES, fetch, 0, shardings=shardings, quantizer=quantizer,
+                           view=view)
     return Loaded(cfg, weights, tok, "hf")
