@@ -17,6 +17,7 @@ import json
 import struct
 from pathlib import Path
 
+import jax
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
@@ -181,16 +182,25 @@ def _merges_to(shape: tuple[int, ...], declared: tuple[int, ...]) -> bool:
     return i == len(declared)
 
 
-def _declared_shapes(specs, cfg, names: dict) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> our declared shape."""
-    import jax
+# A name with this in it (``{{e}}`` in a family's CHECKPOINT_NAMES, once the layer is filled
+# in) stands for one tensor per expert, stacked on the weight's "expert" axis when read.
+EXPERT = "{e}"
 
+
+def _declared_shapes(specs, cfg, names: dict) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> our declared shape (per-expert names -> one expert's shape, and
+    the stacked template name -> the whole weight's)."""
     out = {}
 
     def visit(path, spec):
         key, layer = weight_key(path)
         if key in names:
-            out[names[key][0].format(i=layer)] = spec.shape
+            name = names[key][0].format(i=layer)
+            out[name] = spec.shape
+            if EXPERT in name:
+                axis = spec.axes.index("expert")
+                one = spec.shape[:axis] + spec.shape[axis + 1:]
+                out.update({name.format(e=e): one for e in range(spec.shape[axis])})
 
     jax.tree_util.tree_map_with_path(visit, specs, is_leaf=is_spec)
     return out
@@ -212,6 +222,14 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
     specs = mod.weight_specs(cfg)
     declared = _declared_shapes(specs, cfg, mod.CHECKPOINT_NAMES)
+    # per-expert names: the template name -> (experts, the axis they stack on)
+    stacked = {}
+    for path_, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
+        key, layer = weight_key(path_)
+        name = mod.CHECKPOINT_NAMES[key][0].format(i=layer) if key in mod.CHECKPOINT_NAMES else ""
+        if EXPERT in name:
+            axis = spec.axes.index("expert")
+            stacked[name] = (spec.shape[axis], axis)
 
     with contextlib.ExitStack() as stack:
         shards = SafetensorsShards(path, stack)
@@ -219,19 +237,36 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
                    and not (cfg.tie_embeddings and n == "lm_head.weight")]
         refuse_unmapped(path, present, set(declared), "the safetensors carry")
 
-        def fetch(name, transpose):
+        def read(name, transpose):
             a = shards.get(name)
             if a is None:
                 return None
-            a = a.T if transpose else a
+            return np.swapaxes(a, -1, -2) if transpose and a.ndim > 1 else a
+
+        def fetch(name, transpose):
+            if name in stacked:  # one tensor per expert, stacked (each checked against one expert's shape)
+                n, axis = stacked[name]
+                parts = []
+                for e in range(n):
+                    part = read(name.format(e=e), transpose)
+                    if part is None:
+                        return None
+                    check(name.format(e=e), part, transpose)
+                    parts.append(part)
+                return np.stack(parts, axis=axis)
+            a = read(name, transpose)
+            if a is not None:
+                check(name, a, transpose)
+            return a
+
+        def check(name, a, transpose):
             want = declared.get(name)
             if want is not None and not _merges_to(tuple(a.shape), tuple(want)):
-                stored = tuple(reversed(a.shape)) if transpose else tuple(a.shape)
+                stored = tuple(a.shape[:-2]) + tuple(reversed(a.shape[-2:])) if transpose else tuple(a.shape)
                 raise CheckpointError(
                     f"{path}: tensor {name!r} has shape {stored}, which does not fit the "
                     f"declared {tuple(want)}{' (transposed)' if transpose else ''} for this config.json"
                 )
-            return a
 
         shardings = shardings_fn(specs, cfg) if shardings_fn else None
         if on_config is not None:  # the config is known before any tensor is read
