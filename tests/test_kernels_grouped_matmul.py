@@ -38,6 +38,21 @@ def test_work_items_with_group_offset_and_no_rows():
     assert int(empty.count) == 0 and np.all(np.asarray(empty.lo) == np.asarray(empty.hi))
 
 
+def test_group_windows_by_hand():
+    # the loop's windows start at each group's own first row: group 0 [0, 5) one window,
+    # group 2 [5, 17) two (5 and 13), group 3 [17, 18) one; group 1 (empty) none
+    from pallas_kernels.grouped_matmul.common import group_windows
+
+    win = group_windows(jnp.array([5, 0, 12, 1]), 0, 4, 18, 8)
+    n = int(win.count)
+    assert n == 4
+    np.testing.assert_array_equal(win.group[:n], [0, 2, 2, 3])
+    np.testing.assert_array_equal(win.start[:n], [0, 5, 13, 17])
+    np.testing.assert_array_equal(win.end[:n], [5, 17, 17, 18])
+    win = group_windows(jnp.array([5, 0, 12, 1]), 2, 2, 18, 8)  # groups 2 and 3 only
+    np.testing.assert_array_equal(win.start[: int(win.count)], [5, 13, 17])
+
+
 def test_default_block_m_follows_the_mean_group():
     assert gm.default_block_m(128, 64) == 8  # decode: 2 rows per expert
     assert gm.default_block_m(1024, 8) == 128  # a long prompt over Mixtral's 8 experts

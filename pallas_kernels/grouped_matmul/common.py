@@ -148,6 +148,36 @@ def work_items(group_sizes: jax.Array, group_offset, groups: int, M: int, block_
     return WorkItems(g, tile, lo, hi, count.astype(jnp.int32))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """A loop's work list where row windows need not be tile-aligned: window w holds rows
+    [start[w], start[w] + block_m) of group ``group[w]``, keeping those below ``end[w]``.
+    Each group's rows are cut into windows from its own first row, so a group of up to
+    block_m rows is one window and one read of its weight (aligned tiles split a group that
+    straddles a tile boundary into two items). At most ``cdiv(M, block_m) + G`` of them."""
+
+    group: jax.Array  # i32[W] the window's group, counted within the weight
+    start: jax.Array  # i32[W] its first row
+    end: jax.Array  # i32[W] one past the group's last row
+    count: jax.Array  # i32[] real windows
+
+
+def group_windows(group_sizes: jax.Array, group_offset, groups: int, M: int, block_m: int) -> Windows:
+    starts, ends = local_bounds(group_sizes, group_offset, groups)
+    per = cdiv_array(ends - starts, block_m)  # windows of each group
+    cum = jnp.cumsum(per)
+    W = cdiv(M, block_m) + groups
+    slot = jnp.arange(W, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(cum, slot, side="right"), groups - 1).astype(jnp.int32)
+    start = starts[g] + (slot - (cum[g] - per[g])) * block_m
+    return Windows(g, start.astype(jnp.int32), ends[g], cum[-1].astype(jnp.int32))
+
+
+def cdiv_array(a: jax.Array, b: int) -> jax.Array:
+    return (a + b - 1) // b
+
+
 def local_row_mask(group_sizes: jax.Array, group_offset, groups: int, M: int) -> jax.Array:
     """bool[M]: rows that belong to one of the weight's groups (the rest come out 0)."""
     starts, ends = local_bounds(group_sizes, group_offset, groups)

@@ -1,10 +1,11 @@
 """The kernel's schedule in plain JAX, for XLA backends where Pallas does not compile (CPU).
 
-A while loop over the work items (``common.work_items``): each multiplies one tile of
-block_m sorted rows by one group's whole weight [I, O] (quantized weights dequantized
-slice by slice as they are read) and keeps the rows of that group. The loop runs
-``count`` times, so the weights read are those of the groups that have rows, about once
-each: on XLA CPU, ``ragged_dot`` (the reference) computes every group for every row, 64x the
+A while loop over row windows (``common.group_windows``): each multiplies up to block_m
+rows of one group, from any row on, by that group's whole weight [I, O] (quantized weights
+dequantized slice by slice as they are read). Unlike the kernel's tiles, windows need not
+be aligned (XLA slices anywhere), so a group of up to block_m rows is read in one window.
+The loop runs ``count`` times: the weights read are those of the groups that have rows,
+once each while a group fits a window: on XLA CPU, ``ragged_dot`` (the reference) computes every group for every row, 64x the
 work at 64 experts (measured on a 2-core CPU, 128 rows over 64 groups of [512, 256]
 float32 weights: 190 ms for ragged_dot, 12 ms for this loop).
 """
@@ -14,8 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import pad_axis, round_up
-from pallas_kernels.grouped_matmul.common import BlockSizes, default_block_m, validate, work_items
+from pallas_kernels._common import pad_axis
+from pallas_kernels.grouped_matmul.common import BlockSizes, default_block_m, group_windows, validate
 from pallas_kernels.quant_matmul.common import unpack_int4
 
 _MATMUL = (((1,), (0,)), ((), ()))
@@ -52,21 +53,19 @@ def grouped_matmul_xla(
     layout = validate(x, w, group_sizes, w_scale, out_size)
     M, G, O = x.shape[0], layout.groups, layout.out_size
     bm = block_sizes.block_m if block_sizes is not None else default_block_m(M, G)
-    items = work_items(group_sizes, group_offset, G, M, bm)
-    Mp = round_up(M, bm)
-    xp = pad_axis(x, 0, Mp)
+    win = group_windows(group_sizes, group_offset, G, M, bm)
+    xp = pad_axis(x, 0, M + bm)  # a window may start at any row
 
     def body(i, out):
-        g, r0 = items.group[i], items.tile[i] * bm
+        g, r0 = win.group[i], win.start[i]
         values, scale = _weight_slice(w, w_scale, layout, g)
         rows = jax.lax.dynamic_slice_in_dim(xp, r0, bm)
         y = jax.lax.dot_general(rows, values.astype(x.dtype), _MATMUL, preferred_element_type=jnp.float32)
         if scale is not None:
             y = y * scale
-        r = r0 + jnp.arange(bm, dtype=jnp.int32)
-        keep = (r >= items.lo[i]) & (r < items.hi[i])
+        keep = r0 + jnp.arange(bm, dtype=jnp.int32) < win.end[i]
         cur = jax.lax.dynamic_slice_in_dim(out, r0, bm)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep[:, None], y.astype(out.dtype), cur), r0, 0)
 
-    out = jax.lax.fori_loop(0, items.count, body, jnp.zeros((Mp, O), x.dtype))
+    out = jax.lax.fori_loop(0, win.count, body, jnp.zeros((M + bm, O), x.dtype))
     return out[:M]
