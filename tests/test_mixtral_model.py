@@ -301,3 +301,39 @@ def test_moe_block_reads_experts_through_grouped_matmuls_only():
 
     shapes = [[tuple(v.aval.shape) for v in e.invars] for e in dots(jaxpr.jaxpr)]
     assert shapes and not any(len(s) == 3 and s[0] == 6 for op in shapes for s in op), shapes
+
+
+def test_moe_block_kernel_path_equals_cpu_path():
+    """Traced for TPU/GPU (the Pallas grouped matmul, in interpret mode here) the block computes
+    what the CPU path (the XLA loop) does, float and int8 experts."""
+    from jaxinfer import kernels
+    from jaxinfer.config import Family, ModelConfig
+    from jaxinfer.models import moe
+    from jaxinfer.quant import quantize_int8
+    from jaxinfer.specs import init_weights
+
+    cfg = ModelConfig(Family.MIXTRAL, 16, 128, 1, 2, 2, 16, 128)
+    w = init_weights(moe.weight_specs(128, 8, 128), cfg, jax.random.key(1), scale=0.1)
+    x = jax.random.normal(jax.random.key(2), (3, 11, 128))
+    route = moe.softmax_topk(2, renormalize=True)
+    for weights in (w, w | {n: quantize_int8(w[n], (1,)) for n in ("w_gate", "w_up", "w_down")}):
+        cpu = jax.jit(lambda x, w: moe.moe_mlp(x, w, route=route))(x, weights)
+        with kernels.interpret_kernels():
+            kern = jax.jit(lambda x, w: moe.moe_mlp(x, w, route=route))(x, weights)
+        np.testing.assert_allclose(kern, cpu, atol=1e-5, rtol=1e-5)
+
+
+def test_w8a8_refuses_experts_before_reading(tiny):
+    from jaxinfer import LLM
+    from jaxinfer.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="w8a8' does not cover mixture-of-experts"):
+        LLM(str(tiny), quantize="w8a8", max_model_len=128, progress=False, kv_cache_bytes=16 << 20)
+
+
+def test_static_engine_equals_transformers(tiny, tiny_ref):
+    """The static engine (dense cache, length-sorted batches) runs the same block."""
+    from jaxinfer import LLM
+
+    llm = LLM(str(tiny), engine="static", max_model_len=128, progress=False, max_num_seqs=4)
+    ft.assert_matches(ft.generate(llm, prompt_logprobs=False), tiny_ref, what="static")
