@@ -138,10 +138,6 @@ def place_experts(weights, specs, mesh: Mesh):
     return jax.tree.map(one, specs, weights, is_leaf=is_spec)
 
 
-def experts_placed(weights) -> bool:
-    return any(isinstance(x, Placed) for x in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, Placed)))
-
-
 def pipeline_weight_shardings(specs, mesh: Mesh, bounds: tuple[int, ...], rules: ShardingRules = ShardingRules()):
     """Like ``weight_shardings``, but each layer's weights go to its own pipeline stage's
     sub-mesh only (stage s holds layers [bounds[s], bounds[s + 1])); the rest (embedding,
