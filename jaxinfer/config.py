@@ -25,6 +25,7 @@ class Family(str, enum.Enum):
     OLMO2 = "olmo2"
     SMOLLM3 = "smollm3"
     MIXTRAL = "mixtral"
+    QWEN3_MOE = "qwen3_moe"
 
 
 class RopeKind(str, enum.Enum):
@@ -82,6 +83,7 @@ class ModelConfig:
     n_experts_per_tok: int = 0  # k
     moe_d_ff: int = 0  # F of one expert
     norm_topk_prob: bool = True  # the k routing weights rescaled to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of width d_ff instead (Qwen3-MoE)
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
