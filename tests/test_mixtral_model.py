@@ -337,3 +337,45 @@ def test_static_engine_equals_transformers(tiny, tiny_ref):
 
     llm = LLM(str(tiny), engine="static", max_model_len=128, progress=False, max_num_seqs=4)
     ft.assert_matches(ft.generate(llm, prompt_logprobs=False), tiny_ref, what="static")
+
+
+_SHARDED_BLOCK = textwrap.dedent(r"""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding
+    from jaxinfer.config import Family, ModelConfig
+    from jaxinfer.models import moe
+    from jaxinfer.quant import QuantArray, quantize_int8
+    from jaxinfer.sharding import make_mesh, place_experts, quant_shardings, rules_for, weight_shardings
+    from jaxinfer.specs import init_weights
+    cfg = ModelConfig(Family.MIXTRAL, 16, 64, 1, 2, 2, 16, 64)
+    specs = moe.weight_specs(64, 8, 64, expert_bias=True, router_bias=True)
+    w = init_weights(specs, cfg, jax.random.key(0), scale=0.2)
+    w = {n: v + 0.1 * jax.random.normal(jax.random.key(i), v.shape) if "b" in n.split("_")[0] else v
+         for i, (n, v) in enumerate(w.items())}
+    x = jax.random.normal(jax.random.key(5), (2, 9, 64))
+    route = moe.softmax_topk(2, renormalize=False)
+    block = jax.jit(lambda x, w: moe.moe_mlp(x, w, route=route))
+    for quantized in (False, True):
+        ws = dict(w, **{n: quantize_int8(w[n], (1,)) for n in ("w_gate", "w_up", "w_down")}) if quantized else w
+        one = block(x, ws)
+        for ep in (True, False):
+            mesh = make_mesh(1, 4, jax.devices()[:4])
+            sh = weight_shardings(specs, mesh, rules_for(ep))
+            placed = {n: jax.device_put(v, quant_shardings(v, sh[n]) if isinstance(v, QuantArray) else sh[n])
+                      for n, v in ws.items()}
+            out = block(x, place_experts(placed, specs, mesh))
+            np.testing.assert_allclose(out, one, atol=2e-5, rtol=2e-5, err_msg=f"{quantized=} {ep=}")
+    print("ok")
+""")
+
+
+def test_moe_block_sharded_equals_one_device():
+    """The block under shard_map on 4 virtual devices, experts split whole (expert parallel)
+    or by width (tensor parallel), float and int8, with router and expert biases, equals the
+    block on one device."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", _SHARDED_BLOCK], env=env, capture_output=True, text=True,
+                       timeout=600, cwd=root)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-4000:]

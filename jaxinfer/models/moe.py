@@ -57,9 +57,9 @@ def weight_specs(d_model: int, n_experts: int, d_ff: int, *, expert_bias: bool =
     }
     if router_bias:
         specs["router_bias"] = WeightSpec((E,), (None,), "zeros")
-    if expert_bias:
-        specs["b_gate"] = WeightSpec((E, F), ("expert", "expert_mlp"), "zeros")
-        specs["b_up"] = WeightSpec((E, F), ("expert", "expert_mlp"), "zeros")
+    if expert_bias:  # split with whole experts, never by width (the block cuts them to its columns)
+        specs["b_gate"] = WeightSpec((E, F), ("expert", None), "zeros")
+        specs["b_up"] = WeightSpec((E, F), ("expert", None), "zeros")
         specs["b_down"] = WeightSpec((E, D), ("expert", "embed"), "zeros")
     return specs
 
@@ -140,6 +140,13 @@ def _rows_held(w) -> int:
     return w.shape[1]
 
 
+def _bias_rows(b: jax.Array, row_expert: jax.Array, index, width: int) -> jax.Array:
+    """Each sorted row's bias from b [E, F] (whole experts: F never split) cut to the
+    ``width`` columns this device computes (its part of F under tensor parallelism)."""
+    rows = jnp.take(b, row_expert, axis=0)
+    return jax.lax.dynamic_slice_in_dim(rows, index * width, width, axis=1) if rows.shape[1] > width else rows
+
+
 def _expert_rows(x, weights, experts, w: dict, *, glu, n_experts: int, axis: str | None):
     """The block's expert compute on one device (all of it, or this device's part when
     ``axis`` names the mesh axis the parts are summed over)."""
@@ -157,8 +164,8 @@ def _expert_rows(x, weights, experts, w: dict, *, glu, n_experts: int, axis: str
     gate = kernels.grouped_matmul(xs, w["w_gate"], sizes, group_offset=offset)
     up = kernels.grouped_matmul(xs, w["w_up"], sizes, group_offset=offset)
     if "b_gate" in w:
-        gate = gate + jnp.take(w["b_gate"], row_expert, axis=0).astype(gate.dtype)
-        up = up + jnp.take(w["b_up"], row_expert, axis=0).astype(up.dtype)
+        gate = gate + _bias_rows(w["b_gate"], row_expert, index, gate.shape[1]).astype(gate.dtype)
+        up = up + _bias_rows(w["b_up"], row_expert, index, up.shape[1]).astype(up.dtype)
     h = glu(gate, up)
     f_down = _rows_held(w["w_down"])
     if f_down < h.shape[1]:
