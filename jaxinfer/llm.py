@@ -99,9 +99,7 @@ class LLM:
         self.model_path = registry.resolve(model, progress=progress)
         shardings_fn = None
         if mesh is not None:
-            from jaxinfer.sharding import pipeline_weight_shardings, stage_bounds, tensor_parallel_plan
-
-            from jaxinfer.sharding import rules_for
+            from jaxinfer.sharding import pipeline_weight_shardings, rules_for, stage_bounds, tensor_parallel_plan
 
             def shardings_fn(specs, cfg):  # each device receives only its shard while loading
                 # bad sizes fail before any tensor is read
