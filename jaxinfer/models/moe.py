@@ -7,7 +7,8 @@ A family supplies two functions, so its differences stay in its own file:
 
 * a router ``route(logits f32[M, E], w) -> (weights f32[M, k], experts i32[M, k])`` over the
   router's logits (``w``: the block's weights, for a router with parameters of its own, such
-  as DeepSeek-V3's correction bias); ``softmax_topk`` is Mixtral's and Qwen3-MoE's;
+  as DeepSeek-V3's correction bias, declared beside "router" without the "expert" axis so
+  every device keeps them whole); ``softmax_topk`` is Mixtral's and Qwen3-MoE's;
 * a gated activation ``glu(gate, up) -> h`` (``swiglu`` by default; gpt-oss clamps its own).
 
 Compute is proportional to the experts used: the T*k (token, expert) pairs are sorted by
