@@ -70,6 +70,9 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="replicas, each with its own slots and KV pages (max-num-seqs each); "
                         "data x pipeline x tensor parallel size devices in all")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts models: split whole experts over the tensor-parallel devices "
+                        "instead of each expert's width (attention stays tensor parallel)")
 
 
 def _model_kwargs(a) -> dict:
@@ -87,7 +90,7 @@ def _engine_kwargs(a) -> dict:
 
 def _parallel_kwargs(a) -> dict:
     return dict(tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
-                data_parallel_size=a.data_parallel_size)
+                data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,7 +318,8 @@ def cmd_batch(a) -> int:
     me, count = 0, 1
     if a.distributed or a.coordinator_address or a.num_processes or a.process_id is not None:
         me, count = init_distributed(a.coordinator_address, a.num_processes, a.process_id)
-    spmd = count > 1 and spans_processes(**_parallel_kwargs(a))
+    sizes = {k: v for k, v in _parallel_kwargs(a).items() if k.endswith("_size")}
+    spmd = count > 1 and spans_processes(**sizes)
     s = run_batch(
         lambda: LLM(a.model, **_model_kwargs(a), **_engine_kwargs(a)),
         a.input, a.output, kind=fmt, order=a.order, defaults=given, sampling_params=quick,

@@ -24,6 +24,8 @@ class Family(str, enum.Enum):
     PHI3 = "phi3"
     OLMO2 = "olmo2"
     SMOLLM3 = "smollm3"
+    MIXTRAL = "mixtral"
+    QWEN3_MOE = "qwen3_moe"
 
 
 class RopeKind(str, enum.Enum):
@@ -83,12 +85,21 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # output logits -> cap * tanh(logits / cap)
     # Layers that apply no rotary embedding to q and k (SmolLM3's NoPE layers): model layer indices.
     nope_layers: tuple[int, ...] = ()
+    # Mixture of experts (Mixtral, Qwen3-MoE): each layer's MLP is n_experts experts of width
+    # moe_d_ff (models.moe), n_experts_per_tok of them per token. 0 experts: a dense MLP.
+    n_experts: int = 0  # E
+    n_experts_per_tok: int = 0  # k
+    moe_d_ff: int = 0  # F of one expert
+    norm_topk_prob: bool = True  # the k routing weights rescaled to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of width d_ff instead (Qwen3-MoE)
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"{self.n_heads=} must be a multiple of {self.n_kv_heads=}")
         if self.head_dim % 2:
             raise ValueError(f"{self.head_dim=} must be even for rotary embeddings")
+        if self.n_experts and not 0 < self.n_experts_per_tok <= self.n_experts:
+            raise ValueError(f"{self.n_experts_per_tok=} must be in [1, {self.n_experts=}]")
         if self.layer_kinds:
             if len(self.layer_kinds) != self.n_layers:
                 raise ValueError(f"{len(self.layer_kinds)=} must equal {self.n_layers=}")

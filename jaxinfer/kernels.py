@@ -13,10 +13,14 @@ On TPU and GPU the model's hot ops run as the Pallas kernels, one dispatch funct
   (``pallas_kernels.flash_attention``).
 * ``quant_matmul``: quantized matmuls as the int8 / weight-only kernels
   (``pallas_kernels.quant_matmul``).
+* ``grouped_matmul``: a mixture-of-experts layer's expert matmuls over tokens sorted by expert
+  (``pallas_kernels.grouped_matmul``).
 
 On CPU, where Pallas does not compile, the pure-JAX paths stay (``KernelMode.OFF``): the packed
 step's blockwise gather, the cache's gather + ``layers.attention``, and ``QuantArray.matmul``
-(XLA's native s8 x s8 -> s32 dot).
+(XLA's native s8 x s8 -> s32 dot), and for grouped matmuls the kernel's schedule as a JAX loop
+(``grouped_matmul_xla``: XLA CPU lowers the reference, ``ragged_dot``, to a dense dot over
+every expert).
 
 ``interpret_kernels()`` forces the kernel path in Pallas interpret mode on any backend, so
 the seam itself is tested on CPU: a model or engine built and traced inside it runs every
@@ -42,6 +46,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _common
 from pallas_kernels import flash_attention as fa
+from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import quant_matmul as qm
 from pallas_kernels import ragged_paged_attention as rpa
@@ -134,6 +139,28 @@ def quant_matmul(w, x: jax.Array) -> jax.Array:
 def matmul_for_quantized():
     """The ``matmul=`` to hand ``QuantArray.einsum``: the kernel, or None (plain XLA)."""
     return quant_matmul if enabled() else None
+
+
+def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, group_offset=0) -> jax.Array:
+    """x [M, I] (rows sorted by group) times each group's weight -> [M, O] in x.dtype. w: a
+    float [G, I, O] or a ``QuantArray`` of one (contracting axis 1: stored [I, G*O] with a scale
+    per group and output channel), holding groups group_offset .. + G - 1 of ``group_sizes``;
+    rows of other groups give 0. TPU/GPU (or interpret mode): the Pallas kernel (int4: the XLA
+    loop); CPU: ``grouped_matmul_xla``, which reads only the weights of groups with rows."""
+    from jaxinfer.quant import QuantArray
+
+    kw = {}
+    if isinstance(w, QuantArray):
+        if w.smooth is not None:
+            x = (x.astype(jnp.float32) * w.smooth).astype(x.dtype)
+        # w8a8 experts are multiplied as weight-only int8: the same values and scales
+        kw = dict(w_scale=w.scale, out_size=w.shape[-1])
+        w = w.values_io()
+    mode = current_mode()
+    if mode != KernelMode.OFF and gm.kernel_fits(w, x.shape[1]):
+        return gm.grouped_matmul_kernel(x, w, group_sizes, group_offset=group_offset,
+                                        interpret=mode == KernelMode.INTERPRET, **kw)
+    return gm.grouped_matmul_xla(x, w, group_sizes, group_offset=group_offset, **kw)
 
 
 # ----------------------------------------------------------------------------- attention

@@ -56,6 +56,10 @@ class LLM:
     layers keep every position (their window pages are freed by default). kv_cache_dtype:
     "auto" (the model's dtype), a float type, or "int8" (int8 keys and values with a float32
     scale per token and head; about 3.8x smaller than float32 at head_dim 64).
+    enable_expert_parallel: a mixture-of-experts model's experts split whole over the
+    tensor-parallel devices (tensor_parallel_size must divide their number), each device
+    computing the tokens routed to its own; without it, every expert's width splits like a
+    dense MLP's. Attention is tensor parallel either way.
     """
 
     def __init__(self, model: str = registry.DEFAULT_MODEL, *, dtype: str | None = None,
@@ -67,7 +71,8 @@ class LLM:
                  quant_group: int | None = None, kv_cache_dtype: str = "auto",
                  speculative_config: dict | str | None = None, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None,
-                 revision: str | None = None, download_dir: str | None = None, generation_config: str = "auto"):
+                 revision: str | None = None, download_dir: str | None = None, generation_config: str = "auto",
+                 enable_expert_parallel: bool = False):
         dtype = dtype or default_dtype()
         if dtype == "auto":
             dtype = default_dtype()
@@ -110,12 +115,17 @@ class LLM:
         self._sampling_defaults = generation_defaults(self.model_path) if generation_config == "auto" else {}
         shardings_fn = None
         if mesh is not None:
-            from jaxinfer.sharding import pipeline_weight_shardings, stage_bounds, tensor_parallel_plan
+            from jaxinfer.sharding import pipeline_weight_shardings, rules_for, stage_bounds, tensor_parallel_plan
 
             def shardings_fn(specs, cfg):  # each device receives only its shard while loading
-                tensor_parallel_plan(cfg, mesh.shape["model"])  # bad sizes fail before any tensor is read
+                # bad sizes fail before any tensor is read
+                tensor_parallel_plan(cfg, mesh.shape["model"], expert_parallel=enable_expert_parallel)
+                if cfg.n_experts and mesh.shape["stage"] > 1:
+                    raise InvalidRequest("pipeline_parallel_size > 1 with a mixture-of-experts model is not "
+                                         "supported yet")
                 # pipeline: each layer goes to its own stage's devices only
-                return pipeline_weight_shardings(specs, mesh, stage_bounds(cfg.n_layers, mesh.shape["stage"]))
+                return pipeline_weight_shardings(specs, mesh, stage_bounds(cfg.n_layers, mesh.shape["stage"]),
+                                                 rules_for(enable_expert_parallel))
         loaded = checkpoint.load(self.model_path, dtype=dtype, quantize=qcfg, shardings_fn=shardings_fn,
                                  on_config=on_config)
         self.cfg, self.weights, self.tokenizer = loaded.cfg, loaded.weights, loaded.tokenizer
@@ -124,9 +134,12 @@ class LLM:
         self.mesh = mesh
         self.parallel = None
         if mesh is not None:
-            from jaxinfer.sharding import tensor_parallel_plan
+            from jaxinfer.sharding import place_experts, tensor_parallel_plan
 
-            self.parallel = dict(tensor_parallel_plan(self.cfg, mesh.shape["model"]),
+            # expert weights computed under shard_map, each device with the part it holds
+            self.weights = place_experts(self.weights, family_module(self.cfg.family).weight_specs(self.cfg), mesh)
+            self.parallel = dict(tensor_parallel_plan(self.cfg, mesh.shape["model"],
+                                                      expert_parallel=enable_expert_parallel),
                                  data_parallel_size=mesh.shape["data"])
         if max_model_len is None:
             max_model_len = self.cfg.max_position

@@ -335,7 +335,8 @@ def pack_for_cpu(weights, specs=None):
     * every w8a8 weight that fits, for the AMX kernel (layout "amx"): XLA's own s8 dot repacks
       the whole weight on every call;
     * given the model's ``specs``, every float32 matmul weight whose outputs come in whole
-      panels of 16 (``PackedF32``; not the embedding, which is also looked up), on AVX-512:
+      panels of 16 (``PackedF32``; not the embedding, which is also looked up, nor a mixture of
+      experts' expert weights, which the grouped matmul reads expert by expert), on AVX-512:
       XLA's float32 dot transposes its weight on every call past one row."""
     if cpu_kernels.amx_active():
         pack = jax.jit(cpu_kernels.amx_pack)
@@ -353,6 +354,7 @@ def pack_for_cpu(weights, specs=None):
         def f32(spec, w):
             contract = spec.contract_axes
             if (not isinstance(w, jax.Array) or w.dtype != jnp.float32 or not contract or "vocab" in spec.axes
+                    or "expert" in spec.axes
                     or w.shape != tuple(spec.shape)):
                 return w
             free = _axes(w.shape, contract)[1]

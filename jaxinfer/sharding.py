@@ -19,7 +19,9 @@ from jaxinfer.specs import is_spec
 
 # Megatron-style tensor parallelism over "model", batch over "data", and the stacked layer
 # axis of a pipeline's weights and page pools ([stages, ...], one layer of each stage per
-# array; see ``engine.pipeline``) over "stage".
+# array; see ``engine.pipeline``) over "stage". A mixture-of-experts layer's experts
+# ([E, D, F], axes "expert", "embed", "expert_mlp") split each expert's width like a dense
+# MLP's; ``EXPERT_PARALLEL_RULES`` splits whole experts instead.
 DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("batch", "data"),
     ("vocab", "model"),
@@ -29,7 +31,12 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("embed", None),
     ("head_dim", None),
     ("layers", "stage"),
+    ("expert", None),
+    ("expert_mlp", "model"),
 )
+# Expert parallelism (``LLM(enable_expert_parallel=True)``, as vLLM's): each device of the
+# model axis holds E / size whole experts; attention keeps its tensor parallelism.
+EXPERT_PARALLEL_RULES = tuple((a, {"expert": "model", "expert_mlp": None}.get(a, m)) for a, m in DEFAULT_RULES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +45,10 @@ class ShardingRules:
 
     def mesh_axis(self, logical: str | None) -> str | None:
         return dict(self.rules).get(logical) if logical else None
+
+
+def rules_for(expert_parallel: bool) -> ShardingRules:
+    return ShardingRules(EXPERT_PARALLEL_RULES if expert_parallel else DEFAULT_RULES)
 
 
 def spec_for(shape, axes, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> PartitionSpec:
@@ -89,6 +100,42 @@ def quant_shardings(qa: QuantArray, float_sharding: NamedSharding) -> QuantArray
 
 
 MESH_AXES = ("data", "stage", "model")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """A weight with how it lies on the mesh, for code that computes with it inside
+    ``shard_map`` (a mixture-of-experts block: each device multiplies the tokens by the
+    experts, or the expert columns, it holds, and one all-reduce sums the parts). Inside a
+    jitted function arrays no longer say how they are sharded; this says it, statically."""
+
+    value: object  # the weight: a jax.Array or a QuantArray
+    mesh: jax.sharding.AbstractMesh = dataclasses.field(metadata={"static": True})
+    specs: tuple = dataclasses.field(metadata={"static": True})  # PartitionSpec of each leaf of value
+
+    @property
+    def in_specs(self):
+        """``shard_map`` in_specs for ``value`` (a pytree of PartitionSpecs like it)."""
+        return jax.tree.unflatten(jax.tree.structure(self.value), self.specs)
+
+    @property
+    def split(self) -> bool:
+        """Whether any part of the weight is split over the model axis."""
+        return any("model" in tuple(s) for s in self.specs)
+
+
+def place_experts(weights, specs, mesh: Mesh):
+    """``weights`` with every weight that has an "expert" axis wrapped in ``Placed`` (its
+    leaves' shardings as they were loaded), so the mixture-of-experts block runs it under
+    ``shard_map`` on ``mesh``; other weights as they are (GSPMD splits those)."""
+    def one(spec, w):
+        if "expert" not in spec.axes:
+            return w
+        leaves = jax.tree.leaves(w)
+        return Placed(w, mesh.abstract_mesh, tuple(PartitionSpec(*leaf.sharding.spec) for leaf in leaves))
+
+    return jax.tree.map(one, specs, weights, is_leaf=is_spec)
 
 
 def pipeline_weight_shardings(specs, mesh: Mesh, bounds: tuple[int, ...], rules: ShardingRules = ShardingRules()):
@@ -149,17 +196,30 @@ def stage_bounds(n_layers: int, stages: int) -> tuple[int, ...]:
     return tuple(bounds)
 
 
-def tensor_parallel_plan(cfg, tp: int) -> dict:
+def tensor_parallel_plan(cfg, tp: int, *, expert_parallel: bool = False) -> dict:
     """How a model splits over ``tp`` devices, checked: query heads must divide (the attention
     output's all-reduce needs whole heads per device); KV heads are split when they divide,
-    else replicated; the MLP and vocabulary are split when they divide, else replicated."""
+    else replicated; the MLP and vocabulary are split when they divide, else replicated. A
+    mixture of experts splits each expert's width likewise, or with ``expert_parallel`` whole
+    experts, which must then divide."""
     from jaxinfer.errors import InvalidRequest
 
     if tp < 1:
         raise InvalidRequest(f"tensor_parallel_size must be >= 1, got {tp}")
     if cfg.n_heads % tp:
         raise InvalidRequest(f"tensor_parallel_size={tp} must divide the model's {cfg.n_heads} query heads")
-    return {"tensor_parallel_size": tp, "query_heads_per_device": cfg.n_heads // tp,
+    experts = {}
+    if expert_parallel and not cfg.n_experts:
+        raise InvalidRequest("enable_expert_parallel needs a mixture-of-experts model; this one has no experts")
+    if cfg.n_experts and expert_parallel:
+        if cfg.n_experts % tp:
+            raise InvalidRequest(f"enable_expert_parallel: tensor_parallel_size={tp} must divide the model's "
+                                 f"{cfg.n_experts} experts")
+        experts = {"experts": "expert parallel", "experts_per_device": cfg.n_experts // tp}
+    elif cfg.n_experts:
+        experts = {"experts": "split" if cfg.moe_d_ff % tp == 0 else "replicated",
+                   "experts_per_device": cfg.n_experts}
+    return experts | {"tensor_parallel_size": tp, "query_heads_per_device": cfg.n_heads // tp,
             "kv_heads": "split" if cfg.n_kv_heads % tp == 0 else "replicated",
             "kv_heads_per_device": cfg.n_kv_heads // tp if cfg.n_kv_heads % tp == 0 else cfg.n_kv_heads,
             "mlp": "split" if cfg.d_ff % tp == 0 else "replicated",

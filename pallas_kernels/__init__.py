@@ -15,6 +15,11 @@ One small package per op:
                     model-level paged forward (cache.PagedKVCache) on TPU/GPU.
   quant_matmul      int8 x int8 -> int32 matmul with per-token and per-channel scales, and
                     weight-only int8 / packed-int4 matmuls that dequantize inside the kernel.
+  grouped_matmul    rows sorted by group, each group's rows times its own weight (float,
+                    int8 or packed int4): a mixture-of-experts layer's expert matmuls,
+                    reading each expert's weight about once; megablox's schedule. Also
+                    ``grouped_matmul_xla``, that schedule as a plain JAX loop, for XLA CPU
+                    (where the reference, ``ragged_dot``, computes every group for every row).
   spec_verify       blockwise speculative verification: accepted lengths and the next token
                     per row from the target's logits at k + 1 positions (greedy prefix match
                     or rejection sampling), streamed over the vocabulary.

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders import hf, orbax_io
 from jaxinfer.loaders.common import (  # noqa: F401 (Loaded, read_json, assemble: re-exported)
@@ -36,7 +38,7 @@ def load_gguf(path: Path, *, dtype: str, shardings_fn=None, quantize=None, on_co
 
     ck = GGUFCheckpoint(path)
     arch = ck.architecture
-    mod = _family_for_gguf_arch(arch, path)
+    mod = _family_for_gguf_arch(arch, path, ck.metadata)
     cfg = mod.config_from_gguf(ck.metadata, ck.tensors, dtype=dtype, load_tensor=ck.load)
     specs = mod.weight_specs(cfg)
     expected = checkpoint_names(specs, mod.CHECKPOINT_NAMES, 1) | set(getattr(mod, "GGUF_CONFIG_TENSORS", ()))
@@ -59,7 +61,8 @@ def load_gguf(path: Path, *, dtype: str, shardings_fn=None, quantize=None, on_co
             a = unpermute_llama_qk(a, heads)
         if undo is not None:
             a = undo(name, a)
-        return a.T if transpose else a
+        # torch's [out, in] on the last two axes (stacked experts keep their leading axis)
+        return np.swapaxes(a, -1, -2) if transpose and a.ndim > 1 else a
 
     def view(name, transpose):
         """Float tensors that need no rewriting are read per device part straight from the
@@ -79,16 +82,27 @@ def load_gguf(path: Path, *, dtype: str, shardings_fn=None, quantize=None, on_co
     return Loaded(cfg, weights, tok, "gguf")
 
 
-def _family_for_gguf_arch(arch: str, path):
+def _family_for_gguf_arch(arch: str, path, meta: dict | None = None):
+    """The family module of a GGUF architecture. Where several list it (llama.cpp writes
+    Mixtral as "llama" with experts), one whose ``gguf_claims(meta)`` holds wins over the
+    others; a family with such a predicate takes no file it does not claim."""
     from jaxinfer.config import Family
 
+    plain = None
     for fam in Family:
         try:
             mod = family_module(fam)
         except (ImportError, KeyError):
             continue
-        if arch in getattr(mod, "GGUF_ARCHITECTURES", ()):
+        if arch not in getattr(mod, "GGUF_ARCHITECTURES", ()):
+            continue
+        claims = getattr(mod, "gguf_claims", None)
+        if claims is None:
+            plain = plain or mod
+        elif meta is not None and claims(meta):
             return mod
+    if plain is not None:
+        return plain
     raise CheckpointError(
         f"{path}: unsupported architecture {arch!r} (supported: {', '.join(sorted(supported_gguf_architectures()))})"
     )

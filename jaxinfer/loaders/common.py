@@ -141,7 +141,10 @@ def _read_weight(shape, dtype, sharding, name, transpose, fetch, stored: StoredT
 
     def part(bounds) -> np.ndarray:  # bounds: ((start, stop), ...) over our shape
         nonlocal whole
-        box = _stored_box(stored.shape, transpose, shape, bounds) if stored is not None else None
+        # a transposed read swaps the last two axes (stacked experts keep their leading one):
+        # beyond two dims that is not the plain reversal _stored_box maps, so fetch reads it
+        direct = stored is not None and not (transpose and len(stored.shape) > 2)
+        box = _stored_box(stored.shape, transpose, shape, bounds) if direct else None
         if box is not None:
             # Cast in the stored layout (one pass in memory order); a transposed part stays a
             # strided view: device_put lays it out, several times faster than numpy would.

@@ -17,6 +17,7 @@ import mmap
 import struct
 from pathlib import Path
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -205,16 +206,25 @@ def _merges_to(shape: tuple[int, ...], declared: tuple[int, ...]) -> bool:
     return i == len(declared)
 
 
-def _declared_shapes(specs, cfg, names: dict) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> our declared shape."""
-    import jax
+# A name with this in it (``{{e}}`` in a family's CHECKPOINT_NAMES, once the layer is filled
+# in) stands for one tensor per expert, stacked on the weight's "expert" axis when read.
+EXPERT = "{e}"
 
+
+def _declared_shapes(specs, cfg, names: dict) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> our declared shape (per-expert names -> one expert's shape, and
+    the stacked template name -> the whole weight's)."""
     out = {}
 
     def visit(path, spec):
         key, layer = weight_key(path)
         if key in names:
-            out[names[key][0].format(i=layer)] = spec.shape
+            name = names[key][0].format(i=layer)
+            out[name] = spec.shape
+            if EXPERT in name:
+                axis = spec.axes.index("expert")
+                one = spec.shape[:axis] + spec.shape[axis + 1:]
+                out.update({name.format(e=e): one for e in range(spec.shape[axis])})
 
     jax.tree_util.tree_map_with_path(visit, specs, is_leaf=is_spec)
     return out
@@ -236,6 +246,14 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
     specs = mod.weight_specs(cfg)
     declared = _declared_shapes(specs, cfg, mod.CHECKPOINT_NAMES)
+    # per-expert names: the template name -> (experts, the axis they stack on)
+    stacked = {}
+    for path_, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
+        key, layer = weight_key(path_)
+        name = mod.CHECKPOINT_NAMES[key][0].format(i=layer) if key in mod.CHECKPOINT_NAMES else ""
+        if EXPERT in name:
+            axis = spec.axes.index("expert")
+            stacked[name] = (spec.shape[axis], axis)
 
     with contextlib.ExitStack() as stack:
         shards = SafetensorsShards(path, stack)
@@ -245,7 +263,9 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
         read = block_reader(fused_blocks(specs, mod.CHECKPOINT_NAMES, 0), shards.get)
 
         def check_fits(name, shape, transpose):
-            ours = tuple(reversed(shape)) if transpose else tuple(shape)
+            """shape: as stored; a transposed read swaps its last two axes (stacked experts
+            keep their leading axis)."""
+            ours = tuple(shape[:-2]) + tuple(reversed(shape[-2:])) if transpose else tuple(shape)
             want = declared.get(name)
             if want is not None and not _merges_to(ours, tuple(want)):
                 raise CheckpointError(
@@ -253,15 +273,22 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
                     f"declared {tuple(want)}{' (transposed)' if transpose else ''} for this config.json"
                 )
 
-        def fetch(name, transpose):
+        def read_one(name, transpose):
             a = read(name)[1]
             if a is None:
                 return None
             check_fits(name, a.shape, transpose)
-            return a.T if transpose else a
+            return np.swapaxes(a, -1, -2) if transpose and a.ndim > 1 else a
+
+        def fetch(name, transpose):
+            if name in stacked:  # one tensor per expert, stacked (each checked against one expert's shape)
+                n, axis = stacked[name]
+                parts = [read_one(name.format(e=e), transpose) for e in range(n)]
+                return None if any(p is None for p in parts) else np.stack(parts, axis=axis)
+            return read_one(name, transpose)
 
         def view(name, transpose):
-            t = shards.tensor(name)
+            t = shards.tensor(name)  # None for stacked experts and fused blocks: fetch reads those
             if t is not None:
                 check_fits(name, t.shape, transpose)
             return t

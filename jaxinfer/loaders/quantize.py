@@ -109,10 +109,14 @@ def head_scheme(spec, qcfg: QuantConfig) -> QuantScheme:
 
 def check_quantizable(specs, cfg, qcfg: QuantConfig) -> None:
     """Fail before reading any tensor if a weight cannot take the scheme (an int4 group that
-    does not divide a contraction)."""
+    does not divide a contraction; w8a8's layer-by-layer calibration, which does not cover a
+    mixture of experts)."""
+    from jaxinfer.models.layers import is_spec, weight_key
+
+    if qcfg.scheme == QuantScheme.W8A8 and any("expert" in s.axes for s in jax.tree.leaves(specs, is_leaf=is_spec)):
+        raise InvalidRequest("quantize='w8a8' does not cover mixture-of-experts models yet; use int8 or int4")
     if qcfg.scheme != QuantScheme.INT4:
         return
-    from jaxinfer.models.layers import is_spec, weight_key
 
     for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
         if spec.contract_axes and head_scheme(spec, qcfg) == QuantScheme.INT4:

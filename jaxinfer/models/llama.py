@@ -95,22 +95,30 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
     """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
     -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools)."""
     rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)))
-    scale = cfg.head_dim**-0.5
     for j, w in enumerate(layers):
         i = first + j
         layer_rope = None if i in cfg.nope_layers else rope
         with jax.named_scope(f"layer{i}/attention"):
-            h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-            q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
-            if cfg.qkv_bias:
-                q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
-            o, cache = attend_layer(cache, j, q, k, v, positions, start, layer_rope, read_cache=read_cache,
-                                    scale=scale, window=cfg.layer_window(i))
-            x = x + dot("BTNH,NHD->BTD", o, w["wo"])
+            x, cache = attention_block(w, x, cache, j, positions, start, layer_rope, cfg=cfg, layer=i,
+                                       read_cache=read_cache)
         with jax.named_scope(f"layer{i}/mlp"):
             h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
             x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
     return x, cache
+
+
+def attention_block(w: dict, x: jax.Array, cache, j: int, positions, start, rope, *, cfg: ModelConfig, layer: int,
+                    read_cache: bool = True):
+    """x [B, T, D] + the attention of model layer ``layer`` (cache layer j) -> (x, cache):
+    pre-norm, q/k/v (with Qwen2's biases), rotary, attention (over the last sliding_window
+    positions where the config makes the layer LOCAL), output projection."""
+    h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
+    q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
+    if cfg.qkv_bias:
+        q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
+    o, cache = attend_layer(cache, j, q, k, v, positions, start, rope, read_cache=read_cache,
+                            scale=cfg.head_dim**-0.5, window=cfg.layer_window(layer))
+    return x + dot("BTNH,NHD->BTD", o, w["wo"]), cache
 
 
 # Where each weight lives in the two external formats: our path -> (HF name, GGUF name,
