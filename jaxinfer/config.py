@@ -85,6 +85,11 @@ class ModelConfig:
     # the last kv_shared_layers layers compute no keys/values: each attends over those of the last
     # earlier layer of its own kind, and has no cache of its own
     kv_shared_layers: int = 0
+    # Gemma 4's other per-layer pieces (see models.gemma4)
+    per_layer_input_dim: int = 0  # E: each layer adds a gated projection of its own E-wide input (0: none)
+    per_layer_vocab_size: int = 0  # rows of the per-layer input table (0: vocab_size)
+    values_from_keys: bool = False  # GLOBAL layers' values are their keys' projection (no value weights)
+    shared_kv_d_ff: int | None = None  # F of the layers that share keys/values (None: d_ff)
 
     def __post_init__(self):
         if self.layer_kinds:
