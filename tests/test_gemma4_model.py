@@ -234,6 +234,18 @@ def test_static_engine_equals_transformers(gemma4_path):
     ft.assert_matches(ft.generate(llm, ft.PROMPTS[:2]), ref, what="static engine")
 
 
+def test_ragged_kernel_path_equals_transformers(gemma4_path):
+    """The TPU/GPU path (Pallas ragged paged attention, traced in interpret mode): per-layer
+    head dims, and sharing layers reading their source's pages in the same step."""
+    from jaxinfer import LLM, kernels
+
+    ref = ft.reference(gemma4_path, ft.PROMPTS[:2], max_tokens=4)
+    with kernels.interpret_kernels():
+        llm = LLM(str(gemma4_path), max_model_len=128, progress=False, kv_cache_bytes=4 << 20, max_num_seqs=2)
+        got = ft.generate(llm, ft.PROMPTS[:2], max_tokens=4)
+    ft.assert_matches(got, ref, what="ragged kernel")
+
+
 def test_int8_weights_load_and_generate(gemma4_path):
     from jaxinfer import LLM
     from jaxinfer.quant import QuantArray

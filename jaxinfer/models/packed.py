@@ -461,11 +461,13 @@ def ragged_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, page, 
     this step's keys: a decode row its table row; a prefill segment the pages its tokens were
     just written to (``page``, by position), and segment 0 also its history in table[R].
     Windowed layers' tables start at logical page ``base``; they are laid out by logical page
-    here, so the kernel's window mask alone decides what is read."""
+    here, so the kernel's window mask alone decides what is read. The laid-out tables are as
+    wide as the full-length table, which covers every logical page of every row (a windowed
+    table's own width does not: its pages start at ``base``)."""
     R, Q, Tp = b.rows, b.q, b.prefill_len
     ps = vpool.shape[2]
     T = R * Q + Tp
-    width = table.shape[1] + (-(-Tp // ps) if Tp else 0)  # the prefill row's chunks may pass the table
+    width = b.table.shape[1] + (-(-Tp // ps) if Tp else 0)  # the prefill row's chunks may pass the table
     tables, starts, lens, kv_lens = [], [], [], []
     if R:
         pos = b.positions[: R * Q].reshape(R, Q)
