@@ -96,8 +96,9 @@ def _load(buf, table=None):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    k: list[jax.Array]  # L x [B, K, H, S_l]  keys transposed: see models.layers.attention
-    v: list[jax.Array]  # L x [B, K, S_l, H]  S_l: max_len, or R for a windowed (ring) layer
+    k: list[jax.Array]  # L x [B, K_l, H_l, S_l]  keys transposed: see models.layers.attention
+    v: list[jax.Array]  # L x [B, K_l, S_l, H_l]  S_l: max_len, or R for a windowed (ring) layer
+    # (None for a layer that attends over another's keys/values: ModelConfig.kv_source)
     ring_pos: jax.Array  # i32[B, R] position each ring slot holds (EMPTY_POS: none); R = 0: no rings
     windowed: tuple[bool, ...] = dataclasses.field(default=(), metadata={"static": True})
 
@@ -107,10 +108,10 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return max(v.shape[2] for v in self.v)
+        return max(v.shape[2] for v in self.v if v is not None)
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k + self.v) + self.ring_pos.nbytes
+        return sum(a.nbytes for a in self.k + self.v if a is not None) + self.ring_pos.nbytes
 
     def is_ring(self, layer: int) -> bool:
         return bool(self.windowed) and self.windowed[layer]
@@ -141,8 +142,9 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *, max_ch
     most query tokens any call that reads this cache brings), windowed layers keep a ring of
     W + max_chunk - 1 slots instead, when that is shorter. A call that does not read the
     cache (a fresh right-padded prefill) may bring more: its last R positions are kept, and
-    R >= W + T - 1 keeps every real token a later query needs."""
-    K, H = cfg.n_kv_heads, cfg.head_dim
+    R >= W + T - 1 keeps every real token a later query needs. Layer i's buffers are
+    [batch, K_i, H_i, ...] (``layer_kv_heads``, ``layer_head_dim``); a layer that attends over
+    another's keys/values (``kv_source``) has None."""
     dt = jnp.dtype(dtype or cfg.dtype)
     windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
     R = 0
@@ -150,8 +152,10 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *, max_ch
         R = max(w for w in windows if w) + max_chunk - 1
     windowed = tuple(bool(w) and 0 < R < max_len for w in windows)
     lens = [R if ring else max_len for ring in windowed]
-    return KVCache([_zeros((batch, K, H, n), dt, -2) for n in lens],
-                   [_zeros((batch, K, n, H), dt, -1) for n in lens],
+    KH = [(cfg.layer_kv_heads(i), cfg.layer_head_dim(i)) if cfg.kv_source(i) == i else None
+          for i in range(cfg.n_layers)]
+    return KVCache([None if kh is None else _zeros((batch, kh[0], kh[1], n), dt, -2) for kh, n in zip(KH, lens)],
+                   [None if kh is None else _zeros((batch, kh[0], n, kh[1]), dt, -1) for kh, n in zip(KH, lens)],
                    jnp.full((batch, R if any(windowed) else 0), EMPTY_POS, jnp.int32), windowed)
 
 
@@ -199,8 +203,9 @@ class PagedKVCache:
     of the row's current window, the ones before it having gone back to the allocator.
     """
 
-    k: list[jax.Array]  # L x [P_l, K, H, page_size]  keys transposed, as in KVCache
-    v: list[jax.Array]  # L x [P_l, K, page_size, H]  P_l: pages of the layer's pool
+    k: list[jax.Array]  # L x [P_l, K_l, H_l, page_size]  keys transposed, as in KVCache
+    v: list[jax.Array]  # L x [P_l, K_l, page_size, H_l]  P_l: pages of the layer's pool
+    # (None for a layer that attends over another's pool: ModelConfig.kv_source)
     page_table: jax.Array  # i32[B, n] pages of each row; unused entries are page 0 (scratch)
     window_table: jax.Array | None = None  # i32[B, m] windowed layers' pages from logical page window_base[b]
     window_base: jax.Array | None = None  # i32[B]
@@ -213,13 +218,14 @@ class PagedKVCache:
     @property
     def num_pages(self) -> int:
         """Pages of the full-length layers' pool."""
-        return next((v.shape[0] for v, w in zip(self.v, self._kinds()) if not w), self.v[0].shape[0])
+        return next((v.shape[0] for v, w in zip(self.v, self._kinds()) if v is not None and not w),
+                    self.v[0].shape[0])
 
     def _kinds(self):
         return self.windowed or (False,) * len(self.v)
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k + self.v)
+        return sum(a.nbytes for a in self.k + self.v if a is not None)
 
     def with_page_table(self, page_table, window_table=None, window_base=None) -> "PagedKVCache":
         return PagedKVCache(self.k, self.v, page_table, window_table, window_base, self.windowed)
@@ -274,13 +280,15 @@ class PagedKVCache:
 def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None, *,
                      num_window_pages: int | None = None) -> PagedKVCache:
     """Zeroed page pools: ``num_pages`` per full-length layer and, with ``num_window_pages``,
-    a pool of that many per windowed (LOCAL) layer, which then keep only their window."""
-    K, H = cfg.n_kv_heads, cfg.head_dim
+    a pool of that many per windowed (LOCAL) layer, which then keep only their window. Layer
+    i's pools are [P, K_i, H_i, ...] (``layer_kv_heads``, ``layer_head_dim``); a layer that
+    attends over another's keys/values (``kv_source``) has no pool (None)."""
     dt = jnp.dtype(dtype or cfg.dtype)
     windowed = tuple(num_window_pages is not None and cfg.layer_window(i) is not None for i in range(cfg.n_layers))
-    pages = [num_window_pages if w else num_pages for w in windowed]
+    pools = [(num_window_pages if w else num_pages, cfg.layer_kv_heads(i), cfg.layer_head_dim(i))
+             if cfg.kv_source(i) == i else None for i, w in enumerate(windowed)]
     return PagedKVCache(
-        [_zeros((P, K, H, page_size), dt, -2) for P in pages],
-        [_zeros((P, K, page_size, H), dt, -1) for P in pages],
+        [None if p is None else _zeros((p[0], p[1], p[2], page_size), dt, -2) for p in pools],
+        [None if p is None else _zeros((p[0], p[1], page_size, p[2]), dt, -1) for p in pools],
         jax.device_put(np.zeros((1, 1), np.int32)), windowed=windowed,
     )

@@ -32,6 +32,7 @@ class RopeKind(str, enum.Enum):
     DEFAULT = "default"
     LINEAR = "linear"  # positions divided by factor
     LLAMA3 = "llama3"  # Llama 3.1 frequency-dependent scaling
+    PROPORTIONAL = "proportional"  # only the first partial_rotary_factor of the frequencies rotate (Gemma 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,7 @@ class RopeConfig:
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position: int = 8192  # llama3 only
+    partial_rotary_factor: float = 1.0  # proportional only: share of the H/2 frequencies that rotate
     # Explicit per-frequency divisors f32[H/2] (a GGUF's rope_freqs.weight, as llama.cpp's
     # converter writes Llama 3 scaling): inverse frequency i is divided by freq_factors[i],
     # after ``kind``'s own scaling. A tuple so the config stays hashable (a jit static).
@@ -92,12 +94,21 @@ class ModelConfig:
     moe_d_ff: int = 0  # F of one expert
     norm_topk_prob: bool = True  # the k routing weights rescaled to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of width d_ff instead (Qwen3-MoE)
+    # Per-layer attention shapes and shared keys/values (Gemma 4); the defaults give every layer
+    # n_kv_heads x head_dim and a cache of its own. The engine reads them through layer_head_dim,
+    # layer_kv_heads and kv_source.
+    global_head_dim: int | None = None  # H of GLOBAL layers (None: head_dim)
+    global_kv_heads: int | None = None  # K of GLOBAL layers (None: n_kv_heads)
+    # the last kv_shared_layers layers compute no keys/values: each attends over those of the last
+    # earlier layer of its own kind, and has no cache of its own
+    kv_shared_layers: int = 0
+    # Gemma 4's other per-layer pieces (see models.gemma4)
+    per_layer_input_dim: int = 0  # E: each layer adds a gated projection of its own E-wide input (0: none)
+    per_layer_vocab_size: int = 0  # rows of the per-layer input table (0: vocab_size)
+    values_from_keys: bool = False  # GLOBAL layers' values are their keys' projection (no value weights)
+    shared_kv_d_ff: int | None = None  # F of the layers that share keys/values (None: d_ff)
 
     def __post_init__(self):
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"{self.n_heads=} must be a multiple of {self.n_kv_heads=}")
-        if self.head_dim % 2:
-            raise ValueError(f"{self.head_dim=} must be even for rotary embeddings")
         if self.n_experts and not 0 < self.n_experts_per_tok <= self.n_experts:
             raise ValueError(f"{self.n_experts_per_tok=} must be in [1, {self.n_experts=}]")
         if self.layer_kinds:
@@ -106,6 +117,18 @@ class ModelConfig:
             object.__setattr__(self, "layer_kinds", tuple(AttentionKind(k) for k in self.layer_kinds))
             if AttentionKind.LOCAL in self.layer_kinds and not (self.sliding_window or 0) > 0:
                 raise ValueError(f"LOCAL layers need a positive sliding_window, got {self.sliding_window=}")
+        for K, H in {(self.layer_kv_heads(i), self.layer_head_dim(i)) for i in range(self.n_layers)}:
+            if self.n_heads % K:
+                raise ValueError(f"{self.n_heads=} must be a multiple of every layer's KV heads, got {K}")
+            if H % 2:
+                raise ValueError(f"head dim {H} must be even for rotary embeddings")
+        if not 0 <= self.kv_shared_layers < self.n_layers:
+            raise ValueError(f"{self.kv_shared_layers=} must be in [0, {self.n_layers=})")
+        first = self.n_layers - self.kv_shared_layers
+        owners = {self.layer_kind(i) for i in range(first)}
+        if any(self.layer_kind(i) not in owners for i in range(first, self.n_layers)):
+            raise ValueError(f"each of the last {self.kv_shared_layers} layers needs an earlier layer of its kind "
+                             "to share keys/values with")
 
     def layer_kind(self, layer: int) -> AttentionKind:
         return self.layer_kinds[layer] if self.layer_kinds else AttentionKind.GLOBAL
@@ -114,6 +137,28 @@ class ModelConfig:
         """How many trailing positions layer ``layer`` attends to (None: all of them). A cache
         may keep only this many positions of such a layer."""
         return self.sliding_window if self.layer_kind(layer) == AttentionKind.LOCAL else None
+
+    def layer_head_dim(self, layer: int) -> int:
+        """H of layer ``layer``'s queries, keys and values."""
+        if self.global_head_dim and self.layer_kind(layer) == AttentionKind.GLOBAL:
+            return self.global_head_dim
+        return self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        """K of layer ``layer`` (its query heads are always n_heads)."""
+        if self.global_kv_heads and self.layer_kind(layer) == AttentionKind.GLOBAL:
+            return self.global_kv_heads
+        return self.n_kv_heads
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys/values (and cache) layer ``layer`` attends over: itself, or for
+        one of the last ``kv_shared_layers``, the last earlier layer of its kind. A layer whose
+        source is another has no cache of its own."""
+        first = self.n_layers - self.kv_shared_layers
+        if layer < first:
+            return layer
+        kind = self.layer_kind(layer)
+        return max(j for j in range(first) if self.layer_kind(j) == kind)
 
     def layer_rope(self, layer: int) -> RopeConfig:
         if self.layer_kind(layer) == AttentionKind.LOCAL and self.rope_local is not None:
@@ -136,25 +181,32 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, kv_dtype: str | None = None, *, kind: AttentionKind | None = None) -> int:
         """KV bytes one token adds to a cache that keeps every position of every layer (or,
-        with ``kind``, of the layers of that kind only). int8 KV stores a float32 scale
-        per (token, head) beside the head_dim int8 values."""
+        with ``kind``, of the layers of that kind only); a layer that shares another's keys
+        and values adds none. int8 KV stores a float32 scale per (token, head) beside the
+        head_dim int8 values."""
+        return sum(self._layer_kv_bytes(i, kv_dtype) for i in range(self.n_layers)
+                   if kind is None or self.layer_kind(i) == kind)
+
+    def _layer_kv_bytes(self, layer: int, kv_dtype: str | None) -> int:
+        """KV bytes one token adds to layer ``layer``'s own cache (0: it shares another's)."""
+        if self.kv_source(layer) != layer:
+            return 0
         if kv_dtype in (None, "auto"):
             kv_dtype = self.dtype
-        per_head = self.head_dim + 4 if kv_dtype == "int8" else self.head_dim * jnp.dtype(kv_dtype).itemsize
-        layers = sum(1 for i in range(self.n_layers) if kind is None or self.layer_kind(i) == kind)
-        return 2 * layers * self.n_kv_heads * per_head
+        H = self.layer_head_dim(layer)
+        per_head = H + 4 if kv_dtype == "int8" else H * jnp.dtype(kv_dtype).itemsize
+        return 2 * self.layer_kv_heads(layer) * per_head
 
     def kv_bytes(self, seq_len: int, kv_dtype: str | None = None, *, windowed: bool = True) -> int:
         """KV bytes one sequence of ``seq_len`` tokens needs when every layer keeps only the
         positions it can still attend to (``windowed``: LOCAL layers the last W), or every
         position (a dense cache). The paged engine's windowed pool holds this plus page
         rounding: up to two pages per LOCAL layer (see engine.paged.window_pool_pages)."""
-        per_layer_token = self.kv_bytes_per_token(kv_dtype) // self.n_layers
-        kept = 0
+        total = 0
         for i in range(self.n_layers):
             w = self.layer_window(i) if windowed else None
-            kept += seq_len if w is None else min(seq_len, w)
-        return kept * per_layer_token
+            total += (seq_len if w is None else min(seq_len, w)) * self._layer_kv_bytes(i, kv_dtype)
+        return total
 
 
 def default_dtype() -> str:

@@ -179,6 +179,17 @@ def kv_pool_sharding(mesh: Mesh, n_kv_heads: int, *, stacked: bool = False):
     return NamedSharding(mesh, PartitionSpec(None, heads))
 
 
+def kv_pool_shardings(mesh: Mesh, cfg, *, leading: tuple = ()) -> list:
+    """``kv_pool_sharding`` of every layer's pool (a list, as the pools are), from that layer's
+    KV heads; None for a layer that has no pool (it attends over another's: ``cfg.kv_source``).
+    leading: mesh axes of extra leading dims (a data-parallel engine's replica axis)."""
+    def one(i):
+        spec = kv_pool_sharding(mesh, cfg.layer_kv_heads(i)).spec
+        return NamedSharding(mesh, PartitionSpec(*leading, *spec)) if cfg.kv_source(i) == i else None
+
+    return [one(i) for i in range(cfg.n_layers)]
+
+
 def stage_bounds(n_layers: int, stages: int) -> tuple[int, ...]:
     """Layer boundaries of ``stages`` contiguous pipeline stages: stage s runs layers
     [b[s], b[s + 1]). Uneven counts give the first stages one layer more (30 over 4: 8, 8, 7, 7)."""
@@ -219,12 +230,14 @@ def tensor_parallel_plan(cfg, tp: int, *, expert_parallel: bool = False) -> dict
     elif cfg.n_experts:
         experts = {"experts": "split" if cfg.moe_d_ff % tp == 0 else "replicated",
                    "experts_per_device": cfg.n_experts}
+    kv = sorted({cfg.layer_kv_heads(i) for i in range(cfg.n_layers)})  # one count, or one per layer kind (Gemma 4)
+    split = [k for k in kv if k % tp == 0]
+    notes = [f"{k} KV heads split {k // tp} per device" if k % tp == 0 else
+             f"{k} KV head(s) do not divide over {tp} devices: every device keeps all of them (KV pools "
+             f"replicated), only the {cfg.n_heads} query heads split" for k in kv]
     return experts | {"tensor_parallel_size": tp, "query_heads_per_device": cfg.n_heads // tp,
-            "kv_heads": "split" if cfg.n_kv_heads % tp == 0 else "replicated",
+            "kv_heads": "split" if len(split) == len(kv) else "replicated" if not split else "split where they divide",
             "kv_heads_per_device": cfg.n_kv_heads // tp if cfg.n_kv_heads % tp == 0 else cfg.n_kv_heads,
             "mlp": "split" if cfg.d_ff % tp == 0 else "replicated",
             "vocab": "split" if cfg.vocab_size % tp == 0 else "replicated",
-            "kv_note": (f"{cfg.n_kv_heads} KV heads split {cfg.n_kv_heads // tp} per device"
-                        if cfg.n_kv_heads % tp == 0 else
-                        f"{cfg.n_kv_heads} KV head(s) do not divide over {tp} devices: every device keeps "
-                        f"all of them (KV pools replicated), only the {cfg.n_heads} query heads split")}
+            "kv_note": "; ".join(notes)}

@@ -53,14 +53,16 @@ COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def write_tiny(path: Path, model_type: str, overrides: dict | None = None, *, seed: int = 0,
-               architecture: str | None = None, dtype: str = "float32") -> Path:
+               architecture: str | None = None, dtype: str = "float32", outer: dict | None = None) -> Path:
     """A random checkpoint of ``model_type`` written by transformers into ``path``, with a
-    word-level tokenizer over its V tokens."""
+    word-level tokenizer over its V tokens. outer: the config arguments of a multimodal
+    ``model_type``, whose text_config is then the tiny one (COMMON and overrides)."""
     torch = require("torch")
     transformers = require("transformers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    config = transformers.AutoConfig.for_model(model_type, **(COMMON | (overrides or {})))
+    text = COMMON | (overrides or {})
+    config = transformers.AutoConfig.for_model(model_type, **(text if outer is None else outer | {"text_config": text}))
     if architecture:
         config.architectures = [architecture]
     torch.manual_seed(seed)

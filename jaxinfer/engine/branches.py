@@ -97,7 +97,10 @@ def store_chosen(cache: PackedKV, batch: PackedBatch, chosen: jax.Array, W: int)
     R, Q = batch.rows, batch.q
     ks, vs = list(cache.k), list(cache.v)
     s = slice(None)
-    for layer, (k, v) in enumerate(cache.written):
+    for layer, kv in enumerate(cache.written):
+        if kv is None:  # a layer that shares another's keys/values wrote none
+            continue
+        k, v = kv
         windowed = bool(cache.windowed) and cache.windowed[layer]
         page = batch.write_wpage if windowed else batch.write_page
         off = batch.positions % vs[layer].shape[2]

@@ -4,7 +4,7 @@ jitted step.
 
 Every device array of the one-replica engine gains a leading replica axis of size D, split
 over "data": the page pools [D, P, K, ps, H] (and split over "model" like one replica's, see
-``sharding.kv_pool_sharding``), the slot state [D, S, ...] and each step's ``PackedBatch``
+``sharding.kv_pool_shardings``), the slot state [D, S, ...] and each step's ``PackedBatch``
 [D, ...]. The step is ``jax.vmap`` of ``step.packed_step`` over that axis with the weights
 shared (replicated over "data", split over "model"), so each data group of devices computes
 its own replica and no replica reads another's pages.
@@ -40,7 +40,7 @@ from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.step import make_slots, packed_step
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.packed import PackedBatch
-from jaxinfer.sharding import kv_pool_sharding
+from jaxinfer.sharding import kv_pool_shardings
 
 
 def data_parallel_step(weights, batch: PackedBatch, k_pages, v_pages, slots, *, mesh, cfg, windowed,
@@ -91,9 +91,9 @@ class DataParallelEngine(PagedEngine):
         self.allocator, self.window_allocator = self.sched.allocator, self.sched.window_allocator
         cache = kv.init_paged_cache(cfg, num_pages, ps, kv_dtype, num_window_pages=num_window_pages)
         self.windowed = cache.windowed
-        pool = NamedSharding(mesh, PartitionSpec("data", *kv_pool_sharding(mesh, cfg.n_kv_heads).spec))
+        pool = kv_pool_shardings(mesh, cfg, leading=("data",))
         stack = lambda a: jnp.broadcast_to(a, (D,) + a.shape)  # noqa: E731
-        self.k_pages, self.v_pages = jax.device_put(jax.tree.map(stack, (cache.k, cache.v)), pool)
+        self.k_pages, self.v_pages = jax.device_put(jax.tree.map(stack, (cache.k, cache.v)), (pool, pool))
         self._slot_sharding = NamedSharding(mesh, PartitionSpec("data"))
         self.slots = self._fresh_slots()
         self._compiles = CompileCounter()  # PagedEngine.num_compilations reads it

@@ -127,8 +127,14 @@ class PagedEngine:
             # pipeline parallel: each stage's devices hold only their layers' weights and pools
             if speculative is not None:
                 raise InvalidRequest("speculative decoding with pipeline_parallel_size > 1 is not supported")
-            from jaxinfer.engine.pipeline import PipelineLayout, init_pools, stack_weights
+            from jaxinfer.engine.pipeline import (
+                PipelineLayout,
+                check_pipeline,
+                init_pools,
+                stack_weights,
+            )
 
+            check_pipeline(cfg)
             self.windowed = tuple(num_window_pages is not None and cfg.layer_window(i) is not None
                                   for i in range(cfg.n_layers))
             self.pipeline = PipelineLayout.make(mesh, cfg.n_layers, self.windowed)
@@ -144,10 +150,10 @@ class PagedEngine:
                 self.k_pages, self.v_pages = _committed((self.k_pages, self.v_pages), weights)
         self.slots = self._fresh_slots()
         if mesh is not None and self.pipeline is None:  # tensor parallel: pools split over KV heads (or replicated)
-            from jaxinfer.sharding import kv_pool_sharding
+            from jaxinfer.sharding import kv_pool_shardings
 
-            pool = kv_pool_sharding(mesh, cfg.n_kv_heads)
-            self.k_pages, self.v_pages = jax.device_put((self.k_pages, self.v_pages), pool)
+            pool = kv_pool_shardings(mesh, cfg)
+            self.k_pages, self.v_pages = jax.device_put((self.k_pages, self.v_pages), (pool, pool))
         # one partial per engine, so each engine's jit caches are its own; the counter counts
         # the executables they build (engine.compiles)
         self._compiles = CompileCounter()
@@ -239,7 +245,7 @@ class PagedEngine:
     def last_cache_bytes(self) -> int:
         extra = self.draft_kv or self.eagle_kv
         pools = self.k_pages + self.v_pages + (list(extra[0]) + list(extra[1]) if extra else [])
-        return sum(a.nbytes for a in pools)
+        return sum(a.nbytes for a in pools if a is not None)
 
     def num_compilations(self) -> int:
         """Executables built so far by the engine's jitted steps (each compiled, or loaded from

@@ -96,6 +96,19 @@ class PipelineLayout:
         }
 
 
+def check_pipeline(cfg) -> None:
+    """Refuse a model the stacked layout cannot hold: stage slots stack one layer of every
+    stage, so every layer must have one pool shape of its own (no per-layer head dims or KV
+    heads, no layers reading another's keys/values), and the family must run its layers from
+    the hidden state alone (``PIPELINE_STAGES``; Gemma 4's per-layer inputs come from the tokens)."""
+    from jaxinfer.errors import InvalidRequest
+
+    shapes = {(cfg.layer_kv_heads(i), cfg.layer_head_dim(i)) for i in range(cfg.n_layers)}
+    if len(shapes) > 1 or cfg.kv_shared_layers or not getattr(family_module(cfg.family), "PIPELINE_STAGES", True):
+        raise InvalidRequest(f"pipeline_parallel_size > 1 is not supported for {cfg.family.value} models with "
+                             "per-layer inputs, per-layer attention shapes or shared keys/values")
+
+
 # ----------------------------------------------------------------------------- placement
 def _stack(per_stage: list, mesh: Mesh, rules: ShardingRules):
     """One [stages, ...] array from per-stage arrays (each on its own stage's sub-mesh; None:

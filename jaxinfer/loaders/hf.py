@@ -237,6 +237,7 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
     path = Path(path)
     hf = read_config(path)
     mod = family_for(hf, path)
+    hf, names, prefix = _text_tower(hf, path, mod)
     _check_supported(hf, path, mod)
     try:
         cfg = mod.config_from_hf(hf, dtype=dtype)
@@ -245,12 +246,12 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
     specs = mod.weight_specs(cfg)
-    declared = _declared_shapes(specs, cfg, mod.CHECKPOINT_NAMES)
+    declared = _declared_shapes(specs, cfg, names)
     # per-expert names: the template name -> (experts, the axis they stack on)
     stacked = {}
     for path_, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
         key, layer = weight_key(path_)
-        name = mod.CHECKPOINT_NAMES[key][0].format(i=layer) if key in mod.CHECKPOINT_NAMES else ""
+        name = names[key][0].format(i=layer) if key in names else ""
         if EXPERT in name:
             axis = spec.axes.index("expert")
             stacked[name] = (spec.shape[axis], axis)
@@ -258,9 +259,10 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
     with contextlib.ExitStack() as stack:
         shards = SafetensorsShards(path, stack)
         present = [n for n in shards.weight_map if not n.endswith(_DERIVED_SUFFIXES)
-                   and not (cfg.tie_embeddings and n == "lm_head.weight")]
+                   and not (cfg.tie_embeddings and n == "lm_head.weight")
+                   and (prefix is None or n.startswith(prefix) or n == "lm_head.weight")]
         refuse_unmapped(path, present, {fused_block(n)[0] for n in declared}, "the safetensors carry")
-        read = block_reader(fused_blocks(specs, mod.CHECKPOINT_NAMES, 0), shards.get)
+        read = block_reader(fused_blocks(specs, names, 0), shards.get)
 
         def check_fits(name, shape, transpose):
             """shape: as stored; a transposed read swaps its last two axes (stacked experts
@@ -298,6 +300,26 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
             on_config(cfg)
         tok = tokenizer_from_hf_dir(path)
         quantizer = make_quantizer(quantize, specs, cfg, tok)
-        weights = assemble(specs, cfg, mod.CHECKPOINT_NAMES, fetch, 0, shardings=shardings, quantizer=quantizer,
-                           view=view)
+        weights = assemble(specs, cfg, names, fetch, 0, shardings=shardings, quantizer=quantizer, view=view)
     return Loaded(cfg, weights, tok, "hf")
+
+
+def _text_tower(hf: dict, path, mod) -> tuple[dict, dict, str | None]:
+    """(config, checkpoint names, tensor prefix) of the text decoder in the checkpoint. A
+    multimodal architecture the family lists in ``HF_TEXT_TOWERS`` keeps it under a prefix
+    ("model.language_model.") with its config in ``text_config``; the other towers' tensors
+    are left unread. Otherwise: the config as it is, the family's names, no prefix."""
+    archs = hf.get("architectures") or []
+    archs = [archs] if isinstance(archs, str) else archs
+    towers = getattr(mod, "HF_TEXT_TOWERS", {})
+    arch = next((a for a in archs if a in towers), None)
+    if arch is None:
+        return hf, mod.CHECKPOINT_NAMES, None
+    prefix, text = towers[arch], hf.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{path / 'config.json'}: {arch} without a text_config")
+    names = {key: (name.replace("model.", prefix, 1) if name.startswith("model.") else name, *rest)
+             for key, (name, *rest) in mod.CHECKPOINT_NAMES.items()}
+    # the outer config decides whether the LM head is the text tower's embedding
+    tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    return dict(text, architectures=archs, tie_word_embeddings=tie), names, prefix

@@ -212,6 +212,9 @@ class _Calibration:
 
         self.cfg, self.qcfg = cfg, qcfg
         self.mod = family_module(family if family is not None else cfg.family)
+        if not getattr(self.mod, "W8A8_CALIBRATION", True):
+            raise InvalidRequest(f"quantize='w8a8' is not supported for {cfg.family.value} models "
+                                 "(its layers cannot be calibrated one at a time); use int8 or int4")
         ids: list[int] = []
         for p in CALIBRATION_PROMPTS:
             ids += tokenizer.encode(p)

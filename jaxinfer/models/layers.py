@@ -91,10 +91,12 @@ def take(w, tokens: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- norms
-def rms_norm(x: jax.Array, w: jax.Array, eps: float, *, plus_one: bool = False) -> jax.Array:
-    """RMSNorm in float32 (Gemma scales by 1 + w)."""
+def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, *, plus_one: bool = False) -> jax.Array:
+    """RMSNorm in float32 (Gemma 2/3 scale by 1 + w; w None: no scale, Gemma 4's value norm)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if w is None:
+        return xf.astype(x.dtype)
     wf = w.astype(jnp.float32)
     return (xf * (1.0 + wf if plus_one else wf)).astype(x.dtype)
 
@@ -102,12 +104,17 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, *, plus_one: bool = False) 
 # ----------------------------------------------------------------------------- rotary
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
     """Inverse frequencies f32[R/2] (R: ``rope.rotary_dim``, head_dim unless partial), with
-    linear or Llama 3 scaling and explicit per-frequency divisors (``rope.freq_factors``)
-    applied."""
+    linear, Llama 3 or proportional scaling and explicit per-frequency divisors
+    (``rope.freq_factors``) applied."""
     dim = rope.rotary_dim or head_dim
     inv = 1.0 / (rope.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     if rope.kind == RopeKind.LINEAR:
         inv = inv / rope.factor
+    elif rope.kind == RopeKind.PROPORTIONAL:
+        # transformers' "proportional": the first partial * H/2 frequencies keep their exponents
+        # over the whole head dim, the rest are 0 (an angle of 0 leaves the pair as it is)
+        rotated = int(rope.partial_rotary_factor * head_dim // 2)
+        inv = np.where(np.arange(inv.shape[0]) < rotated, inv, 0.0) / rope.factor
     elif rope.kind == RopeKind.LLAMA3:
         low_wavelen = rope.original_max_position / rope.low_freq_factor
         high_wavelen = rope.original_max_position / rope.high_freq_factor
@@ -224,21 +231,25 @@ def cache_attention(cache, layer: int, q, qpos, end, *, scale, window=None, soft
 
 
 def attend_layer(cache, layer: int, q, k, v, positions, start, rope, *, read_cache: bool = True,
-                 scale, window=None, softcap=None):
+                 scale, window=None, softcap=None, shared: bool = False):
     """One layer's attention for every model family: rotary (``rope``: the positions'
     ``rope_table``; None for a layer without position embeddings) on q [B, T, N, H] and k
     [B, T, K, H] at positions i32[B, T], the new keys/values written into the cache (if any) at
     start i32[B], then attention over the cache up to start + T, or, without a cache or with
     read_cache False (every row a fresh prompt from 0), over the new tokens alone.
+    shared: k, v are those an earlier layer, cache layer ``layer``, computed and wrote in this
+    same pass (Gemma 4's KV sharing; rotated again here, to the same numbers): attend over that
+    layer's cache and write nothing.
     Returns (o [B, T, N, H], cache)."""
     if rope is not None:
         q = apply_rope(q, rope)
         k = apply_rope(k, rope)
     opts = {"scale": scale, "window": window, "softcap": softcap}
     if getattr(cache, "packed", False):  # models.packed.PackedKV: a packed engine step
-        return cache.attend(layer, q, k, v, **opts)
+        return cache.attend(layer, q, k, v, write=not shared, **opts)
     if cache is not None:
-        cache = cache.write_layer(layer, k, v, start)
+        if not shared:
+            cache = cache.write_layer(layer, k, v, start)
         if read_cache:
             return cache_attention(cache, layer, q, positions, start + q.shape[1], **opts), cache
     if kernels.enabled():  # a prefill-only step on TPU/GPU: keys at 0..T-1 of every row, no copy to transpose

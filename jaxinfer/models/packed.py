@@ -99,15 +99,16 @@ class PackedBatch:
 class PackedKV:
     """Page pools plus the batch that reads and writes them in this step."""
 
-    k: list  # L x [P_l, K, H, ps]  keys transposed, as in cache.PagedKVCache
-    v: list  # L x [P_l, K, ps, H]
+    k: list  # L x [P_l, K_l, H_l, ps]  keys transposed, as in cache.PagedKVCache (None: a layer with no pool)
+    v: list  # L x [P_l, K_l, ps, H_l]
     batch: PackedBatch
     windowed: tuple[bool, ...] = dataclasses.field(default=(), metadata={"static": True})
     use_kernels: bool = dataclasses.field(default=False, metadata={"static": True})
     # defer_writes: the pools are only read; each layer's new keys/values are collected in
-    # ``written`` (one (k, v) [1, N, K, H] per layer) for the caller to store, and the decode
-    # rows see their own new tokens from them. A pipeline stage runs its layers inside a
-    # conditional, where writing a pool in place would copy the whole pool.
+    # ``written`` (one (k, v) [1, N, K, H] per layer, None for a layer that writes nothing) for
+    # the caller to store, and the decode rows see their own new tokens from them. A pipeline
+    # stage runs its layers inside a conditional, where writing a pool in place would copy the
+    # whole pool.
     defer_writes: bool = dataclasses.field(default=False, metadata={"static": True})
     written: tuple = ()
 
@@ -116,15 +117,19 @@ class PackedKV:
     def _is_windowed(self, layer: int) -> bool:
         return bool(self.windowed) and self.windowed[layer]
 
-    def attend(self, layer: int, q, k, v, *, scale, window=None, softcap=None):
+    def attend(self, layer: int, q, k, v, *, scale, window=None, softcap=None, write: bool = True):
         """Write the layer's new keys/values k, v [1, N, K, H] at each token's page, then
-        attend q [1, N, N_heads, H] as described in the module docstring -> (o, cache)."""
+        attend q [1, N, N_heads, H] as described in the module docstring -> (o, cache).
+        write False: k, v are pool ``layer``'s own new keys/values, already written by the
+        layer that owns it (a layer sharing them attends and writes nothing)."""
         b = self.batch
         ps = self.v[layer].shape[2]
         page = b.write_wpage if self._is_windowed(layer) else b.write_page
         ks, vs = list(self.k), list(self.v)
         if self.defer_writes:
-            cache = dataclasses.replace(self, written=self.written + ((k, v),))
+            cache = dataclasses.replace(self, written=self.written + ((k, v) if write else None,))
+        elif not write:
+            cache = self
         else:
             off = b.positions % ps
             s = slice(None)
@@ -456,11 +461,13 @@ def ragged_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, page, 
     this step's keys: a decode row its table row; a prefill segment the pages its tokens were
     just written to (``page``, by position), and segment 0 also its history in table[R].
     Windowed layers' tables start at logical page ``base``; they are laid out by logical page
-    here, so the kernel's window mask alone decides what is read."""
+    here, so the kernel's window mask alone decides what is read. The laid-out tables are as
+    wide as the full-length table, which covers every logical page of every row (a windowed
+    table's own width does not: its pages start at ``base``)."""
     R, Q, Tp = b.rows, b.q, b.prefill_len
     ps = vpool.shape[2]
     T = R * Q + Tp
-    width = table.shape[1] + (-(-Tp // ps) if Tp else 0)  # the prefill row's chunks may pass the table
+    width = b.table.shape[1] + (-(-Tp // ps) if Tp else 0)  # the prefill row's chunks may pass the table
     tables, starts, lens, kv_lens = [], [], [], []
     if R:
         pos = b.positions[: R * Q].reshape(R, Q)
