@@ -101,7 +101,8 @@ class _FirstPass:
     v: jax.Array | None = None
     packed = True
 
-    def attend(self, layer, q, k, v, *, scale, window=None, softcap=None):
+    def attend(self, layer, q, k, v, *, scale, window=None, softcap=None, write=True):
+        # the head's one layer computes its own keys and values: write is always True here
         pos = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
         o = attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), pos, pos[0], scale=scale, window=window,
                       softcap=softcap)
@@ -118,7 +119,8 @@ class _SecondPass:
     v: jax.Array
     packed = True
 
-    def attend(self, layer, q, k, v, *, scale, window=None, softcap=None):
+    def attend(self, layer, q, k, v, *, scale, window=None, softcap=None, write=True):
+        # the head's one layer computes its own keys and values: write is always True here
         B, T, N, H = q.shape
         K = k.shape[2]
         qg = q.reshape(B, T, K, N // K, H).astype(jnp.float32) * scale

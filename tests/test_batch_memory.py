@@ -39,6 +39,7 @@ class InstantLLM:
     cfg = _Cfg()
     model_path = "instant"
     tokenizer = None
+    sampling_defaults: dict = {}
     window = 32
 
     def __init__(self):
