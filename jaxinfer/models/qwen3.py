@@ -77,20 +77,30 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
         i = first + j
         window = cfg.layer_window(i)
         with jax.named_scope(f"layer{i}/{'local' if window else 'global'}_attention"):
-            h = norm(x, w["attn_norm"])
-            q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
-            if cfg.qkv_bias:
-                q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
-            q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
-            o, cache = attend_layer(cache, j, q, k, v, positions, start, rope, read_cache=read_cache,
-                                    scale=cfg.head_dim**-0.5, window=window)
-            o = dot("BTNH,NHD->BTD", o, w["wo"])
-            x = x + (o + w["bo"].astype(o.dtype) if cfg.qkv_bias else o)
+            x, cache = attention_block(w, x, cache, j, positions, start, rope, cfg=cfg, layer=i,
+                                       read_cache=read_cache)
         with jax.named_scope(f"layer{i}/mlp"):
             h = norm(x, w["mlp_norm"])
             x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
     return x, cache
 
+
+
+def attention_block(w: dict, x: jax.Array, cache, j: int, positions, start, rope, *, cfg: ModelConfig, layer: int,
+                    read_cache: bool = True):
+    """x [B, T, D] + the attention of model layer ``layer`` (cache layer j) -> (x, cache):
+    Llama's (``llama.attention_block``) with each query and key head RMS-normed over its head
+    dim (weights q_norm, k_norm [H]) before rotary, and ``attention_bias`` on q, k, v and the
+    output. Qwen3-MoE's layers use it too."""
+    h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
+    q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
+    if cfg.qkv_bias:
+        q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
+    q, k = rms_norm(q, w["q_norm"], cfg.norm_eps), rms_norm(k, w["k_norm"], cfg.norm_eps)
+    o, cache = attend_layer(cache, j, q, k, v, positions, start, rope, read_cache=read_cache,
+                            scale=cfg.head_dim**-0.5, window=cfg.layer_window(layer))
+    o = dot("BTNH,NHD->BTD", o, w["wo"])
+    return x + (o + w["bo"].astype(o.dtype) if cfg.qkv_bias else o), cache
 
 # Where each weight lives in the two external formats: our path -> (HF name, GGUF name, transpose).
 CHECKPOINT_NAMES = llama.CHECKPOINT_NAMES | {

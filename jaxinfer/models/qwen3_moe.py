@@ -22,8 +22,15 @@ from jaxinfer import cache as kv
 from jaxinfer.config import AttentionKind, Family, ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import llama, moe
-from jaxinfer.models.layers import attend_layer, dot, dot_many, gated_mlp, rms_norm, rope_inv_freq, rope_table, silu
+from jaxinfer.models.layers import (
+    gated_mlp,
+    rms_norm,
+    rope_inv_freq,
+    rope_table,
+    silu,
+)
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (the family's embed / unembed)
+from jaxinfer.models.qwen3 import attention_block
 from jaxinfer.specs import WeightSpec
 
 _DENSE_MLP = ("w_gate", "w_up", "w_down")
@@ -66,18 +73,6 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
             else:
                 x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
     return x, cache
-
-
-def attention_block(w: dict, x: jax.Array, cache, j: int, positions, start, rope, *, cfg: ModelConfig, layer: int,
-                    read_cache: bool = True):
-    """Qwen3's attention: Llama's (``llama.attention_block``) with each query and key head
-    RMS-normed over its head dim (weights q_norm, k_norm [H]) before rotary."""
-    h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-    q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
-    q, k = rms_norm(q, w["q_norm"], cfg.norm_eps), rms_norm(k, w["k_norm"], cfg.norm_eps)
-    o, cache = attend_layer(cache, j, q, k, v, positions, start, rope, read_cache=read_cache,
-                            scale=cfg.head_dim**-0.5, window=cfg.layer_window(layer))
-    return x + dot("BTNH,NHD->BTD", o, w["wo"]), cache
 
 
 # Where each weight lives (see ``mixtral.CHECKPOINT_NAMES`` for ``{{e}}``); a dense layer's MLP
