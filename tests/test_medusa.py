@@ -5,7 +5,6 @@ the CLI's bad input."""
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
