@@ -81,11 +81,11 @@ def _missing(imports: dict[str, set[str]], have: set[str]) -> list[str]:
 
 
 def test_a_plain_install_covers_the_package_but_its_extras():
-    core = _closure([])
+    have_with = {extra: _closure([extra] if extra else []) for extra in {None, *NEEDS_EXTRA.values()}}
     for top, files in PACKAGE.items():
         for f in files:
             extra = next((e for prefix, e in NEEDS_EXTRA.items() if f.startswith(prefix)), None)
-            have = core if extra is None else _closure([extra])
+            have = have_with[extra]
             assert DISTS.get(top, set()) & have, f"{f} imports {top}, which {extra or 'a plain install'} lacks"
     assert {"fastapi", "optax"} <= PACKAGE.keys()  # the extras' own imports are read
 
