@@ -402,7 +402,7 @@ class LLM:
                    max_new=sp.max_tokens, logprobs=[] if sp.logprobs is not None else None)
 
     def _output(self, req: "_Pending") -> RequestOutput:
-        p, rows = req.params, req.rows
+        rows = req.rows
         plp = rows[0].prompt_logprobs  # filled while the prompt was computed (None unless asked)
         comps = [
             CompletionOutput(

@@ -30,8 +30,6 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Mapping
-from typing import Any
 
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.outputs import CompletionOutput, RequestOutput

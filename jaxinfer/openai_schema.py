@@ -102,9 +102,12 @@ class Message(BaseModel):
     role: Literal[ROLES]
     content: Union[Text, Annotated[list[TextPart], Field(min_length=1)]]
     name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None  # which call a tool message answers: OpenAI requires it there
 
     @model_validator(mode="after")
     def _only_null_extras(self):
+        if self.role == "tool" and self.tool_call_id is None:
+            raise PydanticCustomError("invalid_value", "a tool message needs tool_call_id")
         for key, v in (self.model_extra or {}).items():
             if v is not None:
                 raise PydanticCustomError("unsupported_parameter", "{key} is not supported", {"key": _short(key, 40)})
@@ -117,7 +120,8 @@ class Message(BaseModel):
 
     def for_template(self) -> dict:
         """The message as the chat template takes it (developer is read as system)."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        return out if self.tool_call_id is None else {**out, "tool_call_id": self.tool_call_id}
 
 
 class JsonSchemaFormat(_Model):
@@ -373,9 +377,10 @@ def _ids(x) -> bool:
 
 def _request_error(e: ValidationError, where: str) -> RequestError:
     """One of pydantic's errors in OpenAI's terms (code, param, message): the deepest, which for
-    a value no member of a union took is the one from the member that got furthest."""
+    a value no member of a union took is the one from the member that got furthest. A wrong
+    type ranks below any other error: five stop strings are "at most 4", not "not a string"."""
     errors = e.errors(include_url=False)
-    err = max(errors, key=lambda x: len(x["loc"]))
+    err = max(errors, key=lambda x: (not x["type"].endswith("_type"), len(x["loc"])))
     # union members add their type names to the location: keep only real field names and indices
     loc = [p for p in err["loc"] if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)]
     param = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(loc)) or None

@@ -12,9 +12,10 @@
    the input features so drafting tolerates its own estimates. With ``second_pass`` > 0 a
    second pass trains what draft 2 sees (EAGLE-3's training-time test): entry p built from the
    layer's own g_{p-1} instead of f_p, attending the real entries before p and itself.
-   optax adamw, warm-up and cosine decay; tqdm shows the losses; Orbax writes the head
-   (``eagle.save_head``) with the held-out accuracy of its first draft over answer positions
-   (the acceptance rate draft 1 will see) and of its second where the first was right.
+   optax (the ``train`` extra) adamw, warm-up and cosine decay; tqdm shows the losses; Orbax
+   writes the head (``eagle.save_head``) with the held-out accuracy of its first draft over
+   answer positions (the acceptance rate draft 1 will see) and of its second where the first
+   was right.
 """
 
 from __future__ import annotations
@@ -207,9 +208,11 @@ def train_head(llm, F, T, Y, lens, vocab, *, steps: int, batch: int, lr: float, 
                reg_weight: float = 1.0, second_pass: float = 1.0, init_layer: int | None = None,
                progress: bool = True):
     """Train a head on packed sequences -> (head, losses every 10 steps)."""
-    import optax
     from tqdm import tqdm
 
+    from jaxinfer.train_medusa import require_optax
+
+    optax = require_optax()
     cfg, weights = llm.cfg, llm.weights
     from_layer = None if init_layer is None else weights["layers"][init_layer]
     head = eagle.init_head(cfg, jax.random.PRNGKey(seed), from_layer=from_layer)
@@ -257,8 +260,9 @@ def train_eagle(model: str, out, *, steps: int = 700, batch: int = 8, lr: float 
                 progress: bool = True, llm=None) -> dict:
     """The whole recipe; returns what it wrote into ``out``'s eagle.json."""
     from jaxinfer import LLM
-    from jaxinfer.train_medusa import load_prompts
+    from jaxinfer.train_medusa import load_prompts, require_optax
 
+    require_optax()  # before minutes of self-distillation
     if steps < 1 or batch < 1 or lr <= 0 or vocab_size < 2:
         raise InvalidRequest(f"steps, batch, lr and vocab size must be positive, got {steps}, {batch}, {lr}, "
                              f"{vocab_size}")

@@ -6,9 +6,10 @@
 2. One forward pass per sequence gives the hidden states before the final norm; head i at
    position t is trained to predict token t + 2 + i (the model's own next token is t + 1).
    Only the heads train; the model, its final norm and its LM head are frozen and shared.
-3. optax adamw with a linear warm-up and cosine decay; cross-entropy over the full vocabulary;
-   tqdm shows the loss; the heads are written with Orbax (``medusa.save_heads``) along with
-   each head's top-1 accuracy on the held-out prompts (the acceptance rate its drafts will see).
+3. optax (the ``train`` extra) adamw with a linear warm-up and cosine decay; cross-entropy over
+   the full vocabulary; tqdm shows the loss; the heads are written with Orbax
+   (``medusa.save_heads``) along with each head's top-1 accuracy on the held-out prompts (the
+   acceptance rate its drafts will see).
 """
 
 from __future__ import annotations
@@ -23,9 +24,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.errors import InvalidRequest, JaxinferError
 from jaxinfer.models import medusa
-from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.registry import family_module
+
+
+def require_optax():
+    """optax, the optimizer library only training needs (the ``train`` extra), or one clear
+    error saying how to install it."""
+    try:
+        import optax
+    except ImportError as e:
+        raise JaxinferError(f"training draft heads needs optax ({e}); install the train extra: "
+                            "pip install 'jaxinfer[train]'") from None
+    return optax
 
 
 def load_prompts(path=None, packaged: str = "medusa_prompts.jsonl") -> tuple[list[str], list[str]]:
@@ -108,9 +120,9 @@ def accuracy(heads, weights, cfg, h: np.ndarray, targets: np.ndarray, batch: int
 def train_heads(llm, h: np.ndarray, targets: np.ndarray, *, steps: int, batch: int, lr: float, seed: int = 0,
                 progress: bool = True):
     """Train zero-initialised heads on (h, targets) -> (heads, losses per step)."""
-    import optax
     from tqdm import tqdm
 
+    optax = require_optax()
     cfg, weights = llm.cfg, llm.weights
     heads = medusa.init_heads(cfg, targets.shape[1])
     sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps=max(1, steps // 20), decay_steps=steps,
@@ -141,6 +153,7 @@ def train_medusa(model: str, out, *, num_heads: int = 3, steps: int = 600, batch
     """The whole recipe; returns what it wrote into ``out``'s medusa.json."""
     from jaxinfer import LLM
 
+    require_optax()  # before minutes of self-distillation
     if num_heads < 1:
         raise InvalidRequest(f"heads must be >= 1, got {num_heads}")
     if steps < 1 or batch < 1 or lr <= 0:

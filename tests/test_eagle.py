@@ -223,3 +223,14 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert "steps, batch, lr and vocab size must be positive" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}']) == 2
     assert "eagle needs model" in capsys.readouterr().err
+
+
+def test_training_without_optax_names_the_extra(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from jaxinfer.cli import main
+
+    monkeypatch.setitem(sys.modules, "optax", None)  # what an install without the train extra sees
+    # refused before loading the model (no-such-model would fail otherwise)
+    assert main(["train-eagle", "no-such-model", "--out", str(tmp_path / "o")]) == 2
+    assert "pip install 'jaxinfer[train]'" in capsys.readouterr().err

@@ -29,7 +29,7 @@ from jaxinfer.engine.static import record_token
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.guided import BatchBitmask, apply_token_bitmask
 from jaxinfer.server import ServerConfig
-from jaxinfer.server.engine_loop import Accepted, Delta, Done, EngineLoop, Failed, Job, QueueFull
+from jaxinfer.server.engine_loop import Accepted, Done, EngineLoop, Failed, Job, QueueFull
 from tests.server_testing import live_server, metric_samples
 
 SCHEMA = {

@@ -161,6 +161,40 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-@pytest.mark.parametrize("edge", sorted(KNOWN_UPWARD))
-def test_known_upward_edges_say_why(edge):
-    assert len(KNOWN_UPWARD[edge]) > 40
+
+def _upward(module: str, source: str) -> set[str]:
+    """The edges up a floor that ``module`` would have if its source were ``source``."""
+    deps = set().union(*(_targets(module, n) for n in _imports(ast.parse(source))), set())
+    return {d for d in deps if floor(d) > floor(module)}
+
+
+def test_a_planted_upward_import_is_caught():
+    # absolute, relative, function-level and package forms are all read; TYPE_CHECKING is not
+    assert _upward("jaxinfer.models.llama", "from jaxinfer.engine import paged") == {"jaxinfer.engine.paged"}
+    assert _upward("jaxinfer.models.llama", "def f():\n    from ..engine.paged import x") == {"jaxinfer.engine.paged"}
+    assert _upward("jaxinfer.engine.paged", "import jaxinfer.server.app as a") == {"jaxinfer.server.app"}
+    assert _upward("jaxinfer.kernels", "from jaxinfer import LLM") == {"jaxinfer"}
+    assert _upward("jaxinfer.kernels", "from . import llm") == {"jaxinfer.llm"}
+    assert not _upward("jaxinfer.models.llama", "import typing\nif typing.TYPE_CHECKING:\n    import jaxinfer.llm")
+    assert not _upward("jaxinfer.engine.paged", "from jaxinfer.models import llama\nfrom jaxinfer import errors")
+
+
+# Said outright, whatever FLOORS says: what the lower floors must never import.
+NEVER = [
+    (("pallas_kernels", "jaxinfer.kernels", "jaxinfer.cpu_kernels", "jaxinfer.ops", "jaxinfer.cache",
+      "jaxinfer.quant", "jaxinfer.models"),
+     ("jaxinfer.engine", "jaxinfer.server", "jaxinfer.llm", "jaxinfer.batch", "jaxinfer.cli")),
+    (("jaxinfer.engine",), ("jaxinfer.server", "jaxinfer.llm", "jaxinfer.batch", "jaxinfer.cli")),
+]
+
+
+def _under(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+@pytest.mark.parametrize("importers,imported", NEVER, ids=["kernels-and-models", "engine"])
+def test_kernels_and_models_never_import_the_engine_and_the_engine_never_the_server(importers, imported):
+    bad = sorted((m, d) for m, deps in GRAPH.items() if _under(m, importers) for d in deps
+                 if _under(d, imported) or d == "jaxinfer")  # the package root is the public API
+    assert not bad, bad
+    assert any(_under(m, importers) for m in GRAPH)  # the rule reads real modules

@@ -5,7 +5,6 @@ the CLI's bad input."""
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -87,3 +86,19 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert 'expected a JSON object with a "prompt"' in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}']) == 2
     assert "medusa needs model" in capsys.readouterr().err
+
+
+def test_training_without_optax_names_the_extra(tiny_llm, tmp_path, monkeypatch, capsys):
+    import sys
+
+    from jaxinfer.cli import main
+    from jaxinfer.errors import JaxinferError
+
+    monkeypatch.setitem(sys.modules, "optax", None)  # what an install without the train extra sees
+    with pytest.raises(JaxinferError, match=r"pip install 'jaxinfer\[train\]'"):
+        tm.train_heads(tiny_llm, np.zeros((4, tiny_llm.cfg.d_model), np.float32), np.zeros((4, 2), np.int32),
+                       steps=1, batch=2, lr=1e-3, progress=False)
+    # the CLI refuses before loading the model (no-such-model would fail otherwise) and writes nothing
+    assert main(["train-medusa", "no-such-model", "--out", str(tmp_path / "o")]) == 2
+    assert "training draft heads needs optax" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import textwrap
 
-import jax
 import pytest
 from jax.sharding import PartitionSpec
 

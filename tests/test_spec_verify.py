@@ -59,7 +59,6 @@ def test_greedy_block_by_hand():
 
 def test_sampled_point_mass_by_hand():
     """Two tokens; the draft has probability 0.25: accepted iff u < 0.25, else the other."""
-    V = 2
     logits = jnp.asarray(np.log([[[0.25, 0.75], [0.5, 0.5]]]), jnp.float32)
     z = jnp.pad(logits, ((0, 0), (0, 0), (0, 126)), constant_values=-jnp.inf)
     thr = jnp.full((1, 2), -jnp.inf)

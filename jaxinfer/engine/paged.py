@@ -312,7 +312,6 @@ class PagedEngine:
         ``warmup_shapes``); returns the number of executables compiled. Runs the steps on
         the scratch page only, with every slot idle."""
         before = self.num_compilations()
-        ps, W = self.allocator.page_size, self.window
         spec_rows = self._spec_rows() if self.spec else 0
         for R, w, Tp in self.warmup_shapes(max_prompt_len, max_len):
             self.run_step(self.idle_batch(R, w, Tp))

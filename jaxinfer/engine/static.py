@@ -9,7 +9,6 @@ checks overlap device work; each row stops on its own EOS or stop condition.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
 from typing import Iterator
@@ -22,7 +21,6 @@ from jaxinfer import cache as kv
 from jaxinfer import kernels
 from jaxinfer import sampling as smp
 from jaxinfer.config import ModelConfig
-from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.registry import family_module
 from jaxinfer.engine.buckets import BATCH_BUCKETS, bucket, len_bucket, logprob_bucket
 from jaxinfer.engine.rows import Row, position_logprobs, record_token
