@@ -244,6 +244,20 @@ class ModelConfig:
             return self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def latent_kv_report(self, kv_dtype: str | None = None) -> dict | None:
+        """What latent attention saves (``LLM.memory_report``'s "kv_latent"; None without it):
+        values and bytes one token adds to one layer's cache, as the latent and as the per-head
+        keys and values it stands for."""
+        if not self.latent_attention:
+            return None
+        expanded = self.kv_values_per_token(expanded=True)
+        dt = self.dtype if kv_dtype in (None, "auto") else kv_dtype
+        # int8: a float32 scale per (token, head) of keys and of values
+        per_layer = expanded + 4 * 2 * self.n_heads if dt == "int8" else expanded * jnp.dtype(dt).itemsize
+        return {"values_per_token_layer": self.kv_values_per_token(), "expanded_values_per_token_layer": expanded,
+                "bytes_per_token": self.kv_bytes_per_token(kv_dtype),
+                "expanded_bytes_per_token": self.n_layers * per_layer}
+
     def kv_bytes(self, seq_len: int, kv_dtype: str | None = None, *, windowed: bool = True) -> int:
         """KV bytes one sequence of ``seq_len`` tokens needs when every layer keeps only the
         positions it can still attend to (``windowed``: LOCAL layers the last W), or every
