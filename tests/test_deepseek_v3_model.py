@@ -102,22 +102,43 @@ def test_deepseek_v3_preemption_on_latent_pools(tiny):
 
 
 @pytest.mark.slow
-def test_deepseek_v3_ngram_and_tensor_parallel(tiny):
-    """n-gram drafts verified over latent pages; tensor parallel 2 (heads split, latent pools
-    whole on both devices) and expert parallel 2 (4 whole experts per device) on virtual CPUs."""
+def test_deepseek_v3_ngram_static_and_tensor_parallel(tiny):
+    """n-gram drafts verified over latent pages; the static engine's dense latent cache; tensor
+    parallel 2 (heads split, latent pools whole on both devices) and expert parallel 2 (4 whole
+    experts per device) on virtual CPUs."""
+    from jaxinfer import LLM
+
     path, ref = tiny
     llm = _llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                                          "prompt_lookup_min": 2})
     ft.assert_matches(ft.generate(llm), ref, what="ngram")
     assert llm.engine.spec_stats.drafted > 0
     del llm
+    static = LLM(str(path), max_model_len=128, progress=False, engine="static", max_num_seqs=4)
+    ft.assert_matches(ft.generate(static, prompt_logprobs=False), ref, what="static engine (dense latent cache)")
+    del static
     ft.assert_matches(ft.tensor_parallel(path), ref, what="tensor parallel 2")
     ft.assert_matches(ft.tensor_parallel(path, enable_expert_parallel=True), ref, what="expert parallel 2")
+
+
+@pytest.mark.slow
+def test_deepseek_v3_on_the_kernel_path(tiny):
+    """With the Pallas kernels on (interpret mode: TPU/GPU's path), latent layers still read
+    their pools through the XLA readers (the kernels take separate key and value pools), and
+    the rest (the experts' grouped matmuls) runs as kernels: still transformers' numbers."""
+    from jaxinfer import kernels
+
+    path, ref = tiny
+    with kernels.interpret_kernels():
+        got = ft.generate(_llm(path))
+    ft.assert_matches(got, ref, what="kernel path")
 
 
 def test_deepseek_v3_latent_cache_at_real_sizes():
     """DeepSeek-V3's own config (no weights): a token adds 512 + 64 cached values per layer,
     against 128 heads x (192 key + 128 value) = 40,960 for per-head keys and values."""
+    from jaxinfer.engine.pipeline import check_pipeline
+    from jaxinfer.errors import InvalidRequest
     from jaxinfer.models.deepseek_v3 import config_from_hf
 
     cfg = config_from_hf(V3, dtype="bfloat16")
@@ -129,6 +150,8 @@ def test_deepseek_v3_latent_cache_at_real_sizes():
     assert cfg.kv_bytes_per_token("int8") == 61 * (576 + 4)
     assert cfg.kv_bytes(4096, "bfloat16") == 4096 * 61 * 576 * 2
     assert cfg.dense_layers == (0, 1, 2) and cfg.n_expert_groups == 8 and cfg.topk_expert_groups == 4
+    with pytest.raises(InvalidRequest, match="latent attention"):
+        check_pipeline(cfg)
 
 
 def test_deepseek_v3_yarn_against_transformers():

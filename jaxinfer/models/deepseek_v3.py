@@ -44,10 +44,6 @@ from jaxinfer.models.layers import (
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (the family's embed / unembed)
 from jaxinfer.specs import WeightSpec
 
-# the pipeline's stacked pools hold per-head keys and values, not latents
-PIPELINE_STAGES = False
-
-
 def weight_specs(cfg: ModelConfig) -> dict:
     D, N, V = cfg.d_model, cfg.n_heads, cfg.vocab_size
     C, R, Dn, Dv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
