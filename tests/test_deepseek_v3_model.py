@@ -138,7 +138,7 @@ def test_deepseek_v3_latent_cache_at_real_sizes():
     """DeepSeek-V3's own config (no weights): a token adds 512 + 64 cached values per layer,
     against 128 heads x (192 key + 128 value) = 40,960 for per-head keys and values."""
     from jaxinfer.engine.pipeline import check_pipeline
-    from jaxinfer.errors import InvalidRequest
+    from jaxinfer.errors import CheckpointError, InvalidRequest
     from jaxinfer.models.deepseek_v3 import config_from_hf
 
     cfg = config_from_hf(V3, dtype="bfloat16")
@@ -152,6 +152,9 @@ def test_deepseek_v3_latent_cache_at_real_sizes():
     assert cfg.dense_layers == (0, 1, 2) and cfg.n_expert_groups == 8 and cfg.topk_expert_groups == 4
     with pytest.raises(InvalidRequest, match="latent attention"):
         check_pipeline(cfg)
+    with pytest.raises(CheckpointError, match="'fp8' are not supported"):
+        config_from_hf(V3 | {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+                       dtype="bfloat16")
 
 
 def test_deepseek_v3_yarn_against_transformers():

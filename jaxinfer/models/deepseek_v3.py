@@ -249,6 +249,10 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     hf = HF_DEFAULTS | {k: v for k, v in hf.items() if v is not None or k == "q_lora_rank"}
     if hf.get("attention_bias"):
         raise CheckpointError("DeepSeek-V3 with attention_bias=true is not supported")
+    method = (hf.get("quantization_config") or {}).get("quant_method")
+    if method:
+        raise CheckpointError(f"DeepSeek-V3 checkpoints quantized with {method!r} are not supported; "
+                              "load a bfloat16 conversion (and quantize=... to quantize it here)")
     rs = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if "rope_theta" not in rs and "rope_theta" in hf:
         rs = rs | {"rope_theta": hf["rope_theta"]}
