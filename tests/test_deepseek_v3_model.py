@@ -40,7 +40,8 @@ V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "
 
 def write_checkpoint(path):
     """The tiny checkpoint, its (buffer, so never randomised by ``write_tiny``) score-correction
-    biases set at random: they must steer the choice of experts and nothing else.
+    biases set at random: they must steer the choice of experts and nothing else, and with a
+    multi-token-prediction tensor beside the layers, which loading skips.
 
     Routing is discontinuous: where two experts' biased scores nearly tie, int8's rounding of
     the latents (a few thousandths on a score) picks the other one, and the token's output
@@ -55,6 +56,9 @@ def write_checkpoint(path):
     for name in tensors:
         if name.endswith("e_score_correction_bias"):
             tensors[name] = (0.3 * rng.standard_normal(tensors[name].shape)).astype(np.float32)
+    # a multi-token-prediction module's tensor, stored as layer num_hidden_layers (as DeepSeek-V3's
+    # layer 61): neither transformers nor jaxinfer runs it
+    tensors["model.layers.3.eh_proj.weight"] = rng.standard_normal((64, 128)).astype(np.float32)
     save_file(tensors, str(f), metadata={"format": "pt"})
     return path
 
