@@ -16,6 +16,11 @@ table that covers only each row's window (``window_table``, starting at logical 
 ``window_base``); the engine frees pages that fell out of every future query's window.
 Either way the layer's reader returns per-row key positions and attention masks by them.
 
+Latent pools (multi-head latent attention, ``ModelConfig.latent_attention``): a layer caches
+one latent per token, [c_kv | k_rope], in its values buffer (one head of width C + R), and
+has no keys buffer (None): the latent is both the key and, its first C entries, the value,
+so it is stored once. Its reader hands back the keys as the values' transpose.
+
 int8 KV (``dtype="int8"``): every buffer is a ``QuantKV`` pytree, int8 keys/values with one
 float32 scale per (token, head) beside them (``quant.quantize_kv``), written quantized and
 read back dequantized to float32, in both caches and both layer kinds.
@@ -125,7 +130,14 @@ class KVCache:
         positions >= end[b] (not written yet for row b, or EMPTY_POS) read as 0: see
         layers.attention. int8 buffers read back as float32."""
         kpos = self.ring_pos if self.is_ring(layer) else jnp.arange(self.v[layer].shape[2])
-        return _load(self.k[layer]), _zero_unseen(_load(self.v[layer]), kpos, end), kpos
+        values = _zero_unseen(_load(self.v[layer]), kpos, end)
+        return _latent_keys(values) if self.k[layer] is None else _load(self.k[layer]), values, kpos
+
+
+def _latent_keys(values: jax.Array) -> jax.Array:
+    """A latent layer's keys [B, 1, C + R, S]: its values [B, 1, S, C + R] transposed (one
+    buffer holds both; see the module doc)."""
+    return values.swapaxes(-1, -2)
 
 
 
@@ -154,7 +166,9 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *, max_ch
     lens = [R if ring else max_len for ring in windowed]
     KH = [(cfg.layer_kv_heads(i), cfg.layer_head_dim(i)) if cfg.kv_source(i) == i else None
           for i in range(cfg.n_layers)]
-    return KVCache([None if kh is None else _zeros((batch, kh[0], kh[1], n), dt, -2) for kh, n in zip(KH, lens)],
+    keys = not cfg.latent_attention  # a latent layer keeps only its values buffer (module doc)
+    return KVCache([None if kh is None or not keys else _zeros((batch, kh[0], kh[1], n), dt, -2)
+                    for kh, n in zip(KH, lens)],
                    [None if kh is None else _zeros((batch, kh[0], n, kh[1]), dt, -1) for kh, n in zip(KH, lens)],
                    jnp.full((batch, R if any(windowed) else 0), EMPTY_POS, jnp.int32), windowed)
 
@@ -181,7 +195,8 @@ def write_layer(cache: KVCache, layer: int, k_new: jax.Array, v_new: jax.Array, 
 
     def put(cs, n, index):  # the indexed dims (B, T) lead the update: n is [B, T, K, H]
         cs = list(cs)
-        cs[layer] = _store(cs[layer], index, n, mode="drop")
+        if cs[layer] is not None:  # (a latent layer has no keys buffer)
+            cs[layer] = _store(cs[layer], index, n, mode="drop")
         return cs
 
     slc = slice(None)
@@ -248,15 +263,17 @@ class PagedKVCache:
         off = pos % ps
         s = slice(None)
         k, v = list(self.k), list(self.v)
-        k[layer] = _store(k[layer], (page, s, s, off), k_new)
+        if k[layer] is not None:  # (a latent layer has no keys pool)
+            k[layer] = _store(k[layer], (page, s, s, off), k_new)
         v[layer] = _store(v[layer], (page, s, off), v_new)
         return PagedKVCache(k, v, self.page_table, self.window_table, self.window_base, self.windowed)
 
     def kernel_readable(self, layer: int) -> bool:
         """Whether the Pallas paged-attention kernel can read this layer's pool in place:
-        float pages under the full-length table (windowed tables start at a per-row base)."""
+        float pages under the full-length table (windowed tables start at a per-row base), and
+        keys of their own (not a latent pool)."""
         windowed = bool(self.windowed) and self.windowed[layer]
-        return not windowed and not isinstance(self.k[layer], QuantKV)
+        return not windowed and self.k[layer] is not None and not isinstance(self.k[layer], QuantKV)
 
     def read_layer(self, layer: int, end: jax.Array):
         """Gather the rows' pages into dense views (keys [B, K, H, n*ps], values
@@ -266,15 +283,18 @@ class PagedKVCache:
         that into the gather's copy)."""
         table, base = self._table(layer)
         B, n = table.shape
-        kp = _load(self.k[layer], table)  # [B, n, K, H, ps]
         vp = _load(self.v[layer], table)  # [B, n, K, ps, H]
-        K, H, ps = kp.shape[2], kp.shape[3], kp.shape[4]
-        keys = kp.transpose(0, 2, 3, 1, 4).reshape(B, K, H, n * ps)
+        K, ps, H = vp.shape[2], vp.shape[3], vp.shape[4]
         values = vp.transpose(0, 2, 1, 3, 4).reshape(B, K, n * ps, H)
         kpos = jnp.arange(n * ps)
         if base is not None:
             kpos = base[:, None] * ps + kpos[None, :]
-        return keys, _zero_unseen(values, kpos, end), kpos
+        values = _zero_unseen(values, kpos, end)
+        if self.k[layer] is None:  # a latent pool
+            return _latent_keys(values), values, kpos
+        kp = _load(self.k[layer], table)  # [B, n, K, H, ps]
+        keys = kp.transpose(0, 2, 3, 1, 4).reshape(B, K, H, n * ps)
+        return keys, values, kpos
 
 
 def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None, *,
@@ -282,13 +302,15 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=Non
     """Zeroed page pools: ``num_pages`` per full-length layer and, with ``num_window_pages``,
     a pool of that many per windowed (LOCAL) layer, which then keep only their window. Layer
     i's pools are [P, K_i, H_i, ...] (``layer_kv_heads``, ``layer_head_dim``); a layer that
-    attends over another's keys/values (``kv_source``) has no pool (None)."""
+    attends over another's keys/values (``kv_source``) has no pool (None), and a latent layer
+    no keys pool (module doc)."""
     dt = jnp.dtype(dtype or cfg.dtype)
     windowed = tuple(num_window_pages is not None and cfg.layer_window(i) is not None for i in range(cfg.n_layers))
     pools = [(num_window_pages if w else num_pages, cfg.layer_kv_heads(i), cfg.layer_head_dim(i))
              if cfg.kv_source(i) == i else None for i, w in enumerate(windowed)]
+    keys = not cfg.latent_attention
     return PagedKVCache(
-        [None if p is None else _zeros((p[0], p[1], p[2], page_size), dt, -2) for p in pools],
+        [None if p is None or not keys else _zeros((p[0], p[1], p[2], page_size), dt, -2) for p in pools],
         [None if p is None else _zeros((p[0], p[1], page_size, p[2]), dt, -1) for p in pools],
         jax.device_put(np.zeros((1, 1), np.int32)), windowed=windowed,
     )

@@ -26,6 +26,7 @@ class Family(str, enum.Enum):
     SMOLLM3 = "smollm3"
     MIXTRAL = "mixtral"
     QWEN3_MOE = "qwen3_moe"
+    DEEPSEEK_V3 = "deepseek_v3"
 
 
 class RopeKind(str, enum.Enum):
@@ -33,6 +34,7 @@ class RopeKind(str, enum.Enum):
     LINEAR = "linear"  # positions divided by factor
     LLAMA3 = "llama3"  # Llama 3.1 frequency-dependent scaling
     PROPORTIONAL = "proportional"  # only the first partial_rotary_factor of the frequencies rotate (Gemma 4)
+    YARN = "yarn"  # YaRN: low frequencies interpolated by factor, high ones kept, a linear ramp between
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,12 @@ class RopeConfig:
     # cos and sin multiplied by this (LongRoPE's sqrt(1 + ln(s) / ln(original context))), so the
     # rotated part of every score grows by its square.
     attention_factor: float = 1.0
+    # YaRN (``kind`` YARN, with ``factor`` and ``original_max_position``): the ramp runs between
+    # the dims that turn beta_fast and beta_slow times over the original context, rounded
+    # outwards unless truncate is False (transformers' ``_compute_yarn_parameters``)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 class AttentionKind(str, enum.Enum):
@@ -107,6 +115,22 @@ class ModelConfig:
     per_layer_vocab_size: int = 0  # rows of the per-layer input table (0: vocab_size)
     values_from_keys: bool = False  # GLOBAL layers' values are their keys' projection (no value weights)
     shared_kv_d_ff: int | None = None  # F of the layers that share keys/values (None: d_ff)
+    # Multi-head latent attention (DeepSeek-V3, models.deepseek_v3). kv_lora_rank C > 0: every
+    # layer caches one latent per token, C normed values and the qk_rope_head_dim R roped key
+    # values shared by all heads, instead of per-head keys and values (the cache's one KV "head"
+    # of width C + R); heads' keys are qk_nope_head_dim + R wide, their values v_head_dim.
+    kv_lora_rank: int = 0  # C
+    q_lora_rank: int = 0  # queries through a rank-q_lora_rank bottleneck (0: one projection)
+    qk_rope_head_dim: int = 0  # R
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    # DeepSeek-V3 routing (models.deepseek_v3): experts in n_expert_groups groups, tokens pick
+    # from the topk_expert_groups best groups; routing weights times routed_scaling_factor;
+    # n_shared_experts experts' width of a dense MLP every token goes through beside them
+    n_expert_groups: int = 1
+    topk_expert_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
 
     def __post_init__(self):
         if self.n_experts and not 0 < self.n_experts_per_tok <= self.n_experts:
@@ -138,14 +162,26 @@ class ModelConfig:
         may keep only this many positions of such a layer."""
         return self.sliding_window if self.layer_kind(layer) == AttentionKind.LOCAL else None
 
+    @property
+    def latent_attention(self) -> bool:
+        """Multi-head latent attention: each layer caches one latent head of
+        kv_lora_rank + qk_rope_head_dim values per token (``kv_lora_rank``)."""
+        return self.kv_lora_rank > 0
+
     def layer_head_dim(self, layer: int) -> int:
-        """H of layer ``layer``'s queries, keys and values."""
+        """H of layer ``layer``'s queries, keys and values (with latent attention: of the
+        latent the cache holds, which the absorbed queries match)."""
+        if self.latent_attention:
+            return self.kv_lora_rank + self.qk_rope_head_dim
         if self.global_head_dim and self.layer_kind(layer) == AttentionKind.GLOBAL:
             return self.global_head_dim
         return self.head_dim
 
     def layer_kv_heads(self, layer: int) -> int:
-        """K of layer ``layer`` (its query heads are always n_heads)."""
+        """K of layer ``layer`` (its query heads are always n_heads; one latent head with
+        latent attention)."""
+        if self.latent_attention:
+            return 1
         if self.global_kv_heads and self.layer_kind(layer) == AttentionKind.GLOBAL:
             return self.global_kv_heads
         return self.n_kv_heads
@@ -195,7 +231,32 @@ class ModelConfig:
             kv_dtype = self.dtype
         H = self.layer_head_dim(layer)
         per_head = H + 4 if kv_dtype == "int8" else H * jnp.dtype(kv_dtype).itemsize
-        return 2 * self.layer_kv_heads(layer) * per_head
+        # latent attention stores its one latent once: the values are its first C entries
+        return (1 if self.latent_attention else 2) * self.layer_kv_heads(layer) * per_head
+
+    def kv_values_per_token(self, layer: int = 0, *, expanded: bool = False) -> int:
+        """Values one token adds to layer ``layer``'s cache: K * H keys and as many values
+        (one latent of C + R with latent attention); expanded: what a latent layer's keys and
+        values would take per head, n_heads * (qk_nope_head_dim + R + v_head_dim)."""
+        if not self.latent_attention:
+            return 2 * self.layer_kv_heads(layer) * self.layer_head_dim(layer)
+        if expanded:
+            return self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def latent_kv_report(self, kv_dtype: str | None = None) -> dict | None:
+        """What latent attention saves (``LLM.memory_report``'s "kv_latent"; None without it):
+        values and bytes one token adds to one layer's cache, as the latent and as the per-head
+        keys and values it stands for."""
+        if not self.latent_attention:
+            return None
+        expanded = self.kv_values_per_token(expanded=True)
+        dt = self.dtype if kv_dtype in (None, "auto") else kv_dtype
+        # int8: a float32 scale per (token, head) of keys and of values
+        per_layer = expanded + 4 * 2 * self.n_heads if dt == "int8" else expanded * jnp.dtype(dt).itemsize
+        return {"values_per_token_layer": self.kv_values_per_token(), "expanded_values_per_token_layer": expanded,
+                "bytes_per_token": self.kv_bytes_per_token(kv_dtype),
+                "expanded_bytes_per_token": self.n_layers * per_layer}
 
     def kv_bytes(self, seq_len: int, kv_dtype: str | None = None, *, windowed: bool = True) -> int:
         """KV bytes one sequence of ``seq_len`` tokens needs when every layer keeps only the

@@ -453,6 +453,9 @@ class LLM:
             "kv_bytes_per_token_global": cfg.kv_bytes_per_token(kvd, kind=AttentionKind.GLOBAL),
             "kv_bytes_per_token_local": cfg.kv_bytes_per_token(kvd, kind=AttentionKind.LOCAL),
             "sliding_window": cfg.sliding_window,
+            # multi-head latent attention: the latent's values and bytes per token against the
+            # per-head keys and values it replaces (None for other attention)
+            "kv_latent": cfg.latent_kv_report(kvd),
             "seq_len": n,
             "kv_bytes_seq": cfg.kv_bytes(n, kvd, windowed=windowed),
             "kv_bytes_seq_dense": cfg.kv_bytes(n, kvd, windowed=False),

@@ -145,31 +145,31 @@ import json, sys
 from tests.family_testing import generate
 from jaxinfer import LLM
 llm = LLM(sys.argv[1], tensor_parallel_size=int(sys.argv[2]), max_model_len=128, progress=False,
-          kv_cache_bytes=16 << 20, max_num_seqs=4)
+          kv_cache_bytes=16 << 20, max_num_seqs=4, **json.loads(sys.argv[3]))
 print("RESULT " + json.dumps(generate(llm)))
 """
 
 
-def tensor_parallel(path: Path, size: int = 2) -> list[dict]:
-    """``generate`` with tensor_parallel_size=size on 8 virtual CPU devices (a subprocess, so
-    XLA_FLAGS apply)."""
+def tensor_parallel(path: Path, size: int = 2, **llm_kw) -> list[dict]:
+    """``generate`` with tensor_parallel_size=size (and ``llm_kw``, e.g. enable_expert_parallel)
+    on 8 virtual CPU devices (a subprocess, so XLA_FLAGS apply)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     root = Path(__file__).resolve().parent.parent
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(path), str(size)], env=env, capture_output=True,
+    p = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(path), str(size), json.dumps(llm_kw)], env=env, capture_output=True,
                        text=True, timeout=600, cwd=root)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 
 
-def check_family(path: Path, *, tp: bool = True, int8_kv: bool = True, ngram: bool = True, **llm_kw):
+def check_family(path: Path, *, tp: bool = True, int8_kv: bool = True, ngram: bool = True, ref=None, **llm_kw):
     """The checkpoint at ``path`` through jaxinfer equals transformers: plain (the second
     prompt hits the first's cached pages), with n-gram speculation, with the int8 KV cache,
-    and under tensor parallelism 2."""
+    and under tensor parallelism 2. ref: ``reference(path)`` when the caller has it already."""
     from jaxinfer import LLM
 
-    ref = reference(path)
+    ref = reference(path) if ref is None else ref
     kw = dict(max_model_len=128, progress=False, kv_cache_bytes=16 << 20, max_num_seqs=4) | llm_kw
     llm = LLM(str(path), **kw)
     assert_matches(generate(llm), ref, what="paged")

@@ -105,7 +105,8 @@ def store_chosen(cache: PackedKV, batch: PackedBatch, chosen: jax.Array, W: int)
         page = batch.write_wpage if windowed else batch.write_page
         off = batch.positions % vs[layer].shape[2]
         k, v = (pick(a[0], chosen, R, W, Q)[None] for a in (k, v))
-        ks[layer] = _store(ks[layer], (page[None], s, s, off[None]), k)
+        if ks[layer] is not None:  # (a latent pool stores the latent once, as its values)
+            ks[layer] = _store(ks[layer], (page[None], s, s, off[None]), k)
         vs[layer] = _store(vs[layer], (page[None], s, off[None]), v)
     return PackedKV(ks, vs, batch, cache.windowed, cache.use_kernels)
 

@@ -107,6 +107,9 @@ def check_pipeline(cfg) -> None:
     if len(shapes) > 1 or cfg.kv_shared_layers or not getattr(family_module(cfg.family), "PIPELINE_STAGES", True):
         raise InvalidRequest(f"pipeline_parallel_size > 1 is not supported for {cfg.family.value} models with "
                              "per-layer inputs, per-layer attention shapes or shared keys/values")
+    if cfg.latent_attention:  # the stacked pools hold keys and values, not one latent per token
+        raise InvalidRequest(f"pipeline_parallel_size > 1 is not supported for {cfg.family.value} models with "
+                             "multi-head latent attention")
 
 
 # ----------------------------------------------------------------------------- placement

@@ -258,7 +258,9 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
 
     with contextlib.ExitStack() as stack:
         shards = SafetensorsShards(path, stack)
-        present = [n for n in shards.weight_map if not n.endswith(_DERIVED_SUFFIXES)
+        # tensors the family's model does not run (DeepSeek-V3's multi-token-prediction layers)
+        skipped = getattr(mod, "hf_skipped_prefixes", lambda hf: ())(hf)
+        present = [n for n in shards.weight_map if not n.endswith(_DERIVED_SUFFIXES) and not n.startswith(skipped)
                    and not (cfg.tie_embeddings and n == "lm_head.weight")
                    and (prefix is None or n.startswith(prefix) or n == "lm_head.weight")]
         refuse_unmapped(path, present, {fused_block(n)[0] for n in declared}, "the safetensors carry")

@@ -124,11 +124,36 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
         )
         mid = (1 - smooth) * inv / rope.factor + smooth * inv
         inv = np.where(wavelen > low_wavelen, inv / rope.factor, np.where(wavelen < high_wavelen, inv, mid))
+    elif rope.kind == RopeKind.YARN:
+        inv = _yarn_inv_freq(inv, dim, rope)
     if rope.freq_factors is not None:
         if len(rope.freq_factors) != inv.shape[0]:
             raise ValueError(f"{len(rope.freq_factors)=} must equal {dim // 2=}")
         inv = inv / np.asarray(rope.freq_factors, np.float64)
     return inv.astype(np.float32)
+
+
+def _yarn_inv_freq(inv: np.ndarray, dim: int, rope: RopeConfig) -> np.ndarray:
+    """YaRN's frequencies, as transformers' ``_compute_yarn_parameters``: below the dim that
+    turns beta_fast times over the original context they are kept, above the one that turns
+    beta_slow times divided by ``factor``, linearly blended in between."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # share of each frequency left as it is
+    return (inv / rope.factor) * (1 - keep) + inv * keep
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rope_table(positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
@@ -255,6 +280,27 @@ def attend_layer(cache, layer: int, q, k, v, positions, start, rope, *, read_cac
     if kernels.enabled():  # a prefill-only step on TPU/GPU: keys at 0..T-1 of every row, no copy to transpose
         return kernels.prefill_attention(q, k, v, positions[:, 0], **opts), cache
     return attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions, positions[0], **opts), cache
+
+
+def attend_latent(cache, layer: int, q, latent, positions, start, *, read_cache: bool = True, scale):
+    """Multi-head latent attention of one layer in its absorbed form, as MQA over one shared
+    head: queries q [B, T, N, L] (already in latent space and rotated) attend over the latent
+    of every position, latent [B, T, 1, L] (L = C + R: normed c_kv, then the rotated k_rope),
+    which is the key and, its first C entries, the value. The new latents are written into the
+    cache's latent pool (``cache`` module doc) at start i32[B], then attention runs over the
+    cache up to start + T or, as ``attend_layer``, over the new tokens alone.
+    Returns (o [B, T, N, L], cache): o[..., :C] is the attention's output in latent space, the
+    rest weighs the rotated keys and is dropped by the caller.
+    Always the XLA readers: the native CPU and Pallas kernels read separate key and value pools."""
+    if getattr(cache, "packed", False):  # models.packed.PackedKV
+        return cache.attend(layer, q, latent, latent, scale=scale)
+    if cache is not None:
+        cache = cache.write_layer(layer, latent, latent, start)
+        if read_cache:
+            keys, values, kpos = cache.read_layer(layer, start + q.shape[1])
+            return attention(q, keys, values, positions, kpos, scale=scale), cache
+    return attention(q, latent.transpose(0, 2, 3, 1), latent.transpose(0, 2, 1, 3), positions, positions[0],
+                     scale=scale), cache
 
 
 # ----------------------------------------------------------------------------- MLPs

@@ -90,7 +90,9 @@ def moe_mlp(x: jax.Array, w: dict, *, route: Route, glu: Callable = swiglu) -> j
     B, T, D = x.shape
     E = w["router"].shape[-1]
     with jax.named_scope("router"):
-        logits = dot("BTD,DE->BTE", x, w["router"]).astype(jnp.float32)
+        # a router declared float32 (DeepSeek-V3's, as transformers keeps it) scores float32 inputs
+        xr = x.astype(jnp.float32) if w["router"].dtype == jnp.float32 else x
+        logits = dot("BTD,DE->BTE", xr, w["router"]).astype(jnp.float32)
         if "router_bias" in w:
             logits = logits + w["router_bias"].astype(jnp.float32)
         weights, experts = route(logits.reshape(B * T, E), w)

@@ -37,6 +37,11 @@ mode) a layer over float pools instead runs the whole step's attention, every de
 every prefill segment, windowed layers included, as one ragged paged-attention kernel call that
 reads the pages in place (``ragged_kernel_attention``, ``jaxinfer.kernels``); int8 pools keep
 the blockwise path.
+
+Latent pools (multi-head latent attention: ``cache`` module doc) have no keys pool (None): the
+XLA readers here take the keys as the values pool's transpose, block by block as they gather
+it. The native CPU kernels and the Pallas kernels read separate key and value pools, so a
+latent layer always runs the XLA readers, on every platform.
 """
 
 from __future__ import annotations
@@ -133,14 +138,15 @@ class PackedKV:
         else:
             off = b.positions % ps
             s = slice(None)
-            ks[layer] = _store(ks[layer], (page[None], s, s, off[None]), k)
+            if ks[layer] is not None:  # (a latent pool: the latent is stored once, as the values)
+                ks[layer] = _store(ks[layer], (page[None], s, s, off[None]), k)
             vs[layer] = _store(vs[layer], (page[None], s, off[None]), v)
             cache = PackedKV(ks, vs, b, self.windowed, self.use_kernels)
         R, Q, Tp = b.rows, b.q, b.prefill_len
         table, base = (b.wtable, b.wbase) if self._is_windowed(layer) else (b.table, None)
         opts = {"scale": scale, "window": window, "softcap": softcap}
         # the kernel reads this step's keys from the pages: not with deferred writes
-        if (self.use_kernels and not self.defer_writes and not isinstance(ks[layer], QuantKV)
+        if (self.use_kernels and not self.defer_writes and ks[layer] is not None and not isinstance(ks[layer], QuantKV)
                 and kernels.ragged_paged_attention_fits(ps, ks[layer].dtype)):
             return ragged_kernel_attention(q, ks[layer], vs[layer], b, table, base, page, **opts), cache
         outs = []
@@ -245,12 +251,15 @@ def _page_blocks(table, ps: int, positions: int):
 
 def _gather_block(kpool, vpool, cols):
     """Pages cols i32[B, c] of both pools as keys f32[B, K, H, c*ps] and values
-    f32[B, K, c*ps, H] (one copy of just this block; int8 pages dequantized on the way)."""
-    kp = _load(kpool, cols)  # [B, c, K, H, ps]
+    f32[B, K, c*ps, H] (one copy of just this block; int8 pages dequantized on the way).
+    kpool None: a latent pool, whose keys are its values transposed."""
     vp = _load(vpool, cols)  # [B, c, K, ps, H]
-    B, c, K, H, ps = kp.shape
-    keys = kp.transpose(0, 2, 3, 1, 4).reshape(B, K, H, c * ps)
+    B, c, K, ps, H = vp.shape
     values = vp.transpose(0, 2, 1, 3, 4).reshape(B, K, c * ps, H)
+    if kpool is None:
+        return values.swapaxes(-1, -2), values
+    kp = _load(kpool, cols)  # [B, c, K, H, ps]
+    keys = kp.transpose(0, 2, 3, 1, 4).reshape(B, K, H, c * ps)
     return keys, values
 
 
@@ -311,8 +320,9 @@ def native_rows(kpool, vpool) -> bool:
     """Whether a trace should read these pools through the native kernels (``native=True`` for
     ``paged_rows_attention`` and ``prefill_row_attention``): ``NATIVE_ROWS``, a one-device CPU
     backend where they build, float32 or int8 pools, pages of at most 64 positions (the prefill
-    kernel also checks its own shapes, ``cpu_kernels.prefill_row_fits``)."""
-    if not NATIVE_ROWS or not cpu_kernels.attention_active():
+    kernel also checks its own shapes, ``cpu_kernels.prefill_row_fits``), keys of their own (not
+    a latent pool)."""
+    if not NATIVE_ROWS or kpool is None or not cpu_kernels.attention_active():
         return False
     if isinstance(kpool, QuantKV):
         return kpool.axis == -2 and vpool.axis == -1 and kpool.shape[3] <= cpu_kernels.ROWS_MAX_PAGE
@@ -323,7 +333,7 @@ def native_rows(kpool, vpool) -> bool:
 def _rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window, softcap, own):
     """paged_rows_attention for one group of rows."""
     B, T, N, H = q.shape
-    K, ps = kpool.shape[1], kpool.shape[3]
+    K, ps = vpool.shape[1], vpool.shape[2]
     G = N // K
     qm = _fold_queries(q, K, scale)
     qpos_m = jnp.repeat(qpos, G, axis=1)  # i32[B, T*G]
@@ -341,7 +351,7 @@ def _rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window, s
             ok = ok & written[:, None, :]
         acc.add(_scores(qm, keys, softcap), ok[:, None], values)
     if own is not None:
-        keys, values = (_as_stored(a, pool) for a, pool in zip(own, (kpool, vpool)))
+        keys, values = (_as_stored(a, pool) for a, pool in zip(own, (vpool if kpool is None else kpool, vpool)))
         acc.add(_scores(qm, keys.transpose(0, 2, 3, 1), softcap), _visible(qpos_m, qpos, window)[:, None],
                 values.transpose(0, 2, 1, 3))
     return _unfold(acc.result(), T, N, q.dtype)
@@ -369,7 +379,7 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
     up to its own that still hold its first token's segment, and the pages only when that
     token is in segment 0; the rest is skipped at run time (``lax.cond``)."""
     _, T, N, H = q.shape
-    if native and cpu_kernels.prefill_row_fits(T, H, kpool.shape[3]):
+    if native and cpu_kernels.prefill_row_fits(T, H, vpool.shape[2]):
         pools, scales = _kernel_pools(kpool, vpool)
         out = cpu_kernels.prefill_row(q[0], k[0], v[0], pos, seg, *pools, table, None if base is None else base[0],
                                       hist_end, scale=scale, window=window, softcap=softcap, **scales)
@@ -380,7 +390,7 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
     qm = _fold_queries(q, K, scale)  # f32[1, K, T*G, H], row m = t*G + g
     keys = k.transpose(0, 2, 3, 1)  # [1, K, H, T]
     values = jnp.where((seg >= 0)[None, None, :, None], v.transpose(0, 2, 1, 3).astype(jnp.float32), 0.0)
-    ps = kpool.shape[3]
+    ps = vpool.shape[2]
     base0 = 0 if base is None else base[0]
     nb = T // C
     # one query block's body, traced once and mapped over the blocks (unrolled, the 30 layers'
