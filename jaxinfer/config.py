@@ -26,6 +26,7 @@ class Family(str, enum.Enum):
     SMOLLM3 = "smollm3"
     MIXTRAL = "mixtral"
     QWEN3_MOE = "qwen3_moe"
+    GPT_OSS = "gpt_oss"
 
 
 class RopeKind(str, enum.Enum):
@@ -33,6 +34,7 @@ class RopeKind(str, enum.Enum):
     LINEAR = "linear"  # positions divided by factor
     LLAMA3 = "llama3"  # Llama 3.1 frequency-dependent scaling
     PROPORTIONAL = "proportional"  # only the first partial_rotary_factor of the frequencies rotate (Gemma 4)
+    YARN = "yarn"  # NTK-by-parts interpolation between original and scaled frequencies (gpt-oss)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +44,7 @@ class RopeConfig:
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position: int = 8192  # llama3 only
+    original_max_position: int = 8192  # llama3 and yarn
     partial_rotary_factor: float = 1.0  # proportional only: share of the H/2 frequencies that rotate
     # Explicit per-frequency divisors f32[H/2] (a GGUF's rope_freqs.weight, as llama.cpp's
     # converter writes Llama 3 scaling): inverse frequency i is divided by freq_factors[i],
@@ -54,6 +56,11 @@ class RopeConfig:
     # cos and sin multiplied by this (LongRoPE's sqrt(1 + ln(s) / ln(original context))), so the
     # rotated part of every score grows by its square.
     attention_factor: float = 1.0
+    # yarn only: frequencies between beta_fast and beta_slow rotations over original_max_position
+    # blend from the original to the scaled ones; truncate rounds that range out to whole dims
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 class AttentionKind(str, enum.Enum):
