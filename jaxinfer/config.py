@@ -101,6 +101,10 @@ class ModelConfig:
     moe_d_ff: int = 0  # F of one expert
     norm_topk_prob: bool = True  # the k routing weights rescaled to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of width d_ff instead (Qwen3-MoE)
+    # gpt-oss's clamped SwiGLU experts: gate clamped above at swiglu_limit, up to +-swiglu_limit,
+    # (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # Per-layer attention shapes and shared keys/values (Gemma 4); the defaults give every layer
     # n_kv_heads x head_dim and a cache of its own. The engine reads them through layer_head_dim,
     # layer_kv_heads and kv_source.
