@@ -45,6 +45,8 @@ def test_gpt_oss_equals_transformers(tiny):
     llm = LLM(str(tiny), **LLM_KW)
     assert llm.cfg.family.value == "gpt_oss" and llm.cfg.sliding_window == 8
     assert [k.value for k in llm.cfg.layer_kinds] == ["local", "global"] * 2
+    assert llm.engine.windowed == (True, False) * 2  # the sliding layers' own windowed page pools
+    del llm
     ft.check_family(tiny, tp=False, int8_kv=False, ngram=False)
 
 

@@ -260,9 +260,9 @@ def test_reference_hand_sinks():
 
 SINK_GRID = [
     # dtype, (N, K), page_size, (queries_per_block, pages_per_block), mix, opts
-    (jnp.float32, (4, 2), 16, (4, 2), "packed", dict(keys_transposed=True)),
-    (jnp.float32, (8, 2), 16, (8, 1), "verify", dict(window=9, keys_transposed=True)),
-    (jnp.bfloat16, (4, 1), 16, (2, 4), "decode", dict(window=20)),
+    (jnp.float32, (4, 2), 16, (4, 2), "packed", {"keys_transposed": True}),
+    (jnp.float32, (8, 2), 16, (8, 1), "verify", {"window": 9, "keys_transposed": True}),
+    (jnp.bfloat16, (4, 1), 16, (2, 4), "decode", {"window": 20}),
 ]
 
 
