@@ -152,6 +152,17 @@ def test_mxfp4_dequantize_hand_block():
     np.testing.assert_array_equal(out, [[2.0, -24.0] * 16])
     with pytest.raises(CheckpointError, match="do not match scales"):
         mxfp4.dequantize(blocks, np.array([[129, 1]], np.uint8), name="w")
+    from jaxinfer.models import gpt_oss
+
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    # one expert, two output rows (gate, up interleaved) scaled by 4 and by 1, stored [E, out, in/32, 16]
+    stored = {name + "_blocks": np.full((1, 2, 1, 16), 0xF1, np.uint8),
+              name + "_scales": np.array([[[129], [127]]], np.uint8)}
+    np.testing.assert_array_equal(gpt_oss.hf_read(name + ":gate", stored.get)[0, :, 0], [2.0, -24.0] * 16)
+    np.testing.assert_array_equal(gpt_oss.hf_read(name + ":up", stored.get)[0, :, 0], [0.5, -6.0] * 16)
+    del stored[name + "_scales"]
+    with pytest.raises(CheckpointError, match="has its blocks but not its scales"):
+        gpt_oss.hf_read(name + ":gate", stored.get)
 
 
 # ----------------------------------------------------------------------------- the kernel path

@@ -161,7 +161,11 @@ def hf_read(name: str, get) -> np.ndarray | None:
     a = get(base)
     if a is None and _quantizable(base):
         blocks, scales = get(base + "_blocks"), get(base + "_scales")
-        if blocks is not None and scales is not None:
+        if (blocks is None) != (scales is None):
+            raise CheckpointError(f"MXFP4 tensor {base!r}: the checkpoint has its "
+                                  f"{'blocks' if scales is None else 'scales'} but not its "
+                                  f"{'scales' if scales is None else 'blocks'}")
+        if blocks is not None:
             a = np.swapaxes(mxfp4.dequantize(blocks, scales, name=base), -1, -2)
     if a is None or not part:
         return a
