@@ -103,7 +103,7 @@ def _mxfp4_pair(tiny: Path, tmp_path: Path) -> tuple[Path, Path]:
     from safetensors.numpy import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from jaxinfer.loaders import mxfp4
+    from jaxinfer import mxfp4
 
     quant, dequant = tmp_path / "mxfp4", tmp_path / "dequantized"
     for d in (quant, dequant):
@@ -144,8 +144,8 @@ def test_mxfp4_checkpoint_equals_transformers_on_its_dequantized_weights(tiny, t
 
 def test_mxfp4_dequantize_hand_block():
     """One block: codes 1 (0.5) and 15 (-6) alternating, scale 2^(129 - 127) = 4."""
+    from jaxinfer import mxfp4
     from jaxinfer.errors import CheckpointError
-    from jaxinfer.loaders import mxfp4
 
     blocks = np.full((1, 1, 16), 0xF1, np.uint8)  # one row of one block
     out = mxfp4.dequantize(blocks, np.array([[129]], np.uint8))

@@ -11,7 +11,7 @@ experts with biases.
   ``limit`` and up to +-limit, every projection with a bias (``models.moe``).
 * Checkpoints store each layer's experts fused: ``gate_up_proj`` [E, D, 2F] with gate and up
   in alternating columns, ``down_proj`` [E, F, D], either as floats or as MXFP4 blocks and
-  scales (``loaders.mxfp4``), dequantized when loaded (``hf_read``).
+  scales (``jaxinfer.mxfp4``), dequantized when loaded (``hf_read``).
 
 On the native CPU attention kernels (``cpu_kernels.paged_rows``, ``prefill_row``), which take
 no sinks, every layer reads its pages through the packed step's XLA readers instead
@@ -33,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import cache as kv
+from jaxinfer import mxfp4
 from jaxinfer.config import Family, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.errors import CheckpointError
-from jaxinfer.loaders import mxfp4
 from jaxinfer.models import llama, moe
 from jaxinfer.models.layers import attend_layer, dot, dot_many, rms_norm, rope_inv_freq, rope_table
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (the family's embed / unembed)
