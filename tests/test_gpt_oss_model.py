@@ -204,3 +204,25 @@ def test_packed_attention_with_sinks_through_the_ragged_kernel_equals_reference(
         assert np.isfinite(np.asarray(g)[real]).all()
         assert_close(g[real], r[real])
         assert not np.allclose(np.asarray(p)[real], np.asarray(r)[real], atol=1e-2)
+
+
+def test_released_20b_config():
+    """gpt-oss-20b's config.json (rope_scaling beside rope_theta, as transformers 4.55 wrote it)."""
+    from jaxinfer.config import AttentionKind, RopeKind
+    from jaxinfer.models import gpt_oss
+
+    hf = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "head_dim": 64, "hidden_act": "silu",
+          "hidden_size": 2880, "intermediate_size": 2880, "max_position_embeddings": 131072,
+          "layer_types": ["sliding_attention", "full_attention"] * 12, "model_type": "gpt_oss",
+          "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+          "num_local_experts": 32, "rms_norm_eps": 1e-05, "rope_theta": 150000, "sliding_window": 128,
+          "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                           "rope_type": "yarn", "truncate": False},
+          "swiglu_limit": 7.0, "tie_word_embeddings": False, "vocab_size": 201088,
+          "quantization_config": {"quant_method": "mxfp4"}}
+    cfg = gpt_oss.config_from_hf(hf, dtype="bfloat16")
+    assert cfg.layer_kinds == (AttentionKind.LOCAL, AttentionKind.GLOBAL) * 12 and cfg.sliding_window == 128
+    assert (cfg.n_experts, cfg.n_experts_per_tok, cfg.moe_d_ff) == (32, 4, 2880)
+    assert cfg.rope.kind == RopeKind.YARN and cfg.rope.theta == 150000 and not cfg.rope.truncate
+    assert math.isclose(cfg.rope.attention_factor, 0.1 * math.log(32) + 1)
+    assert 20.5e9 < cfg.num_params() < 21.5e9  # "gpt-oss-20b": 20.9B parameters
