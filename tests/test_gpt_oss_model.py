@@ -38,15 +38,7 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def test_gpt_oss_equals_transformers(tiny):
-    """The paged engine, the second prompt hitting the first's cached pages; the sliding
-    layers keep only their window."""
-    from jaxinfer import LLM
-
-    llm = LLM(str(tiny), **LLM_KW)
-    assert llm.cfg.family.value == "gpt_oss" and llm.cfg.sliding_window == 8
-    assert [k.value for k in llm.cfg.layer_kinds] == ["local", "global"] * 2
-    assert llm.engine.windowed == (True, False) * 2  # the sliding layers' own windowed page pools
-    del llm
+    """The paged engine, the second prompt hitting the first's cached pages."""
     ft.check_family(tiny, tp=False, int8_kv=False, ngram=False)
 
 
@@ -139,6 +131,9 @@ def test_mxfp4_checkpoint_equals_transformers_on_its_dequantized_weights(tiny, t
     quant, dequant = _mxfp4_pair(tiny, tmp_path)
     ref = ft.reference(dequant, prompts=ft.PROMPTS[:1], max_tokens=4)
     llm = LLM(str(quant), **LLM_KW)
+    assert llm.cfg.family.value == "gpt_oss" and llm.cfg.sliding_window == 8
+    assert [k.value for k in llm.cfg.layer_kinds] == ["local", "global"] * 2
+    assert llm.engine.windowed == (True, False) * 2  # the sliding layers keep their window in pools of their own
     ft.assert_matches(ft.generate(llm, ft.PROMPTS[:1], max_tokens=4), ref, what="mxfp4")
 
 
