@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.errors import CheckpointError
 from jaxinfer.specs import is_spec
 
 
@@ -27,6 +29,7 @@ class Family(str, enum.Enum):
     MIXTRAL = "mixtral"
     QWEN3_MOE = "qwen3_moe"
     DEEPSEEK_V3 = "deepseek_v3"
+    GPT_OSS = "gpt_oss"
 
 
 class RopeKind(str, enum.Enum):
@@ -44,7 +47,7 @@ class RopeConfig:
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position: int = 8192  # llama3 only
+    original_max_position: int = 8192  # llama3 and yarn
     partial_rotary_factor: float = 1.0  # proportional only: share of the H/2 frequencies that rotate
     # Explicit per-frequency divisors f32[H/2] (a GGUF's rope_freqs.weight, as llama.cpp's
     # converter writes Llama 3 scaling): inverse frequency i is divided by freq_factors[i],
@@ -62,6 +65,32 @@ class RopeConfig:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_or_default_rope(rs: dict, *, theta: float, max_position: int, family: str) -> RopeConfig:
+    """Plain or YaRN rotary from a checkpoint's ``rope_parameters``/``rope_scaling`` dict, with
+    transformers' defaults (``_compute_yarn_parameters``): beta_fast 32, beta_slow 1, truncate
+    true, factor max_position / original when absent, and the attention factor
+    0.1 ln(factor) + 1, or the ratio of mscale and mscale_all_dim's when both are given."""
+    kind = rs.get("rope_type", rs.get("type")) or "default"
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    if kind != "yarn":
+        raise CheckpointError(f"unsupported rope_scaling type {kind!r} for {family} (supported: default, yarn)")
+    original = int(rs["original_max_position_embeddings"])
+    factor = float(rs["factor"]) if rs.get("factor") is not None else max_position / original
+    attention = rs.get("attention_factor")
+    if attention is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attention = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+    return RopeConfig(theta=theta, kind=RopeKind.YARN, factor=factor, original_max_position=original,
+                      attention_factor=float(attention), beta_fast=float(rs.get("beta_fast") or 32),
+                      beta_slow=float(rs.get("beta_slow") or 1), truncate=bool(rs.get("truncate", True)))
 
 
 class AttentionKind(str, enum.Enum):
@@ -102,6 +131,10 @@ class ModelConfig:
     moe_d_ff: int = 0  # F of one expert
     norm_topk_prob: bool = True  # the k routing weights rescaled to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of width d_ff instead (Qwen3-MoE)
+    # gpt-oss's clamped SwiGLU experts: gate clamped above at swiglu_limit, up to +-swiglu_limit,
+    # (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # Per-layer attention shapes and shared keys/values (Gemma 4); the defaults give every layer
     # n_kv_heads x head_dim and a cache of its own. The engine reads them through layer_head_dim,
     # layer_kv_heads and kv_source.

@@ -28,7 +28,9 @@ kernel it would run on a TPU. The choice is read while tracing; an executable al
 compiled keeps the path it was traced with (the engine's steps take the mode as a static
 argument, so it is part of their cache key).
 
-Kept out of the kernel path (the reference serves): int8 KV pools, and, for
+Kept out of the kernel path (the reference serves): int8 KV pools; layers with attention
+sinks (gpt-oss) in ``paged_decode_attention`` and ``prefill_attention``, whose kernels take
+none (``ragged_paged_attention``, the paged engine's, does); and, for
 ``paged_decode_attention``, windowed layers whose page table starts at a per-row base page
 (that kernel indexes tables from logical page 0; the packed step lays such tables out by
 logical page before its ragged call).
@@ -179,15 +181,17 @@ def ragged_paged_attention_fits(page_size: int, dtype) -> bool:
     return rpa.kernel_fits(page_size, dtype)
 
 
-def ragged_paged_attention(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, *, scale, window, softcap):
+def ragged_paged_attention(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, *, scale, window, softcap,
+                           sinks=None):
     """Query segments of any length over their sequences' pages (q [T, N, H] packed, keys
     stored transposed as jaxinfer's paged cache keeps them) -> [T, N, H]: the packed step's
     decode rows and prefill segments in one call. See ``pallas_kernels.ragged_paged_attention``.
     Queries are cast to the pools' dtype (a float32 model over bfloat16 pools multiplies in
-    bfloat16, accumulating in float32) and the output back to q's."""
+    bfloat16, accumulating in float32) and the output back to q's. sinks: f32[N] per-head
+    attention sinks (gpt-oss), or None."""
     out = rpa.ragged_paged_attention(q.astype(k_pages.dtype), k_pages, v_pages, page_table, q_start, q_len, kv_len,
                                      scale=scale, window=window, softcap=softcap, keys_transposed=True,
-                                     interpret=_interpret())
+                                     interpret=_interpret(), sinks=sinks)
     return out.astype(q.dtype)
 
 

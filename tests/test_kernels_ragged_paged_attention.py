@@ -243,3 +243,54 @@ def test_kernel_fits_asks_what_the_variants_check(monkeypatch):
     monkeypatch.setattr(rk, "kernel_target", lambda: "gpu")
     assert rpa.kernel_fits(16, jnp.float32) and rpa.kernel_fits(32, jnp.bfloat16)
     assert not rpa.kernel_fits(8, jnp.float32) and not rpa.kernel_fits(24, jnp.float32)
+
+
+# ----------------------------------------------------------------------------- attention sinks
+def test_reference_hand_sinks():
+    """A sink of logit ln 4 beside the three keys (weights 1 : 1 : 2) adds 4 to the
+    denominator and no value: (2 + 4 + 16) / (4 + 4). A token in no segment still gives 0."""
+    k, v = _hand_pool()
+    a = lambda x: jnp.array(x, jnp.int32)
+    q = jnp.ones((2, 1, 1), jnp.float32)
+    sinks = jnp.array([math.log(4.0)], jnp.float32)
+    out = rpa.ragged_paged_attention_reference(q, k, v, a([[2, 0]]), a([0]), a([1]), a([3]), scale=1.0,
+                                               sinks=sinks)
+    np.testing.assert_allclose(np.asarray(out).ravel(), [22 / 8, 0.0], rtol=1e-6)
+
+
+SINK_GRID = [
+    # dtype, (N, K), page_size, (queries_per_block, pages_per_block), mix, opts
+    (jnp.float32, (4, 2), 16, (4, 2), "packed", {"keys_transposed": True}),
+    (jnp.float32, (8, 2), 16, (8, 1), "verify", {"window": 9, "keys_transposed": True}),
+    (jnp.bfloat16, (4, 1), 16, (2, 4), "decode", {"window": 20}),
+]
+
+
+def test_kernel_with_sinks_matches_reference():
+    """The variant interpret mode runs (the engine's kernel path in CPU tests), windowed."""
+    _sinks_case("tpu", *SINK_GRID[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("dtype,heads,ps,blocks,mix,opts", SINK_GRID)
+def test_kernel_with_sinks_matches_reference_wide(variant, dtype, heads, ps, blocks, mix, opts):
+    _sinks_case(variant, dtype, heads, ps, blocks, mix, opts)
+
+
+def _sinks_case(variant, dtype, heads, ps, blocks, mix, opts):
+    """Per-head sinks (some far above the scores, some far below) through a variant against
+    the reference, over NaN-poisoned pools; the sinks change the output."""
+    skip_unless_runs_here(variant)
+    N, K = heads
+    rng = np.random.default_rng(7)
+    args, _, _ = _segments_case(rng, MIXES[mix], K=K, N=N, H=16, page_size=ps, dtype=dtype,
+                                keys_transposed=opts.get("keys_transposed", False))
+    sinks = jnp.asarray(rng.normal(size=N) * 2 + np.where(np.arange(N) % 2, 3.0, -3.0), jnp.float32)
+    ref = jax.jit(lambda *a: rpa.ragged_paged_attention_reference(*a[:-1], sinks=a[-1], **opts))(*args, sinks)
+    plain = jax.jit(lambda *a: rpa.ragged_paged_attention_reference(*a, **opts))(*args)
+    assert not np.allclose(np.asarray(ref, np.float32), np.asarray(plain, np.float32), atol=1e-2)
+    bs = rpa.BlockSizes(*blocks)
+    out = run_interpreted(lambda *a: VARIANTS[variant](*a[:-1], block_sizes=bs, interpret=INTERPRET, sinks=a[-1],
+                                                       **opts), *args, sinks)
+    assert_close(out, ref)

@@ -263,7 +263,12 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
         present = [n for n in shards.weight_map if not n.endswith(_DERIVED_SUFFIXES) and not n.startswith(skipped)
                    and not (cfg.tie_embeddings and n == "lm_head.weight")
                    and (prefix is None or n.startswith(prefix) or n == "lm_head.weight")]
-        refuse_unmapped(path, present, {fused_block(n)[0] for n in declared}, "the safetensors carry")
+        # a family that stores some weights otherwise (gpt-oss: fused columns, MXFP4) names the
+        # tensors each of its names is read from (``hf_sources``) and reads them (``hf_read``)
+        derived = getattr(mod, "hf_read", None)
+        sources = getattr(mod, "hf_sources", lambda n: (n,))
+        refuse_unmapped(path, present, {s for n in declared for s in sources(fused_block(n)[0])},
+                        "the safetensors carry")
         read = block_reader(fused_blocks(specs, names, 0), shards.get)
 
         def check_fits(name, shape, transpose):
@@ -278,7 +283,7 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
                 )
 
         def read_one(name, transpose):
-            a = read(name)[1]
+            a = derived(name, shards.get) if derived is not None else read(name)[1]
             if a is None:
                 return None
             check_fits(name, a.shape, transpose)

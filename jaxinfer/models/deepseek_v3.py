@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import cache as kv
-from jaxinfer.config import Family, ModelConfig, RopeConfig, RopeKind
+from jaxinfer.config import Family, ModelConfig, RopeKind, yarn_mscale, yarn_or_default_rope
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import moe
 from jaxinfer.models.layers import (
@@ -39,7 +39,6 @@ from jaxinfer.models.layers import (
     rope_inv_freq,
     rope_table,
     silu,
-    yarn_mscale,
 )
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (the family's embed / unembed)
 from jaxinfer.specs import WeightSpec
@@ -224,27 +223,6 @@ def hf_skipped_prefixes(hf: dict) -> tuple[str, ...]:
     return tuple(f"model.layers.{i}." for i in range(L, L + mtp))
 
 
-def rope_from_hf(rs: dict, max_position: int) -> RopeConfig:
-    """The rotary of rope_parameters (transformers 5) / rope_scaling: default or YaRN, with
-    transformers' defaults (``_compute_yarn_parameters``)."""
-    theta = float(rs.get("rope_theta", 10000.0))
-    kind = rs.get("rope_type", rs.get("type")) or "default"
-    if kind == "default":
-        return RopeConfig(theta=theta)
-    if kind != "yarn":
-        raise CheckpointError(f"unsupported rope_scaling type {kind!r} for DeepSeek-V3 (supported: default, yarn)")
-    original = int(rs["original_max_position_embeddings"])
-    factor = float(rs["factor"]) if rs.get("factor") is not None else max_position / original
-    attention_factor = rs.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
-        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
-                            else yarn_mscale(factor))
-    return RopeConfig(theta=theta, kind=RopeKind.YARN, factor=factor, original_max_position=original,
-                      attention_factor=float(attention_factor), beta_fast=float(rs.get("beta_fast") or 32),
-                      beta_slow=float(rs.get("beta_slow") or 1), truncate=bool(rs.get("truncate", True)))
-
-
 def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     hf = HF_DEFAULTS | {k: v for k, v in hf.items() if v is not None or k == "q_lora_rank"}
     if hf.get("attention_bias"):
@@ -257,7 +235,8 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     if "rope_theta" not in rs and "rope_theta" in hf:
         rs = rs | {"rope_theta": hf["rope_theta"]}
     max_position = int(hf["max_position_embeddings"])
-    rope = rope_from_hf(rs, max_position)
+    rope = yarn_or_default_rope(rs, theta=float(rs.get("rope_theta", 10000.0)), max_position=max_position,
+                                family="DeepSeek-V3")
     Dn, R = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
     # transformers scales the scores by (Dn + R)^-0.5, times mscale(factor, mscale_all_dim)^2
     # under any rope scaling: expressed as the scalar whose inverse square root that is

@@ -104,7 +104,7 @@ def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, *, plus_one: bool = 
 # ----------------------------------------------------------------------------- rotary
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
     """Inverse frequencies f32[R/2] (R: ``rope.rotary_dim``, head_dim unless partial), with
-    linear, Llama 3 or proportional scaling and explicit per-frequency divisors
+    linear, Llama 3, proportional or YaRN scaling and explicit per-frequency divisors
     (``rope.freq_factors``) applied."""
     dim = rope.rotary_dim or head_dim
     inv = 1.0 / (rope.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
@@ -149,11 +149,6 @@ def _yarn_inv_freq(inv: np.ndarray, dim: int, rope: RopeConfig) -> np.ndarray:
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
     keep = 1 - ramp  # share of each frequency left as it is
     return (inv / rope.factor) * (1 - keep) + inv * keep
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rope_table(positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
@@ -207,6 +202,7 @@ def attention(
     scale: float,
     window: jax.Array | int | None = None,  # attend to the last `window` positions only
     softcap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[N] a learned logit per head in every softmax denominator
 ) -> jax.Array:  # [B, T, N, H]
     """Reference causal GQA attention: query t attends to every key with kpos <= qpos[t].
 
@@ -234,7 +230,7 @@ def attention(
         valid &= delta < window
     valid = jnp.repeat(valid, G, axis=1)  # bool[B, M, S], row m = t * G + g
     s = jnp.where(valid[:, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
+    p = jax.nn.softmax(s, axis=-1) if sinks is None else sink_softmax(s, sink_rows(sinks, K, T))
     # A masked score's weight is exactly 0, but 0 * NaN is NaN: values in slots no query may
     # see must be finite. The caches' read_layer zeroes them inside the copy they make anyway
     # (zeroing here copied V once more: 4x the cost of the whole decode attention).
@@ -242,21 +238,36 @@ def attention(
     return out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H).astype(q.dtype)
 
 
-def cache_attention(cache, layer: int, q, qpos, end, *, scale, window=None, softcap=None):
+def sink_rows(sinks: jax.Array, K: int, T: int) -> jax.Array:
+    """Per-head sinks f32[N] as f32[K, T*G, 1], matching scores folded to rows m = t*G + g."""
+    return jnp.tile(sinks.astype(jnp.float32).reshape(K, -1), (1, T))[..., None]
+
+
+def sink_softmax(s: jax.Array, sink: jax.Array) -> jax.Array:
+    """softmax over the last axis of scores s f32[..., S] with one more logit ``sink``
+    (f32[..., 1], broadcast) in the denominator and no value of its own (gpt-oss's attention
+    sinks): the weights sum to less than 1. A row whose scores are all masked gives 0."""
+    m = jnp.maximum(s.max(axis=-1, keepdims=True), sink)
+    p = jnp.exp(s - m)
+    return p / (p.sum(axis=-1, keepdims=True) + jnp.exp(sink - m))
+
+
+def cache_attention(cache, layer: int, q, qpos, end, *, scale, window=None, softcap=None, sinks=None):
     """Attention of q [B, T, N, H] at positions qpos over one layer of a KV cache written up to
     end[b] -> [B, T, N, H]. A decode step (T = 1) over a paged cache on TPU/GPU reads the pages
     in place with the Pallas kernel (see jaxinfer.kernels); otherwise the cache's reader
     gathers the rows' keys/values and the reference above runs."""
+    # the paged decode kernel has no sinks: a layer with sinks takes the reference
     if (q.shape[1] == 1 and isinstance(cache, PagedKVCache) and cache.kernel_readable(layer)
-            and kernels.enabled()):
+            and kernels.enabled() and sinks is None):
         return kernels.paged_decode_attention(q, cache.k[layer], cache.v[layer], cache.page_table, end,
                                               scale=scale, window=window, softcap=softcap)
     keys, values, kpos = cache.read_layer(layer, end)
-    return attention(q, keys, values, qpos, kpos, scale=scale, window=window, softcap=softcap)
+    return attention(q, keys, values, qpos, kpos, scale=scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def attend_layer(cache, layer: int, q, k, v, positions, start, rope, *, read_cache: bool = True,
-                 scale, window=None, softcap=None, shared: bool = False):
+                 scale, window=None, softcap=None, shared: bool = False, sinks=None):
     """One layer's attention for every model family: rotary (``rope``: the positions'
     ``rope_table``; None for a layer without position embeddings) on q [B, T, N, H] and k
     [B, T, K, H] at positions i32[B, T], the new keys/values written into the cache (if any) at
@@ -264,12 +275,14 @@ def attend_layer(cache, layer: int, q, k, v, positions, start, rope, *, read_cac
     read_cache False (every row a fresh prompt from 0), over the new tokens alone.
     shared: k, v are those an earlier layer, cache layer ``layer``, computed and wrote in this
     same pass (Gemma 4's KV sharing; rotated again here, to the same numbers): attend over that
-    layer's cache and write nothing.
+    layer's cache and write nothing. sinks: f32[N] per-head attention sinks (gpt-oss), or None.
     Returns (o [B, T, N, H], cache)."""
     if rope is not None:
         q = apply_rope(q, rope)
         k = apply_rope(k, rope)
     opts = {"scale": scale, "window": window, "softcap": softcap}
+    if sinks is not None:  # only to readers that take them (a cache's ``attend`` may not)
+        opts["sinks"] = sinks
     if getattr(cache, "packed", False):  # models.packed.PackedKV: a packed engine step
         return cache.attend(layer, q, k, v, write=not shared, **opts)
     if cache is not None:
@@ -277,7 +290,9 @@ def attend_layer(cache, layer: int, q, k, v, positions, start, rope, *, read_cac
             cache = cache.write_layer(layer, k, v, start)
         if read_cache:
             return cache_attention(cache, layer, q, positions, start + q.shape[1], **opts), cache
-    if kernels.enabled():  # a prefill-only step on TPU/GPU: keys at 0..T-1 of every row, no copy to transpose
+    # a prefill-only step on TPU/GPU: keys at 0..T-1 of every row, no copy to transpose (the
+    # flash kernel has no sinks: a layer with sinks takes the reference)
+    if kernels.enabled() and sinks is None:
         return kernels.prefill_attention(q, k, v, positions[:, 0], **opts), cache
     return attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions, positions[0], **opts), cache
 

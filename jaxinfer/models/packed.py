@@ -55,6 +55,7 @@ import jax.numpy as jnp
 
 from jaxinfer import cpu_kernels, kernels
 from jaxinfer.cache import QuantKV, _load, _store
+from jaxinfer.models.layers import sink_rows
 from jaxinfer.quant import dequantize_kv, quantize_kv
 
 BLOCK_POSITIONS = 256  # key positions per block of the prefill row's history
@@ -122,11 +123,13 @@ class PackedKV:
     def _is_windowed(self, layer: int) -> bool:
         return bool(self.windowed) and self.windowed[layer]
 
-    def attend(self, layer: int, q, k, v, *, scale, window=None, softcap=None, write: bool = True):
+    def attend(self, layer: int, q, k, v, *, scale, window=None, softcap=None, write: bool = True, sinks=None):
         """Write the layer's new keys/values k, v [1, N, K, H] at each token's page, then
         attend q [1, N, N_heads, H] as described in the module docstring -> (o, cache).
         write False: k, v are pool ``layer``'s own new keys/values, already written by the
-        layer that owns it (a layer sharing them attends and writes nothing)."""
+        layer that owns it (a layer sharing them attends and writes nothing). sinks: f32[N]
+        per-head attention sinks, or None; the native CPU kernels take none, so a layer with
+        sinks reads its pages through the XLA readers instead."""
         b = self.batch
         ps = self.v[layer].shape[2]
         page = b.write_wpage if self._is_windowed(layer) else b.write_page
@@ -144,7 +147,8 @@ class PackedKV:
             cache = PackedKV(ks, vs, b, self.windowed, self.use_kernels)
         R, Q, Tp = b.rows, b.q, b.prefill_len
         table, base = (b.wtable, b.wbase) if self._is_windowed(layer) else (b.table, None)
-        opts = {"scale": scale, "window": window, "softcap": softcap}
+        opts = {"scale": scale, "window": window, "softcap": softcap, "sinks": sinks}
+        native = native_rows(ks[layer], vs[layer]) and sinks is None
         # the kernel reads this step's keys from the pages: not with deferred writes
         if (self.use_kernels and not self.defer_writes and ks[layer] is not None and not isinstance(ks[layer], QuantKV)
                 and kernels.ragged_paged_attention_fits(ps, ks[layer].dtype)):
@@ -160,13 +164,13 @@ class PackedKV:
                                           **opts)
             else:
                 od = paged_rows_attention(qd, ks[layer], vs[layer], table[:R], rbase, pos, pos.max(axis=1) + 1,
-                                          native=native_rows(ks[layer], vs[layer]), **opts)
+                                          native=native, **opts)
             outs.append(od.reshape(1, R * Q, *q.shape[2:]))
         if Tp:
             qp, kp, vp = q[:, R * Q :], k[:, R * Q :], v[:, R * Q :]
             outs.append(prefill_row_attention(
                 qp, kp, vp, b.positions[R * Q :], b.seg, ks[layer], vs[layer], table[R:],
-                None if base is None else base[R:], b.hist_end, native=native_rows(ks[layer], vs[layer]), **opts))
+                None if base is None else base[R:], b.hist_end, native=native, **opts))
         return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)), cache
 
 
@@ -224,8 +228,14 @@ class _RunningSoftmax:
         state = (self.m, self.l, self.o)
         self.m, self.l, self.o = jax.lax.cond(pred, add, lambda st: st, state)
 
-    def result(self):
-        return self.o / jnp.maximum(self.l, 1e-30)  # a query that sees nothing gives 0, not NaN
+    def result(self, sink=None):
+        """The weighted values; with ``sink`` (f32[K, M, 1]: each row's attention-sink logit) one
+        more term in the denominator, with no value."""
+        if sink is None:
+            return self.o / jnp.maximum(self.l, 1e-30)  # a query that sees nothing gives 0, not NaN
+        m = jnp.maximum(self.m, sink)
+        a = jnp.exp(self.m - m)
+        return self.o * a / (self.l * a + jnp.exp(sink - m))
 
 
 def _scores(qm, keys, softcap):
@@ -281,30 +291,31 @@ _reader = functools.partial(jax.jit, static_argnames=("scale", "window", "softca
 
 @_reader
 def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window=None, softcap=None, own=None,
-                         native=False):
+                         native=False, sinks=None):
     """Reference paged attention for rows of T queries: q [B, T, N, H] at positions
     qpos i32[B, T] over the pages table i32[B, n] (logical page base[b] + column, or the
     column itself when base is None) whose positions < end[b] are written -> [B, T, N, H].
 
     Takes the rows ROW_GROUP at a time, and each group's table one block of columns at a
     time into a running softmax; values at positions >= end are zeroed as they are
-    gathered, so stale or NaN pages never leak. own: None, or the rows' own new keys and
+    gathered, so stale or NaN pages never leak. sinks: f32[N] per-head attention sinks (not
+    taken by the native kernel), or None. own: None, or the rows' own new keys and
     values ([B, T, K, H] each, at positions qpos) not yet in the pages: keys at positions
     >= end are then masked in the pages and these are attended to as one more block (stored
     as the pool would store them)."""
     B = q.shape[0]
-    if native and own is None:
+    if native and own is None and sinks is None:
         (k, v), scales = _kernel_pools(kpool, vpool)
         return cpu_kernels.paged_rows(q, k, v, table, base, qpos, end, scale=scale, window=window, softcap=softcap,
                                       **scales).astype(q.dtype)
     g = math.gcd(B, ROW_GROUP)
     opts = {"scale": scale, "window": window, "softcap": softcap}
     if g == B:
-        return _rows_attention(q, kpool, vpool, table, base, qpos, end, own=own, **opts)
+        return _rows_attention(q, kpool, vpool, table, base, qpos, end, own=own, sinks=sinks, **opts)
     split = lambda a: None if a is None else a.reshape(B // g, g, *a.shape[1:])  # noqa: E731
     xs = (split(q), split(table), split(base), split(qpos), split(end),
           None if own is None else tuple(split(a) for a in own))
-    out = jax.lax.map(lambda x: _rows_attention(x[0], kpool, vpool, *x[1:5], own=x[5], **opts), xs)
+    out = jax.lax.map(lambda x: _rows_attention(x[0], kpool, vpool, *x[1:5], own=x[5], sinks=sinks, **opts), xs)
     return out.reshape(q.shape)
 
 
@@ -330,7 +341,7 @@ def native_rows(kpool, vpool) -> bool:
             and kpool.shape[3] <= cpu_kernels.ROWS_MAX_PAGE)
 
 
-def _rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window, softcap, own):
+def _rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window, softcap, own, sinks=None):
     """paged_rows_attention for one group of rows."""
     B, T, N, H = q.shape
     K, ps = vpool.shape[1], vpool.shape[2]
@@ -354,7 +365,7 @@ def _rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window, s
         keys, values = (_as_stored(a, pool) for a, pool in zip(own, (vpool if kpool is None else kpool, vpool)))
         acc.add(_scores(qm, keys.transpose(0, 2, 3, 1), softcap), _visible(qpos_m, qpos, window)[:, None],
                 values.transpose(0, 2, 1, 3))
-    return _unfold(acc.result(), T, N, q.dtype)
+    return _unfold(acc.result(None if sinks is None else sink_rows(sinks, K, T)), T, N, q.dtype)
 
 
 def _as_stored(a, pool):
@@ -368,7 +379,7 @@ def _as_stored(a, pool):
 
 @_reader
 def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end, *, scale, window=None,
-                          softcap=None, native=False):
+                          softcap=None, native=False, sinks=None):
     """The packed prefill row: q [1, T, N, H], its own keys/values k, v [1, T, K, H] at
     positions pos i32[T] in segments seg i32[T] (-1: padding). A token sees the earlier
     tokens of its segment, and segment 0 also the positions < hist_end of the pages in
@@ -377,9 +388,10 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
     The row is taken a block of queries at a time (``_query_block``). Segments lie one after
     another along the row and padding comes last, so a query block needs only the key blocks
     up to its own that still hold its first token's segment, and the pages only when that
-    token is in segment 0; the rest is skipped at run time (``lax.cond``)."""
+    token is in segment 0; the rest is skipped at run time (``lax.cond``). sinks: f32[N]
+    per-head attention sinks (not taken by the native kernel), or None."""
     _, T, N, H = q.shape
-    if native and cpu_kernels.prefill_row_fits(T, H, vpool.shape[2]):
+    if native and sinks is None and cpu_kernels.prefill_row_fits(T, H, vpool.shape[2]):
         pools, scales = _kernel_pools(kpool, vpool)
         out = cpu_kernels.prefill_row(q[0], k[0], v[0], pos, seg, *pools, table, None if base is None else base[0],
                                       hist_end, scale=scale, window=window, softcap=softcap, **scales)
@@ -434,7 +446,7 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
         # step's executable larger and slower to load); none when the query block is all padding
         acc.m, acc.l, acc.o = jax.lax.fori_loop(0, jnp.where(first >= 0, i + 1, 0), local_block,
                                                 (acc.m, acc.l, acc.o))
-        return acc.result()  # f32[1, K, C*G, H]
+        return acc.result(None if sinks is None else sink_rows(sinks, K, C))  # f32[1, K, C*G, H]
 
     out = jax.lax.map(block, xs)  # [nb, 1, K, C*G, H]
     return _unfold(out.transpose(1, 2, 0, 3, 4).reshape(1, K, T * G, H), T, N, q.dtype)
@@ -461,7 +473,7 @@ def _logical_table(table, base, width: int):
 
 
 def ragged_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, page, *, scale, window=None,
-                            softcap=None):
+                            softcap=None, sinks=None):
     """The whole packed step's attention in one ragged paged-attention call (TPU/GPU, or
     Pallas interpret mode): q [1, N, N_heads, H] -> [1, N, N_heads, H].
 
@@ -499,5 +511,5 @@ def ragged_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, page, 
         kv_lens.append(jnp.zeros(S, jnp.int32).at[seg].max(ppos + 1, mode="drop"))
     cat = lambda xs: jnp.concatenate(xs, axis=0)
     out = kernels.ragged_paged_attention(q[0], kpool, vpool, cat(tables), cat(starts), cat(lens), cat(kv_lens),
-                                         scale=scale, window=window, softcap=softcap)
+                                         scale=scale, window=window, softcap=softcap, sinks=sinks)
     return out[None]

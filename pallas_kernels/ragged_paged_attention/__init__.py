@@ -11,7 +11,8 @@ Segment s has q_len[s] queries at q[q_start[s] :], the last q_len[s] tokens of a
 of kv_len[s] tokens whose pages are page_table[s] (so query i sits at position
 kv_len[s] - q_len[s] + i; the keys of this step's tokens are written to the pages first).
 A query sees the keys at positions <= its own (the last ``window`` of them with a window).
-Query head n uses kv head n // (N // K). Tokens in no segment give 0.
+Query head n uses kv head n // (N // K). Tokens in no segment give 0. Optional ``sinks``
+f32[N]: head n's softmax has one more logit, sinks[n], that weighs no value (gpt-oss).
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ def ragged_paged_attention(
     keys_transposed: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    sinks: jax.Array | None = None,  # f32[N] per-head attention sinks (an extra softmax logit)
 ) -> jax.Array:  # [T, N, H]
     """Dispatch: the Pallas kernel on TPU/GPU or with interpret=True, else the reference."""
     fn = ragged_paged_attention_kernel if use_kernel(interpret) else ragged_paged_attention_reference
     return fn(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, scale=scale, window=window,
               softcap=softcap, keys_transposed=keys_transposed, block_sizes=block_sizes,
-              interpret=interpret)
+              interpret=interpret, sinks=sinks)

@@ -33,7 +33,7 @@ class BlockSizes:
 
 
 def validate(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, *, scale, window, softcap,
-             keys_transposed):
+             keys_transposed, sinks=None):
     """Checks shapes and options; returns the scale to use."""
     check_pages(q, k_pages, v_pages, keys_transposed=keys_transposed, rows="T")
     H = q.shape[2]
@@ -49,6 +49,8 @@ def validate(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, *, scale, 
         f"{window=} must be None or a positive int",
     )
     check(softcap is None or softcap > 0, f"{softcap=} must be None or positive")
+    check(sinks is None or sinks.shape == (q.shape[1],),
+          f"sinks must be None or [N]={q.shape[1]} (one per query head); got {getattr(sinks, 'shape', sinks)}")
     return H**-0.5 if scale is None else float(scale)
 
 
@@ -107,6 +109,23 @@ def visible(row_token, kpos, qpos0, nq, window: int | None):
     if window is not None:
         ok &= kpos > qpos - window
     return ok
+
+
+def sink_tiles(sinks, K: int, bq: int, rows: int):
+    """Per-head sinks f32[N] as each kv head's item-tile column f32[K, rows]: row r = t * G + g
+    (token t, head g of the kv head's group) holds sinks[k * G + g]; rows past bq * G (padding)
+    repeat the last."""
+    G = sinks.shape[0] // K
+    tile = jnp.tile(sinks.astype(jnp.float32).reshape(K, G), (1, bq))
+    return jnp.pad(tile, ((0, 0), (0, rows - bq * G)), mode="edge")
+
+
+def with_sink(m, l, acc, sink):
+    """Online-softmax state (max m, sum l, values acc; [M, 1], [M, 1], [M, H]) with one more
+    logit per row, sink [M, 1], that weighs no value."""
+    m_new = jnp.maximum(m, sink)
+    alpha = jnp.exp(m - m_new)
+    return m_new, alpha * l + jnp.exp(sink - m_new), alpha * acc
 
 
 def live(kpos, qpos0, nq, window: int | None):

@@ -9,6 +9,10 @@ items past the last real one have no queries: they skip every page. After the ke
 item rows are scattered back to their packed tokens (a copy of q and o, small beside the
 pages an item reads).
 
+With ``sinks`` (gpt-oss's attention sinks, one logit per query head) each kv head's tile
+rows get their head's logit as one more term of the softmax denominator when the item is
+finished (``common.with_sink``); it weighs no value.
+
 Each item reads only the pages of its segment that hold keys some of its queries see: from
 the page of its first query's window start (page 0 without a window) to the page of its
 last query. Inside that range the mask is causal per row (a key at or before the row's own
@@ -49,8 +53,10 @@ from pallas_kernels.ragged_paged_attention.common import (
     live,
     max_items,
     page_range,
+    sink_tiles,
     validate,
     visible,
+    with_sink,
     work_items,
 )
 
@@ -111,9 +117,10 @@ def _scatter_back(o, tok, T, N, H, dtype):
 
 # ----------------------------------------------------------------------------- TPU (Mosaic)
 def _tpu_kernel(seq_ref, qpos_ref, nq_ref, pt_ref, q_ref, *refs, ppb, page_size, pps, G, scale,
-                window, softcap, keys_transposed):
+                window, softcap, keys_transposed, has_sinks):
     k_refs, v_refs = refs[:ppb], refs[ppb : 2 * ppb]
-    o_ref, m_ref, l_ref, acc_ref = refs[2 * ppb :]
+    sink_ref = refs[2 * ppb] if has_sinks else None
+    o_ref, m_ref, l_ref, acc_ref = refs[2 * ppb + has_sinks :]
     it, i = pl.program_id(0), pl.program_id(2)
     qpos0, nq = qpos_ref[it], nq_ref[it]
     first, last, any_query = page_range(qpos0, nq, page_size, pps, window)
@@ -139,18 +146,21 @@ def _tpu_kernel(seq_ref, qpos_ref, nq_ref, pt_ref, q_ref, *refs, ppb, page_size,
 
     @pl.when(i == pl.num_programs(2) - 1)
     def _write():
-        o_ref[...] = _finish(l_ref[...], acc_ref[...]).astype(o_ref.dtype)
+        m, l, acc = m_ref[...], l_ref[...], acc_ref[...]
+        if has_sinks:
+            m, l, acc = with_sink(m, l, acc, sink_ref[...])
+        o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
 
 
 def ragged_paged_attention_tpu(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, *,
                                scale=None, window=None, softcap=None, keys_transposed=False,
-                               block_sizes=None, interpret=False):
+                               block_sizes=None, interpret=False, sinks=None):
     """The Mosaic variant (also what interpret mode runs on CPU); see
     ragged_paged_attention_kernel."""
     from jax.experimental.pallas import tpu as pltpu
 
     scale = validate(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, scale=scale,
-                     window=window, softcap=softcap, keys_transposed=keys_transposed)
+                     window=window, softcap=softcap, keys_transposed=keys_transposed, sinks=sinks)
     T, N, H = q.shape
     _, K, page_size, _ = v_pages.shape
     G, pps = N // K, page_table.shape[1]
@@ -171,7 +181,12 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, page_table, q_start, q_len, 
     k_tile = (H, page_size) if keys_transposed else (page_size, H)
     q_spec = pl.BlockSpec((None, None, M, H), lambda it, h, i, *_: (it, h, 0, 0))
     kernel = functools.partial(_tpu_kernel, ppb=ppb, page_size=page_size, pps=pps, G=G, scale=scale,
-                               window=window, softcap=softcap, keys_transposed=keys_transposed)
+                               window=window, softcap=softcap, keys_transposed=keys_transposed,
+                               has_sinks=sinks is not None)
+    sink_in, sink_specs = [], []
+    if sinks is not None:  # each kv head's rows' logits, a column [M, 1] per head
+        sink_in = [sink_tiles(sinks, K, M // G, M)[..., None]]
+        sink_specs = [pl.BlockSpec((None, M, 1), lambda it, h, i, *_: (h, 0, 0))]
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(qi.shape, q.dtype),
@@ -182,6 +197,7 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, page_table, q_start, q_len, 
                 q_spec,
                 *[page_spec(jj, k_tile) for jj in range(ppb)],
                 *[page_spec(jj, (page_size, H)) for jj in range(ppb)],
+                *sink_specs,
             ],
             out_specs=q_spec,
             scratch_shapes=[
@@ -203,13 +219,15 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, page_table, q_start, q_len, 
         qi,
         *[k_pages] * ppb,
         *[v_pages] * ppb,
+        *sink_in,
     )
     return _scatter_back(out, tok, T, N, H, q.dtype)
 
 
 # ----------------------------------------------------------------------------- GPU (Triton)
-def _gpu_kernel(qpos_ref, nq_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *, ppb, page_size, pps, G,
-                scale, window, softcap, keys_transposed):
+def _gpu_kernel(qpos_ref, nq_ref, pt_ref, q_ref, k_ref, v_ref, *refs, ppb, page_size, pps, G,
+                scale, window, softcap, keys_transposed, has_sinks):
+    sink_ref, o_ref = refs if has_sinks else (None, *refs)
     qpos0, nq = qpos_ref[0], nq_ref[0]
     first, last, any_query = page_range(qpos0, nq, page_size, pps, window)
     q = q_ref[...]  # [Mp, Hp]
@@ -233,18 +251,20 @@ def _gpu_kernel(qpos_ref, nq_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *, ppb, pa
         jnp.zeros((Mp, Hp), jnp.float32),
     )
     stop = jnp.where(any_query, last // ppb + 1, first // ppb)
-    _, l, acc = lax.fori_loop(first // ppb, stop, body, init)
+    m, l, acc = lax.fori_loop(first // ppb, stop, body, init)
+    if has_sinks:
+        m, l, acc = with_sink(m, l, acc, sink_ref[...][:, None])
     o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
 
 
 def ragged_paged_attention_gpu(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, *,
                                scale=None, window=None, softcap=None, keys_transposed=False,
-                               block_sizes=None, interpret=False):
+                               block_sizes=None, interpret=False, sinks=None):
     """The Triton variant; see ragged_paged_attention_kernel."""
     from jax.experimental.pallas import triton as plgpu
 
     scale = validate(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, scale=scale,
-                     window=window, softcap=softcap, keys_transposed=keys_transposed)
+                     window=window, softcap=softcap, keys_transposed=keys_transposed, sinks=sinks)
     T, N, H = q.shape
     P, K, page_size, _ = v_pages.shape
     G, pps = N // K, page_table.shape[1]
@@ -263,8 +283,13 @@ def ragged_paged_attention_gpu(q, k_pages, v_pages, page_table, q_start, q_len, 
     item_table = pad_axis(page_table.astype(jnp.int32)[items.seq], 1, ppsp)  # i32[I, ppsp]
     k_tile = (Hp, page_size) if keys_transposed else (page_size, Hp)
     kernel = functools.partial(_gpu_kernel, ppb=ppb, page_size=page_size, pps=pps, G=G, scale=scale,
-                               window=window, softcap=softcap, keys_transposed=keys_transposed)
+                               window=window, softcap=softcap, keys_transposed=keys_transposed,
+                               has_sinks=sinks is not None)
     q_spec = pl.BlockSpec((None, None, Mp, Hp), lambda it, h: (it, h, 0, 0))
+    sink_in, sink_specs = [], []
+    if sinks is not None:  # each kv head's rows' logits [Mp] (padding rows repeat the last)
+        sink_in = [sink_tiles(sinks, K, M // G, Mp)]
+        sink_specs = [pl.BlockSpec((None, Mp), lambda it, h: (h, 0))]
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
@@ -276,12 +301,13 @@ def ragged_paged_attention_gpu(q, k_pages, v_pages, page_table, q_start, q_len, 
             q_spec,
             pl.BlockSpec((P, None, *k_tile), lambda it, h: (0, h, 0, 0)),
             pl.BlockSpec((P, None, page_size, Hp), lambda it, h: (0, h, 0, 0)),
+            *sink_specs,
         ],
         out_specs=q_spec,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(items.qpos0, items.nq, item_table, qp, kp, vp)
+    )(items.qpos0, items.nq, item_table, qp, kp, vp, *sink_in)
     return _scatter_back(out[:, :, :M, :H], tok, T, N, H, q.dtype)
 
 
@@ -312,10 +338,11 @@ def ragged_paged_attention_kernel(
     keys_transposed: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    sinks: jax.Array | None = None,  # f32[N]
 ) -> jax.Array:  # [T, N, H]
     """Pallas ragged paged attention; same contract as ragged_paged_attention_reference. The
     variant is the platform's (Mosaic on TPU, Triton on GPU); on CPU pass interpret=True."""
     fn = pick_variant(VARIANTS, "ragged_paged_attention")
     return fn(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, scale=scale, window=window,
               softcap=softcap, keys_transposed=keys_transposed, block_sizes=block_sizes,
-              interpret=interpret)
+              interpret=interpret, sinks=sinks)

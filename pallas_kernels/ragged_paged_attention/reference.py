@@ -24,6 +24,7 @@ def ragged_paged_attention_reference(
     scale: float | None = None,  # default H**-0.5
     window: int | None = None,  # see only the last `window` positions (own included)
     softcap: float | None = None,  # logits -> softcap * tanh(logits / softcap)
+    sinks: jax.Array | None = None,  # f32[N] one more logit per head in each softmax denominator
     keys_transposed: bool = False,  # k_pages is [P, K, H, page_size]
     block_sizes: BlockSizes | None = None,  # unused: same signature as the kernel
     interpret: bool = False,  # unused
@@ -35,11 +36,12 @@ def ragged_paged_attention_reference(
     sequence whose token p lives in page page_table[s, p // page_size], slot
     p % page_size. Segments must not overlap; tokens in no segment give 0, as does a query
     that sees nothing. Softmax in float32. Slots past what a query sees are never used,
-    even if they hold NaN.
+    even if they hold NaN. With ``sinks`` (gpt-oss's attention sinks) head n's softmax has the
+    extra logit sinks[n], which weighs no value.
     """
     del block_sizes, interpret
     scale = validate(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, scale=scale,
-                     window=window, softcap=softcap, keys_transposed=keys_transposed)
+                     window=window, softcap=softcap, keys_transposed=keys_transposed, sinks=sinks)
     T, N, H = q.shape
     _, K, page_size, _ = v_pages.shape
     S, pps = page_table.shape
@@ -67,8 +69,14 @@ def ragged_paged_attention_reference(
         if window is not None:
             ok &= kpos > qpos[:, None] - window
         s = jnp.where(ok[:, None, None], s, MASK_VALUE)
-        p = jnp.where(ok[:, None, None], jnp.exp(s - s.max(axis=-1, keepdims=True)), 0.0)
+        m = s.max(axis=-1, keepdims=True)
+        if sinks is not None:
+            sink = sinks.astype(jnp.float32).reshape(1, K, G, 1)
+            m = jnp.maximum(m, sink)
+        p = jnp.where(ok[:, None, None], jnp.exp(s - m), 0.0)
         l = p.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            l = l + jnp.exp(sink - m)
         vg = jnp.where(ok[:, None, :, None], vg, 0.0)
         o = jnp.einsum("TKGL,TKLH->TKGH", p / jnp.where(l == 0, 1.0, l), vg)
         return o.reshape(T, N, H).astype(q.dtype)
