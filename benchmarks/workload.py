@@ -476,6 +476,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--malloc", choices=["keep", "default"], default="keep",
                     help="keep: jaxinfer and transformers workers keep freed memory in glibc's heap "
                          "(jaxinfer.hostmem), as the jaxinfer command does; default: glibc's own")
+    ap.add_argument("--omp-wait-policy", default="PASSIVE",
+                    help="OMP_WAIT_POLICY of the workers (torch, CTranslate2, llama.cpp and OpenVINO's "
+                         "oneDNN use OpenMP). PASSIVE by default: on a shared, loaded machine spinning "
+                         "OpenMP threads collapse (a 2-thread SmolLM2 decode step measured 10x slower "
+                         "with ACTIVE); '' leaves it unset")
     ap.add_argument("--list", action="store_true", help="print every engine and its settings, run nothing")
     ap.add_argument("--dry", action="store_true",
                     help="jaxinfer float32 only on a toy size (4 requests, prompts of 8-16 tokens, "
@@ -538,6 +543,8 @@ def run_one(a, name: str, opts: dict, workfile: str) -> dict:
         f"{k}={v}" for k, v in opts.items() if k != "env")
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS),
                TOKENIZERS_PARALLELISM="false")
+    if a.omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = a.omp_wait_policy
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     p = subprocess.run([python, os.path.abspath(__file__), "--worker", spec, "--workfile", workfile,
@@ -550,6 +557,36 @@ def run_one(a, name: str, opts: dict, workfile: str) -> dict:
                 "load_before": load}
     return json.loads(line[7:]) | {"load_before": load, "load_after": os.getloadavg()[0],
                                    "elapsed_s": time.perf_counter() - t0}
+
+
+def report(a, argv, work, started, results, final: bool) -> dict:
+    """Greedy agreement and the fastest jaxinfer against the fastest peer (printed at the end);
+    the JSON is rewritten after every engine, so a run cut short keeps what it measured."""
+    ok = {k: r for k, r in results.items() if "error" not in r}
+    ref_name = next((k for k in ("transformers:float32", "jaxinfer:float32") if k in ok), None)
+    if ref_name:
+        for k, r in ok.items():
+            if k != ref_name:
+                same = sum(x == y for x, y in zip(r["tokens"], ok[ref_name]["tokens"]))
+                r["greedy_equal_to"] = {ref_name: same}
+                if final:
+                    print(f"{k:34s} greedy outputs equal to {ref_name}: {same}/{len(r['tokens'])}")
+    jx = {k: r for k, r in ok.items() if k.startswith("jaxinfer:")}
+    peers = {k: r for k, r in ok.items() if not k.startswith("jaxinfer:")}
+    if final and jx and peers:
+        bj = max(jx, key=lambda k: jx[k]["out_tok_s"])
+        bp = max(peers, key=lambda k: peers[k]["out_tok_s"])
+        print(f"fastest jaxinfer {bj} {jx[bj]['out_tok_s']:.1f} / fastest peer {bp} "
+              f"{peers[bp]['out_tok_s']:.1f} = {jx[bj]['out_tok_s'] / peers[bp]['out_tok_s']:.2f}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps(
+            {"date": started, "command": " ".join(["python benchmarks/workload.py", *(argv or sys.argv[1:])]),
+             "machine": machine(),
+             "workload": {"requests": len(work["requests"]), "prompt_tokens": work["prompt_tokens"],
+                          "output_len": a.output_len, "repeats": a.repeats},
+             "results": {k: {x: y for x, y in v.items() if x != "tokens"} for k, v in results.items()}},
+            indent=1))
+    return ok
 
 
 def main(argv=None) -> int:
@@ -583,31 +620,10 @@ def main(argv=None) -> int:
             else:
                 print(f"{key:34s} {r['out_tok_s']:7.1f} tok/s  walls {[round(w, 1) for w in r['walls']]}  "
                       f"load {r['load_before']:.1f}" + (f"  ({r['order']})" if "order" in r else ""), flush=True)
+            report(a, argv, work, started, results, final=False)
     finally:
         os.unlink(f.name)
-    ok = {k: r for k, r in results.items() if "error" not in r}
-    ref_name = next((k for k in ("transformers:float32", "jaxinfer:float32") if k in ok), None)
-    if ref_name:
-        for k, r in ok.items():
-            if k != ref_name:
-                same = sum(x == y for x, y in zip(r["tokens"], ok[ref_name]["tokens"]))
-                r["greedy_equal_to"] = {ref_name: same}
-                print(f"{k:34s} greedy outputs equal to {ref_name}: {same}/{len(r['tokens'])}")
-    jx = {k: r for k, r in ok.items() if k.startswith("jaxinfer:")}
-    peers = {k: r for k, r in ok.items() if not k.startswith("jaxinfer:")}
-    if jx and peers:
-        bj = max(jx, key=lambda k: jx[k]["out_tok_s"])
-        bp = max(peers, key=lambda k: peers[k]["out_tok_s"])
-        print(f"fastest jaxinfer {bj} {jx[bj]['out_tok_s']:.1f} / fastest peer {bp} "
-              f"{peers[bp]['out_tok_s']:.1f} = {jx[bj]['out_tok_s'] / peers[bp]['out_tok_s']:.2f}x")
-    if a.json:
-        Path(a.json).write_text(json.dumps(
-            {"date": started, "command": " ".join(["python benchmarks/workload.py", *(argv or sys.argv[1:])]),
-             "machine": machine(),
-             "workload": {"requests": len(work["requests"]), "prompt_tokens": work["prompt_tokens"],
-                          "output_len": a.output_len, "repeats": a.repeats},
-             "results": {k: {x: y for x, y in v.items() if x != "tokens"} for k, v in results.items()}},
-            indent=1))
+    ok = report(a, argv, work, started, results, final=True)
     return 0 if ok else 1
 
 
