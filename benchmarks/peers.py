@@ -348,7 +348,7 @@ class JaxinferEngine:
             if part == "kv8":
                 kw["kv_cache_dtype"] = "int8"
             elif part != "float":
-                kw["quantize"] = part
+                kw["quantization"] = part
         return kw
 
     def _ncomp(self):

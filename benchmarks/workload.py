@@ -11,7 +11,7 @@ in its own subprocess on the machine's 2 cores, makes one whole untimed pass fir
 compiles every shape the workload hits; oneDNN builds its kernels for every batch shape
 transformers meets), then ``--repeats`` timed passes; the median is reported.
 
-* jaxinfer: ``LLM(model, max_model_len=1024, max_num_seqs=64, quantize=..., kv_cache_dtype=...,
+* jaxinfer: ``LLM(model, max_model_len=1024, max_num_seqs=64, quantization=..., kv_cache_dtype=...,
   enable_prefix_caching=False)`` and ``llm.generate`` (prefix caching off: the timed passes
   repeat the warm pass's prompts, and reusing their pages would flatter us).
 * transformers: the GGUF dequantized to the dtype, padded ``generate`` on batches of 64 with
@@ -37,11 +37,11 @@ VARIANTS = {
     "jaxinfer:float32": {},
     "jaxinfer:float32+kv8": {"kv_cache_dtype": "int8"},
     "jaxinfer:float32+ps64": {"page_size": 64},  # KV pages of 64 positions (default 16)
-    "jaxinfer:float32+ps128": {"page_size": 128},
+    "jaxinfer:float32+ps128": {"block_size": 128},
     # float32 with XLA's own dots (the weights left unpacked: JAXINFER_NATIVE_F32_PACK=0)
     "jaxinfer:float32+xla-dots": {"env": {"JAXINFER_NATIVE_F32_PACK": "0"}},
-    "jaxinfer:w8a8": {"quantize": "w8a8"},
-    "jaxinfer:w8a8+kv8": {"quantize": "w8a8", "kv_cache_dtype": "int8"},
+    "jaxinfer:w8a8": {"quantization": "w8a8"},
+    "jaxinfer:w8a8+kv8": {"quantization": "w8a8", "kv_cache_dtype": "int8"},
     "transformers:bfloat16": {},
     "transformers:float32": {},
 }

@@ -46,13 +46,17 @@ class LLM:
     dtype: None picks float32 on CPU and bfloat16 on TPU/GPU.
     max_model_len: the longest prompt + output allowed (default: the checkpoint's context).
     engine: "paged" (continuous batching over a paged KV cache, the default) or "static"
-    (length-sorted static batches over a dense cache). quantize: "int8" (weight-only, one
+    (length-sorted static batches over a dense cache). quantization: "int8" (weight-only, one
     scale per output channel), "int4" (weight-only, groups of quant_group contracted rows;
     default the largest of 128/64/32 dividing each weight) or "w8a8" (int8 weights and
     per-token int8 activations, SmoothQuant-calibrated), applied weight by weight while
     loading (see ``jaxinfer.loaders.quantize``); None keeps the checkpoint's weights (a
     quantized Orbax checkpoint stays quantized). The remaining options tune the paged engine
-    (see ``jaxinfer.engine.paged.EngineConfig``); windowed_kv=False makes sliding-window
+    (see ``jaxinfer.engine.paged.EngineConfig``, under vLLM's names: block_size,
+    max_num_batched_tokens, enable_prefix_caching, scheduling_policy "fcfs" or "spf" (shortest
+    prompt first), and the KV budget: num_gpu_blocks_override pages, else kv_cache_memory_bytes,
+    else gpu_memory_utilization of an accelerator's memory, or 2 GiB on CPU);
+    windowed_kv=False makes sliding-window
     layers keep every position (their window pages are freed by default). kv_cache_dtype:
     "auto" (the model's dtype), a float type, or "int8" (int8 keys and values with a float32
     scale per token and head; about 3.8x smaller than float32 at head_dim 64).
@@ -64,10 +68,11 @@ class LLM:
 
     def __init__(self, model: str = registry.DEFAULT_MODEL, *, dtype: str | None = None,
                  max_model_len: int | None = None, seed: int = 0, max_num_seqs: int = 64,
-                 progress: bool = True, engine: str = "paged", page_size: int = 16,
-                 num_pages: int | None = None, kv_cache_bytes: int = 2 << 30,
-                 prefill_chunk: int = 512, enable_prefix_caching: bool = True,
-                 scheduling: str = "fcfs", windowed_kv: bool = True, quantize: str | None = None,
+                 progress: bool = True, engine: str = "paged", block_size: int = 16,
+                 num_gpu_blocks_override: int | None = None, gpu_memory_utilization: float = 0.9,
+                 kv_cache_memory_bytes: int | None = None, max_num_batched_tokens: int = 512,
+                 enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs", windowed_kv: bool = True,
+                 quantization: str | None = None,
                  quant_group: int | None = None, kv_cache_dtype: str = "auto",
                  speculative_config: dict | str | None = None, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None,
@@ -84,7 +89,7 @@ class LLM:
             raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         if generation_config not in ("auto", "vllm"):
             raise InvalidRequest(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
-        qcfg = quant.quant_config(quantize, quant_group)  # bad options fail before the download
+        qcfg = _quant_config(quantization, quant_group)  # bad options fail before the download
         spec = SpeculativeConfig.parse(speculative_config)  # likewise (layer count checked once loaded)
         mesh = _parallel_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, mesh)
         if mesh is not None and engine != "paged":
@@ -95,18 +100,22 @@ class LLM:
             raise InvalidRequest(f"speculative decoding needs the paged engine, not {engine!r}")
         if engine == "paged":
             try:
-                sched = Scheduling(scheduling)
+                sched = Scheduling(scheduling_policy)
             except ValueError:
-                raise InvalidRequest(f"scheduling must be 'fcfs' or 'spf', got {scheduling!r}") from None
-            ecfg = EngineConfig(max_num_seqs=max_num_seqs, page_size=page_size, num_pages=num_pages,
-                                kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk,
-                                prefix_caching=enable_prefix_caching, scheduling=sched, windowed_kv=windowed_kv,
+                raise InvalidRequest(f"scheduling_policy must be 'fcfs' or 'spf', got {scheduling_policy!r}") from None
+            ecfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size,
+                                num_gpu_blocks_override=num_gpu_blocks_override,
+                                gpu_memory_utilization=gpu_memory_utilization,
+                                kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_batched_tokens=max_num_batched_tokens,
+                                enable_prefix_caching=enable_prefix_caching, scheduling_policy=sched,
+                                windowed_kv=windowed_kv,
                                 kv_cache_dtype=kv_cache_dtype)
         pools = None
 
         def on_config(cfg):  # one device: fill the page pools while the weights are read
             nonlocal pools
-            if engine == "paged" and mesh is None and 1 < (max_model_len or cfg.max_position) <= cfg.max_position:
+            if (engine == "paged" and mesh is None and ecfg.budget_is_static()
+                    and 1 < (max_model_len or cfg.max_position) <= cfg.max_position):
                 pools = start_pools(cfg, ecfg, max_model_len or cfg.max_position)
 
         self.model_path = registry.resolve(model, revision=revision, download_dir=download_dir, progress=progress,
@@ -444,7 +453,7 @@ class LLM:
                if isinstance(x, quant.QuantArray)]
         return {
             "weights_bytes": int(weights),
-            "quantize": scheme.value if scheme is not None else None,
+            "quantization": scheme.value if scheme is not None else None,
             # int4: the group sizes used (the largest of 128/64/32 dividing each weight)
             "quant_groups": sorted({q.group for q in qas if q.scheme == quant.QuantScheme.INT4}),
             "kv_cache_bytes": int(self.engine.last_cache_bytes),
@@ -581,6 +590,17 @@ def _enable_compilation_cache() -> None:
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(registry.home() / "xla-cache"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
+
+def _quant_config(quantization, group):
+    """``quantization=`` / ``quant_group=`` checked under their names -> QuantConfig or None."""
+    schemes = tuple(s.value for s in quant.QuantScheme)
+    if quantization is not None and quantization not in schemes:
+        raise InvalidRequest(f"quantization={quantization!r} is not a quantization scheme; use one of "
+                             f"{', '.join(map(repr, schemes))}")
+    if group is not None and quantization != "int4":
+        raise InvalidRequest(f"quant_group={group} applies to quantization='int4' only, not {quantization!r}")
+    return quant.quant_config(quantization, group)
 
 
 def _sample_params(p: SamplingParams, j: int, request_seed: int) -> SamplingParams:

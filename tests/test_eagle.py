@@ -117,7 +117,7 @@ def test_engine_eagle_keeps_greedy_output_and_drafts_what_the_head_says(tiny_llm
     cfg = tiny_llm.cfg
     vocab = np.arange(cfg.vocab_size, dtype=np.int32)[:: 7][:512]
     eagle.save_head(tmp_path / "h", _head(cfg), vocab, cfg)
-    spec = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_bytes=64 << 20,
+    spec = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_memory_bytes=64 << 20,
                speculative_config={"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "h"),
                                    "branches": branches})
     seen = _proposed_drafts(spec, monkeypatch)
@@ -150,7 +150,7 @@ def test_branches_keep_the_chain_that_accepted_most(tiny_llm, tiny_gguf, tmp_pat
     cfg = tiny_llm.cfg
     eagle.save_head(tmp_path / "h", _head(cfg), np.arange(cfg.vocab_size, dtype=np.int32)[:512], cfg)
     k = 3
-    spec = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_bytes=64 << 20,
+    spec = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_memory_bytes=64 << 20,
                speculative_config={"method": "eagle", "num_speculative_tokens": k, "model": str(tmp_path / "h"),
                                    "branches": 2, "disable_by_batch_size": 8})
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -181,7 +181,7 @@ def test_int8_head_keeps_greedy_output(tiny_llm, tiny_gguf, tmp_path):
 
     cfg = tiny_llm.cfg
     eagle.save_head(tmp_path / "h", _head(cfg), np.arange(cfg.vocab_size, dtype=np.int32)[:512], cfg)
-    spec = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_bytes=64 << 20,
+    spec = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_memory_bytes=64 << 20,
                speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "h"),
                                    "quantization": "int8"})
     held = spec.engine._eagle

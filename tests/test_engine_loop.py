@@ -115,7 +115,7 @@ class ScriptedEngine:
 def llm(tiny_gguf):
     from jaxinfer import LLM
 
-    llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, num_pages=8)
+    llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, num_gpu_blocks_override=8)
     llm.engine = ScriptedEngine(llm.tokenizer, llm.cfg.vocab_size, num_pages=12)
     return llm
 

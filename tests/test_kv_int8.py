@@ -104,7 +104,7 @@ TINY_NEAR_TIE = 0.15
 def test_engine_end_to_end_and_memory_report(tiny_gguf):
     prompts = ["Hello", "The quick brown fox jumps over the lazy dog", "1 2 3 4 5 6 7 8"]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    kw = {"progress": False, "max_num_seqs": 4, "page_size": 4}
+    kw = {"progress": False, "max_num_seqs": 4, "block_size": 4}
     f32 = LLM(str(tiny_gguf), **kw)
     want = f32.generate(prompts, sp, use_tqdm=False)
     for engine in ("paged", "static"):

@@ -147,7 +147,7 @@ def _alone(static_llm, prompts, sps):
 def test_continuous_batching_same_tokens_as_alone(tiny_gguf, static_llm):
     # 3 slots, 8 requests of different lengths: requests arrive while others decode
     sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 3, 14, 5, 7, 2, 11, 6)]
-    llm = _paged(tiny_gguf, page_size=4, prefill_chunk=16)
+    llm = _paged(tiny_gguf, block_size=4, max_num_batched_tokens=16)
     got = _ids(llm.generate(PROMPTS, sps, use_tqdm=False))
     assert got == _alone(static_llm, PROMPTS, sps)
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages - 1  # nothing leaked
@@ -155,7 +155,7 @@ def test_continuous_batching_same_tokens_as_alone(tiny_gguf, static_llm):
 
 def test_seeded_sampling_unchanged_by_batching(tiny_gguf, static_llm):
     sps = [SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=8, ignore_eos=True) for i in range(8)]
-    got = _ids(_paged(tiny_gguf, page_size=4).generate(PROMPTS, sps, use_tqdm=False))
+    got = _ids(_paged(tiny_gguf, block_size=4).generate(PROMPTS, sps, use_tqdm=False))
     assert got == _alone(static_llm, PROMPTS, sps)
 
 
@@ -163,7 +163,7 @@ def test_chunked_prefill_of_a_long_prompt(tiny_gguf, static_llm):
     long = " ".join(["word"] * 150)  # > 2 chunks of 64
     sps = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 3
     prompts = [long, "short one", long + " tail"]
-    llm = _paged(tiny_gguf, prefill_chunk=64, page_size=8)
+    llm = _paged(tiny_gguf, max_num_batched_tokens=64, block_size=8)
     assert _ids(llm.generate(prompts, sps, use_tqdm=False)) == _alone(static_llm, prompts, sps)
 
 
@@ -171,10 +171,10 @@ def test_prefix_cache_on_and_off_agree(tiny_gguf):
     system = "You are a careful assistant. " * 12
     prompts = [system + q for q in ("What is 2+2?", "Name a color.", "Say hi.", "Count to three.")]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    on = _paged(tiny_gguf, page_size=8, max_num_seqs=2)
+    on = _paged(tiny_gguf, block_size=8, max_num_seqs=2)
     got_on = _ids(on.generate(prompts, sp, use_tqdm=False))
     got_on2 = _ids(on.generate(prompts, sp, use_tqdm=False))  # now the whole prefix is cached
-    off = _paged(tiny_gguf, page_size=8, max_num_seqs=2, enable_prefix_caching=False)
+    off = _paged(tiny_gguf, block_size=8, max_num_seqs=2, enable_prefix_caching=False)
     assert got_on == got_on2 == _ids(off.generate(prompts, sp, use_tqdm=False))
     assert on.engine.stats["cached_prompt_tokens"] > 4 * 8 * 5
     assert off.engine.stats["cached_prompt_tokens"] == 0
@@ -184,7 +184,7 @@ def test_out_of_pages_waits_and_preempts_without_changing_tokens(tiny_gguf, stat
     sps = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 6
     prompts = PROMPTS[:6]
     # 11 usable pages of 4 tokens: not every sequence fits at once, and growing ones collide
-    llm = _paged(tiny_gguf, page_size=4, num_pages=12, max_num_seqs=4, enable_prefix_caching=False)
+    llm = _paged(tiny_gguf, block_size=4, num_gpu_blocks_override=12, max_num_seqs=4, enable_prefix_caching=False)
     got = _ids(llm.generate(prompts, sps, use_tqdm=False))
     assert got == _alone(static_llm, prompts, sps)
     assert llm.engine.stats["preemptions"] > 0
@@ -192,13 +192,13 @@ def test_out_of_pages_waits_and_preempts_without_changing_tokens(tiny_gguf, stat
 
 
 def test_request_that_can_never_fit_gets_a_clear_error(tiny_gguf):
-    llm = _paged(tiny_gguf, page_size=4, num_pages=5)
+    llm = _paged(tiny_gguf, block_size=4, num_gpu_blocks_override=5)
     with pytest.raises(InvalidRequest, match="needs .* KV pages but the pool has only 4"):
         llm.generate("Hello", SamplingParams(max_tokens=40), use_tqdm=False)
 
 
 def test_compilations_are_counted_exactly(tiny_gguf):
-    llm = _paged(tiny_gguf, page_size=8, max_num_seqs=4, prefill_chunk=32)
+    llm = _paged(tiny_gguf, block_size=8, max_num_seqs=4, max_num_batched_tokens=32)
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     llm.generate(PROMPTS, sp, use_tqdm=False)
     first = llm.engine.num_compilations()
@@ -213,7 +213,7 @@ def test_compilations_are_counted_exactly(tiny_gguf):
     allowed = set(eng.warmup_shapes(max(map(len, ids)), max(map(len, ids)) + 5))
     assert {(R, w, Tp) for R, w, Tp, *_ in eng.shapes_run} <= allowed
     # a second engine in the same process counts only its own executables
-    other = _paged(tiny_gguf, page_size=8, max_num_seqs=4, prefill_chunk=32)
+    other = _paged(tiny_gguf, block_size=8, max_num_seqs=4, max_num_batched_tokens=32)
     other.generate(PROMPTS[:1], sp, use_tqdm=False)
     assert other.engine.num_compilations() == len(other.engine.shapes_run) + 1
     assert eng.num_compilations() == first
@@ -226,7 +226,7 @@ def test_committed_weights_build_each_shape_once(tiny_gguf):
     replace them (in the middle of the second run)."""
     from jaxinfer.engine.paged import PagedEngine
 
-    llm = _paged(tiny_gguf, page_size=8, max_num_seqs=4, prefill_chunk=32)
+    llm = _paged(tiny_gguf, block_size=8, max_num_seqs=4, max_num_batched_tokens=32)
     eng = llm.engine = PagedEngine(llm.cfg, jax.device_put(llm.weights, jax.devices()[0]), llm.tokenizer,
                                    max_model_len=llm.max_model_len, config=llm.engine.config)
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -248,7 +248,7 @@ def test_warmup_with_one_slot(tiny_gguf):
 def test_warmup_leaves_nothing_to_compile(tiny_gguf):
     from jaxinfer.bench import WorkloadSpec, run_bench
 
-    llm = _paged(tiny_gguf, page_size=8, max_num_seqs=4, prefill_chunk=32)
+    llm = _paged(tiny_gguf, block_size=8, max_num_seqs=4, max_num_batched_tokens=32)
     # a shared prefix: cache hits start chunks mid-prompt, at page boundaries warm-up covers
     spec = WorkloadSpec(num_requests=10, prompt_len=(5, 60), output_len=(3, 6), seed=1,
                         shared_prefix_len=20, shared_prefix_share=0.6)
@@ -277,7 +277,7 @@ def test_pools_filled_beside_the_load_are_the_engines(tiny_gguf, monkeypatch):
     started = []
     real = paged.start_pools
     monkeypatch.setattr("jaxinfer.llm.start_pools", lambda *a: started.append(real(*a)) or started[-1])
-    llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=2, kv_cache_bytes=1 << 20)
+    llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=2, kv_cache_memory_bytes=1 << 20)
     # the same buffers (committed to the weights' device: no copy, no second fill)
     assert len(started) == 1
     assert llm.engine.k_pages[0].unsafe_buffer_pointer() == started[0].result().k[0].unsafe_buffer_pointer()

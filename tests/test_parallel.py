@@ -120,7 +120,7 @@ def test_smollm2_w8a8_int8_kv_tensor_parallel_3_equals_one_device(smollm2_gguf):
     alone the same three prompts run batched vs one at a time already differ by up to 0.13
     (prompt 1) and 1.78 (prompt 3, whose greedy tokens then diverge) in generated-token
     logprobs; here TP 3 vs one device measured 0.16 (prompt logprobs) and 0.56 (generated)."""
-    _run(smollm2_gguf, "1,3", llm=dict(quantize="w8a8", kv_cache_dtype="int8"), plp_atol=0.25, lp_atol=0.75,
+    _run(smollm2_gguf, "1,3", llm=dict(quantization="w8a8", kv_cache_dtype="int8"), plp_atol=0.25, lp_atol=0.75,
          hlo=False)
 
 
@@ -131,7 +131,7 @@ def test_tiny_int4_and_int8_tensor_parallel_2_equal_one_device(tiny_gguf):
     model's wo and w_down contract a single group); the weights are bitwise one device's and
     only float sums differ."""
     for q in ("int4", "int8"):
-        _run(tiny_gguf, "1,2", llm=dict(quantize=q), plp_atol=1e-4, lp_atol=1e-4, hlo=False)
+        _run(tiny_gguf, "1,2", llm=dict(quantization=q), plp_atol=1e-4, lp_atol=1e-4, hlo=False)
 
 
 @pytest.mark.parametrize("kw,msg", [

@@ -38,7 +38,7 @@ _COMMON = textwrap.dedent("""
 
     for layout in layouts:
         pp, tp = (int(x) for x in layout.split("x"))
-        llm = LLM(path, progress=False, max_model_len=256, max_num_seqs=4, kv_cache_bytes=64 << 20,
+        llm = LLM(path, progress=False, max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=64 << 20,
                   kv_cache_dtype=kv_dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp)
         outs = llm.generate(prompts, sp, use_tqdm=False)
         toks = [o.outputs[0].token_ids for o in outs]

@@ -33,7 +33,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine import buckets
 from jaxinfer.engine.batch import build_batch, plan_shape
 from jaxinfer.engine.compiles import CompileCounter
-from jaxinfer.engine.paged import (EngineConfig, PagedEngine, _InFlight, _prompt_logprob_segments, pool_sizes,
+from jaxinfer.engine.paged import (EngineConfig, PagedEngine, kv_budget, _InFlight, _prompt_logprob_segments, pool_sizes,
                                    slot_state_for)
 from jaxinfer.engine.rows import Row, record_token
 from jaxinfer.engine.scheduler import Scheduler
@@ -79,13 +79,14 @@ class DataParallelEngine(PagedEngine):
         self.max_model_len, self.config, self.seed, self.mesh = max_model_len, config, seed, mesh
         self.D = D = mesh.shape["data"]
         self.max_num_seqs = config.max_num_seqs
-        ps = config.page_size
+        ps = config.block_size
         self.pages_per_seq = -(-max_model_len // ps)
         self.kv_dtype = kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
-        self.window, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, self.pages_per_seq)
+        self.window, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, self.pages_per_seq,
+                                                              kv_budget(config, mesh.devices[0].flat))
         self.scheds = [Scheduler(max_num_seqs=config.max_num_seqs, page_size=ps, num_pages=num_pages,
-                                 prefill_chunk=config.prefill_chunk, prefix_caching=config.prefix_caching,
-                                 scheduling=config.scheduling, window=self.window,
+                                 prefill_chunk=config.max_num_batched_tokens, prefix_caching=config.enable_prefix_caching,
+                                 scheduling=config.scheduling_policy, window=self.window,
                                  num_window_pages=num_window_pages) for _ in range(D)]
         self.sched = self.scheds[0]  # page sizes and counts, the same in every replica
         self.allocator, self.window_allocator = self.sched.allocator, self.sched.window_allocator
@@ -176,7 +177,7 @@ class DataParallelEngine(PagedEngine):
         if not any(p.decode or p.prefill for p in plans):
             return []
         kw = dict(q=1, pages_per_seq=self.pages_per_seq, max_num_seqs=self.max_num_seqs,
-                  prefill_chunk=self.config.prefill_chunk)
+                  prefill_chunk=self.config.max_num_batched_tokens)
         shape = tuple(int(x) for x in np.max([plan_shape(p, s, **kw) for p, s in zip(plans, self.scheds)], axis=0))
         want = [g.seq.row.params.prompt_logprobs for p in plans for g in p.prefill if g.seq.wants_prompt_logprobs]
         batches = [build_batch(p, s, pad_id=self.tokenizer.pad_id, want_targets=bool(want), shape=shape, **kw)

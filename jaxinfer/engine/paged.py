@@ -51,28 +51,71 @@ _DRAFTS_FROM_PREVIOUS_STEP = (SpecMethod.MEDUSA, SpecMethod.EAGLE)
 __all__ = ["EngineConfig", "PagedEngine", "Scheduling"]
 
 
+CPU_KV_CACHE_BYTES = 2 << 30  # the page pools' budget on CPU when kv_cache_memory_bytes is not given
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
+    """The engine's options, under vLLM's names.
+
+    The page pools' size: ``num_gpu_blocks_override`` pages when given; else
+    ``kv_cache_memory_bytes`` bytes when given; else, on an accelerator,
+    ``gpu_memory_utilization`` of the device's memory minus what is in use once the weights
+    are placed (as vLLM); on CPU, ``CPU_KV_CACHE_BYTES`` (2 GiB: a fraction of host memory
+    would take most of a shared machine). Pools never hold more than every slot needs at
+    full length, with as much again for cached prefixes."""
+
     max_num_seqs: int = 64  # decode slots
-    page_size: int = 16
-    num_pages: int | None = None  # None: from kv_cache_bytes
-    kv_cache_bytes: int = 2 << 30  # page pool budget when num_pages is None
-    prefill_chunk: int = 512  # prompt tokens per scheduler iteration (the prefill row's budget)
-    prefix_caching: bool = True
-    scheduling: Scheduling = Scheduling.FCFS
+    block_size: int = 16  # tokens per KV page
+    num_gpu_blocks_override: int | None = None  # exact number of KV pages
+    gpu_memory_utilization: float = 0.9  # accelerators: share of device memory for weights + KV pages
+    kv_cache_memory_bytes: int | None = None  # exact KV page budget (over gpu_memory_utilization)
+    max_num_batched_tokens: int = 512  # prompt tokens per scheduler iteration (the prefill row's budget)
+    enable_prefix_caching: bool = True
+    scheduling_policy: Scheduling = Scheduling.FCFS
     windowed_kv: bool = True  # LOCAL layers keep only their window (False: every position)
     kv_cache_dtype: str = "auto"  # page pools' dtype: auto (the model's), a float type, or int8
 
     def __post_init__(self):
-        if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise InvalidRequest(f"page_size must be a power of two, got {self.page_size}")
-        if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):
-            raise InvalidRequest(f"prefill_chunk must be a power of two >= 16, got {self.prefill_chunk}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidRequest(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 16 or self.max_num_batched_tokens & (self.max_num_batched_tokens - 1):
+            raise InvalidRequest(f"max_num_batched_tokens must be a power of two >= 16, "
+                                 f"got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise InvalidRequest(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidRequest(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise InvalidRequest(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise InvalidRequest(f"num_gpu_blocks_override must be >= 2 (one is the scratch page), "
+                                 f"got {self.num_gpu_blocks_override}")
         if self.kv_cache_dtype not in kv.KV_CACHE_DTYPES:
             raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(kv.KV_CACHE_DTYPES)}, "
                                  f"got {self.kv_cache_dtype!r}")
+
+    def budget_is_static(self) -> bool:
+        """Whether the pools' size is known before the weights are placed (no device memory
+        to measure): then the pools can be filled while the weights load."""
+        return (self.num_gpu_blocks_override is not None or self.kv_cache_memory_bytes is not None
+                or jax.default_backend() == "cpu")
+
+
+def kv_budget(config: EngineConfig, devices=None) -> int:
+    """The page pools' byte budget (see ``EngineConfig``): on an accelerator, the free share of
+    ``gpu_memory_utilization`` of each device's memory, summed over ``devices`` (one model
+    replica's; default the first device)."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    devices = list(devices) if devices is not None else jax.devices()[:1]
+    total = 0
+    for d in devices:
+        st = d.memory_stats() if d.platform != "cpu" else None
+        if not st or "bytes_limit" not in st:
+            return CPU_KV_CACHE_BYTES
+        total += max(0, int(config.gpu_memory_utilization * st["bytes_limit"]) - st.get("bytes_in_use", 0))
+    return total
 
 
 @dataclasses.dataclass
@@ -113,13 +156,14 @@ class PagedEngine:
         self.config = config
         self.seed = seed
         self.max_num_seqs = config.max_num_seqs
-        ps = config.page_size
+        ps = config.block_size
         self.pages_per_seq = -(-max_model_len // ps)
         self.kv_dtype = kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
-        self.window, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, self.pages_per_seq)
+        budget = kv_budget(config, mesh.devices[0].flat if mesh is not None else _devices(weights))
+        self.window, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, self.pages_per_seq, budget)
         self.sched = Scheduler(max_num_seqs=config.max_num_seqs, page_size=ps, num_pages=num_pages,
-                               prefill_chunk=config.prefill_chunk, prefix_caching=config.prefix_caching,
-                               scheduling=config.scheduling, window=self.window, num_window_pages=num_window_pages)
+                               prefill_chunk=config.max_num_batched_tokens, prefix_caching=config.enable_prefix_caching,
+                               scheduling=config.scheduling_policy, window=self.window, num_window_pages=num_window_pages)
         self.allocator, self.window_allocator = self.sched.allocator, self.sched.window_allocator
         self.mesh = mesh
         self.pipeline = None
@@ -209,7 +253,7 @@ class PagedEngine:
                                  "(a draft model must share the target's vocabulary)")
         if self.mesh is not None:
             raise InvalidRequest("speculative_config method draft_model does not run with tensor parallelism yet")
-        pools = kv.init_paged_cache(dcfg, num_pages, self.config.page_size,
+        pools = kv.init_paged_cache(dcfg, num_pages, self.config.block_size,
                                     kv.kv_storage_dtype(self.config.kv_cache_dtype, dcfg))
         self.draft_cfg, self.draft_weights, self.draft_kv = dcfg, dweights, _committed((pools.k, pools.v), self.weights)
 
@@ -233,7 +277,7 @@ class PagedEngine:
                                 eagle.head_specs(eagle.layer_cfg(self.cfg)), head, is_leaf=is_spec)
             rows = quantize_int8(rows, (1,))  # [Vd, D], one scale per draft token
         self._eagle = {"head": head, "rows": rows, "vocab": vocab}
-        pools = kv.init_paged_cache(eagle.layer_cfg(self.cfg), num_pages, self.config.page_size, jnp.float32)
+        pools = kv.init_paged_cache(eagle.layer_cfg(self.cfg), num_pages, self.config.block_size, jnp.float32)
         self.eagle_kv = _committed((pools.k, pools.v), self.weights)
 
     # ------------------------------------------------------------------ reports
@@ -268,7 +312,7 @@ class PagedEngine:
         chunks may give the prefill row history of up to max_prompt_len positions)."""
         max_len = min(max_len or self.max_model_len, self.max_model_len)
         max_prompt = min(max_prompt_len or max_len, max_len)
-        ps, chunk = self.allocator.page_size, self.config.prefill_chunk
+        ps, chunk = self.allocator.page_size, self.config.max_num_batched_tokens
         rows = sorted({0} | {buckets.bucket(n, buckets.BATCH_BUCKETS, self.max_num_seqs)
                              for n in range(1, self.max_num_seqs + 1)})
         top_tp = buckets.bucket(min(max_prompt, chunk), buckets.PREFILL_BUCKETS, chunk)
@@ -341,7 +385,7 @@ class PagedEngine:
         if need > self.allocator.num_pages - 1:
             raise InvalidRequest(
                 f"a sequence of {n} tokens needs {need} KV pages but the pool has only "
-                f"{self.allocator.num_pages - 1}; raise num_pages/kv_cache_bytes or lower max_tokens"
+                f"{self.allocator.num_pages - 1}; raise kv_cache_memory_bytes or num_gpu_blocks_override, or lower max_tokens"
             )
         ids = tuple(row.params.stop_token_ids) + (() if row.params.ignore_eos else tuple(self.tokenizer.eos_ids))
         if row.params.min_tokens and len(ids) > STOP_ID_WIDTH:
@@ -419,7 +463,7 @@ class PagedEngine:
         """``batch.build_batch`` with the engine's own sizes (an EAGLE head needs every
         prefill token's next token)."""
         return build_batch(plan, self.sched, q=q, pad_id=self.tokenizer.pad_id, pages_per_seq=self.pages_per_seq,
-                           max_num_seqs=self.max_num_seqs, prefill_chunk=self.config.prefill_chunk,
+                           max_num_seqs=self.max_num_seqs, prefill_chunk=self.config.max_num_batched_tokens,
                            want_targets=want_targets, drafts=drafts, next_tokens=self._eagle is not None)
 
     def _guide(self, decode: list[Seq], R: int):
@@ -513,7 +557,7 @@ class PagedEngine:
 
     def _spec_rows(self) -> int:
         """The largest row bucket a verification step can have (disable_by_batch_size's)."""
-        return buckets.bucket(self.spec.disable_by_batch_size, buckets.BATCH_BUCKETS, self.max_num_seqs)
+        return buckets.bucket(self.spec.max_rows(self.max_num_seqs), buckets.BATCH_BUCKETS, self.max_num_seqs)
 
     def _eagle_writes(self, rows: int) -> bool:
         """Whether a plain step of ``rows`` decode rows writes the EAGLE head's entries: only
@@ -584,7 +628,7 @@ class PagedEngine:
         # early-exit and draft-model drafts are made on device, where no grammar can check them:
         # such steps run plain
         on_device = spec.method in (SpecMethod.EARLY_EXIT, SpecMethod.DRAFT_MODEL)
-        drafts = self._propose(decoding) if 0 < len(decoding) <= spec.disable_by_batch_size and \
+        drafts = self._propose(decoding) if decoding and spec.speculates(len(decoding)) and \
             not (constrained and on_device) else {}
         for s in constrained:  # a row under a grammar drafts only what its grammar allows
             if s in drafts:
@@ -636,7 +680,7 @@ class PagedEngine:
         if not self._chains():
             return False
         running = self.sched.running()
-        if len(running) != len(fl.plan_decode) or len(running) > spec.disable_by_batch_size:
+        if len(running) != len(fl.plan_decode) or not spec.speculates(len(running)):
             return False
         if self.sched.waiting and len(running) < self.max_num_seqs:
             return False  # a waiting sequence would be admitted
@@ -734,6 +778,12 @@ class PagedEngine:
         self.slots = self._insert(self.slots, jnp.int32(seq.slot), new)
 
 
+def _devices(weights) -> list:
+    """The device of (one-device) weights: the first committed leaf's, else the default one."""
+    leaf = next((a for a in jax.tree.leaves(weights) if getattr(a, "committed", False)), None)
+    return list(leaf.devices()) if leaf is not None else jax.devices()[:1]
+
+
 def _committed(tree, weights):
     """``tree`` committed to the device of the (one-device) weights, without a copy. jit keys
     its executables on whether each argument is committed: a step's outputs are (its weights
@@ -746,30 +796,30 @@ def _committed(tree, weights):
     return jax.device_put(tree, next(iter(leaf.devices())))
 
 
-def pool_sizes(cfg: ModelConfig, config: EngineConfig, kv_dtype, pages_per_seq: int):
+def pool_sizes(cfg: ModelConfig, config: EngineConfig, kv_dtype, pages_per_seq: int, budget: int):
     """(window, full-length pages, window pages) of one engine's page pools: the window None
     when no layer is windowed (or windowed_kv is off); enough full-length pages for every slot
-    at full length (plus room for cached prefixes), within the byte budget."""
-    ps = config.page_size
+    at full length (plus room for cached prefixes), within ``budget`` bytes (``kv_budget``)."""
+    ps = config.block_size
     W = cfg.sliding_window if config.windowed_kv else None
     window = W if W and any(cfg.layer_window(i) for i in range(cfg.n_layers)) else None
     window_bytes, num_window_pages = 0, None
     if window:
-        num_window_pages = window_pool_pages(window, ps, config.max_num_seqs, config.prefill_chunk, pages_per_seq)
+        num_window_pages = window_pool_pages(window, ps, config.max_num_seqs, config.max_num_batched_tokens, pages_per_seq)
         window_bytes = num_window_pages * ps * cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.LOCAL)
     full_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.GLOBAL if window else None)
-    num_pages = config.num_pages or max(2, min(
-        max(config.kv_cache_bytes - window_bytes, 0) // (max(full_bytes_per_token, 1) * ps),
+    num_pages = config.num_gpu_blocks_override or max(2, min(
+        max(budget - window_bytes, 0) // (max(full_bytes_per_token, 1) * ps),
         2 * config.max_num_seqs * pages_per_seq + 1))
     return window, num_pages, num_window_pages
 
 
 def _make_pools(cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> kv.PagedKVCache:
     """The zeroed page pools of an engine on one device."""
-    pages_per_seq = -(-max_model_len // config.page_size)
+    pages_per_seq = -(-max_model_len // config.block_size)
     kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
-    _, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, pages_per_seq)
-    return kv.init_paged_cache(cfg, num_pages, config.page_size, kv_dtype, num_window_pages=num_window_pages)
+    _, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, pages_per_seq, kv_budget(config))
+    return kv.init_paged_cache(cfg, num_pages, config.block_size, kv_dtype, num_window_pages=num_window_pages)
 
 
 def start_pools(cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> concurrent.futures.Future:
