@@ -36,7 +36,7 @@ import time
 VARIANTS = {
     "jaxinfer:float32": {},
     "jaxinfer:float32+kv8": {"kv_cache_dtype": "int8"},
-    "jaxinfer:float32+ps64": {"page_size": 64},  # KV pages of 64 positions (default 16)
+    "jaxinfer:float32+ps64": {"block_size": 64},  # KV pages of 64 positions (default 16)
     "jaxinfer:float32+ps128": {"block_size": 128},
     # float32 with XLA's own dots (the weights left unpacked: JAXINFER_NATIVE_F32_PACK=0)
     "jaxinfer:float32+xla-dots": {"env": {"JAXINFER_NATIVE_F32_PACK": "0"}},

@@ -61,7 +61,6 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="reuse the KV pages of shared prompt prefixes (default: on)")
     p.add_argument("--scheduling-policy", choices=["fcfs", "spf"], default="fcfs",
                    help="admission order: first come first served, or shortest prompt first")
-    p.add_argument("--engine", choices=["paged", "static"], default="paged")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(methods: ngram with prompt_lookup_min/max, early_exit with num_layers, medusa or eagle with "
@@ -84,8 +83,8 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
 
 
 def _model_kwargs(a) -> dict:
-    return dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
-                revision=a.revision, download_dir=a.download_dir)
+    return {"dtype": a.dtype, "kv_cache_dtype": a.kv_cache_dtype, "max_model_len": a.max_model_len,
+                "revision": a.revision, "download_dir": a.download_dir}
 
 
 def _engine_kwargs(a) -> dict:
@@ -93,13 +92,13 @@ def _engine_kwargs(a) -> dict:
                 max_num_seqs=a.max_num_seqs, block_size=a.block_size, num_gpu_blocks_override=a.num_gpu_blocks_override,
                 gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
                 max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.enable_prefix_caching,
-                scheduling_policy=a.scheduling_policy, engine=a.engine, speculative_config=a.speculative_config,
+                scheduling_policy=a.scheduling_policy, speculative_config=a.speculative_config,
                 **_parallel_kwargs(a))
 
 
 def _parallel_kwargs(a) -> dict:
-    return dict(tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
-                data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel)
+    return {"tensor_parallel_size": a.tensor_parallel_size, "pipeline_parallel_size": a.pipeline_parallel_size,
+                "data_parallel_size": a.data_parallel_size, "enable_expert_parallel": a.enable_expert_parallel}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -252,7 +251,7 @@ def cmd_generate(a) -> int:
     llm = LLM(a.model, **_model_kwargs(a), progress=not a.json, quantization=a.quantization, quant_group=a.quant_group,
               max_num_seqs=max(sp.n, 1), speculative_config=a.speculative_config, **_parallel_kwargs(a))
     t0 = time.perf_counter()
-    if not a.json and not a.no_stream and hasattr(llm.engine, "step"):
+    if not a.json and not a.no_stream:
         prompt = [{"role": "user", "content": a.chat}] if a.chat is not None else a.prompt
         for piece in llm.stream(prompt, sp, chat=a.chat is not None):
             print(piece, end="", flush=True)
@@ -375,7 +374,7 @@ def cmd_warmup(a) -> int:
 
     llm = LLM(a.model, **_model_kwargs(a), **_engine_kwargs(a))
     t0 = time.perf_counter()
-    n = llm.engine.warmup(max_prompt_len=a.max_prompt_len) if hasattr(llm.engine, "warmup") else 0
+    n = llm.engine.warmup(max_prompt_len=a.max_prompt_len)
     print(f"compiled {n} executables in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
 

@@ -145,7 +145,7 @@ def test_branches_keep_the_chain_that_accepted_most(tiny_llm, tiny_gguf, tmp_pat
     """Branch 1 of every block is the true continuation, branch 0 the (random) head's: every
     block must accept all it can, and the output stay plain decoding's. Wrong keys kept for a
     chosen branch, or the wrong branch's tokens, would change what follows."""
-    from jaxinfer.engine import paged
+    from jaxinfer.engine import drafting
 
     cfg = tiny_llm.cfg
     eagle.save_head(tmp_path / "h", _head(cfg), np.arange(cfg.vocab_size, dtype=np.int32)[:512], cfg)
@@ -156,18 +156,18 @@ def test_branches_keep_the_chain_that_accepted_most(tiny_llm, tiny_gguf, tmp_pat
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = ["a b c a b c", "hello world", "1 2 3"]
     want = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in tiny_llm.generate(prompts, sp, use_tqdm=False)}
-    orig = paged.PagedEngine._branch_drafts
+    orig = drafting.Drafter.branch_drafts
 
-    def truth(self, batch, rows):
-        out = orig(self, batch, rows)
-        for s in self.sched.slots:
+    def truth(self, R, k, rows):
+        out = orig(self, R, k, rows)
+        for s in self.eng.sched.slots:
             if s is not None and s.slot in rows:
                 n, ref = len(s.row.token_ids), want[tuple(s.row.prompt_ids)]
                 d = len(rows[s.slot])
                 out[s.slot, 0, :d] = (ref[n: n + d] + [0] * d)[:d]
         return out
 
-    monkeypatch.setattr(paged.PagedEngine, "_branch_drafts", truth)
+    monkeypatch.setattr(drafting.Drafter, "branch_drafts", truth)
     got = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)}
     assert got == want
     st = spec.engine.spec_stats
@@ -184,7 +184,7 @@ def test_int8_head_keeps_greedy_output(tiny_llm, tiny_gguf, tmp_path):
     spec = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_memory_bytes=64 << 20,
                speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "h"),
                                    "quantization": "int8"})
-    held = spec.engine._eagle
+    held = spec.engine.drafter.eagle
     assert isinstance(held["rows"], QuantArray) and isinstance(held["head"]["fc"], QuantArray)
     assert isinstance(held["head"]["layer"]["w_down"], QuantArray)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

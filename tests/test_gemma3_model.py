@@ -116,7 +116,7 @@ def test_ring_cache_keeps_only_the_window_and_matches_full_forward(chunk):
 
 
 def test_ring_cache_after_a_right_padded_prefill():
-    """The static engine's pattern: a fresh right-padded prefill longer than the window
+    """The dense ring cache: a fresh right-padded prefill longer than the window
     (read_cache=False, every row's T positions kept in a ring of W + T - 1), then each row
     decodes at its own position, past its padding."""
     cfg, T = BASE, 10
@@ -401,15 +401,15 @@ def test_gguf_loads_with_norms_shifted_back(tiny_gemma3):
     np.testing.assert_array_equal(np.asarray(w["layers"][1]["wq"]).reshape(32, -1), stored["blk.1.attn_q.weight"].T)
 
 
-@pytest.mark.parametrize("engine,quantize", [("paged", None), ("static", None), ("paged", "int8"), ("paged", "w8a8")])
-def test_llm_generate_past_the_window_equals_the_model(tiny_gemma3, engine, quantize):
+@pytest.mark.parametrize("quantize", [None, "int8", "w8a8"])
+def test_llm_generate_past_the_window_equals_the_model(tiny_gemma3, quantize):
     """LLM(path).generate, greedy, 30 tokens after prompts of 2 and 17 tokens (window 8),
     against a plain greedy loop over gemma3.forward with a dense cache (on the same, possibly
     quantized, weights)."""
     from jaxinfer import LLM, SamplingParams
 
     path, _ = tiny_gemma3
-    llm = LLM(str(path), max_model_len=64, progress=False, engine=engine, quantization=quantize)
+    llm = LLM(str(path), max_model_len=64, progress=False, quantization=quantize)
     prompts = ["Hi", "The history of the printing press is closely tied to the spread of literacy in"]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False)
     cfg, w = llm.cfg, llm.weights

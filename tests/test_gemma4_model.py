@@ -224,16 +224,6 @@ def test_shared_layers_have_no_cache_and_cost_no_kv_bytes(gemma4_path):
     assert dense.k[2] is None and dense.k[3] is None and dense.nbytes() == 2 * 64 * (local + glob)
 
 
-def test_static_engine_equals_transformers(gemma4_path):
-    """The static engine's dense cache: per-layer shapes, no buffers for the sharing layers,
-    rings of the window for the local ones."""
-    from jaxinfer import LLM
-
-    ref = ft.reference(gemma4_path, ft.PROMPTS[:2])
-    llm = LLM(str(gemma4_path), engine="static", max_model_len=128, progress=False, max_num_seqs=2)
-    ft.assert_matches(ft.generate(llm, ft.PROMPTS[:2]), ref, what="static engine")
-
-
 def test_ragged_kernel_path_equals_transformers(gemma4_path):
     """The TPU/GPU path (Pallas ragged paged attention, traced in interpret mode): per-layer
     head dims, and sharing layers reading their source's pages in the same step."""

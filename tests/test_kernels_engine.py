@@ -263,8 +263,7 @@ def test_packed_step_through_the_ragged_kernel_equals_reference(family, pool_dty
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_prefill_only_forward_through_flash_attention_equals_reference(family):
-    """A forward with no cache to read (every row a prompt from 0: the static engine's
-    prefill, perplexity, calibration) runs the flash-attention kernel per layer on TPU/GPU;
+    """A forward with no cache to read (every row a prompt from 0: perplexity, calibration) runs the flash-attention kernel per layer on TPU/GPU;
     in interpret mode it gives the logits of the pure-JAX attention."""
     if family == "llama":
         mod, cfg = llama, ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2,

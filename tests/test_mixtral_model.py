@@ -331,14 +331,6 @@ def test_w8a8_refuses_experts_before_reading(tiny):
         LLM(str(tiny), quantization="w8a8", max_model_len=128, progress=False, kv_cache_memory_bytes=16 << 20)
 
 
-def test_static_engine_equals_transformers(tiny, tiny_ref):
-    """The static engine (dense cache, length-sorted batches) runs the same block."""
-    from jaxinfer import LLM
-
-    llm = LLM(str(tiny), engine="static", max_model_len=128, progress=False, max_num_seqs=4)
-    ft.assert_matches(ft.generate(llm, prompt_logprobs=False), tiny_ref, what="static")
-
-
 _SHARDED_BLOCK = textwrap.dedent(r"""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding

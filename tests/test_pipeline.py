@@ -163,7 +163,6 @@ _BAD = textwrap.dedent("""
          "pipeline_parallel_size=4 does not match the mesh's stage axis of 2"),
         (dict(pipeline_parallel_size=2, tensor_parallel_size=2, mesh=make_mesh(stage=2, model=4)),
          "tensor_parallel_size=2 does not match the mesh's model axis of 4"),
-        (dict(pipeline_parallel_size=2, engine="static"), "need the paged engine"),
         (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
          "speculative decoding with pipeline_parallel_size > 1 is not supported"),
     ]

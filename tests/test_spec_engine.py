@@ -100,20 +100,20 @@ def test_gemma_goldens_with_an_eagle_head(gemma3_gguf, tmp_path, monkeypatch, br
               speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "h"),
                                   "disable_by_batch_size": 16, "branches": branches})
     if branches > 1:
-        from jaxinfer.engine import paged
+        from jaxinfer.engine import drafting
 
         want = {tuple(c["prompt_ids"]): c["greedy_ids"] for c in GEMMA}
-        orig = paged.PagedEngine._branch_drafts
+        orig = drafting.Drafter.branch_drafts
 
-        def truth(self, batch, rows):
-            out = orig(self, batch, rows)
-            for s in self.sched.slots:
+        def truth(self, R, k, rows):
+            out = orig(self, R, k, rows)
+            for s in self.eng.sched.slots:
                 if s is not None and s.slot in rows:
                     n, d = len(s.row.token_ids), len(rows[s.slot])
                     out[s.slot, 0, :d] = (want[tuple(s.row.prompt_ids)][n: n + d] + [0] * d)[:d]
             return out
 
-        monkeypatch.setattr(paged.PagedEngine, "_branch_drafts", truth)
+        monkeypatch.setattr(drafting.Drafter, "branch_drafts", truth)
     sp = SamplingParams(temperature=0.0, max_tokens=len(GEMMA[0]["greedy_ids"]), ignore_eos=True,
                         skip_special_tokens=False)
     outs = llm.generate([c["prompt_ids"] for c in GEMMA], sp, use_tqdm=False)
@@ -165,7 +165,7 @@ def test_chained_blocks_equal_host_built_ones(smollm2_gguf, smollm2_llm, monkeyp
     host-built blocks give: the same tokens, finish reasons and acceptance counts, with
     max_tokens and a stop string landing inside blocks, one request at a time and three at
     once; and plain decoding's tokens."""
-    from jaxinfer.engine import paged
+    from jaxinfer.engine import drafting
 
     llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=EAGLE, kv_cache_memory_bytes=KV_BYTES)
     prompts = [MIXED[0], MIXED[4], MIXED[2]]
@@ -175,11 +175,11 @@ def test_chained_blocks_equal_host_built_ones(smollm2_gguf, smollm2_llm, monkeyp
             for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
     assert want[1][1] == "stop"
     chained = []
-    orig = paged.PagedEngine._dispatch_chained
-    monkeypatch.setattr(paged.PagedEngine, "_dispatch_chained", lambda self, fl: chained.append(1) or orig(self, fl))
+    orig = drafting.Drafter.dispatch_chained
+    monkeypatch.setattr(drafting.Drafter, "dispatch_chained", lambda self, *a: chained.append(1) or orig(self, *a))
 
     def run(chain: bool):
-        monkeypatch.setattr(paged.PagedEngine, "_chains", lambda self: chain)
+        monkeypatch.setattr(drafting.Drafter, "chains", lambda self: chain)
         llm.engine.spec_stats.__init__(EAGLE["num_speculative_tokens"])
         outs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
         outs += llm.generate(prompts, params, use_tqdm=False)

@@ -79,7 +79,7 @@ class SpeculativeConfig:
         return min(max_num_seqs, self.disable_by_batch_size or max_num_seqs)
 
     @classmethod
-    def parse(cls, spec, n_layers: int | None = None) -> "SpeculativeConfig | None":
+    def parse(cls, spec, n_layers: int | None = None) -> SpeculativeConfig | None:
         """From a dict or a JSON string (or None / an existing config), validated."""
         if spec is None or isinstance(spec, SpeculativeConfig):
             out = spec
