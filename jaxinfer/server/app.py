@@ -233,7 +233,7 @@ class Server:
         except InvalidRequest as e:
             raise oai.RequestError(str(e), param=param) from None
         if not self.llm.engine.supports_guided_decoding:
-            raise oai.RequestError("structured output is not supported by this engine yet",
+            raise oai.RequestError("structured output is not supported with data_parallel_size > 1",
                                    code="unsupported_parameter", param=param)
 
         first = self._compiler.matcher(grammar)
