@@ -96,7 +96,8 @@ def _proposed_drafts(llm, monkeypatch):
     """Record each decoding row's drafts as the engine proposes them: [(tokens so far, drafts,
     the first drafts of its other branches)]."""
     seen = []
-    orig = type(llm.engine)._propose
+    drafter = type(llm.engine.drafter)
+    orig = drafter.propose
 
     def spy(self, decoding):
         out = orig(self, decoding)
@@ -105,9 +106,9 @@ def _proposed_drafts(llm, monkeypatch):
                 seen.append((list(s.tokens), list(d), [c[0] for c in s.branch_drafts]))
         return out
 
-    monkeypatch.setattr(type(llm.engine), "_propose", spy)
-    # chained blocks take their drafts on device, never through _propose: host-built ones only
-    monkeypatch.setattr(type(llm.engine), "_chains", lambda self: False)
+    monkeypatch.setattr(drafter, "propose", spy)
+    # chained blocks take their drafts on device, never through propose: host-built ones only
+    monkeypatch.setattr(drafter, "chains", lambda self: False)
     return seen
 
 
