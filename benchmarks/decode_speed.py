@@ -1,6 +1,6 @@
 """Single-sequence and batched decode speed of a real model through LLM.generate.
 
-    python benchmarks/decode_speed.py --model smollm2-135m-instruct --batch 1 8 32 64 --new 64 [--quantize w8a8]
+    python benchmarks/decode_speed.py --model smollm2-135m-instruct --batch 1 8 32 64 --new 64 [--quantization w8a8]
 
 For each batch size: one warm-up run (compiles), then --repeats timed runs; prints the median
 decode throughput (generated tokens after the first / decode wall time), the median TTFT and
@@ -44,11 +44,11 @@ def main():
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--quantize", default=None, help="a weight scheme (w8a8, int8, ...)")
+    ap.add_argument("--quantization", default=None, help="a weight scheme (w8a8, int8, ...)")
     a = ap.parse_args()
     from jaxinfer import LLM
 
-    llm = LLM(a.model, max_model_len=512, max_num_seqs=max(a.batch), progress=False, quantize=a.quantize)
+    llm = LLM(a.model, max_model_len=512, max_num_seqs=max(a.batch), progress=False, quantization=a.quantization)
     rows = []
     for b in a.batch:
         run(llm, b, a.new)  # warm-up: compile this batch's buckets

@@ -445,7 +445,7 @@ def engine(bw: float, out_dir: Path, budget_end: float):
     # No prefix caching: the timed run repeats the warm-up's prompts, and cache hits would give
     # it step shapes the warm-up never compiled (seen on the H100: a 50 s batch-64 run).
     llm = LLM(str(path), dtype="bfloat16", max_model_len=2048, max_num_seqs=64, progress=False,
-              kv_cache_bytes=4 << 30, enable_prefix_caching=False)
+              kv_cache_memory_bytes=4 << 30, enable_prefix_caching=False)
     res["load_s"] = time.perf_counter() - t
     nparams = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(llm.weights))
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.weights))

@@ -97,7 +97,7 @@ def measure(layouts: dict, paths: dict, a) -> dict:
     cases = {}
     for name, (model, kw) in layouts.items():
         llm = LLM(str(paths[model]), max_model_len=512, max_num_seqs=a.rows, progress=False,
-                  enable_prefix_caching=False, kv_cache_bytes=256 << 20, **kw)
+                  enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20, **kw)
         batch = decode_batch(llm.engine, a.rows, a.context, rng)
         step_times(llm.engine, batch, 2)  # compiles
         cases[name] = (llm, batch)

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         scheme, _, group = label.partition(":")
         scheme, group = (None if scheme == "float32" else scheme), (int(group) if group else None)
         rss = load_rss(a.model, scheme, group)
-        llm = LLM(a.model, quantize=scheme, quant_group=group, max_model_len=256, max_num_seqs=len(cases),
+        llm = LLM(a.model, quantization=scheme, quant_group=group, max_model_len=256, max_num_seqs=len(cases),
                   progress=False)
         t = time.perf_counter()
         ppl = perplexity(llm, text, window=a.window, stride=a.stride)

@@ -9,7 +9,7 @@ output tok/s, TTFT and TPOT p50, MFU, compilations, weight bytes and KV bytes pe
     python benchmarks/schemes.py [--schemes float32 int8 int4 w8a8 w8a8+kv8] [--rounds 1] \\
         [--json benchmarks/schemes.json]
 
-A scheme is ``float32``, a ``--quantize`` value, or either with ``+kv8`` (int8 KV cache).
+A scheme is ``float32``, a ``--quantization`` value, or either with ``+kv8`` (int8 KV cache).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _split(scheme: str) -> tuple[str | None, str]:
     base, _, kv = scheme.partition("+")
     if kv not in ("", "kv8"):
-        raise SystemExit(f"unknown scheme {scheme!r}: a quantize value or float32, optionally +kv8")
+        raise SystemExit(f"unknown scheme {scheme!r}: a quantization value or float32, optionally +kv8")
     return (None if base == "float32" else base), ("int8" if kv else "auto")
 
 
@@ -40,7 +40,7 @@ def run_one(model: str, scheme: str, bench_args: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "bench.json"
         cmd = [sys.executable, "-m", "jaxinfer", "bench", "--model", model, "--json", str(out),
-               "--kv-cache-dtype", kv, *bench_args] + (["--quantize", q] if q else [])
+               "--kv-cache-dtype", kv, *bench_args] + (["--quantization", q] if q else [])
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
 

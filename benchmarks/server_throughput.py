@@ -77,7 +77,7 @@ def main():
         os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")] if p))
     server = subprocess.Popen([sys.executable, "-m", "jaxinfer", "serve", a.model, "--port", str(port),
                                "--max-num-seqs", str(a.clients), "--max-model-len", str(a.max_model_len),
-                               "--no-prefix-caching", "--max-waiting", str(4 * a.clients)], env=env)
+                               "--no-enable-prefix-caching", "--max-waiting", str(4 * a.clients)], env=env)
     try:
         llm = LLM(a.model, max_model_len=a.max_model_len, max_num_seqs=a.clients, enable_prefix_caching=False,
                   progress=False)

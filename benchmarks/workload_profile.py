@@ -3,8 +3,8 @@
 step is made synchronous, so host work and device work no longer overlap; the total is a
 little above the pipelined run's) and grouped by kind and shape.
 
-    python benchmarks/workload_profile.py --page-size 16
-    python benchmarks/workload_profile.py --quantize w8a8 --kv-cache-dtype int8
+    python benchmarks/workload_profile.py --block-size 16
+    python benchmarks/workload_profile.py --quantization w8a8 --kv-cache-dtype int8
 
 For each group: steps, seconds, real decode rows against computed rows (the row bucket), real
 prefill tokens against the prefill bucket, and the page-table width.
@@ -30,15 +30,15 @@ from jaxinfer import LLM, SamplingParams  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--quantize")
+    ap.add_argument("--quantization")
     ap.add_argument("--kv-cache-dtype")
     a = ap.parse_args()
     _, reqs, _ = _workload(a.model)
-    opts = {k: v for k, v in (("quantize", a.quantize), ("kv_cache_dtype", a.kv_cache_dtype)) if v}
+    opts = {k: v for k, v in (("quantization", a.quantization), ("kv_cache_dtype", a.kv_cache_dtype)) if v}
     llm = LLM(a.model, max_model_len=1024, max_num_seqs=a.max_num_seqs, progress=False,
-              enable_prefix_caching=False, page_size=a.page_size, **opts)
+              enable_prefix_caching=False, block_size=a.block_size, **opts)
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     llm.generate(prompts, sps, use_tqdm=False)  # compile every shape
@@ -61,7 +61,7 @@ def main():
     wall = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in res)
     in_steps = sum(x[-1] for x in log)
-    print(f"{a.model} page {a.page_size} {opts or 'float32'}: {n_out} tokens in {wall:.1f} s "
+    print(f"{a.model} page {a.block_size} {opts or 'float32'}: {n_out} tokens in {wall:.1f} s "
           f"({n_out / wall:.1f} tok/s), {len(log)} steps, {in_steps:.1f} s inside steps, "
           f"{wall - in_steps:.1f} s outside")
     groups = collections.defaultdict(list)

@@ -72,13 +72,13 @@ def run_bench(llm, spec: WorkloadSpec, *, warmup: bool = True, ttft_slo: float |
     reqs = make_workload(spec, llm.tokenizer)
     eng = llm.engine
     compiled_warmup = 0
-    if warmup and hasattr(eng, "warmup"):
+    if warmup:
         compiled_warmup = eng.warmup(max_prompt_len=max(len(r.prompt_ids) for r in reqs),
                                      max_len=max(len(r.prompt_ids) + r.max_tokens for r in reqs))
-    before = eng.num_compilations() if hasattr(eng, "num_compilations") else 0
+    before = eng.num_compilations()
     prompts = [{"prompt_token_ids": r.prompt_ids} for r in reqs]
     sps = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
-    stats = getattr(eng, "spec_stats", None)
+    stats = eng.spec_stats
     if stats is not None:
         stats.__init__(stats.k)  # count the timed run only
     t0 = time.perf_counter()
@@ -89,9 +89,9 @@ def run_bench(llm, spec: WorkloadSpec, *, warmup: bool = True, ttft_slo: float |
                                      len(o.outputs[0].token_ids)) for o in outs]
     cfg = llm.cfg
     weights_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.weights))
-    kv_tok = cfg.kv_bytes_per_token(getattr(eng, "kv_dtype", None))  # as the engine stores it (int8 KV)
+    kv_tok = cfg.kv_bytes_per_token(eng.kv_dtype)  # as the engine stores it (int8 KV)
     # decode steps read the weights once and each running sequence's context
-    steps = getattr(eng, "stats", {}).get("decode_steps") or max(t.output_tokens for t in timings)
+    steps = eng.stats.get("decode_steps") or max(t.output_tokens for t in timings)
     kv_read = sum(kv_tok * (t.prompt_tokens * t.output_tokens + t.output_tokens * (t.output_tokens - 1) / 2)
                   for t in timings)
     mean_ctx = sum(t.prompt_tokens + t.output_tokens / 2 for t in timings) / len(timings)
@@ -100,10 +100,10 @@ def run_bench(llm, spec: WorkloadSpec, *, warmup: bool = True, ttft_slo: float |
     out = metrics.summarize(timings, wall, ttft_slo=ttft_slo, tpot_slo=tpot_slo, model_flops_per_token=fpt,
                             decode_bytes=steps * weights_bytes + kv_read, peaks=peaks)
     out["model_flops_per_token"] = fpt
-    after = eng.num_compilations() if hasattr(eng, "num_compilations") else 0
+    after = eng.num_compilations()
     out["compilations"] = {"warmup": compiled_warmup, "during_run": after - before, "total": after}
     out["weights_bytes"], out["kv_bytes_per_token"] = int(weights_bytes), kv_tok
-    out["engine"] = dict(getattr(eng, "stats", {}))
+    out["engine"] = dict(eng.stats)
     if stats is not None:
         out["speculative"] = stats.summary()
     out["workload"] = dataclasses.asdict(spec)
@@ -112,12 +112,12 @@ def run_bench(llm, spec: WorkloadSpec, *, warmup: bool = True, ttft_slo: float |
 
 
 def format_summary(s: dict) -> str:
-    lines = [f"requests {s['requests']}  wall {s['wall_s']:.2f} s  input {s['input_tok_s']:.1f} tok/s  "
-             f"output {s['output_tok_s']:.1f} tok/s  goodput {s['goodput_output_tok_s']:.1f} tok/s "
-             f"({s['slo']['met']}/{s['requests']} met SLO)"]
+    lines = [(f"requests {s['requests']}  wall {s['wall_s']:.2f} s  input {s['input_tok_s']:.1f} tok/s  "
+              f"output {s['output_tok_s']:.1f} tok/s  goodput {s['goodput_output_tok_s']:.1f} tok/s "
+              f"({s['slo']['met']}/{s['requests']} met SLO)")]
     for k in ("queue_s", "ttft_s", "tpot_s", "itl_s", "e2e_s"):
         v = s[k]
-        fmt = lambda x: "   n/a" if x is None else f"{x * 1e3:8.1f}"  # noqa: E731
+        fmt = lambda x: "   n/a" if x is None else f"{x * 1e3:8.1f}"
         lines.append(f"  {k[:-2]:<6} ms  p50 {fmt(v['p50'])}  p90 {fmt(v['p90'])}  p99 {fmt(v['p99'])}")
     if "mfu" in s:
         lines.append(f"  MFU {100 * s['mfu']:.1f}%  MBU {100 * s.get('mbu', 0):.1f}%  "

@@ -40,7 +40,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 
 def _add_quantize(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantize", default=None, choices=["int8", "int4", "w8a8"],
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "w8a8"],
                    help="quantize the matmul weights while loading: int8 / int4 weight-only, or w8a8 "
                         "(int8 weights and activations, SmoothQuant-calibrated)")
     p.add_argument("--quant-group", type=int, default=None,
@@ -49,17 +49,24 @@ def _add_quantize(p: argparse.ArgumentParser) -> None:
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="decode slots")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per scheduler step")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--scheduling", choices=["fcfs", "spf"], default="fcfs")
-    p.add_argument("--engine", choices=["paged", "static"], default="paged")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache page")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV cache pages")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of an accelerator's memory for the weights and KV cache (no effect on CPU, "
+                        "where the KV cache gets 2 GiB unless --kv-cache-memory-bytes says otherwise)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="exact KV cache size in bytes (overrides --gpu-memory-utilization)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prompt tokens per scheduler step")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV pages of shared prompt prefixes (default: on)")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "spf"], default="fcfs",
+                   help="admission order: first come first served, or shortest prompt first")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(methods: ngram with prompt_lookup_min/max, early_exit with num_layers, medusa or eagle with "
                         "model, draft_model with model and optional quantization int8/int4; "
-                        "disable_by_batch_size, default 4)")
+                        "disable_by_batch_size: above this many running rows, steps run without speculation; "
+                        "default never)")
     _add_parallel(p)
 
 
@@ -76,21 +83,22 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
 
 
 def _model_kwargs(a) -> dict:
-    return dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=a.max_model_len,
-                revision=a.revision, download_dir=a.download_dir)
+    return {"dtype": a.dtype, "kv_cache_dtype": a.kv_cache_dtype, "max_model_len": a.max_model_len,
+                "revision": a.revision, "download_dir": a.download_dir}
 
 
 def _engine_kwargs(a) -> dict:
-    return dict(quantize=a.quantize, quant_group=a.quant_group,
-                max_num_seqs=a.max_num_seqs, page_size=a.page_size, num_pages=a.num_pages,
-                prefill_chunk=a.prefill_chunk, enable_prefix_caching=not a.no_prefix_caching,
-                scheduling=a.scheduling, engine=a.engine, speculative_config=a.speculative_config,
+    return dict(quantization=a.quantization, quant_group=a.quant_group,
+                max_num_seqs=a.max_num_seqs, block_size=a.block_size, num_gpu_blocks_override=a.num_gpu_blocks_override,
+                gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+                max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.enable_prefix_caching,
+                scheduling_policy=a.scheduling_policy, speculative_config=a.speculative_config,
                 **_parallel_kwargs(a))
 
 
 def _parallel_kwargs(a) -> dict:
-    return dict(tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
-                data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel)
+    return {"tensor_parallel_size": a.tensor_parallel_size, "pipeline_parallel_size": a.pipeline_parallel_size,
+                "data_parallel_size": a.data_parallel_size, "enable_expert_parallel": a.enable_expert_parallel}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -240,10 +248,10 @@ def cmd_generate(a) -> int:
     sp = _sampling(a)  # invalid values fail before the model loads
     # one prompt: as many decode slots as it has choices, so the page pool is sized for those
     # sequences rather than the default 64 (allocating that pool was a quarter of start-up)
-    llm = LLM(a.model, **_model_kwargs(a), progress=not a.json, quantize=a.quantize, quant_group=a.quant_group,
+    llm = LLM(a.model, **_model_kwargs(a), progress=not a.json, quantization=a.quantization, quant_group=a.quant_group,
               max_num_seqs=max(sp.n, 1), speculative_config=a.speculative_config, **_parallel_kwargs(a))
     t0 = time.perf_counter()
-    if not a.json and not a.no_stream and hasattr(llm.engine, "step"):
+    if not a.json and not a.no_stream:
         prompt = [{"role": "user", "content": a.chat}] if a.chat is not None else a.prompt
         for piece in llm.stream(prompt, sp, chat=a.chat is not None):
             print(piece, end="", flush=True)
@@ -277,7 +285,7 @@ def cmd_chat(a) -> int:
     from jaxinfer.errors import JaxinferError
 
     sp = _sampling(a)
-    llm = LLM(a.model, **_model_kwargs(a), progress=False, quantize=a.quantize, quant_group=a.quant_group,
+    llm = LLM(a.model, **_model_kwargs(a), progress=False, quantization=a.quantization, quant_group=a.quant_group,
               max_num_seqs=max(sp.n, 1))
     conv = [{"role": "system", "content": a.system}] if a.system else []
     tty = sys.stdin.isatty()
@@ -366,7 +374,7 @@ def cmd_warmup(a) -> int:
 
     llm = LLM(a.model, **_model_kwargs(a), **_engine_kwargs(a))
     t0 = time.perf_counter()
-    n = llm.engine.warmup(max_prompt_len=a.max_prompt_len) if hasattr(llm.engine, "warmup") else 0
+    n = llm.engine.warmup(max_prompt_len=a.max_prompt_len)
     print(f"compiled {n} executables in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
 
@@ -431,7 +439,7 @@ def cmd_fetch(a) -> int:
 def cmd_convert(a) -> int:
     from jaxinfer.loaders.convert import convert
 
-    print(convert(a.src, a.dest, dtype=a.dtype, quantize=a.quantize, quant_group=a.quant_group))
+    print(convert(a.src, a.dest, dtype=a.dtype, quantize=a.quantization, quant_group=a.quant_group))
     return 0
 
 

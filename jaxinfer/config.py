@@ -295,7 +295,7 @@ class ModelConfig:
         """KV bytes one sequence of ``seq_len`` tokens needs when every layer keeps only the
         positions it can still attend to (``windowed``: LOCAL layers the last W), or every
         position (a dense cache). The paged engine's windowed pool holds this plus page
-        rounding: up to two pages per LOCAL layer (see engine.paged.window_pool_pages)."""
+        rounding: up to two pages per LOCAL layer (see engine.scheduler.window_pool_pages)."""
         total = 0
         for i in range(self.n_layers):
             w = self.layer_window(i) if windowed else None

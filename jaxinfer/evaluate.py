@@ -2,7 +2,7 @@
 
     from jaxinfer import LLM
     from jaxinfer.evaluate import perplexity
-    r = perplexity(LLM(quantize="int8"), open("benchmarks/data/english.txt").read())
+    r = perplexity(LLM(quantization="int8"), open("benchmarks/data/english.txt").read())
     print(r.perplexity, r.tokens)
 
 The text is tokenized once (with BOS when the tokenizer adds one) and scored in windows of

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import inspect
 import threading
 
 import jax
@@ -83,23 +82,6 @@ def traced_with(mode: KernelMode):
         yield
     finally:
         _state.mode = old
-
-
-def keyed(fn):
-    """fn with a keyword ``kernel_mode`` that its body is traced under. Jit the result with
-    ``kernel_mode`` static and call it with ``current_mode()``: the mode is then part of the
-    executable's cache key."""
-    def wrapped(*args, kernel_mode: KernelMode, **kwargs):
-        with traced_with(kernel_mode):
-            return fn(*args, **kwargs)
-    # jit resolves static and donated argnames against this signature: fn's own, plus kernel_mode
-    sig = inspect.signature(fn)
-    mode = inspect.Parameter("kernel_mode", inspect.Parameter.KEYWORD_ONLY, annotation=KernelMode)
-    params = list(sig.parameters.values())
-    cut = next((i for i, p in enumerate(params) if p.kind == inspect.Parameter.VAR_KEYWORD), len(params))
-    wrapped.__signature__ = sig.replace(parameters=params[:cut] + [mode] + params[cut:])
-    wrapped.__name__, wrapped.__qualname__, wrapped.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
-    return wrapped
 
 
 def current_mode() -> KernelMode:
@@ -198,6 +180,6 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, q_start, q_len, kv_l
 def prefill_attention(q, k, v, q_start, *, scale, window, softcap):
     """Causal attention of prompts that start from 0 over their own new keys (q [B, T, N, H],
     k, v [B, T, K, H]; q_start i32[B], 0 by that contract) -> [B, T, N, H]: the flash kernel,
-    for the prefill-only steps (static engine's prefill, perplexity, calibration)."""
+    for the prefill-only steps (perplexity, calibration)."""
     return fa.flash_attention(q, k, v, q_start, None, scale=scale, causal=True, window=window, softcap=softcap,
                               interpret=_interpret())

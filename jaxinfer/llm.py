@@ -11,16 +11,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from jaxinfer import quant, registry
 from jaxinfer.cache import KV_CACHE_DTYPES
 from jaxinfer.config import default_dtype
-from jaxinfer.engine.paged import EngineConfig, PagedEngine, Scheduling, start_pools
+from jaxinfer.engine.config import EngineConfig, Scheduling, start_pools
+from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.rows import Row
 from jaxinfer.engine.speculative import SpecMethod, SpeculativeConfig
-from jaxinfer.engine.static import StaticEngine
 from jaxinfer.errors import CheckpointError, InvalidRequest
 from jaxinfer.loaders import checkpoint
 from jaxinfer.models.registry import family_module
@@ -45,14 +45,17 @@ class LLM:
     the file's ``eos_token_id`` (an id or a list) ends generation, as in vLLM.
     dtype: None picks float32 on CPU and bfloat16 on TPU/GPU.
     max_model_len: the longest prompt + output allowed (default: the checkpoint's context).
-    engine: "paged" (continuous batching over a paged KV cache, the default) or "static"
-    (length-sorted static batches over a dense cache). quantize: "int8" (weight-only, one
+    quantization: "int8" (weight-only, one
     scale per output channel), "int4" (weight-only, groups of quant_group contracted rows;
     default the largest of 128/64/32 dividing each weight) or "w8a8" (int8 weights and
     per-token int8 activations, SmoothQuant-calibrated), applied weight by weight while
     loading (see ``jaxinfer.loaders.quantize``); None keeps the checkpoint's weights (a
-    quantized Orbax checkpoint stays quantized). The remaining options tune the paged engine
-    (see ``jaxinfer.engine.paged.EngineConfig``); windowed_kv=False makes sliding-window
+    quantized Orbax checkpoint stays quantized). The remaining options tune the engine
+    (see ``jaxinfer.engine.config.EngineConfig``, under vLLM's names: block_size,
+    max_num_batched_tokens, enable_prefix_caching, scheduling_policy "fcfs" or "spf" (shortest
+    prompt first), and the KV budget: num_gpu_blocks_override pages, else kv_cache_memory_bytes,
+    else gpu_memory_utilization of an accelerator's memory, or 2 GiB on CPU);
+    windowed_kv=False makes sliding-window
     layers keep every position (their window pages are freed by default). kv_cache_dtype:
     "auto" (the model's dtype), a float type, or "int8" (int8 keys and values with a float32
     scale per token and head; about 3.8x smaller than float32 at head_dim 64).
@@ -64,10 +67,11 @@ class LLM:
 
     def __init__(self, model: str = registry.DEFAULT_MODEL, *, dtype: str | None = None,
                  max_model_len: int | None = None, seed: int = 0, max_num_seqs: int = 64,
-                 progress: bool = True, engine: str = "paged", page_size: int = 16,
-                 num_pages: int | None = None, kv_cache_bytes: int = 2 << 30,
-                 prefill_chunk: int = 512, enable_prefix_caching: bool = True,
-                 scheduling: str = "fcfs", windowed_kv: bool = True, quantize: str | None = None,
+                 progress: bool = True, block_size: int = 16,
+                 num_gpu_blocks_override: int | None = None, gpu_memory_utilization: float = 0.9,
+                 kv_cache_memory_bytes: int | None = None, max_num_batched_tokens: int = 512,
+                 enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs", windowed_kv: bool = True,
+                 quantization: str | None = None,
                  quant_group: int | None = None, kv_cache_dtype: str = "auto",
                  speculative_config: dict | str | None = None, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None,
@@ -84,29 +88,28 @@ class LLM:
             raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         if generation_config not in ("auto", "vllm"):
             raise InvalidRequest(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
-        qcfg = quant.quant_config(quantize, quant_group)  # bad options fail before the download
+        qcfg = _quant_config(quantization, quant_group)  # bad options fail before the download
         spec = SpeculativeConfig.parse(speculative_config)  # likewise (layer count checked once loaded)
         mesh = _parallel_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, mesh)
-        if mesh is not None and engine != "paged":
-            raise InvalidRequest(f"tensor, pipeline and data parallelism need the paged engine, not {engine!r}")
         if mesh is not None and mesh.shape["data"] > 1 and spec is not None:
             raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")
-        if spec is not None and engine != "paged":
-            raise InvalidRequest(f"speculative decoding needs the paged engine, not {engine!r}")
-        if engine == "paged":
-            try:
-                sched = Scheduling(scheduling)
-            except ValueError:
-                raise InvalidRequest(f"scheduling must be 'fcfs' or 'spf', got {scheduling!r}") from None
-            ecfg = EngineConfig(max_num_seqs=max_num_seqs, page_size=page_size, num_pages=num_pages,
-                                kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk,
-                                prefix_caching=enable_prefix_caching, scheduling=sched, windowed_kv=windowed_kv,
+        try:
+            sched = Scheduling(scheduling_policy)
+        except ValueError:
+            raise InvalidRequest(f"scheduling_policy must be 'fcfs' or 'spf', got {scheduling_policy!r}") from None
+        ecfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size,
+                                num_gpu_blocks_override=num_gpu_blocks_override,
+                                gpu_memory_utilization=gpu_memory_utilization,
+                                kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_batched_tokens=max_num_batched_tokens,
+                                enable_prefix_caching=enable_prefix_caching, scheduling_policy=sched,
+                                windowed_kv=windowed_kv,
                                 kv_cache_dtype=kv_cache_dtype)
         pools = None
 
         def on_config(cfg):  # one device: fill the page pools while the weights are read
             nonlocal pools
-            if engine == "paged" and mesh is None and 1 < (max_model_len or cfg.max_position) <= cfg.max_position:
+            if (mesh is None and ecfg.budget_is_static()
+                    and 1 < (max_model_len or cfg.max_position) <= cfg.max_position):
                 pools = start_pools(cfg, ecfg, max_model_len or cfg.max_position)
 
         self.model_path = registry.resolve(model, revision=revision, download_dir=download_dir, progress=progress,
@@ -115,7 +118,12 @@ class LLM:
         self._sampling_defaults = generation_defaults(self.model_path) if generation_config == "auto" else {}
         shardings_fn = None
         if mesh is not None:
-            from jaxinfer.sharding import pipeline_weight_shardings, rules_for, stage_bounds, tensor_parallel_plan
+            from jaxinfer.sharding import (
+                pipeline_weight_shardings,
+                rules_for,
+                stage_bounds,
+                tensor_parallel_plan,
+            )
 
             def shardings_fn(specs, cfg):  # each device receives only its shard while loading
                 # bad sizes fail before any tensor is read
@@ -153,24 +161,13 @@ class LLM:
         self.progress = progress
         self._grammar_compiler = None  # guided.GrammarCompiler, made on the first structured-output request
         self._grammars: dict[str, str] = {}  # repr(GuidedDecoding) -> compiled grammar
-        if engine == "static":
-            self.engine = StaticEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
-                                       max_num_seqs=max_num_seqs, seed=seed, kv_cache_dtype=kv_cache_dtype)
-        elif engine == "paged":
-            if mesh is not None and mesh.shape["data"] > 1:  # max_num_seqs and the KV budget per replica
-                from jaxinfer.engine.data_parallel import DataParallelEngine
-
-                self.engine = DataParallelEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
-                                                 config=ecfg, seed=seed, mesh=mesh)
-            else:
-                self.engine = PagedEngine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len,
-                                          config=ecfg, seed=seed, speculative=spec, mesh=mesh,
-                                          draft=self._load_draft(spec, dtype, progress, download_dir), pools=pools)
-            if getattr(self.engine, "pipeline", None) is not None:  # the weights now live stacked by stage
-                self.weights = self.engine.weights
-                self.parallel = dict(self.parallel, **self.engine.pipeline.report())
-        else:
-            raise InvalidRequest(f"engine must be 'paged' or 'static', got {engine!r}")
+        # with data parallelism, max_num_seqs and the KV budget are each replica's
+        self.engine = Engine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len, config=ecfg,
+                             seed=seed, speculative=spec, mesh=mesh,
+                             draft=self._load_draft(spec, dtype, progress, download_dir), pools=pools)
+        if self.engine.pipeline is not None:  # the weights now live stacked by stage
+            self.weights = self.engine.weights
+            self.parallel = dict(self.parallel, **self.engine.pipeline.report())
         self._request_counter = 0
 
     @staticmethod
@@ -278,8 +275,6 @@ class LLM:
         ``beam.BeamSearchOutput`` per prompt, its best beams first. See ``jaxinfer.beam``."""
         from jaxinfer.beam import beam_search
 
-        if not hasattr(self.engine, "step"):
-            raise InvalidRequest("beam_search needs the paged engine")
         encoded = [self.encode_prompt(p, i)[1] for i, p in enumerate(_normalize_prompts(prompts))]
         return beam_search(self, encoded, params)
 
@@ -298,8 +293,6 @@ class LLM:
             if len(items) != 1:
                 raise InvalidRequest(f"stream takes one prompt, got {len(items)}")
             text, toks = self.encode_prompt(items[0], 0)
-        if not hasattr(self.engine, "step"):
-            raise InvalidRequest("stream needs the paged engine")
         self.check_guided([sp])
         req = self.new_request("0", text, toks, sp, time.perf_counter())
         (row,) = req.rows
@@ -323,7 +316,7 @@ class LLM:
                 while self.engine.has_unfinished():
                     self.engine.step()
             raise
-        self.last_stream_output = self._output(req)
+        self.last_stream_output = req.output()
 
     def generate_stream(self, requests, *, window: int | None = None, on_sequence_done=None):
         """Yield a RequestOutput as soon as each request finishes (completion order).
@@ -348,13 +341,14 @@ class LLM:
             req = row.owner
             req.remaining -= 1
             if req.remaining == 0:
-                yield self._output(req)
+                yield req.output()
 
     def new_request(self, rid: str, text: str | None, toks: list[int], p: SamplingParams,
-                    arrival: float) -> "_Pending":
+                    arrival: float) -> Request:
         """A request's rows (one per sample, each with its own seed), ready for the engine; each
-        row's ``owner`` is the returned handle, which ``_output`` turns into a RequestOutput."""
-        req = _Pending(rid, text, toks, p, arrival, remaining=p.n)
+        row's ``owner`` is the returned Request, whose ``output()`` is its RequestOutput once
+        every row finished."""
+        req = Request(rid, text, toks, p, arrival, remaining=p.n)
         index = self._request_counter
         self._request_counter += 1
         for j in range(p.n):
@@ -377,8 +371,8 @@ class LLM:
         """A GuidedDecoding's grammar compiled against this model's vocabulary (cached)."""
         from jaxinfer.guided import GrammarCompiler
 
-        if not getattr(self.engine, "supports_guided_decoding", False):
-            raise InvalidRequest("structured output (guided_decoding) needs the paged engine")
+        if not self.engine.supports_guided_decoding:
+            raise InvalidRequest("structured output (guided_decoding) is not supported with data_parallel_size > 1")
         key = repr(spec)
         if key not in self._grammars:
             if self._grammar_compiler is None:
@@ -401,35 +395,12 @@ class LLM:
                    detok=self.tokenizer.detokenizer(skip_special_tokens=sp.skip_special_tokens),
                    max_new=sp.max_tokens, logprobs=[] if sp.logprobs is not None else None)
 
-    def _output(self, req: "_Pending") -> RequestOutput:
-        rows = req.rows
-        plp = rows[0].prompt_logprobs  # filled while the prompt was computed (None unless asked)
-        comps = [
-            CompletionOutput(
-                index=j, text=r.checker.output_text, token_ids=list(r.token_ids),
-                cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
-                logprobs=r.logprobs, finish_reason=r.checker.finish_reason, stop_reason=r.checker.stop_reason,
-            )
-            for j, r in enumerate(rows)
-        ]
-        metrics = RequestMetrics(
-            arrival_time=req.arrival, first_scheduled_time=min(r.scheduled_time for r in rows),
-            first_token_time=min(r.first_token_time for r in rows),
-            last_token_time=max(r.last_token_time for r in rows),
-            finished_time=max(r.finished_time for r in rows),
-            num_generated_tokens=sum(len(r.token_ids) for r in rows),
-            token_times=tuple(rows[0].token_times),
-            spec_drafted_tokens=sum(r.spec_drafted for r in rows),
-            spec_accepted_tokens=sum(r.spec_accepted for r in rows),
-        )
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, plp, comps, True, metrics)
-
     # ------------------------------------------------------------------ reports
     def memory_report(self, seq_len: int | None = None) -> dict:
         """Weights and KV cache bytes. KV bytes per token come split by layer kind: GLOBAL
         layers keep every position; LOCAL (sliding-window) layers add bytes per token only
-        until their window is full when the cache keeps just the window (the paged engine's
-        ``windowed_kv``, the static engine's rings). ``kv_bytes_seq`` is what one sequence
+        until their window is full when the cache keeps just the window (the engine's
+        ``windowed_kv``). ``kv_bytes_seq`` is what one sequence
         of ``seq_len`` tokens (default max_model_len) needs that way, ``kv_bytes_seq_dense``
         with every position of every layer kept."""
         import jax
@@ -437,14 +408,14 @@ class LLM:
         from jaxinfer.config import AttentionKind
 
         cfg, n, kvd = self.cfg, seq_len or self.max_model_len, self.engine.kv_dtype
-        windowed = getattr(self.engine, "window", True) is not None
+        windowed = self.engine.window is not None
         weights = sum(x.nbytes for x in jax.tree.leaves(self.weights))
         scheme = quant.model_scheme(self.weights)
         qas = [x for x in jax.tree.leaves(self.weights, is_leaf=lambda x: isinstance(x, quant.QuantArray))
                if isinstance(x, quant.QuantArray)]
         return {
             "weights_bytes": int(weights),
-            "quantize": scheme.value if scheme is not None else None,
+            "quantization": scheme.value if scheme is not None else None,
             # int4: the group sizes used (the largest of 128/64/32 dividing each weight)
             "quant_groups": sorted({q.group for q in qas if q.scheme == quant.QuantScheme.INT4}),
             "kv_cache_bytes": int(self.engine.last_cache_bytes),
@@ -470,7 +441,7 @@ class LLM:
 
 
 @dataclasses.dataclass(eq=False)
-class _Pending:
+class Request:
     """A request in flight: its rows (one per sample) and how many are still running."""
 
     request_id: str
@@ -480,6 +451,30 @@ class _Pending:
     arrival: float
     rows: list = dataclasses.field(default_factory=list)
     remaining: int = 0
+
+    def output(self) -> RequestOutput:
+        """The RequestOutput of this request (every row finished)."""
+        rows = self.rows
+        plp = rows[0].prompt_logprobs  # filled while the prompt was computed (None unless asked)
+        comps = [
+            CompletionOutput(
+                index=j, text=r.checker.output_text, token_ids=list(r.token_ids),
+                cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
+                logprobs=r.logprobs, finish_reason=r.checker.finish_reason, stop_reason=r.checker.stop_reason,
+            )
+            for j, r in enumerate(rows)
+        ]
+        metrics = RequestMetrics(
+            arrival_time=self.arrival, first_scheduled_time=min(r.scheduled_time for r in rows),
+            first_token_time=min(r.first_token_time for r in rows),
+            last_token_time=max(r.last_token_time for r in rows),
+            finished_time=max(r.finished_time for r in rows),
+            num_generated_tokens=sum(len(r.token_ids) for r in rows),
+            token_times=tuple(rows[0].token_times),
+            spec_drafted_tokens=sum(r.spec_drafted for r in rows),
+            spec_accepted_tokens=sum(r.spec_accepted for r in rows),
+        )
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, plp, comps, True, metrics)
 
 
 def spans_processes(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
@@ -584,6 +579,17 @@ def _enable_compilation_cache() -> None:
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(registry.home() / "xla-cache"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
+
+def _quant_config(quantization, group):
+    """``quantization=`` / ``quant_group=`` checked under their names -> QuantConfig or None."""
+    schemes = tuple(s.value for s in quant.QuantScheme)
+    if quantization is not None and quantization not in schemes:
+        raise InvalidRequest(f"quantization={quantization!r} is not a quantization scheme; use one of "
+                             f"{', '.join(map(repr, schemes))}")
+    if group is not None and quantization != "int4":
+        raise InvalidRequest(f"quant_group={group} applies to quantization='int4' only, not {quantization!r}")
+    return quant.quant_config(quantization, group)
 
 
 def _sample_params(p: SamplingParams, j: int, request_seed: int) -> SamplingParams:

@@ -116,7 +116,7 @@ def smollm2_llm(smollm2_gguf):
     workers with 2 GB pools each, besides the tests' own engines, crowded 24 GB (OOM kill)."""
     from jaxinfer import LLM
 
-    return LLM(str(smollm2_gguf), max_model_len=1024, progress=False, kv_cache_bytes=512 << 20)
+    return LLM(str(smollm2_gguf), max_model_len=1024, progress=False, kv_cache_memory_bytes=512 << 20)
 
 
 @pytest.fixture(scope="session")
@@ -126,7 +126,7 @@ def gemma3_llm(gemma3_gguf):
     default 2 GB, held by a worker to the end of the session, helped crowd 24 GB."""
     from jaxinfer import LLM
 
-    return LLM(str(gemma3_gguf), max_model_len=1024, progress=False, kv_cache_bytes=512 << 20, max_num_seqs=16)
+    return LLM(str(gemma3_gguf), max_model_len=1024, progress=False, kv_cache_memory_bytes=512 << 20, max_num_seqs=16)
 
 
 @pytest.fixture(scope="session")
@@ -143,4 +143,4 @@ def tiny_gguf(tmp_path_factory, smollm2_gguf):
 def tiny_llm(tiny_gguf):
     from jaxinfer import LLM
 
-    return LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_bytes=64 << 20)  # 131,072 tokens
+    return LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_memory_bytes=64 << 20)  # 131,072 tokens

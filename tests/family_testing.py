@@ -145,7 +145,7 @@ import json, sys
 from tests.family_testing import generate
 from jaxinfer import LLM
 llm = LLM(sys.argv[1], tensor_parallel_size=int(sys.argv[2]), max_model_len=128, progress=False,
-          kv_cache_bytes=16 << 20, max_num_seqs=4, **json.loads(sys.argv[3]))
+          kv_cache_memory_bytes=16 << 20, max_num_seqs=4, **json.loads(sys.argv[3]))
 print("RESULT " + json.dumps(generate(llm)))
 """
 
@@ -170,7 +170,7 @@ def check_family(path: Path, *, tp: bool = True, int8_kv: bool = True, ngram: bo
     from jaxinfer import LLM
 
     ref = reference(path) if ref is None else ref
-    kw = dict(max_model_len=128, progress=False, kv_cache_bytes=16 << 20, max_num_seqs=4) | llm_kw
+    kw = dict(max_model_len=128, progress=False, kv_cache_memory_bytes=16 << 20, max_num_seqs=4) | llm_kw
     llm = LLM(str(path), **kw)
     assert_matches(generate(llm), ref, what="paged")
     generate(llm, PROMPTS[:1], prompt_logprobs=False)

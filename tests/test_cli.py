@@ -248,3 +248,57 @@ def test_chat_keeps_the_conversation(capsys, monkeypatch, tiny):
     conv += [{"role": "assistant", "content": first}, {"role": "user", "content": "Tell me more"}]
     second = llm.chat(conv, sp, use_tqdm=False)[0].outputs[0].text
     assert "\n".join(lines[:-1]) == f"{first}\n{second}"
+
+
+def test_engine_flags_take_vllms_names():
+    """The engine options under vLLM's flag names reach LLM under vLLM's keyword names."""
+    from jaxinfer.cli import _engine_kwargs, build_parser
+
+    a = build_parser().parse_args(
+        ["bench", "--block-size", "32", "--max-num-batched-tokens", "64", "--no-enable-prefix-caching",
+         "--scheduling-policy", "spf", "--gpu-memory-utilization", "0.5", "--kv-cache-memory-bytes", "4096",
+         "--num-gpu-blocks-override", "9", "--quantization", "int8"])
+    kw = _engine_kwargs(a)
+    assert {k: kw[k] for k in ("block_size", "max_num_batched_tokens", "enable_prefix_caching", "scheduling_policy",
+                               "gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks_override",
+                               "quantization")} == {
+        "block_size": 32, "max_num_batched_tokens": 64, "enable_prefix_caching": False, "scheduling_policy": "spf",
+        "gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": 4096, "num_gpu_blocks_override": 9,
+        "quantization": "int8"}
+    assert _engine_kwargs(build_parser().parse_args(["bench"]))["enable_prefix_caching"] is True
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
+    ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes must be >= 1, got 0"),
+    ({"block_size": 12}, "block_size must be a power of two, got 12"),
+    ({"max_num_batched_tokens": 100}, "max_num_batched_tokens must be a power of two >= 16, got 100"),
+    ({"num_gpu_blocks_override": 1}, "num_gpu_blocks_override must be >= 2"),
+])
+def test_engine_config_errors_name_the_option(kw, msg):
+    from jaxinfer.engine.config import EngineConfig
+    from jaxinfer.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match=msg):
+        EngineConfig(**kw)
+
+
+def test_kv_budget_on_cpu_and_given_exactly():
+    """On CPU the pools get CPU_KV_CACHE_BYTES whatever gpu_memory_utilization says;
+    kv_cache_memory_bytes is taken as given anywhere."""
+    import jax
+
+    from jaxinfer.engine.config import CPU_KV_CACHE_BYTES, EngineConfig, kv_budget
+
+    cpu = jax.devices("cpu")[:1]
+    assert kv_budget(EngineConfig(gpu_memory_utilization=0.1), cpu) == CPU_KV_CACHE_BYTES
+    assert kv_budget(EngineConfig(kv_cache_memory_bytes=12345), cpu) == 12345
+
+
+def test_speculation_runs_at_every_batch_size_by_default():
+    from jaxinfer.engine.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2})
+    assert spec.disable_by_batch_size is None and spec.speculates(1024) and spec.max_rows(64) == 64
+    capped = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 4}')
+    assert capped.speculates(4) and not capped.speculates(5) and capped.max_rows(64) == 4

@@ -91,7 +91,7 @@ def test_w8a8_model_with_packed_weights_equals_xla(tiny_gguf, monkeypatch):
     prompts = ["The quick brown fox", "a b c a b c", "one two three", "hello hello", "Once upon a time there"]
     calls, real = [], ck.int8_amx
     monkeypatch.setattr(ck, "int8_amx", lambda *a, **k: calls.append(1) or real(*a, **k))
-    llm = LLM(str(tiny_gguf), quantize="w8a8", progress=False, max_num_seqs=8)
+    llm = LLM(str(tiny_gguf), quantization="w8a8", progress=False, max_num_seqs=8)
     leaves = [x for x in jax.tree.leaves(llm.weights, is_leaf=lambda x: isinstance(x, quant.QuantArray))
               if isinstance(x, quant.QuantArray)]
     assert any(q.layout == "amx" for q in leaves)
@@ -99,7 +99,7 @@ def test_w8a8_model_with_packed_weights_equals_xla(tiny_gguf, monkeypatch):
     assert calls
     monkeypatch.setattr(ck, "amx_active", lambda: False)
     calls.clear()
-    xla = LLM(str(tiny_gguf), quantize="w8a8", progress=False, max_num_seqs=8).generate(prompts, sp)
+    xla = LLM(str(tiny_gguf), quantization="w8a8", progress=False, max_num_seqs=8).generate(prompts, sp)
     assert not calls
     for a, b in zip(native, xla):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -282,11 +282,11 @@ def test_quantized_model_through_the_kernels_equals_xla(tiny_gguf, monkeypatch, 
     monkeypatch.setattr(packed, "NATIVE_ROWS", False)
     sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
     prompt = "The quick brown fox"
-    native = LLM(str(tiny_gguf), quantize=scheme, progress=False, max_num_seqs=2).generate(prompt, sp)[0]
+    native = LLM(str(tiny_gguf), quantization=scheme, progress=False, max_num_seqs=2).generate(prompt, sp)[0]
     asked = []
     monkeypatch.setattr(quant, "_native_gemv", lambda: asked.append(1) or False)
     monkeypatch.setattr(ck, "amx_active", lambda: asked.append(1) or False)
-    xla = LLM(str(tiny_gguf), quantize=scheme, progress=False, max_num_seqs=2).generate(prompt, sp)[0]
+    xla = LLM(str(tiny_gguf), quantization=scheme, progress=False, max_num_seqs=2).generate(prompt, sp)[0]
     assert asked  # the second engine traced its steps anew, through XLA's dot
     assert native.outputs[0].token_ids == xla.outputs[0].token_ids
     if scheme == "w8a8":

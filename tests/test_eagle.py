@@ -96,7 +96,8 @@ def _proposed_drafts(llm, monkeypatch):
     """Record each decoding row's drafts as the engine proposes them: [(tokens so far, drafts,
     the first drafts of its other branches)]."""
     seen = []
-    orig = type(llm.engine)._propose
+    drafter = type(llm.engine.drafter)
+    orig = drafter.propose
 
     def spy(self, decoding):
         out = orig(self, decoding)
@@ -105,9 +106,9 @@ def _proposed_drafts(llm, monkeypatch):
                 seen.append((list(s.tokens), list(d), [c[0] for c in s.branch_drafts]))
         return out
 
-    monkeypatch.setattr(type(llm.engine), "_propose", spy)
-    # chained blocks take their drafts on device, never through _propose: host-built ones only
-    monkeypatch.setattr(type(llm.engine), "_chains", lambda self: False)
+    monkeypatch.setattr(drafter, "propose", spy)
+    # chained blocks take their drafts on device, never through propose: host-built ones only
+    monkeypatch.setattr(drafter, "chains", lambda self: False)
     return seen
 
 
@@ -117,7 +118,7 @@ def test_engine_eagle_keeps_greedy_output_and_drafts_what_the_head_says(tiny_llm
     cfg = tiny_llm.cfg
     vocab = np.arange(cfg.vocab_size, dtype=np.int32)[:: 7][:512]
     eagle.save_head(tmp_path / "h", _head(cfg), vocab, cfg)
-    spec = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_bytes=64 << 20,
+    spec = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_memory_bytes=64 << 20,
                speculative_config={"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "h"),
                                    "branches": branches})
     seen = _proposed_drafts(spec, monkeypatch)
@@ -145,29 +146,29 @@ def test_branches_keep_the_chain_that_accepted_most(tiny_llm, tiny_gguf, tmp_pat
     """Branch 1 of every block is the true continuation, branch 0 the (random) head's: every
     block must accept all it can, and the output stay plain decoding's. Wrong keys kept for a
     chosen branch, or the wrong branch's tokens, would change what follows."""
-    from jaxinfer.engine import paged
+    from jaxinfer.engine import drafting
 
     cfg = tiny_llm.cfg
     eagle.save_head(tmp_path / "h", _head(cfg), np.arange(cfg.vocab_size, dtype=np.int32)[:512], cfg)
     k = 3
-    spec = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_bytes=64 << 20,
+    spec = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_memory_bytes=64 << 20,
                speculative_config={"method": "eagle", "num_speculative_tokens": k, "model": str(tmp_path / "h"),
                                    "branches": 2, "disable_by_batch_size": 8})
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = ["a b c a b c", "hello world", "1 2 3"]
     want = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in tiny_llm.generate(prompts, sp, use_tqdm=False)}
-    orig = paged.PagedEngine._branch_drafts
+    orig = drafting.Drafter.branch_drafts
 
-    def truth(self, batch, rows):
-        out = orig(self, batch, rows)
-        for s in self.sched.slots:
+    def truth(self, R, k, rows):
+        out = orig(self, R, k, rows)
+        for s in self.eng.sched.slots:
             if s is not None and s.slot in rows:
                 n, ref = len(s.row.token_ids), want[tuple(s.row.prompt_ids)]
                 d = len(rows[s.slot])
                 out[s.slot, 0, :d] = (ref[n: n + d] + [0] * d)[:d]
         return out
 
-    monkeypatch.setattr(paged.PagedEngine, "_branch_drafts", truth)
+    monkeypatch.setattr(drafting.Drafter, "branch_drafts", truth)
     got = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)}
     assert got == want
     st = spec.engine.spec_stats
@@ -181,10 +182,10 @@ def test_int8_head_keeps_greedy_output(tiny_llm, tiny_gguf, tmp_path):
 
     cfg = tiny_llm.cfg
     eagle.save_head(tmp_path / "h", _head(cfg), np.arange(cfg.vocab_size, dtype=np.int32)[:512], cfg)
-    spec = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_bytes=64 << 20,
+    spec = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kv_cache_memory_bytes=64 << 20,
                speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "h"),
                                    "quantization": "int8"})
-    held = spec.engine._eagle
+    held = spec.engine.drafter.eagle
     assert isinstance(held["rows"], QuantArray) and isinstance(held["head"]["fc"], QuantArray)
     assert isinstance(held["head"]["layer"]["w_down"], QuantArray)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -1,15 +1,13 @@
-"""The static-batch engine end to end on a tiny random model with a real tokenizer:
-batching never changes a row's tokens, seeds do not depend on batch position, stops and
-lengths end each row on its own, logprobs are consistent, and the cache is donated."""
+"""The engine end to end on a tiny random model with a real tokenizer: batching never changes
+a row's tokens, seeds do not depend on batch position, stops and lengths end each row on its
+own, logprobs are consistent, and plain and verification steps donate the page pools and
+slots."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxinfer import SamplingParams, kernels
-from jaxinfer import cache as kv
-from jaxinfer import sampling as smp
 from jaxinfer.errors import InvalidRequest
 
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog and keeps running", "1 2 3",
@@ -111,8 +109,7 @@ def test_max_tokens_capped_by_max_model_len(tiny_llm):
 
 
 def test_packed_step_donates_pools_and_slots(tiny_llm):
-
-    eng = tiny_llm.engine  # the paged engine: page pools and per-slot device state donated
+    eng = tiny_llm.engine  # page pools and per-slot device state donated
     k_old, v_old, slots_old = eng.k_pages, eng.v_pages, eng.slots
     out = eng._step(tiny_llm.weights, eng.idle_batch(8, 8, 32), k_old, v_old, slots_old, cfg=tiny_llm.cfg,
                     num_logprobs=-1, prompt_logprobs=-1, kernel_mode=kernels.current_mode())
@@ -123,20 +120,18 @@ def test_packed_step_donates_pools_and_slots(tiny_llm):
     assert not any(a.is_deleted() for a in eng.k_pages + eng.v_pages)
 
 
-def test_static_decode_step_donates_the_cache(tiny_gguf):
+def test_verification_step_donates_pools_slots_and_draft_pools(tiny_gguf):
     from jaxinfer import LLM
 
-    llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=2, engine="static")
-    eng, cfg, B = llm.engine, llm.cfg, 2
-    cache = kv.init_cache(cfg, B, 16)
-    params = [SamplingParams(temperature=0)] * B
-    state = smp.make_sampling_state(params, [[1], [2]], cfg.vocab_size, default_seed=0, batch_size=B)
-    stop_ids, min_tokens = (jnp.asarray(a) for a in smp.min_tokens_inputs(params, [2], batch_size=B))
-    out = eng._decode(llm.weights, jnp.asarray([3, 4], jnp.int32), jnp.asarray([1, 1], jnp.int32), jnp.ones(B, jnp.int32),
-                      cache, state, stop_ids, min_tokens, cfg=cfg, num_logprobs=-1,
-                      kernel_mode=kernels.current_mode())
+    llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=2, kv_cache_memory_bytes=8 << 20,
+              speculative_config={"method": "early_exit", "num_speculative_tokens": 2, "num_layers": 1})
+    eng = llm.engine
+    k_old, v_old, slots_old = eng.k_pages, eng.v_pages, eng.slots
+    out = eng.drafter.run(eng.idle_batch(2, 8, 0, q=3), None, num_logprobs=-1, prompt_logprobs=-1, draft_layers=1)
     jax.block_until_ready(out)
-    assert all(a.is_deleted() for a in cache.k + cache.v) and state.output_counts.is_deleted()
+    assert all(a.is_deleted() for a in k_old + v_old)
+    assert slots_old.sampling.output_counts.is_deleted() and slots_old.last_tokens.is_deleted()
+    assert not any(a.is_deleted() for a in eng.k_pages + eng.v_pages)
 
 
 def test_memory_report(tiny_llm):

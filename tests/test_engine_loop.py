@@ -1,5 +1,5 @@
-"""The server over the incremental engine interface (add / abort / step), which PagedEngine is
-getting in parallel.
+"""The server over the incremental engine interface (add / abort / step) that ``Engine``
+implements.
 
 ``ScriptedEngine`` implements that interface on the host: each step every running row takes
 the argmax of seeded random logits, masked by the row's grammar (``row.guided``, attached by
@@ -7,8 +7,8 @@ the server) through ``BatchBitmask`` and ``apply_token_bitmask`` over the whole 
 as the jitted step will. Rows are real
 ``Row``s from ``LLM.new_request`` with the real tokenizer, stop checker and detokenizer, so the
 server's streaming, cancellation, back-pressure and structured output are exercised end to end
-through the official client. Once the real engine has ``step``, these tests run against it by
-dropping the stand-in.
+through the official client, with the engine's timing (held steps, full queues) in the test's
+hands; tests/test_server.py runs the server over the real engine.
 """
 
 import collections
@@ -25,7 +25,7 @@ import numpy as np
 import openai
 import pytest
 
-from jaxinfer.engine.static import record_token
+from jaxinfer.engine.rows import record_token
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.guided import BatchBitmask, apply_token_bitmask
 from jaxinfer.server import ServerConfig
@@ -115,7 +115,7 @@ class ScriptedEngine:
 def llm(tiny_gguf):
     from jaxinfer import LLM
 
-    llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, num_pages=8)
+    llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, num_gpu_blocks_override=8)
     llm.engine = ScriptedEngine(llm.tokenizer, llm.cfg.vocab_size, num_pages=12)
     return llm
 

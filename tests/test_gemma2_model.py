@@ -60,7 +60,7 @@ def test_gguf_equals_transformers(tmp_path):
     assert same(b.cfg) == same(a.cfg)
     np.testing.assert_allclose(np.asarray(b.weights["layers"][1]["post_mlp_norm"]),
                                np.asarray(a.weights["layers"][1]["post_mlp_norm"]), rtol=0, atol=1e-7)
-    llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_bytes=16 << 20, max_num_seqs=4)
+    llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_memory_bytes=16 << 20, max_num_seqs=4)
     ft.assert_matches(ft.generate(llm), ft.reference(hf_dir), what="gguf")
 
 
@@ -70,13 +70,13 @@ INT8_WEIGHTS_PLP_ATOL, INT8_WEIGHTS_NEAR_TIE = 0.15, 0.3
 
 
 def test_int8_weights_load_and_stay_close(tmp_path):
-    """quantize="int8": every matmul weight quantized at load; log-probs stay near
+    """quantization="int8": every matmul weight quantized at load; log-probs stay near
     transformers' float ones and the greedy tokens agree up to a near-tie."""
     from jaxinfer import LLM
     from jaxinfer.quant import QuantArray
 
     path = ft.write_tiny(tmp_path / "gemma2", "gemma2", OVERRIDES)
-    llm = LLM(str(path), quantize="int8", max_model_len=128, progress=False, kv_cache_bytes=16 << 20, max_num_seqs=4)
+    llm = LLM(str(path), quantization="int8", max_model_len=128, progress=False, kv_cache_memory_bytes=16 << 20, max_num_seqs=4)
     assert isinstance(llm.weights["layers"][0]["wq"], QuantArray)
     ft.assert_matches(ft.generate(llm), ft.reference(path), plp_atol=INT8_WEIGHTS_PLP_ATOL,
                       near_tie=INT8_WEIGHTS_NEAR_TIE, what="int8 weights")

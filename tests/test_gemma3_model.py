@@ -116,7 +116,7 @@ def test_ring_cache_keeps_only_the_window_and_matches_full_forward(chunk):
 
 
 def test_ring_cache_after_a_right_padded_prefill():
-    """The static engine's pattern: a fresh right-padded prefill longer than the window
+    """The dense ring cache: a fresh right-padded prefill longer than the window
     (read_cache=False, every row's T positions kept in a ring of W + T - 1), then each row
     decodes at its own position, past its padding."""
     cfg, T = BASE, 10
@@ -401,15 +401,15 @@ def test_gguf_loads_with_norms_shifted_back(tiny_gemma3):
     np.testing.assert_array_equal(np.asarray(w["layers"][1]["wq"]).reshape(32, -1), stored["blk.1.attn_q.weight"].T)
 
 
-@pytest.mark.parametrize("engine,quantize", [("paged", None), ("static", None), ("paged", "int8"), ("paged", "w8a8")])
-def test_llm_generate_past_the_window_equals_the_model(tiny_gemma3, engine, quantize):
+@pytest.mark.parametrize("quantize", [None, "int8", "w8a8"])
+def test_llm_generate_past_the_window_equals_the_model(tiny_gemma3, quantize):
     """LLM(path).generate, greedy, 30 tokens after prompts of 2 and 17 tokens (window 8),
     against a plain greedy loop over gemma3.forward with a dense cache (on the same, possibly
     quantized, weights)."""
     from jaxinfer import LLM, SamplingParams
 
     path, _ = tiny_gemma3
-    llm = LLM(str(path), max_model_len=64, progress=False, engine=engine, quantize=quantize)
+    llm = LLM(str(path), max_model_len=64, progress=False, quantization=quantize)
     prompts = ["Hi", "The history of the printing press is closely tied to the spread of literacy in"]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False)
     cfg, w = llm.cfg, llm.weights
@@ -475,7 +475,7 @@ def test_paged_window_pages_equal_dense_reference_with_poisoned_freed_pages(tiny
     from jaxinfer import LLM, SamplingParams
 
     path, _ = tiny_gemma3
-    llm = LLM(str(path), max_model_len=96, progress=False, page_size=4, prefill_chunk=16, max_num_seqs=3,
+    llm = LLM(str(path), max_model_len=96, progress=False, block_size=4, max_num_batched_tokens=16, max_num_seqs=3,
               enable_prefix_caching=False)
     eng = llm.engine
     assert eng.window == 8 and sum(eng.windowed) == 5
@@ -504,7 +504,7 @@ def test_prefix_cache_with_window_pages_on_and_off_agree(tiny_gemma3):
     system = " ".join(WORDS * 2) + " "
     prompts = [system + q for q in ("What is two?", "Name a color.", "Say hi.", "Count to three.")]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    kw = {"max_model_len": 96, "progress": False, "page_size": 4, "prefill_chunk": 16, "max_num_seqs": 2}
+    kw = {"max_model_len": 96, "progress": False, "block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 2}
     on = LLM(str(path), **kw)
     got = [o.outputs[0].token_ids for o in on.generate(prompts, sp, use_tqdm=False)]
     got2 = [o.outputs[0].token_ids for o in on.generate(prompts, sp, use_tqdm=False)]
@@ -526,7 +526,7 @@ def test_window_prefix_reused_only_while_its_window_pages_are_cached(tiny_gemma3
     path, _ = tiny_gemma3
     prompt = " ".join(WORDS * 2)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    llm = LLM(str(path), max_model_len=96, progress=False, page_size=4, prefill_chunk=16, max_num_seqs=2)
+    llm = LLM(str(path), max_model_len=96, progress=False, block_size=4, max_num_batched_tokens=16, max_num_seqs=2)
     first = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
     wa = llm.engine.window_allocator
     wa.release(wa.allocate(wa.num_free))  # takes every free page, evicting every cached window page
@@ -552,8 +552,8 @@ def test_windowed_kv_memory_on_270m_shapes(tmp_path, gemma3_gguf):
     write_tiny_gemma3(path, gemma3_gguf, layers=18, d=32, heads=4, kv_heads=1, head_dim=256, ff=32,
                       window=512, context=4160)
     ps = 16
-    llm = LLM(str(path), max_model_len=4160, progress=False, page_size=ps, prefill_chunk=2048,
-              max_num_seqs=1, num_pages=270, enable_prefix_caching=False)
+    llm = LLM(str(path), max_model_len=4160, progress=False, block_size=ps, max_num_batched_tokens=2048,
+              max_num_seqs=1, num_gpu_blocks_override=270, enable_prefix_caching=False)
     eng, cfg = llm.engine, llm.cfg
     used = []
     dispatch = eng._dispatch_decode
@@ -639,7 +639,7 @@ def test_int8_window_pages_agree_with_float(tiny_gemma3):
     from jaxinfer import LLM, SamplingParams
 
     path, _ = tiny_gemma3
-    kw = {"max_model_len": 96, "progress": False, "page_size": 4, "prefill_chunk": 16, "max_num_seqs": 3}
+    kw = {"max_model_len": 96, "progress": False, "block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 3}
     prompts = [" ".join(WORDS * 2), " ".join(WORDS[:5])]
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(str(path), **kw).generate(prompts, sp, use_tqdm=False)]

@@ -71,7 +71,7 @@ def test_multimodal_checkpoint_text_tower_equals_transformers(tmp_path):
     from jaxinfer import LLM
 
     ref = ft.reference(path, ft.PROMPTS[:1])
-    llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_bytes=4 << 20, max_num_seqs=2)
+    llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_memory_bytes=4 << 20, max_num_seqs=2)
     assert llm.cfg.tie_embeddings and llm.cfg.kv_shared_layers == 2
     ft.assert_matches(ft.generate(llm, ft.PROMPTS[:1]), ref, what="multimodal text tower")
 
@@ -154,7 +154,7 @@ def test_gguf_equals_transformers(k_eq_v_path, tmp_path):
     from jaxinfer import LLM
 
     path = write_gguf(k_eq_v_path, tmp_path / "tiny-gemma4.gguf")
-    llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_bytes=4 << 20, max_num_seqs=2)
+    llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_memory_bytes=4 << 20, max_num_seqs=2)
     cfg = llm.cfg
     assert cfg.values_from_keys and cfg.global_kv_heads == 1 and cfg.shared_kv_d_ff == 2 * cfg.d_ff
     assert cfg.rope.freq_factors[-1] == np.float32(1e30) and cfg.tie_embeddings and cfg.kv_shared_layers == 2
@@ -205,7 +205,7 @@ def test_shared_layers_have_no_cache_and_cost_no_kv_bytes(gemma4_path):
     from jaxinfer import cache as kv
     from jaxinfer.config import AttentionKind
 
-    llm = LLM(str(gemma4_path), max_model_len=128, progress=False, kv_cache_bytes=1 << 20, max_num_seqs=2)
+    llm = LLM(str(gemma4_path), max_model_len=128, progress=False, kv_cache_memory_bytes=1 << 20, max_num_seqs=2)
     cfg, eng = llm.cfg, llm.engine
     assert eng.k_pages[2] is None and eng.v_pages[3] is None  # layers 2, 3 read layers 0, 1's pools
     assert [tuple(eng.k_pages[i].shape[1:3]) for i in (0, 1)] == [(2, 16), (2, 32)]  # [P, K, H, ps]
@@ -224,16 +224,6 @@ def test_shared_layers_have_no_cache_and_cost_no_kv_bytes(gemma4_path):
     assert dense.k[2] is None and dense.k[3] is None and dense.nbytes() == 2 * 64 * (local + glob)
 
 
-def test_static_engine_equals_transformers(gemma4_path):
-    """The static engine's dense cache: per-layer shapes, no buffers for the sharing layers,
-    rings of the window for the local ones."""
-    from jaxinfer import LLM
-
-    ref = ft.reference(gemma4_path, ft.PROMPTS[:2])
-    llm = LLM(str(gemma4_path), engine="static", max_model_len=128, progress=False, max_num_seqs=2)
-    ft.assert_matches(ft.generate(llm, ft.PROMPTS[:2]), ref, what="static engine")
-
-
 def test_ragged_kernel_path_equals_transformers(gemma4_path):
     """The TPU/GPU path (Pallas ragged paged attention, traced in interpret mode): per-layer
     head dims, and sharing layers reading their source's pages in the same step."""
@@ -241,7 +231,7 @@ def test_ragged_kernel_path_equals_transformers(gemma4_path):
 
     ref = ft.reference(gemma4_path, ft.PROMPTS[:2], max_tokens=4)
     with kernels.interpret_kernels():
-        llm = LLM(str(gemma4_path), max_model_len=128, progress=False, kv_cache_bytes=4 << 20, max_num_seqs=2)
+        llm = LLM(str(gemma4_path), max_model_len=128, progress=False, kv_cache_memory_bytes=4 << 20, max_num_seqs=2)
         got = ft.generate(llm, ft.PROMPTS[:2], max_tokens=4)
     ft.assert_matches(got, ref, what="ragged kernel")
 
@@ -251,7 +241,7 @@ def test_int8_weights_load_and_generate(gemma4_path):
     from jaxinfer.quant import QuantArray
 
     ref = ft.reference(gemma4_path, ft.PROMPTS[:1])
-    llm = LLM(str(gemma4_path), quantize="int8", max_model_len=128, progress=False, kv_cache_bytes=4 << 20,
+    llm = LLM(str(gemma4_path), quantization="int8", max_model_len=128, progress=False, kv_cache_memory_bytes=4 << 20,
               max_num_seqs=2)
     w = llm.weights
     assert all(isinstance(w[n], QuantArray) for n in ("ple_embed", "ple_model_proj", "embed", "lm_head"))
@@ -272,6 +262,6 @@ def test_w8a8_and_pipeline_refused(gemma4_path):
     from jaxinfer.models import gemma4
 
     with pytest.raises(InvalidRequest, match="w8a8"):
-        LLM(str(gemma4_path), quantize="w8a8", max_model_len=128, progress=False)
+        LLM(str(gemma4_path), quantization="w8a8", max_model_len=128, progress=False)
     with pytest.raises(InvalidRequest, match="pipeline_parallel_size"):
         check_pipeline(gemma4.config_from_hf(read_config(gemma4_path), dtype="float32"))

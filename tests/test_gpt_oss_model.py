@@ -29,7 +29,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast"
 TINY = {"num_hidden_layers": 4, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
         "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"] * 2,
         "max_position_embeddings": 131072, "rope_parameters": YARN}
-LLM_KW = {"max_model_len": 128, "progress": False, "kv_cache_bytes": 16 << 20, "max_num_seqs": 4}
+LLM_KW = {"max_model_len": 128, "progress": False, "kv_cache_memory_bytes": 16 << 20, "max_num_seqs": 4}
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from tests.hub_server import LocalHub
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [1, 5, 6, 7, 8, 9]
-ENGINE = dict(progress=False, max_num_seqs=8, kv_cache_bytes=16 << 20, max_model_len=128)
+ENGINE = dict(progress=False, max_num_seqs=8, kv_cache_memory_bytes=16 << 20, max_model_len=128)
 TOKEN = "hf_test_token"
 
 SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]

@@ -95,15 +95,15 @@ def test_paged_decode_through_the_kernel_equals_reference(family):
 
 def test_engine_with_kernels_gives_the_reference_tokens(tiny_gguf):
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    ref = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, page_size=8)
+    ref = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, block_size=8)
     want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, sp, use_tqdm=False)]
     with kernels.interpret_kernels():
-        llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, page_size=8, quantize="w8a8")
-        ref8 = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, page_size=8)
+        llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, block_size=8, quantization="w8a8")
+        ref8 = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, block_size=8)
         got = [o.outputs[0].token_ids for o in ref8.generate(PROMPTS, sp, use_tqdm=False)]
         got8 = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
     assert got == want
-    plain8 = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, page_size=8, quantize="w8a8")
+    plain8 = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, block_size=8, quantization="w8a8")
     assert got8 == [o.outputs[0].token_ids for o in plain8.generate(PROMPTS, sp, use_tqdm=False)]
 
 
@@ -113,7 +113,7 @@ def test_engine_chunked_prefill_among_decode_rows_through_the_ragged_kernel(tiny
     reference path's tokens and logprobs."""
     prompts = PROMPTS + ["The capital of France is Paris and the capital of Spain is Madrid and " * 2]
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
-    kw = dict(progress=False, max_num_seqs=4, max_model_len=96, page_size=8, prefill_chunk=16)
+    kw = dict(progress=False, max_num_seqs=4, max_model_len=96, block_size=8, max_num_batched_tokens=16)
     ref = LLM(str(tiny_gguf), **kw).generate(prompts, sp, use_tqdm=False)
     with kernels.interpret_kernels():
         got = LLM(str(tiny_gguf), **kw).generate(prompts, sp, use_tqdm=False)
@@ -132,7 +132,7 @@ def test_speculative_rows_through_the_ragged_kernel_give_the_reference_tokens(ti
     spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 16}
     prompts = ["a b c a b c a b c a b c a b", "1 2 3 4 1 2 3 4 1 2 3 4 1 2"]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    kw = dict(progress=False, max_num_seqs=4, max_model_len=64, page_size=8, speculative_config=spec)
+    kw = dict(progress=False, max_num_seqs=4, max_model_len=64, block_size=8, speculative_config=spec)
     want = [o.outputs[0].token_ids for o in LLM(str(tiny_gguf), **kw).generate(prompts, sp, use_tqdm=False)]
     with kernels.interpret_kernels():
         llm = LLM(str(tiny_gguf), **kw)
@@ -263,8 +263,7 @@ def test_packed_step_through_the_ragged_kernel_equals_reference(family, pool_dty
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_prefill_only_forward_through_flash_attention_equals_reference(family):
-    """A forward with no cache to read (every row a prompt from 0: the static engine's
-    prefill, perplexity, calibration) runs the flash-attention kernel per layer on TPU/GPU;
+    """A forward with no cache to read (every row a prompt from 0: perplexity, calibration) runs the flash-attention kernel per layer on TPU/GPU;
     in interpret mode it gives the logits of the pure-JAX attention."""
     if family == "llama":
         mod, cfg = llama, ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2,

@@ -104,20 +104,18 @@ TINY_NEAR_TIE = 0.15
 def test_engine_end_to_end_and_memory_report(tiny_gguf):
     prompts = ["Hello", "The quick brown fox jumps over the lazy dog", "1 2 3 4 5 6 7 8"]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    kw = {"progress": False, "max_num_seqs": 4, "page_size": 4}
+    kw = {"progress": False, "max_num_seqs": 4, "block_size": 4}
     f32 = LLM(str(tiny_gguf), **kw)
     want = f32.generate(prompts, sp, use_tqdm=False)
-    for engine in ("paged", "static"):
-        llm = LLM(str(tiny_gguf), engine=engine, kv_cache_dtype="int8", **kw)
-        got = llm.generate(prompts, sp, use_tqdm=False)
-        assert [len(o.outputs[0].token_ids) for o in got] == [12] * 3
-        assert_greedy_agrees_until_near_tie(got, want, TINY_NEAR_TIE)
-        r = llm.memory_report()
-        assert r["kv_cache_dtype"] == "int8"
-        assert r["kv_bytes_per_token"] == llm.cfg.kv_bytes_per_token("int8") < f32.memory_report()["kv_bytes_per_token"]
-        if engine == "paged":
-            assert all(isinstance(a, kv.QuantKV) for a in llm.engine.k_pages + llm.engine.v_pages)
-            assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages - 1
+    llm = LLM(str(tiny_gguf), kv_cache_dtype="int8", **kw)
+    got = llm.generate(prompts, sp, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in got] == [12] * 3
+    assert_greedy_agrees_until_near_tie(got, want, TINY_NEAR_TIE)
+    r = llm.memory_report()
+    assert r["kv_cache_dtype"] == "int8"
+    assert r["kv_bytes_per_token"] == llm.cfg.kv_bytes_per_token("int8") < f32.memory_report()["kv_bytes_per_token"]
+    assert all(isinstance(a, kv.QuantKV) for a in llm.engine.k_pages + llm.engine.v_pages)
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages - 1
 
 
 def test_invalid_kv_cache_dtype(tiny_gguf):

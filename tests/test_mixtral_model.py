@@ -49,7 +49,7 @@ def test_mixtral_sliding_window_equals_transformers(tmp_path):
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_experts(tiny, scheme):
-    """quantize="int8" / "int4": each expert weight is one QuantArray [D, E*F] with scales per
+    """quantization="int8" / "int4": each expert weight is one QuantArray [D, E*F] with scales per
     (expert, output channel), equal to quantizing every expert on its own; the router stays
     float. The quantized model (grouped matmuls over int8 / int4 experts) computes what the
     float model does with the dequantized weights (itself held to transformers above)."""
@@ -57,8 +57,8 @@ def test_quantized_experts(tiny, scheme):
     from jaxinfer.models import mixtral
     from jaxinfer.quant import QuantArray, quantize_int4, quantize_int8
 
-    kw = dict(max_model_len=128, progress=False, kv_cache_bytes=16 << 20, max_num_seqs=4)
-    llm = LLM(str(tiny), quantize=scheme, **kw)
+    kw = dict(max_model_len=128, progress=False, kv_cache_memory_bytes=16 << 20, max_num_seqs=4)
+    llm = LLM(str(tiny), quantization=scheme, **kw)
     w = llm.weights["layers"][1]["moe"]
     assert not isinstance(w["router"], QuantArray), "the router stays float"
     gate = w["w_gate"]
@@ -146,7 +146,7 @@ def test_mixtral_gguf_equals_transformers(tiny, tiny_ref, tmp_path):
     from jaxinfer import LLM
 
     path = write_gguf(tmp_path / "mixtral.gguf", tiny)
-    llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_bytes=16 << 20, max_num_seqs=4)
+    llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_memory_bytes=16 << 20, max_num_seqs=4)
     assert llm.cfg.family.value == "mixtral" and llm.cfg.n_experts == 8 and llm.cfg.n_experts_per_tok == 2
     ft.assert_matches(ft.generate(llm), tiny_ref, what="gguf")
 
@@ -162,7 +162,7 @@ _EP_SCRIPT = textwrap.dedent(r"""
     path = sys.argv[1]
     out = {}
     for name, kw in json.loads(sys.argv[2]).items():
-        llm = LLM(path, max_model_len=128, progress=False, kv_cache_bytes=16 << 20, max_num_seqs=4, **kw)
+        llm = LLM(path, max_model_len=128, progress=False, kv_cache_memory_bytes=16 << 20, max_num_seqs=4, **kw)
         res = {"outputs": generate(llm), "parallel": llm.parallel}
         e = llm.engine
         gate = e.weights["layers"][0]["moe"]["w_gate"]
@@ -225,7 +225,7 @@ def test_expert_parallel_needs_experts_to_divide(tiny):
     from jaxinfer.errors import InvalidRequest
     from jaxinfer.sharding import tensor_parallel_plan
 
-    cfg = LLM(str(tiny), max_model_len=128, progress=False, kv_cache_bytes=16 << 20, max_num_seqs=4).cfg
+    cfg = LLM(str(tiny), max_model_len=128, progress=False, kv_cache_memory_bytes=16 << 20, max_num_seqs=4).cfg
     with pytest.raises(InvalidRequest, match="tensor_parallel_size=3 must divide the model's 8 experts"):
         tensor_parallel_plan(dataclasses.replace(cfg, n_heads=6, n_kv_heads=3), 3, expert_parallel=True)
     with pytest.raises(InvalidRequest, match="needs a mixture-of-experts model"):
@@ -328,15 +328,7 @@ def test_w8a8_refuses_experts_before_reading(tiny):
     from jaxinfer.errors import InvalidRequest
 
     with pytest.raises(InvalidRequest, match="w8a8' does not cover mixture-of-experts"):
-        LLM(str(tiny), quantize="w8a8", max_model_len=128, progress=False, kv_cache_bytes=16 << 20)
-
-
-def test_static_engine_equals_transformers(tiny, tiny_ref):
-    """The static engine (dense cache, length-sorted batches) runs the same block."""
-    from jaxinfer import LLM
-
-    llm = LLM(str(tiny), engine="static", max_model_len=128, progress=False, max_num_seqs=4)
-    ft.assert_matches(ft.generate(llm, prompt_logprobs=False), tiny_ref, what="static")
+        LLM(str(tiny), quantization="w8a8", max_model_len=128, progress=False, kv_cache_memory_bytes=16 << 20)
 
 
 _SHARDED_BLOCK = textwrap.dedent(r"""

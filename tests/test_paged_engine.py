@@ -1,5 +1,5 @@
-"""Continuous batching over the paged KV cache: same tokens as generating alone, paged
-attention equal to dense with poisoned pages, a leak-free allocator, safe prefix sharing,
+"""Continuous batching over the paged KV cache: the tokens of transformers, and of each
+sequence generated alone, paged attention equal to dense with poisoned pages, a leak-free allocator, safe prefix sharing,
 waiting and preemption when pages run out, and a counted number of compilations."""
 
 import dataclasses
@@ -127,8 +127,9 @@ PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog and keeps runni
 
 
 @pytest.fixture(scope="module")
-def static_llm(tiny_gguf):
-    return LLM(str(tiny_gguf), progress=False, max_num_seqs=8, engine="static")
+def alone_llm(tiny_gguf):
+    """One decode slot: each sequence runs alone, never beside another."""
+    return LLM(str(tiny_gguf), progress=False, max_num_seqs=1)
 
 
 def _paged(tiny_gguf, **kw):
@@ -140,65 +141,81 @@ def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _alone(static_llm, prompts, sps):
-    return [_ids(static_llm.generate([p], sp, use_tqdm=False))[0] for p, sp in zip(prompts, sps)]
+def _alone(alone_llm, prompts, sps):
+    return [_ids(alone_llm.generate([p], sp, use_tqdm=False))[0] for p, sp in zip(prompts, sps)]
 
 
-def test_continuous_batching_same_tokens_as_alone(tiny_gguf, static_llm):
+@pytest.mark.reference
+def test_continuous_batching_equals_transformers(tmp_path):
+    """Several sequences sharing steps, prompts chunked over small pages and steps, and one
+    preempted: greedy tokens and prompt log-probs equal transformers float32 on each prompt
+    alone (the independent reference for the batching tests below, which compare with each
+    sequence run alone)."""
+    from tests import family_testing as ft
+
+    path = ft.write_tiny(tmp_path / "llama", "llama")
+    ref = ft.reference(path)
+    llm = LLM(str(path), progress=False, max_model_len=128, max_num_seqs=3, block_size=4, max_num_batched_tokens=16,
+              num_gpu_blocks_override=20)
+    ft.assert_matches(ft.generate(llm), ref, what="continuous batching")
+    assert llm.engine.stats["preemptions"] > 0
+
+
+def test_continuous_batching_same_tokens_as_alone(tiny_gguf, alone_llm):
     # 3 slots, 8 requests of different lengths: requests arrive while others decode
     sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 3, 14, 5, 7, 2, 11, 6)]
-    llm = _paged(tiny_gguf, page_size=4, prefill_chunk=16)
+    llm = _paged(tiny_gguf, block_size=4, max_num_batched_tokens=16)
     got = _ids(llm.generate(PROMPTS, sps, use_tqdm=False))
-    assert got == _alone(static_llm, PROMPTS, sps)
+    assert got == _alone(alone_llm, PROMPTS, sps)
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages - 1  # nothing leaked
 
 
-def test_seeded_sampling_unchanged_by_batching(tiny_gguf, static_llm):
+def test_seeded_sampling_unchanged_by_batching(tiny_gguf, alone_llm):
     sps = [SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=8, ignore_eos=True) for i in range(8)]
-    got = _ids(_paged(tiny_gguf, page_size=4).generate(PROMPTS, sps, use_tqdm=False))
-    assert got == _alone(static_llm, PROMPTS, sps)
+    got = _ids(_paged(tiny_gguf, block_size=4).generate(PROMPTS, sps, use_tqdm=False))
+    assert got == _alone(alone_llm, PROMPTS, sps)
 
 
-def test_chunked_prefill_of_a_long_prompt(tiny_gguf, static_llm):
+def test_chunked_prefill_of_a_long_prompt(tiny_gguf, alone_llm):
     long = " ".join(["word"] * 150)  # > 2 chunks of 64
     sps = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 3
     prompts = [long, "short one", long + " tail"]
-    llm = _paged(tiny_gguf, prefill_chunk=64, page_size=8)
-    assert _ids(llm.generate(prompts, sps, use_tqdm=False)) == _alone(static_llm, prompts, sps)
+    llm = _paged(tiny_gguf, max_num_batched_tokens=64, block_size=8)
+    assert _ids(llm.generate(prompts, sps, use_tqdm=False)) == _alone(alone_llm, prompts, sps)
 
 
 def test_prefix_cache_on_and_off_agree(tiny_gguf):
     system = "You are a careful assistant. " * 12
     prompts = [system + q for q in ("What is 2+2?", "Name a color.", "Say hi.", "Count to three.")]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    on = _paged(tiny_gguf, page_size=8, max_num_seqs=2)
+    on = _paged(tiny_gguf, block_size=8, max_num_seqs=2)
     got_on = _ids(on.generate(prompts, sp, use_tqdm=False))
     got_on2 = _ids(on.generate(prompts, sp, use_tqdm=False))  # now the whole prefix is cached
-    off = _paged(tiny_gguf, page_size=8, max_num_seqs=2, enable_prefix_caching=False)
+    off = _paged(tiny_gguf, block_size=8, max_num_seqs=2, enable_prefix_caching=False)
     assert got_on == got_on2 == _ids(off.generate(prompts, sp, use_tqdm=False))
     assert on.engine.stats["cached_prompt_tokens"] > 4 * 8 * 5
     assert off.engine.stats["cached_prompt_tokens"] == 0
 
 
-def test_out_of_pages_waits_and_preempts_without_changing_tokens(tiny_gguf, static_llm):
+def test_out_of_pages_waits_and_preempts_without_changing_tokens(tiny_gguf, alone_llm):
     sps = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 6
     prompts = PROMPTS[:6]
     # 11 usable pages of 4 tokens: not every sequence fits at once, and growing ones collide
-    llm = _paged(tiny_gguf, page_size=4, num_pages=12, max_num_seqs=4, enable_prefix_caching=False)
+    llm = _paged(tiny_gguf, block_size=4, num_gpu_blocks_override=12, max_num_seqs=4, enable_prefix_caching=False)
     got = _ids(llm.generate(prompts, sps, use_tqdm=False))
-    assert got == _alone(static_llm, prompts, sps)
+    assert got == _alone(alone_llm, prompts, sps)
     assert llm.engine.stats["preemptions"] > 0
     assert llm.engine.allocator.num_free == 11
 
 
 def test_request_that_can_never_fit_gets_a_clear_error(tiny_gguf):
-    llm = _paged(tiny_gguf, page_size=4, num_pages=5)
+    llm = _paged(tiny_gguf, block_size=4, num_gpu_blocks_override=5)
     with pytest.raises(InvalidRequest, match="needs .* KV pages but the pool has only 4"):
         llm.generate("Hello", SamplingParams(max_tokens=40), use_tqdm=False)
 
 
 def test_compilations_are_counted_exactly(tiny_gguf):
-    llm = _paged(tiny_gguf, page_size=8, max_num_seqs=4, prefill_chunk=32)
+    llm = _paged(tiny_gguf, block_size=8, max_num_seqs=4, max_num_batched_tokens=32)
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     llm.generate(PROMPTS, sp, use_tqdm=False)
     first = llm.engine.num_compilations()
@@ -213,7 +230,7 @@ def test_compilations_are_counted_exactly(tiny_gguf):
     allowed = set(eng.warmup_shapes(max(map(len, ids)), max(map(len, ids)) + 5))
     assert {(R, w, Tp) for R, w, Tp, *_ in eng.shapes_run} <= allowed
     # a second engine in the same process counts only its own executables
-    other = _paged(tiny_gguf, page_size=8, max_num_seqs=4, prefill_chunk=32)
+    other = _paged(tiny_gguf, block_size=8, max_num_seqs=4, max_num_batched_tokens=32)
     other.generate(PROMPTS[:1], sp, use_tqdm=False)
     assert other.engine.num_compilations() == len(other.engine.shapes_run) + 1
     assert eng.num_compilations() == first
@@ -224,11 +241,11 @@ def test_committed_weights_build_each_shape_once(tiny_gguf):
     so every step's outputs are: the pools and slots the engine starts with must be committed
     too, or jit builds the first step shape's executable again once the step's own outputs
     replace them (in the middle of the second run)."""
-    from jaxinfer.engine.paged import PagedEngine
+    from jaxinfer.engine.engine import Engine
 
-    llm = _paged(tiny_gguf, page_size=8, max_num_seqs=4, prefill_chunk=32)
-    eng = llm.engine = PagedEngine(llm.cfg, jax.device_put(llm.weights, jax.devices()[0]), llm.tokenizer,
-                                   max_model_len=llm.max_model_len, config=llm.engine.config)
+    llm = _paged(tiny_gguf, block_size=8, max_num_seqs=4, max_num_batched_tokens=32)
+    eng = llm.engine = Engine(llm.cfg, jax.device_put(llm.weights, jax.devices()[0]), llm.tokenizer,
+                              max_model_len=llm.max_model_len, config=llm.engine.config)
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     llm.generate(PROMPTS, sp, use_tqdm=False)
     first = eng.num_compilations()
@@ -248,7 +265,7 @@ def test_warmup_with_one_slot(tiny_gguf):
 def test_warmup_leaves_nothing_to_compile(tiny_gguf):
     from jaxinfer.bench import WorkloadSpec, run_bench
 
-    llm = _paged(tiny_gguf, page_size=8, max_num_seqs=4, prefill_chunk=32)
+    llm = _paged(tiny_gguf, block_size=8, max_num_seqs=4, max_num_batched_tokens=32)
     # a shared prefix: cache hits start chunks mid-prompt, at page boundaries warm-up covers
     spec = WorkloadSpec(num_requests=10, prompt_len=(5, 60), output_len=(3, 6), seed=1,
                         shared_prefix_len=20, shared_prefix_share=0.6)
@@ -272,12 +289,12 @@ def test_warmup_leaves_nothing_to_compile(tiny_gguf):
 def test_pools_filled_beside_the_load_are_the_engines(tiny_gguf, monkeypatch):
     """LLM starts zero-filling the page pools on a second thread once the checkpoint's config
     is read; the engine takes those pools, and refuses pools started for another engine."""
-    from jaxinfer.engine import paged
+    from jaxinfer.engine import config, engine
 
     started = []
-    real = paged.start_pools
+    real = config.start_pools
     monkeypatch.setattr("jaxinfer.llm.start_pools", lambda *a: started.append(real(*a)) or started[-1])
-    llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=2, kv_cache_bytes=1 << 20)
+    llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=2, kv_cache_memory_bytes=1 << 20)
     # the same buffers (committed to the weights' device: no copy, no second fill)
     assert len(started) == 1
     assert llm.engine.k_pages[0].unsafe_buffer_pointer() == started[0].result().k[0].unsafe_buffer_pointer()
@@ -286,5 +303,5 @@ def test_pools_filled_beside_the_load_are_the_engines(tiny_gguf, monkeypatch):
     assert len(llm.generate("hello there", sp)[0].outputs[0].token_ids) == 4
     other = dataclasses.replace(llm.engine.config, max_num_seqs=4)
     with pytest.raises(ValueError, match="another model or engine"):
-        paged.PagedEngine(llm.cfg, llm.weights, llm.tokenizer, max_model_len=llm.max_model_len, config=other,
-                          pools=paged.start_pools(llm.cfg, llm.engine.config, llm.max_model_len))
+        engine.Engine(llm.cfg, llm.weights, llm.tokenizer, max_model_len=llm.max_model_len, config=other,
+                      pools=config.start_pools(llm.cfg, llm.engine.config, llm.max_model_len))

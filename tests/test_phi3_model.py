@@ -46,7 +46,7 @@ def test_sliding_window_on_every_layer_equals_transformers(tmp_path):
     from jaxinfer import LLM
 
     path = ft.write_tiny(tmp_path / "phi3", "phi3", {"sliding_window": 8})
-    llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_bytes=16 << 20, max_num_seqs=4)
+    llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_memory_bytes=16 << 20, max_num_seqs=4)
     assert llm.cfg.layer_kinds == (AttentionKind.LOCAL,) * 3 and llm.cfg.sliding_window == 8
     ft.assert_matches(ft.generate(llm), ft.reference(path), what="window")
 
@@ -80,7 +80,7 @@ def test_gguf_equals_transformers(tmp_path):
     assert same(b.cfg) == same(a.cfg)
     for name in ("wq", "wk", "wv", "w_gate", "w_up"):  # split from attn_qkv and ffn_up
         np.testing.assert_array_equal(np.asarray(b.weights["layers"][2][name]), np.asarray(a.weights["layers"][2][name]))
-    llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_bytes=16 << 20, max_num_seqs=4)
+    llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_memory_bytes=16 << 20, max_num_seqs=4)
     ft.assert_matches(ft.generate(llm), ft.reference(hf_dir), what="gguf")
 
 
@@ -112,13 +112,13 @@ INT8_WEIGHTS_PLP_ATOL, INT8_WEIGHTS_NEAR_TIE = 0.15, 0.3
 
 
 def test_int8_weights_load_and_stay_close(tmp_path):
-    """quantize="int8": every matmul weight, each split from its fused tensor, quantized at
+    """quantization="int8": every matmul weight, each split from its fused tensor, quantized at
     load; log-probs stay near transformers' float ones."""
     from jaxinfer import LLM
     from jaxinfer.quant import QuantArray
 
     path = ft.write_tiny(tmp_path / "phi3", "phi3", LONGROPE)
-    llm = LLM(str(path), quantize="int8", max_model_len=128, progress=False, kv_cache_bytes=16 << 20, max_num_seqs=4)
+    llm = LLM(str(path), quantization="int8", max_model_len=128, progress=False, kv_cache_memory_bytes=16 << 20, max_num_seqs=4)
     assert all(isinstance(llm.weights["layers"][0][k], QuantArray) for k in ("wq", "wk", "wv", "w_gate", "w_up"))
     ft.assert_matches(ft.generate(llm), ft.reference(path), plp_atol=INT8_WEIGHTS_PLP_ATOL,
                       near_tie=INT8_WEIGHTS_NEAR_TIE, what="int8 weights")

@@ -38,7 +38,7 @@ _COMMON = textwrap.dedent("""
 
     for layout in layouts:
         pp, tp = (int(x) for x in layout.split("x"))
-        llm = LLM(path, progress=False, max_model_len=256, max_num_seqs=4, kv_cache_bytes=64 << 20,
+        llm = LLM(path, progress=False, max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=64 << 20,
                   kv_cache_dtype=kv_dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp)
         outs = llm.generate(prompts, sp, use_tqdm=False)
         toks = [o.outputs[0].token_ids for o in outs]
@@ -163,7 +163,6 @@ _BAD = textwrap.dedent("""
          "pipeline_parallel_size=4 does not match the mesh's stage axis of 2"),
         (dict(pipeline_parallel_size=2, tensor_parallel_size=2, mesh=make_mesh(stage=2, model=4)),
          "tensor_parallel_size=2 does not match the mesh's model axis of 4"),
-        (dict(pipeline_parallel_size=2, engine="static"), "need the paged engine"),
         (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
          "speculative decoding with pipeline_parallel_size > 1 is not supported"),
     ]

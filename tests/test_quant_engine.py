@@ -160,22 +160,22 @@ def test_quantized_loads_stay_close_to_float(tiny_loaded):
 
 
 def test_llm_quantize_generates_and_reports(tiny_gguf):
-    llm = LLM(str(tiny_gguf), quantize="int4", progress=False, max_num_seqs=2, max_model_len=64)
+    llm = LLM(str(tiny_gguf), quantization="int4", progress=False, max_num_seqs=2, max_model_len=64)
     out = llm.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
     rep = llm.memory_report()
-    assert rep["quantize"] == "int4" and rep["quant_groups"] == [64, 128]
+    assert rep["quantization"] == "int4" and rep["quant_groups"] == [64, 128]
     assert rep["weights_bytes"] == sum(x.nbytes for x in jax.tree.leaves(llm.weights))
 
 
 def test_errors_name_the_problem(tiny_gguf, tmp_path):
-    with pytest.raises(InvalidRequest, match=r"quantize='fp8' is not a quantization scheme"):
-        LLM(str(tiny_gguf), quantize="fp8", progress=False)
+    with pytest.raises(InvalidRequest, match=r"quantization='fp8' is not a quantization scheme"):
+        LLM(str(tiny_gguf), quantization="fp8", progress=False)
     with pytest.raises(InvalidRequest, match=r"quant_group=128 does not divide weight layers/0/w_gate: "
                                              r"it contracts 64 rows \(axes \(0,\) of shape \(64, 128\)\)"):
-        LLM(str(tiny_gguf), quantize="int4", quant_group=128, progress=False)
-    with pytest.raises(InvalidRequest, match=r"quant_group=64 applies to quantize='int4' only"):
-        LLM(str(tiny_gguf), quantize="int8", quant_group=64, progress=False)
+        LLM(str(tiny_gguf), quantization="int4", quant_group=128, progress=False)
+    with pytest.raises(InvalidRequest, match=r"quant_group=64 applies to quantization='int4' only"):
+        LLM(str(tiny_gguf), quantization="int8", quant_group=64, progress=False)
     with pytest.raises(InvalidRequest, match=r"int4 cannot quantize weight layers/0/wo: its contracted "
                                              r"size 48 .* not a multiple of any group size in \(128, 64, 32\)"):
         quant.int4_group("layers/0/wo", (3, 16, 64), (0, 1), None)
@@ -202,7 +202,7 @@ def test_quantized_orbax_round_trip(tiny_gguf, tiny_loaded, tmp_path, scheme):
     from jaxinfer.cli import main
 
     dest = tmp_path / scheme
-    assert main(["convert", str(tiny_gguf), str(dest), "--quantize", scheme]) == 0
+    assert main(["convert", str(tiny_gguf), str(dest), "--quantization", scheme]) == 0
     meta = json.loads((dest / "jaxinfer.json").read_text())
     assert meta["quantization"]["scheme"] == scheme
     assert meta["quantization"]["weights"]["layers/1/wo"]["contract"] == [0, 1]
@@ -216,10 +216,10 @@ def test_quantized_orbax_round_trip(tiny_gguf, tiny_loaded, tmp_path, scheme):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             assert x.dtype == y.dtype
             np.testing.assert_array_equal(x, y)
-    with pytest.raises(InvalidRequest, match=rf"holds {scheme} weights; it cannot be loaded as quantize='int8'"):
+    with pytest.raises(InvalidRequest, match=rf"holds {scheme} weights; it cannot be loaded as quantization='int8'"):
         checkpoint.load(dest, dtype="float32", quantize=quant.quant_config("int8"))
     llm = LLM(str(dest), progress=False, max_num_seqs=2, max_model_len=64)
-    assert llm.memory_report()["quantize"] == scheme
+    assert llm.memory_report()["quantization"] == scheme
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -227,9 +227,9 @@ def test_cli_generate_quantized(capsys, tiny_gguf):
     from jaxinfer.cli import main
 
     assert main(["generate", "-m", str(tiny_gguf), "--prompt", "Hi", "--max-tokens", "3", "--json",
-                 "--quantize", "w8a8"]) == 0
+                 "--quantization", "w8a8"]) == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
-    assert main(["warmup", "-m", str(tiny_gguf), "--quantize", "int4", "--quant-group", "128"]) == 2
+    assert main(["warmup", "-m", str(tiny_gguf), "--quantization", "int4", "--quant-group", "128"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jaxinfer: error: quant_group=128 does not divide weight layers/0/w_gate")
 
@@ -258,16 +258,16 @@ def test_english_text_is_long_enough(smollm2_llm):
 # ----------------------------------------------------------------------------- SmolLM2
 @pytest.fixture(scope="module")
 def smollm2_int8(smollm2_gguf):
-    return LLM(str(smollm2_gguf), quantize="int8", max_model_len=256, max_num_seqs=4, progress=False)
+    return LLM(str(smollm2_gguf), quantization="int8", max_model_len=256, max_num_seqs=4, progress=False)
 
 
 def test_smollm2_weight_bytes(smollm2_gguf, smollm2_llm, smollm2_int8):
     f32 = smollm2_llm.memory_report()["weights_bytes"]
     assert smollm2_int8.memory_report()["weights_bytes"] / f32 <= 0.30
-    int4 = LLM(str(smollm2_gguf), quantize="int4", max_model_len=64, max_num_seqs=1, progress=False)
+    int4 = LLM(str(smollm2_gguf), quantization="int4", max_model_len=64, max_num_seqs=1, progress=False)
     rep = int4.memory_report()
     assert rep["weights_bytes"] / f32 <= 0.18
-    assert rep["quantize"] == "int4" and rep["quant_groups"] == [64, 128]  # width 576, MLP 1536
+    assert rep["quantization"] == "int4" and rep["quant_groups"] == [64, 128]  # width 576, MLP 1536
 
 
 def test_smollm2_int8_perplexity_within_2_percent(smollm2_llm, smollm2_int8):
@@ -298,7 +298,7 @@ def test_smollm2_int8_greedy_agrees_with_float(smollm2_int8):
 
 # ----------------------------------------------------------------------------- XLA
 def test_engine_decode_step_w8a8_is_int8_dots(tiny_gguf):
-    llm = LLM(str(tiny_gguf), quantize="w8a8", progress=False, max_num_seqs=4, max_model_len=64)
+    llm = LLM(str(tiny_gguf), quantization="w8a8", progress=False, max_num_seqs=4, max_model_len=64)
     e, B = llm.engine, 4
     lowered = e._step.lower(e.weights, e.idle_batch(B, e.pages_per_seq, 32), e.k_pages, e.v_pages, e.slots,
                             cfg=e.cfg, num_logprobs=-1, prompt_logprobs=-1, kernel_mode=kernels.current_mode())

@@ -29,7 +29,7 @@ def test_qwen3_moe_dense_layer_and_renormalised_weights(tmp_path):
 
     path = ft.write_tiny(tmp_path / "m", "qwen3_moe", TINY | {"norm_topk_prob": True, "mlp_only_layers": [1]})
     ref = ft.reference(path)
-    llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_bytes=16 << 20, max_num_seqs=4)
+    llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_memory_bytes=16 << 20, max_num_seqs=4)
     assert llm.cfg.dense_layers == (1,) and llm.cfg.norm_topk_prob
     assert "moe" not in llm.weights["layers"][1] and "moe" in llm.weights["layers"][0]
     ft.assert_matches(ft.generate(llm), ref, what="dense layer 1")
@@ -87,6 +87,6 @@ def test_qwen3_moe_gguf_equals_transformers(tmp_path):
 
     hf = ft.write_tiny(tmp_path / "m", "qwen3_moe", TINY | {"norm_topk_prob": True})
     llm = LLM(str(write_gguf(tmp_path / "q.gguf", hf)), max_model_len=128, progress=False,
-              kv_cache_bytes=16 << 20, max_num_seqs=4)
+              kv_cache_memory_bytes=16 << 20, max_num_seqs=4)
     assert llm.cfg.family.value == "qwen3_moe" and llm.cfg.n_experts == 8 and llm.cfg.moe_d_ff == 32
     ft.assert_matches(ft.generate(llm), ft.reference(hf), what="gguf")

@@ -129,7 +129,7 @@ def _chi2_pvalue(samples: np.ndarray, expected: np.ndarray) -> float:
 
 
 def _tiny_llm(target, spec: dict | None):
-    return LLM(str(target), progress=False, max_num_seqs=BATCH, prefill_chunk=8192, num_pages=2048, page_size=16,
+    return LLM(str(target), progress=False, max_num_seqs=BATCH, max_num_batched_tokens=8192, num_gpu_blocks_override=2048, block_size=16,
                speculative_config=spec)
 
 
@@ -148,7 +148,7 @@ def test_draft_model_samples_the_exact_distribution(tiny_vocab, setting):
     verification step that accepted some drafts and resampled after a rejection)."""
     target, draft, w = tiny_vocab
     llm = _tiny_llm(target, _spec("draft_model", draft))
-    pool = llm.engine.draft_kv[0][0]
+    pool = llm.engine.drafter.kv[0][0]
     got = _sample_tokens(llm, SETTINGS[setting], BATCH)
     assert pool.is_deleted()  # the draft's pools are donated to the steps, never copied
     st = llm.engine.spec_stats
@@ -236,7 +236,7 @@ def _golden_ids(llm):
 def test_random_draft_gives_the_goldens(smollm2_gguf, tiny_gguf):
     """A random draft (a tiny Llama with SmolLM2's vocabulary) is rejected nearly always, and
     the output is still the transformers goldens token for token."""
-    llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, kv_cache_bytes=KV_BYTES,
+    llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, kv_cache_memory_bytes=KV_BYTES,
               speculative_config={"method": "draft_model", "model": str(tiny_gguf), "num_speculative_tokens": 2,
                                   "disable_by_batch_size": 16})
     assert _golden_ids(llm) == [c["greedy_ids"] for c in GOLDEN]
@@ -250,7 +250,7 @@ DRAFT_INT8 = {"method": "draft_model", "model": "smollm2-135m-instruct", "quanti
 
 @pytest.fixture(scope="module")
 def int8_draft_llm(smollm2_gguf):
-    return LLM(str(smollm2_gguf), max_model_len=1024, progress=False, kv_cache_bytes=KV_BYTES,
+    return LLM(str(smollm2_gguf), max_model_len=1024, progress=False, kv_cache_memory_bytes=KV_BYTES,
                speculative_config=DRAFT_INT8 | {"model": str(smollm2_gguf)})
 
 
@@ -312,7 +312,7 @@ def test_draft_equal_to_target_accepts_everything(smollm2_gguf, smollm2_llm):
     """q = p: every draft is accepted, greedy or sampled (min(1, p/q) = 1), and greedy
     output equals decoding without speculation; the preemption / prefix-cache / int8-KV setting
     of the ngram test runs too."""
-    kw = dict(max_model_len=256, progress=False, num_pages=12, page_size=16, kv_cache_dtype="int8", max_num_seqs=4)
+    kw = dict(max_model_len=256, progress=False, num_gpu_blocks_override=12, block_size=16, kv_cache_dtype="int8", max_num_seqs=4)
     spec = {"method": "draft_model", "model": str(smollm2_gguf), "num_speculative_tokens": 3}
     plain = LLM(str(smollm2_gguf), **kw)
     llm = LLM(str(smollm2_gguf), speculative_config=spec, **kw)

@@ -36,7 +36,7 @@ MIXED = [  # input-grounded prompts (drafts accepted) among open ones (drafts mo
 
 @pytest.fixture(scope="module")
 def ngram_llm(smollm2_gguf):
-    return LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=NGRAM, kv_cache_bytes=KV_BYTES)
+    return LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=NGRAM, kv_cache_memory_bytes=KV_BYTES)
 
 
 def _greedy(n, **kw):
@@ -54,7 +54,7 @@ def test_ngram_lookup_by_hand():
 @pytest.mark.parametrize("spec", [NGRAM, EARLY, MEDUSA, EAGLE, {**EAGLE, "branches": 3}],
                          ids=["ngram", "early_exit", "medusa", "eagle", "eagle_branches"])
 def test_greedy_equals_transformers_goldens(smollm2_gguf, spec):
-    llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=spec, kv_cache_bytes=KV_BYTES)
+    llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=spec, kv_cache_memory_bytes=KV_BYTES)
     sp = SamplingParams(temperature=0.0, max_tokens=len(GOLDEN[0]["greedy_ids"]), ignore_eos=True,
                         skip_special_tokens=False)
     outs = llm.generate([c["prompt_ids"] for c in GOLDEN], sp, use_tqdm=False)
@@ -66,7 +66,7 @@ def test_greedy_equals_transformers_goldens(smollm2_gguf, spec):
 @pytest.mark.slow  # 30 s: a second real model loaded and compiled with speculation
 def test_gemma_goldens_with_ngram(gemma3_gguf):
     # 8 slots: the window pools of the default 64 would take the whole 256 MB
-    llm = LLM(str(gemma3_gguf), max_model_len=1024, progress=False, speculative_config=NGRAM, kv_cache_bytes=KV_BYTES,
+    llm = LLM(str(gemma3_gguf), max_model_len=1024, progress=False, speculative_config=NGRAM, kv_cache_memory_bytes=KV_BYTES,
               max_num_seqs=8)
     sp = SamplingParams(temperature=0.0, max_tokens=len(GEMMA[0]["greedy_ids"]), ignore_eos=True,
                         skip_special_tokens=False)
@@ -96,24 +96,24 @@ def test_gemma_goldens_with_an_eagle_head(gemma3_gguf, tmp_path, monkeypatch, br
     eagle.save_head(tmp_path / "h", eagle.init_head(cfg, jax.random.PRNGKey(0)), np.arange(4096, dtype=np.int32),
                     cfg)
     # 8 slots: the window pools of the default 64 would take the whole 256 MB
-    llm = LLM(str(gemma3_gguf), max_model_len=1024, progress=False, kv_cache_bytes=KV_BYTES, max_num_seqs=8,
+    llm = LLM(str(gemma3_gguf), max_model_len=1024, progress=False, kv_cache_memory_bytes=KV_BYTES, max_num_seqs=8,
               speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "h"),
                                   "disable_by_batch_size": 16, "branches": branches})
     if branches > 1:
-        from jaxinfer.engine import paged
+        from jaxinfer.engine import drafting
 
         want = {tuple(c["prompt_ids"]): c["greedy_ids"] for c in GEMMA}
-        orig = paged.PagedEngine._branch_drafts
+        orig = drafting.Drafter.branch_drafts
 
-        def truth(self, batch, rows):
-            out = orig(self, batch, rows)
-            for s in self.sched.slots:
+        def truth(self, R, k, rows):
+            out = orig(self, R, k, rows)
+            for s in self.eng.sched.slots:
                 if s is not None and s.slot in rows:
                     n, d = len(s.row.token_ids), len(rows[s.slot])
                     out[s.slot, 0, :d] = (want[tuple(s.row.prompt_ids)][n: n + d] + [0] * d)[:d]
             return out
 
-        monkeypatch.setattr(paged.PagedEngine, "_branch_drafts", truth)
+        monkeypatch.setattr(drafting.Drafter, "branch_drafts", truth)
     sp = SamplingParams(temperature=0.0, max_tokens=len(GEMMA[0]["greedy_ids"]), ignore_eos=True,
                         skip_special_tokens=False)
     outs = llm.generate([c["prompt_ids"] for c in GEMMA], sp, use_tqdm=False)
@@ -165,9 +165,9 @@ def test_chained_blocks_equal_host_built_ones(smollm2_gguf, smollm2_llm, monkeyp
     host-built blocks give: the same tokens, finish reasons and acceptance counts, with
     max_tokens and a stop string landing inside blocks, one request at a time and three at
     once; and plain decoding's tokens."""
-    from jaxinfer.engine import paged
+    from jaxinfer.engine import drafting
 
-    llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=EAGLE, kv_cache_bytes=KV_BYTES)
+    llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=EAGLE, kv_cache_memory_bytes=KV_BYTES)
     prompts = [MIXED[0], MIXED[4], MIXED[2]]
     half = smollm2_llm.generate([MIXED[4]], _greedy(48), use_tqdm=False)[0].outputs[0].text
     params = [_greedy(37), _greedy(48, stop=[half[len(half) // 2:][:6]]), _greedy(9)]
@@ -175,11 +175,11 @@ def test_chained_blocks_equal_host_built_ones(smollm2_gguf, smollm2_llm, monkeyp
             for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
     assert want[1][1] == "stop"
     chained = []
-    orig = paged.PagedEngine._dispatch_chained
-    monkeypatch.setattr(paged.PagedEngine, "_dispatch_chained", lambda self, fl: chained.append(1) or orig(self, fl))
+    orig = drafting.Drafter.dispatch_chained
+    monkeypatch.setattr(drafting.Drafter, "dispatch_chained", lambda self, *a: chained.append(1) or orig(self, *a))
 
     def run(chain: bool):
-        monkeypatch.setattr(paged.PagedEngine, "_chains", lambda self: chain)
+        monkeypatch.setattr(drafting.Drafter, "chains", lambda self: chain)
         llm.engine.spec_stats.__init__(EAGLE["num_speculative_tokens"])
         outs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
         outs += llm.generate(prompts, params, use_tqdm=False)
@@ -210,7 +210,7 @@ def test_logprobs_of_accepted_tokens_equal_plain(ngram_llm, smollm2_llm):
 def test_preemption_prefix_cache_and_int8_kv(smollm2_gguf):
     """A pool too small for every row preempts; the repeated prompts hit the prefix cache; the
     KV cache is int8. Speculation on and off agree under the same engine settings."""
-    kw = dict(max_model_len=256, progress=False, num_pages=12, page_size=16, kv_cache_dtype="int8", max_num_seqs=4)
+    kw = dict(max_model_len=256, progress=False, num_gpu_blocks_override=12, block_size=16, kv_cache_dtype="int8", max_num_seqs=4)
     plain = LLM(str(smollm2_gguf), **kw)
     spec = LLM(str(smollm2_gguf), speculative_config=NGRAM, **kw)
     prompts = [MIXED[0], MIXED[4], MIXED[0], MIXED[6]]
@@ -250,7 +250,7 @@ def test_bad_config_is_one_clear_error(cfg, msg):
 
 def test_early_exit_layers_checked_against_the_model(smollm2_gguf):
     with pytest.raises(InvalidRequest, match=r"num_layers must be in \[1, 29\]"):
-        LLM(str(smollm2_gguf), progress=False, kv_cache_bytes=KV_BYTES,
+        LLM(str(smollm2_gguf), progress=False, kv_cache_memory_bytes=KV_BYTES,
             speculative_config={"method": "early_exit", "num_speculative_tokens": 2, "num_layers": 30})
 
 

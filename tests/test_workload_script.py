@@ -48,8 +48,8 @@ def test_selection_overrides_are_typed(workload):
     assert name == "vllm:float32"
     assert opts == {"dtype": "float32", "max_num_seqs": 256, "max_num_batched_tokens": 4096}
     assert workload.VARIANTS["vllm:float32"]["max_num_seqs"] == 128  # the table is left as it was
-    _, opts = workload.parse_selection("jaxinfer:float32@page_size=64")
-    assert opts == {"page_size": 64}
+    _, opts = workload.parse_selection("jaxinfer:float32@block_size=64")
+    assert opts == {"block_size": 64}
 
 
 @pytest.mark.parametrize("argv, message", [

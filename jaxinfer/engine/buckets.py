@@ -1,13 +1,12 @@
-"""The one set of shape buckets both engines use, so the number of executables is small and
-known: batch rows, prompt/cache lengths, page-table widths, prefill-row tokens, logprobs."""
+"""The one set of shape buckets the engine uses, so the number of executables is small and
+known: batch rows, page-table widths, prefill-row tokens, logprobs."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 BATCH_BUCKETS = (1, 4, 16, 64, 256, 512)  # powers of 4: batch 1 runs alone, few executables
-MIN_LEN_BUCKET = 16
-PREFILL_BUCKETS = (32, 128, 512, 2048)  # tokens of the packed prefill row (capped at prefill_chunk)
+PREFILL_BUCKETS = (32, 128, 512, 2048)  # tokens of the packed prefill row (capped at max_num_batched_tokens)
 
 
 def bucket(n: int, buckets: Sequence[int], cap: int | None = None) -> int:
@@ -18,11 +17,6 @@ def bucket(n: int, buckets: Sequence[int], cap: int | None = None) -> int:
     if cap is not None and n <= cap:
         return cap
     raise ValueError(f"{n=} exceeds the largest bucket {buckets[-1]}")
-
-
-def len_bucket(n: int) -> int:
-    """Powers of two from 16: at most log2(max_model_len) prompt/cache shapes."""
-    return max(MIN_LEN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
 
 
 def width_bucket(n: int, cap: int) -> int:

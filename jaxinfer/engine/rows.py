@@ -1,5 +1,5 @@
 """The host's record of one sequence: its request, its tokens so far, and how a sampled
-token is taken in (stop checks, detokenizing, logprobs, timing). Both engines use it."""
+token is taken in (stop checks, detokenizing, logprobs, timing)."""
 
 from __future__ import annotations
 

@@ -63,14 +63,23 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up
     prompt_lookup_min: int = 1  # ngram: shortest suffix looked up
     num_layers: int | None = None  # early_exit: layers that draft
-    disable_by_batch_size: int = 4  # steps with more decoding rows than this run without speculation
+    disable_by_batch_size: int | None = None  # steps with more decoding rows than this run without
+    # speculation (None: speculate at every batch size, as vLLM)
     model: str | None = None  # medusa: the heads directory (``jaxinfer train-medusa``); draft_model: the draft
     revision: str | None = None  # draft_model given as a Hugging Face Hub id: its branch, tag or commit
     quantization: str | None = None  # draft_model: quantize the draft while loading (int8, int4); eagle: int8
     branches: int = 1  # eagle: chains per row, one from each of the head's top-`branches` first drafts
 
+    def speculates(self, rows: int) -> bool:
+        """Whether a step with this many decoding rows speculates (``disable_by_batch_size``)."""
+        return self.disable_by_batch_size is None or rows <= self.disable_by_batch_size
+
+    def max_rows(self, max_num_seqs: int) -> int:
+        """The most decoding rows a speculating step can have."""
+        return min(max_num_seqs, self.disable_by_batch_size or max_num_seqs)
+
     @classmethod
-    def parse(cls, spec, n_layers: int | None = None) -> "SpeculativeConfig | None":
+    def parse(cls, spec, n_layers: int | None = None) -> SpeculativeConfig | None:
         """From a dict or a JSON string (or None / an existing config), validated."""
         if spec is None or isinstance(spec, SpeculativeConfig):
             out = spec
@@ -101,6 +110,8 @@ class SpeculativeConfig:
                 raise InvalidRequest(f"speculative_config quantization must be one of {', '.join(_QUANTIZATIONS)}, "
                                      f"got {kw['quantization']!r}")
             for name, v in kw.items():
+                if name == "disable_by_batch_size" and v is None:
+                    continue
                 if name not in ("model", "revision", "quantization") and (not isinstance(v, int) or isinstance(v, bool)):
                     raise InvalidRequest(f"speculative_config {name} must be an integer, got {v!r}")
             if "num_speculative_tokens" not in kw:
@@ -117,7 +128,7 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise InvalidRequest(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                                  f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
-        if self.disable_by_batch_size < 1:
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise InvalidRequest(f"speculative_config disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
         if self.method == SpecMethod.EARLY_EXIT:
             if self.num_layers is None:

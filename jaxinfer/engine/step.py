@@ -64,7 +64,7 @@ def insert_step(slots: SlotState, slot, row: SlotState) -> SlotState:
 
 
 def sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs, guide=None):
-    """The one sampling step of both engines: logits f32[B, V] -> tokens i32[B], logprobs
+    """The one sampling step of plain and verification steps: logits f32[B, V] -> tokens i32[B], logprobs
     (or None when num_logprobs < 0), and the state with the new tokens counted.
 
     guide: None (no row is constrained: no mask work at all), or (bitmask i32[B, V/32],
@@ -319,7 +319,7 @@ def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cf
 
 def chain_block(batch: PackedBatch, last_tokens, accepted, next_drafts, budget, page_size: int) -> PackedBatch:
     """The decode rows of a verification step dispatched before the host read the previous
-    one (``PagedEngine`` chains Medusa and EAGLE steps so): the host built ``batch`` as a
+    one (``engine.drafting`` chains Medusa and EAGLE steps so): the host built ``batch`` as a
     block without drafts at each row's previous first query p, not yet knowing how far the
     previous step got. Each row now starts at p + 1 + accepted (i32[R], the previous step's),
     with that step's last token (last_tokens i32[S]) and then its next drafts (i32[R, >= k]),
@@ -338,11 +338,34 @@ def chain_block(batch: PackedBatch, last_tokens, accepted, next_drafts, budget, 
                                write_page=at(batch.write_page, page), last_q=last_q.astype(jnp.int32))
 
 
-def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, heads=None, guide=None,
-              draft_weights=None, draft_kv=None, eagle=None, eagle_kv=None, branch_drafts=None, chain=None, *,
-              cfg, windowed, num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode,
-              draft_layers: int = 0, draft_cfg=None):
-    """One speculative scheduler iteration -> (SpecOutput, k_pages, v_pages, slots, draft_kv).
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecInputs:
+    """What one verification step reads besides the target's weights (nothing here is donated)."""
+
+    batch: PackedBatch
+    guide: tuple | None = None  # (bitmask i32[R, q, V/32], has_mask bool[R]) when a row is constrained
+    branch_drafts: jax.Array | None = None  # i32[R, W - 1, k] EAGLE branches 1..W-1
+    chain: tuple | None = None  # (accepted i32[R], next_drafts i32[R, K], budget i32[R]) of the unread step
+    heads: dict | None = None  # Medusa heads
+    draft_weights: object = None  # the draft model's weights (speculative draft_model)
+    eagle: dict | None = None  # the EAGLE head: {"head", "rows", "vocab"}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecState:
+    """The device state a verification step donates and returns."""
+
+    k_pages: list
+    v_pages: list
+    slots: SlotState
+    draft_kv: tuple | None = None  # the draft model's or the EAGLE head's pools (k, v)
+
+
+def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, num_logprobs: int,
+              prompt_logprobs: int, kernel_mode: kernels.KernelMode, draft_layers: int = 0, draft_cfg=None):
+    """One speculative scheduler iteration -> (SpecOutput, SpecState).
 
     Decode row r (slot r) carries q = k + 1 queries: its last token, then its drafts
     (``batch.last_q[r]`` of them are real; the rest write to the scratch page). With
@@ -363,6 +386,11 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, h
     With ``chain`` = (accepted i32[R], next_drafts i32[R, k], budget i32[R]) of the previous
     step, still unread by the host, the decode rows are first moved on by it (``chain_block``;
     no window pools)."""
+    batch, k_pages, v_pages, slots = inputs.batch, state.k_pages, state.v_pages, state.slots
+    heads, guide, draft_weights, eagle = inputs.heads, inputs.guide, inputs.draft_weights, inputs.eagle
+    branch_drafts, chain = inputs.branch_drafts, inputs.chain
+    draft_kv = state.draft_kv if draft_cfg is not None else None
+    eagle_kv = state.draft_kv if eagle is not None else None
     with kernels.traced_with(kernel_mode):
         if chain is not None:
             batch = chain_block(batch, slots.last_tokens, *chain, page_size=v_pages[0].shape[2])
@@ -456,4 +484,4 @@ def spec_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, h
             with jax.named_scope("prompt_logprobs"):
                 logits = mod.unembed(weights, h[:, R * Q :], cfg)[0]
                 plp = token_logprobs(logits, batch.targets, prompt_logprobs)
-    return SpecOutput(ver.tokens, ver.accepted, lp, plp, next_drafts), cache.k, cache.v, slots, draft_kv
+    return SpecOutput(ver.tokens, ver.accepted, lp, plp, next_drafts), SpecState(cache.k, cache.v, slots, draft_kv)

@@ -11,12 +11,12 @@ Loading restores every array straight into its target sharding (the restore targ
 tree of ``jax.ShapeDtypeStruct`` carrying shardings), casting on the way when the requested
 dtype differs from the saved one, so no array passes through one host or device first.
 
-Quantized checkpoints (``jaxinfer convert --quantize``) hold each quantized weight as its
+Quantized checkpoints (``jaxinfer convert --quantization``) hold each quantized weight as its
 QuantArray leaves (``values``, ``scale``, ``smooth``); its static layout (float shape,
 contracted axes, scheme, int4 group, whether it is smoothed) is in ``jaxinfer.json`` under
 "quantization", from which the restore target is rebuilt. Quantizing a float Orbax
 checkpoint while loading restores the float tree in one call first (Orbax restores a list
-of layers only whole), so its peak is the float model's; convert once with ``--quantize``.
+of layers only whole), so its peak is the float model's; convert once with ``--quantization``.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def load_orbax(path, *, dtype: str | None, shardings_fn=None, quantize=None, on_
     ):
         raise InvalidRequest(
             f"{path} holds {saved_quant.get('scheme')} weights; it cannot be loaded as "
-            f"quantize={quantize.scheme.value!r}"
+            f"quantization={quantize.scheme.value!r}"
             + (f" with quant_group={quantize.group}" if quantize.group else "")
             + " (load it without quantize, or convert the float source again)"
         )

@@ -230,7 +230,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     method = (hf.get("quantization_config") or {}).get("quant_method")
     if method:
         raise CheckpointError(f"DeepSeek-V3 checkpoints quantized with {method!r} are not supported; "
-                              "load a bfloat16 conversion (and quantize=... to quantize it here)")
+                              "load a bfloat16 conversion (and quantization=... to quantize it here)")
     rs = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if "rope_theta" not in rs and "rope_theta" in hf:
         rs = rs | {"rope_theta": hf["rope_theta"]}

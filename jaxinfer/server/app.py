@@ -54,7 +54,7 @@ class HTTPError(Exception):
         self.headers = headers
 
     @classmethod
-    def bad_request(cls, e: oai.RequestError) -> "HTTPError":
+    def bad_request(cls, e: oai.RequestError) -> HTTPError:
         return cls(400, e.message, code=e.code, param=e.param)
 
     def response(self) -> JSONResponse:
@@ -232,8 +232,8 @@ class Server:
             grammar = self._compiler.check(req.guided)
         except InvalidRequest as e:
             raise oai.RequestError(str(e), param=param) from None
-        if not getattr(self.llm.engine, "supports_guided_decoding", False):
-            raise oai.RequestError("structured output is not supported by this engine yet",
+        if not self.llm.engine.supports_guided_decoding:
+            raise oai.RequestError("structured output is not supported with data_parallel_size > 1",
                                    code="unsupported_parameter", param=param)
 
         first = self._compiler.matcher(grammar)

@@ -21,7 +21,7 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.outputs import Logprob, RequestOutput
@@ -64,7 +64,7 @@ class Job:
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     on_row: Callable[[object], None] | None = None  # called on each new row (e.g. to attach a grammar)
     # engine-thread state
-    requests: list = dataclasses.field(default_factory=list)  # llm._Pending per prompt
+    requests: list = dataclasses.field(default_factory=list)  # llm.Request per prompt
     rows: list = dataclasses.field(default_factory=list)  # in choice order
     sent: list = dataclasses.field(default_factory=list)  # per row: (chars, tokens) already delivered
     finished: set = dataclasses.field(default_factory=set)  # row positions finished
@@ -230,7 +230,7 @@ class EngineLoop:
             for pos, row in enumerate(job.rows):
                 self._deliver(job, pos, row)
             if len(job.finished) == len(job.rows):
-                outputs = [self.llm._output(req) for req in job.requests]
+                outputs = [req.output() for req in job.requests]
                 self._forget(job)
                 job.sink(Done(outputs))
                 if self._on_finished is not None:

@@ -1,0 +1,123 @@
+"""The engine's options (vLLM's names) and the size of its KV page pools.
+
+``EngineConfig`` is what ``LLM`` passes down; ``pool_sizes`` turns it, the model and the
+memory budget (``kv_budget``) into the number of pages each pool holds; ``start_pools`` fills
+one device's pools on a second thread while the weights are still being read.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+import jax
+
+from jaxinfer import cache as kv
+from jaxinfer.config import AttentionKind, ModelConfig
+from jaxinfer.engine.scheduler import Scheduling, window_pool_pages
+from jaxinfer.errors import InvalidRequest
+
+__all__ = ["CPU_KV_CACHE_BYTES", "EngineConfig", "Scheduling", "kv_budget", "pool_sizes", "start_pools"]
+
+CPU_KV_CACHE_BYTES = 2 << 30  # the page pools' budget on CPU when kv_cache_memory_bytes is not given
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The engine's options, under vLLM's names.
+
+    The page pools' size: ``num_gpu_blocks_override`` pages when given; else
+    ``kv_cache_memory_bytes`` bytes when given; else, on an accelerator,
+    ``gpu_memory_utilization`` of the device's memory minus what is in use once the weights
+    are placed (as vLLM); on CPU, ``CPU_KV_CACHE_BYTES`` (2 GiB: a fraction of host memory
+    would take most of a shared machine). Pools never hold more than every slot needs at
+    full length, with as much again for cached prefixes."""
+
+    max_num_seqs: int = 64  # decode slots
+    block_size: int = 16  # tokens per KV page
+    num_gpu_blocks_override: int | None = None  # exact number of KV pages
+    gpu_memory_utilization: float = 0.9  # accelerators: share of device memory for weights + KV pages
+    kv_cache_memory_bytes: int | None = None  # exact KV page budget (over gpu_memory_utilization)
+    max_num_batched_tokens: int = 512  # prompt tokens per scheduler iteration (the prefill row's budget)
+    enable_prefix_caching: bool = True
+    scheduling_policy: Scheduling = Scheduling.FCFS
+    windowed_kv: bool = True  # LOCAL layers keep only their window (False: every position)
+    kv_cache_dtype: str = "auto"  # page pools' dtype: auto (the model's), a float type, or int8
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidRequest(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 16 or self.max_num_batched_tokens & (self.max_num_batched_tokens - 1):
+            raise InvalidRequest(f"max_num_batched_tokens must be a power of two >= 16, "
+                                 f"got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise InvalidRequest(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidRequest(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise InvalidRequest(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise InvalidRequest(f"num_gpu_blocks_override must be >= 2 (one is the scratch page), "
+                                 f"got {self.num_gpu_blocks_override}")
+        if self.kv_cache_dtype not in kv.KV_CACHE_DTYPES:
+            raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(kv.KV_CACHE_DTYPES)}, "
+                                 f"got {self.kv_cache_dtype!r}")
+
+    def budget_is_static(self) -> bool:
+        """Whether the pools' size is known before the weights are placed (no device memory
+        to measure): then the pools can be filled while the weights load."""
+        return (self.num_gpu_blocks_override is not None or self.kv_cache_memory_bytes is not None
+                or jax.default_backend() == "cpu")
+
+
+def kv_budget(config: EngineConfig, devices=None) -> int:
+    """The page pools' byte budget (see ``EngineConfig``): on an accelerator, the free share of
+    ``gpu_memory_utilization`` of each device's memory, summed over ``devices`` (one model
+    replica's; default the first device)."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    devices = list(devices) if devices is not None else jax.devices()[:1]
+    total = 0
+    for d in devices:
+        st = d.memory_stats() if d.platform != "cpu" else None
+        if not st or "bytes_limit" not in st:
+            return CPU_KV_CACHE_BYTES
+        total += max(0, int(config.gpu_memory_utilization * st["bytes_limit"]) - st.get("bytes_in_use", 0))
+    return total
+
+
+def pool_sizes(cfg: ModelConfig, config: EngineConfig, kv_dtype, pages_per_seq: int, budget: int):
+    """(window, full-length pages, window pages) of one engine's page pools: the window None
+    when no layer is windowed (or windowed_kv is off); enough full-length pages for every slot
+    at full length (plus room for cached prefixes), within ``budget`` bytes (``kv_budget``)."""
+    ps = config.block_size
+    W = cfg.sliding_window if config.windowed_kv else None
+    window = W if W and any(cfg.layer_window(i) for i in range(cfg.n_layers)) else None
+    window_bytes, num_window_pages = 0, None
+    if window:
+        num_window_pages = window_pool_pages(window, ps, config.max_num_seqs, config.max_num_batched_tokens, pages_per_seq)
+        window_bytes = num_window_pages * ps * cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.LOCAL)
+    full_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.GLOBAL if window else None)
+    num_pages = config.num_gpu_blocks_override or max(2, min(
+        max(budget - window_bytes, 0) // (max(full_bytes_per_token, 1) * ps),
+        2 * config.max_num_seqs * pages_per_seq + 1))
+    return window, num_pages, num_window_pages
+
+
+def _make_pools(cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> kv.PagedKVCache:
+    """The zeroed page pools of an engine on one device."""
+    pages_per_seq = -(-max_model_len // config.block_size)
+    kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
+    _, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, pages_per_seq, kv_budget(config))
+    return kv.init_paged_cache(cfg, num_pages, config.block_size, kv_dtype, num_window_pages=num_window_pages)
+
+
+def start_pools(cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> concurrent.futures.Future:
+    """Zero-fill an engine's page pools on a second thread (for ``Engine(pools=...)``).
+    Filling the default 2 GB of pools takes ~0.5 s of memory writes; begun as soon as the
+    checkpoint's config is known, it runs beside the weights being read and dequantized."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-pools")
+    future = pool.submit(_make_pools, cfg, config, max_model_len)
+    future.made_for = (cfg, config, max_model_len)
+    pool.shutdown(wait=False)
+    return future

@@ -1,0 +1,104 @@
+"""Reading a dispatched step back into rows: the one path for plain and verification steps,
+one replica or several.
+
+A plain step gives each decode row one token (``step.StepOutput``), a verification step its
+accepted drafts and then a new token (``step.SpecOutput``); both are read as tokens [D, R, q]
+with the number accepted per row (0 for a plain step), so every row takes its tokens through
+``rows.record_token`` the same way, and its pages are registered for prefix caching or
+released when it finishes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from jaxinfer.engine import replicas
+from jaxinfer.engine.rows import Row, position_logprobs, record_token
+from jaxinfer.engine.scheduler import Seq
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched step the host has not read yet (lists per replica)."""
+
+    decode: list[list[Seq]]  # each replica's decode rows
+    segments: list[list]  # (seq, start, n, offset in the prefill row) whose prompt logprobs come back
+    out: object  # StepOutput or SpecOutput (device arrays)
+    spec: bool = False  # a verification step
+    drafted: dict | None = None  # verification: slot -> drafts its row verifies; None: chained
+    guided: bool = False  # a constrained row's next mask needs this step's token
+
+
+def consume(eng, fl: InFlight) -> list[Row]:
+    """Read a step: each decode row's tokens (a plain step's one, or a verification step's
+    accepted drafts and new token) and logprobs, each prompt segment's prompt logprobs."""
+    live = any(s.slot >= 0 and not s.row.checker.finished for dec in fl.decode for s in dec)
+    if not live and not any(fl.segments):
+        return []  # e.g. a chained block after its rows ended: nothing to read, no need to wait
+    out = replicas.host_readable(fl.out) if eng.D > 1 else fl.out
+    one = (lambda x: x[None]) if eng.D == 1 else (lambda x: x)  # a leading replica axis
+    if any(fl.segments):
+        plp = tuple(one(np.asarray(x)) for x in jax.device_get(out.prompt_logprobs))
+        for d, segs in enumerate(fl.segments):
+            record_prompt_logprobs(segs, tuple(x[d] for x in plp), eng.tokenizer)
+    if not live:
+        return []
+    per_query = (lambda x: x) if fl.spec else (lambda x: x[:, :, None])  # [D, R, q, ...]
+    toks = per_query(one(np.asarray(out.tokens)))
+    accepted = one(np.asarray(out.accepted)) if fl.spec else np.zeros(toks.shape[:2], np.int32)
+    lp = None if out.logprobs is None else tuple(per_query(one(np.asarray(x)))
+                                                 for x in jax.device_get(out.logprobs))
+    nxt = np.asarray(out.next_drafts) if fl.spec and out.next_drafts is not None else None
+    now = time.perf_counter()
+    done = []
+    for d, (decode, sched) in enumerate(zip(fl.decode, eng.scheds)):
+        for seq in decode:
+            if seq.slot < 0 or seq.row.checker.finished:
+                continue  # preempted or aborted (recomputed later, or dropped), or finished already
+            r, b = seq.row, seq.slot
+            a = int(accepted[d, b])
+            if fl.spec:
+                eng.drafter.took(seq, fl.drafted, a, None if nxt is None else nxt[b])
+            else:
+                seq.inflight -= 1
+            finished = False
+            for j in range(a + 1):
+                seq.computed = len(seq.tokens)  # the input of query j is in the pages now
+                lp_j = None if lp is None else tuple(x[d, :, j] for x in lp)
+                if record_token(r, int(toks[d, b, j]), lp_j, b, now, eng.tokenizer):
+                    finished = True
+                    break
+            sched.register_full_pages(seq)
+            if finished:
+                sched.release(seq)
+                eng._seqs.pop(id(r), None)
+                done.append(r)
+    return done
+
+def record_prompt_logprobs(segments, plp, tokenizer) -> None:
+    """Each prompt-logprob segment's query at position p scores prompt token p + 1."""
+    chosen, ranks, top_ids, top_lp = plp
+    for seq, start, n, at in segments:
+        r = seq.row
+        for t in range(n):
+            target = start + t + 1
+            if target >= len(r.prompt_ids) or len(r.prompt_logprobs) != target:
+                continue  # past the prompt, or recorded before a preemption
+            k = r.params.prompt_logprobs
+            r.prompt_logprobs.append(position_logprobs(
+                tokenizer, r.prompt_ids[target], float(chosen[at + t]), int(ranks[at + t]),
+                top_ids[at + t][:k], top_lp[at + t][:k]))
+
+
+def prompt_logprob_segments(plan) -> list:
+    """(seq, start, n, offset in the prefill row) of each segment whose prompt logprobs come back."""
+    out, at = [], 0
+    for g in plan.prefill:
+        if g.seq.wants_prompt_logprobs:
+            out.append((g.seq, g.start, g.n, at))
+        at += g.n
+    return out

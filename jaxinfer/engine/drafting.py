@@ -1,0 +1,313 @@
+"""Speculative decoding's host side inside the engine loop: what the drafter holds (Medusa heads,
+a draft model and its pools, an EAGLE head and its pools), which drafts each decoding row
+carries, the verification step's inputs, and what a read verification step teaches each row.
+
+``Engine.step`` asks ``propose`` for drafts; with any, it dispatches a verification step through
+``run`` (``step.spec_step``: each decode row carries its last token and its drafts), else a plain
+step (``plain_extras`` then keeps a draft model's or EAGLE head's pages in step). The engine's one
+consume path reads both kinds of step; ``took`` records a row's acceptance. With Medusa or EAGLE
+(``can_chain``), the next verification step is dispatched from the unread one's device outputs
+(``dispatch_chained``), so reading it overlaps the device's work. Methods and their configuration:
+``engine.speculative``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import cache as kv
+from jaxinfer import kernels
+from jaxinfer.engine import buckets
+from jaxinfer.engine.rows import Row
+from jaxinfer.engine.scheduler import Seq
+from jaxinfer.engine.speculative import SpecMethod, SpecStats, SpeculativeConfig, ngram_propose
+from jaxinfer.engine.step import SpecInputs, SpecState, draft_kv_step, spec_step
+from jaxinfer.errors import InvalidRequest
+from jaxinfer.models.packed import PackedBatch
+
+# methods whose drafts come out of the previous verification step (the host holds them)
+_DRAFTS_FROM_PREVIOUS_STEP = (SpecMethod.MEDUSA, SpecMethod.EAGLE)
+
+
+class Drafter:
+    """The speculative state of one engine (one replica, no pipeline). ``eng`` is the engine
+    whose pools, slots and scheduler the verification steps use and advance."""
+
+    def __init__(self, eng, spec: SpeculativeConfig, *, num_pages: int, draft=None):
+        self.eng, self.spec = eng, spec
+        self.stats = SpecStats(spec.num_speculative_tokens)
+        self.heads = self.draft_cfg = self.draft_weights = self.eagle = None
+        self.kv = None  # the draft model's or the EAGLE head's page pools (k, v), donated to each step
+        if spec.method == SpecMethod.MEDUSA:
+            from jaxinfer.models import medusa
+
+            self.heads, _ = medusa.load_heads(spec.model, eng.cfg)
+            if spec.num_speculative_tokens > self.heads["w"].shape[0]:
+                raise InvalidRequest(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} "
+                                     f"needs as many Medusa heads; {spec.model} has {self.heads['w'].shape[0]}")
+        elif spec.method == SpecMethod.DRAFT_MODEL:
+            self._init_draft(draft, num_pages)
+        elif spec.method == SpecMethod.EAGLE:
+            self._init_eagle(num_pages)
+        counted = eng._compiles.counted
+        self._spec_step = counted(jax.jit(
+            functools.partial(spec_step, windowed=eng.windowed),
+            static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode", "draft_layers", "draft_cfg"),
+            donate_argnames=("state",)))
+        self._draft_step = counted(jax.jit(functools.partial(draft_kv_step), static_argnames=("draft_cfg", "kernel_mode"),
+                                           donate_argnames=("draft_kv",)))
+
+    def _init_draft(self, draft, num_pages: int) -> None:
+        """The draft model of speculative draft_model and its page pools: as many pages as the
+        target's full-length pools, addressed by the same page tables (so a page holds the
+        same positions in both, whatever prefix caching, preemption and rejection do to it).
+        Its sliding-window layers, if any, keep every position: the window pools' tables
+        follow the target's layers, not the draft's."""
+        eng = self.eng
+        if draft is None:
+            raise InvalidRequest("speculative_config method draft_model needs its draft model loaded "
+                                 "(LLM loads speculative_config's model)")
+        dcfg, dweights = draft
+        if dcfg.vocab_size != eng.cfg.vocab_size:
+            raise InvalidRequest(f"speculative_config draft model {self.spec.model} has a vocabulary of "
+                                 f"{dcfg.vocab_size} tokens; the target's has {eng.cfg.vocab_size} "
+                                 "(a draft model must share the target's vocabulary)")
+        if eng.mesh is not None:
+            raise InvalidRequest("speculative_config method draft_model does not run with tensor parallelism yet")
+        pools = kv.init_paged_cache(dcfg, num_pages, eng.config.block_size,
+                                    kv.kv_storage_dtype(eng.config.kv_cache_dtype, dcfg))
+        self.draft_cfg, self.draft_weights = dcfg, dweights
+        self.kv = eng.committed((pools.k, pools.v))
+
+    def _init_eagle(self, num_pages: int) -> None:
+        """The EAGLE draft head (its layer, fc, and the LM-head rows of its draft vocabulary)
+        and its one-layer page pools, addressed by the target's page tables like a draft model's."""
+        from jaxinfer.models import eagle
+
+        eng = self.eng
+        if eng.mesh is not None:
+            raise InvalidRequest("speculative_config method eagle does not run with tensor parallelism yet")
+        head, vocab, _ = eagle.load_head(self.spec.model, eng.cfg)
+        rows = eagle.readout_rows(eng.weights, vocab, eng.cfg)
+        if self.spec.quantization == "int8":  # weight-only int8 matmul weights (norms stay float):
+            # a batch-1 draft pass streams a quarter of the bytes through the native int8 kernel
+            from jaxinfer.loaders.quantize import quantize_weight
+            from jaxinfer.quant import QuantConfig, QuantScheme, quantize_int8
+            from jaxinfer.specs import is_spec
+
+            qcfg = QuantConfig(QuantScheme.INT8)
+            head = jax.tree.map(lambda spec, w: quantize_weight("eagle", spec, w, qcfg),
+                                eagle.head_specs(eagle.layer_cfg(eng.cfg)), head, is_leaf=is_spec)
+            rows = quantize_int8(rows, (1,))  # [Vd, D], one scale per draft token
+        self.eagle = {"head": head, "rows": rows, "vocab": vocab}
+        pools = kv.init_paged_cache(eagle.layer_cfg(eng.cfg), num_pages, eng.config.block_size, jnp.float32)
+        self.kv = eng.committed((pools.k, pools.v))
+
+    # ------------------------------------------------------------------ plain steps
+    def max_rows(self) -> int:
+        """The largest row bucket a verification step can have (disable_by_batch_size's)."""
+        n = self.eng.max_num_seqs
+        return buckets.bucket(self.spec.max_rows(n), buckets.BATCH_BUCKETS, n)
+
+    def plain_extras(self, batch: PackedBatch, mode) -> tuple:
+        """Before a plain step: the draft model writes its keys and values of the same tokens
+        (before the target's step, which donates the slots whose last tokens a use_prev row
+        reads). The extra arguments of ``step.packed_step``: the EAGLE head and its pools where
+        speculation may run (rows up to ``max_rows``; a row that decoded in a larger batch
+        keeps stale entries for those positions, which can only lower its acceptance later)."""
+        if self.draft_cfg is not None:
+            self.kv = self._draft_step(self.draft_weights, batch, self.kv, self.eng.slots.last_tokens,
+                                       draft_cfg=self.draft_cfg, kernel_mode=mode)
+        if self.eagle is not None and batch.rows <= self.max_rows():
+            return self.eagle, self.kv
+        return ()
+
+    # ------------------------------------------------------------------ drafts
+    def propose(self, decoding: list[Seq]) -> dict:
+        """Drafts per decoding sequence (at most what its max_tokens leaves room for), cut to
+        what each row's grammar allows; {} when the step runs plain (too many rows, no drafts)."""
+        spec, pad = self.spec, self.eng.tokenizer.pad_id
+        constrained = [s for s in decoding if s.row.guided is not None]
+        # early-exit and draft-model drafts are made on device, where no grammar can check them
+        on_device = spec.method in (SpecMethod.EARLY_EXIT, SpecMethod.DRAFT_MODEL)
+        drafts = {}
+        if decoding and spec.speculates(len(decoding)) and not (constrained and on_device):
+            for s in decoding:
+                budget = min(spec.num_speculative_tokens, draft_room(s.row))
+                if budget <= 0:
+                    continue
+                if spec.method == SpecMethod.NGRAM:
+                    d = ngram_propose(s.tokens, budget, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                elif spec.method in _DRAFTS_FROM_PREVIOUS_STEP:  # the heads' guesses from the previous step
+                    d = list(s.drafts[:budget])
+                else:  # early_exit, draft_model: placeholders, drafted on device inside the step
+                    d = [pad] * budget
+                if d or spec.method in _DRAFTS_FROM_PREVIOUS_STEP:  # such rows need the step that runs the heads
+                    drafts[s] = d
+        for s in constrained:  # a row under a grammar drafts only what its grammar allows
+            if s in drafts:
+                drafts[s] = _grammar_prefix(s.row.guided, drafts[s])
+                if not drafts[s] and spec.method == SpecMethod.NGRAM:
+                    del drafts[s]
+        if not drafts:
+            self.stats.disabled_steps += bool(decoding)
+            for s in decoding:
+                s.drafts = s.branch_drafts = []  # stale after a step without the heads
+        return drafts
+
+    def block_guide(self, decode: list[Seq], rows: dict, R: int, q: int):
+        """Structured-output masks of every block position (bitmask i32[R, q, V/32], has_mask
+        bool[R]): position j's is the grammar's state after the row's drafts before j (the
+        drafts were cut to what the grammar allows). None when no row is constrained."""
+        constrained = [s for s in decode if s.row.guided is not None]
+        if not constrained:
+            return None
+        masks = np.full((R, q, -(-self.eng.cfg.vocab_size // 32)), -1, np.int32)
+        has = np.zeros(R, np.bool_)
+        for s in constrained:
+            m = s.row.guided.copy()
+            m.fill_bitmask(masks[s.slot, 0])
+            for j, tok in enumerate(rows.get(s.slot, [])):
+                m.accept(tok)
+                m.fill_bitmask(masks[s.slot, j + 1])
+            has[s.slot] = True
+        return masks, has
+
+    def branch_drafts(self, R: int, k: int, rows: dict):
+        """i32[R, W - 1, k]: the chains of EAGLE branches 1..W-1 of each row, cut to as many
+        drafts as its branch 0 carries (None without branches)."""
+        W = self.spec.branches
+        if W == 1:
+            return None
+        out = np.full((R, W - 1, k), self.eng.tokenizer.pad_id, np.int32)
+        slots = {s.slot: s for s in self.eng.sched.slots if s is not None}
+        for b, d in rows.items():
+            for i, chain in enumerate(slots[b].branch_drafts[: W - 1]):
+                out[b, i, : len(d)] = chain[: len(d)]
+        return out
+
+    def draft_layers(self) -> int:
+        return self.spec.num_layers if self.spec.method == SpecMethod.EARLY_EXIT else 0
+
+    # ------------------------------------------------------------------ the verification step
+    def run(self, batch: PackedBatch, guide, *, num_logprobs: int, prompt_logprobs: int, draft_layers: int,
+            branch_drafts=None, chain=None):
+        """One verification step on the engine's pools and slots and the drafter's pools (all
+        donated). branch_drafts: i32[R, W - 1, k] with EAGLE branches (zeros when None). chain:
+        see ``step.spec_step``."""
+        eng, W = self.eng, self.spec.branches
+        if W > 1 and branch_drafts is None:
+            branch_drafts = np.zeros((batch.rows, W - 1, batch.q - 1), np.int32)
+        inputs = SpecInputs(batch=batch, guide=guide, branch_drafts=branch_drafts, chain=chain, heads=self.heads,
+                            draft_weights=self.draft_weights, eagle=self.eagle)
+        state = SpecState(eng.k_pages, eng.v_pages, eng.slots, self.kv)
+        out, state = self._spec_step(eng.weights, inputs, state, cfg=eng.cfg, num_logprobs=num_logprobs,
+                                     prompt_logprobs=prompt_logprobs, kernel_mode=kernels.current_mode(),
+                                     draft_layers=draft_layers, draft_cfg=self.draft_cfg)
+        eng.k_pages, eng.v_pages, eng.slots, self.kv = state.k_pages, state.v_pages, state.slots, state.draft_kv
+        return out
+
+    def warm(self, R: int, width: int, Tp: int) -> None:
+        """Compile the verification step of this shape, and its chained form (``warmup``)."""
+        if not 0 < R <= self.max_rows():
+            return
+        q = self.spec.num_speculative_tokens + 1
+        self.run(self.eng.idle_batch(R, width, Tp, q=q), None, num_logprobs=-1, prompt_logprobs=-1,
+                 draft_layers=self.draft_layers())
+        if Tp == 0 and self.chains():
+            K = self.heads["w"].shape[0] if self.heads is not None else q - 1
+            z = lambda *shape: jnp.zeros(shape, jnp.int32)
+            self.run(self.eng.idle_batch(R, width, 0, q=q), None, num_logprobs=-1, prompt_logprobs=-1,
+                     draft_layers=0, chain=(z(R), z(R, K), z(R)))
+
+    # ------------------------------------------------------------------ chaining
+    def chains(self) -> bool:
+        """Whether verification steps may be chained at all (see ``can_chain``)."""
+        eng = self.eng
+        return (self.spec.method in _DRAFTS_FROM_PREVIOUS_STEP and self.spec.branches == 1 and not eng.window
+                and eng.mesh is None)
+
+    def can_chain(self, fl) -> bool:
+        """Whether the next verification step can be dispatched before the unread ``fl`` is read:
+        Medusa or EAGLE drafts (one chain, no grammar), the same rows decoding and nothing to
+        admit or prefill, and, for every row, pages for everything the two blocks may write
+        (without preempting) below max_model_len. No window pools: a windowed row's table
+        follows its position, which only the unread step knows."""
+        eng, k = self.eng, self.spec.num_speculative_tokens
+        (decode,) = fl.decode
+        if not fl.spec or not decode or not self.chains():
+            return False
+        running = eng.sched.running()
+        if len(running) != len(decode) or not self.spec.speculates(len(running)):
+            return False
+        if eng.sched.waiting and len(running) < eng.max_num_seqs:
+            return False  # a waiting sequence would be admitted
+        ps, need = eng.allocator.page_size, 0
+        for s in decode:
+            if s.slot < 0 or s.state.value != "decode" or s.row.guided is not None or s.row.checker.finished:
+                return False
+            if draft_room(s.row) <= 0:
+                return False  # the unread block ends the row
+            last = len(s.tokens) + 2 * k  # the unread block's k + 1, then k drafts
+            if last >= eng.max_model_len:
+                return False
+            need += max(0, last // ps + 1 - len(s.pages))
+        return need <= eng.allocator.num_free
+
+    def dispatch_chained(self, fl, in_flight):
+        """The next verification step of fl's rows, from fl's device outputs (``can_chain``);
+        ``in_flight(decode, segments, out, drafted)`` makes the engine's record of it (lists per
+        replica; drafted None: chained)."""
+        eng, k = self.eng, self.spec.num_speculative_tokens
+        (decode,) = fl.decode
+        for s in decode:
+            s.lookahead = 2 * k + 1
+        plan = eng.sched.plan()
+        for s in decode:
+            s.lookahead = 0
+        assert not plan.inserted and not plan.prefill and plan.decode == decode
+        batch = eng.build([plan], k + 1, want_targets=False)
+        budget = np.zeros(batch.rows, np.int32)  # room after the unread block's last token
+        for s in plan.decode:
+            budget[s.slot] = draft_room(s.row) - 1
+        num_lp = buckets.logprob_bucket([s.row.params.logprobs for s in plan.decode])
+        eng.shapes_run.add((batch.rows, batch.table.shape[1], 0, k + 1, num_lp, -1, "chained"))
+        out = self.run(batch, None, num_logprobs=num_lp, prompt_logprobs=-1, draft_layers=0,
+                       chain=(fl.out.accepted, fl.out.next_drafts, budget))
+        eng.sched.stats["decode_steps"] += 1
+        self.stats.steps += 1
+        return in_flight([plan.decode], [[]], out, None)
+
+    # ------------------------------------------------------------------ reading
+    def took(self, seq: Seq, drafted: dict | None, accepted: int, next_drafts) -> None:
+        """Record what a read verification step did for one row: its acceptance, and the drafts
+        its heads made for the next block (next_drafts: i32[K], or [W, K] with EAGLE branches)."""
+        r, k = seq.row, self.spec.num_speculative_tokens
+        # a chained block drafted what the row's max_tokens left room for after the last one
+        n = drafted.get(seq.slot, 0) if drafted is not None else min(k, max(0, draft_room(r)))
+        if n:
+            self.stats.record(n, accepted)
+        seq.drafts = [] if next_drafts is None else next_drafts.tolist()
+        if next_drafts is not None and next_drafts.ndim == 2:  # EAGLE branches: [W, k] per row
+            seq.drafts, seq.branch_drafts = seq.drafts[0], seq.drafts[1:]
+        r.spec_drafted += n
+        r.spec_accepted += accepted
+
+
+def draft_room(row: Row) -> int:
+    """Drafts a block of this row may carry before max_tokens (its last token comes from the
+    target): max_new - generated - 1, before the cut to k (<= 0: none)."""
+    return row.max_new - len(row.token_ids) - 1
+
+
+def _grammar_prefix(matcher, drafts: list[int]) -> list[int]:
+    """The longest prefix of drafts that a copy of the row's grammar matcher accepts."""
+    m = matcher.copy()
+    for j, tok in enumerate(drafts):
+        if not m.accept(tok):
+            return drafts[:j]
+    return drafts

@@ -1,0 +1,450 @@
+"""The engine: continuous batching over a paged KV cache, one packed step per scheduler iteration.
+
+    LLM -> Engine.step -> Scheduler.plan -> batch.build_batch -> step.packed_step / spec_step -> model
+
+Each iteration the scheduler (``engine.scheduler``) decides what to compute, and one jitted call
+runs every decoding sequence and a row of packed prompt chunks together, so the weights are read
+once per iteration and the matmuls see every token of the step. The page pools and the per-slot
+device state are donated to every step. The next step is dispatched before the host reads the
+current one's tokens, so detokenizing and stop checks overlap device work. With speculative
+decoding (``engine.drafting``) a step may be a verification step: its decode rows carry drafts
+and it may emit several tokens per row; the same consume path reads both kinds. With data
+parallelism (``engine.replicas``) the engine holds D replicas, each with its own scheduler,
+slots and pools, and one step runs them all.
+
+The interface is vLLM's LLMEngine's: ``add(row)``, ``abort(row)``, ``step()`` (returns the rows
+that finished), ``has_unfinished()``; ``run(rows)`` drives them for a batch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import cache as kv
+from jaxinfer import kernels
+from jaxinfer import sampling as smp
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine import buckets, replicas
+from jaxinfer.engine.batch import build_batch, plan_shape, window_width
+from jaxinfer.engine.compiles import CompileCounter
+from jaxinfer.engine.config import EngineConfig, kv_budget, pool_sizes
+from jaxinfer.engine.consume import InFlight, consume, prompt_logprob_segments
+from jaxinfer.engine.rows import Row
+from jaxinfer.engine.scheduler import Scheduler, Seq
+from jaxinfer.engine.speculative import SpeculativeConfig
+from jaxinfer.engine.step import STOP_ID_WIDTH, SlotState, insert_step, make_slots, packed_step
+from jaxinfer.errors import InvalidRequest
+from jaxinfer.models.packed import PackedBatch
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """Continuous batching over one model (``config`` is one replica's).
+
+    Structured output: a row whose ``guided`` is a grammar matcher (``guided.GrammarMatcher``:
+    ``fill_bitmask(out)``, ``accept(token)``) samples only what its grammar allows. Its mask is
+    filled on the host and applied inside the jitted step; steps with no constrained row run
+    without any mask. A constrained row's mask needs its previous token, so while one is running
+    the host reads each step's tokens before dispatching the next."""
+
+    def __init__(self, cfg: ModelConfig, weights, tokenizer, *, max_model_len: int,
+                 config: EngineConfig | None = None, seed: int = 0,
+                 speculative: SpeculativeConfig | None = None, mesh=None, draft=None,
+                 pools: concurrent.futures.Future | None = None):
+        """mesh: (data, stage, model) axes: data > 1 makes replicas, stage > 1 a pipeline.
+        draft: (ModelConfig, weights) of the draft model when speculative is draft_model.
+        pools: ``config.start_pools(cfg, config, max_model_len)``, begun while the weights
+        were read (one device)."""
+        config = config or EngineConfig()
+        self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
+        self.max_model_len, self.config, self.seed, self.mesh = max_model_len, config, seed, mesh
+        self.max_num_seqs = config.max_num_seqs
+        self.D = D = mesh.shape["data"] if mesh is not None else 1
+        self.spec = SpeculativeConfig.parse(speculative, cfg.n_layers)
+        if D > 1 and self.spec is not None:
+            raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")
+        ps = config.block_size
+        self.pages_per_seq = -(-max_model_len // ps)
+        self.kv_dtype = kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
+        budget = kv_budget(config, mesh.devices[0].flat if mesh is not None else _devices(weights))
+        self.window, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, self.pages_per_seq, budget)
+        self.scheds = [Scheduler(max_num_seqs=config.max_num_seqs, page_size=ps, num_pages=num_pages,
+                                 prefill_chunk=config.max_num_batched_tokens,
+                                 prefix_caching=config.enable_prefix_caching, scheduling=config.scheduling_policy,
+                                 window=self.window, num_window_pages=num_window_pages) for _ in range(D)]
+        self.sched = self.scheds[0]  # page sizes and counts, the same in every replica
+        self.allocator, self.window_allocator = self.sched.allocator, self.sched.window_allocator
+        self.pipeline = None
+        self._init_pools(num_pages, num_window_pages, pools)
+        self.slots = self._fresh_slots()
+        # one partial per engine, so each engine's jit caches are its own; the counter counts
+        # the executables they build (engine.compiles)
+        self._compiles = CompileCounter()
+        statics = ("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode")
+        donate = ("k_pages", "v_pages", "slots")
+        if D > 1:
+            fn = functools.partial(replicas.replicas_step, mesh=mesh, windowed=self.windowed)
+            insert = replicas.insert_replica
+        else:
+            fn = functools.partial(packed_step, windowed=self.windowed, pipeline=self.pipeline)
+            insert, donate = insert_step, (*donate, "eagle_kv")
+        self._step = self._compiles.counted(jax.jit(fn, static_argnames=statics, donate_argnames=donate))
+        self._insert = self._compiles.counted(jax.jit(functools.partial(insert), donate_argnames=("slots",)))
+        self.drafter = None
+        if self.spec is not None:
+            from jaxinfer.engine.drafting import Drafter
+
+            self.drafter = Drafter(self, self.spec, num_pages=num_pages, draft=draft)
+        self._seqs: dict[int, tuple[int, Seq]] = {}  # id(row) -> (replica, its sequence), for abort
+        self._inflight: InFlight | None = None
+        self._bitmask: np.ndarray | None = None  # i32[S, V/32] structured-output masks, made on first use
+        self.shapes_run: set[tuple] = set()  # (R, width, Tp, q, logprobs, prompt logprobs) of every step run
+
+    def _init_pools(self, num_pages: int, num_window_pages: int | None, pools) -> None:
+        cfg, ps, mesh = self.cfg, self.config.block_size, self.mesh
+        if mesh is not None and mesh.shape.get("stage", 1) > 1:
+            # pipeline parallel: each stage's devices hold only their layers' weights and pools
+            if self.spec is not None:
+                raise InvalidRequest("speculative decoding with pipeline_parallel_size > 1 is not supported")
+            from jaxinfer.engine.pipeline import (
+                PipelineLayout,
+                check_pipeline,
+                init_pools,
+                stack_weights,
+            )
+
+            check_pipeline(cfg)
+            self.windowed = tuple(num_window_pages is not None and cfg.layer_window(i) is not None
+                                  for i in range(cfg.n_layers))
+            self.pipeline = PipelineLayout.make(mesh, cfg.n_layers, self.windowed)
+            self.weights = stack_weights(self.weights, self.pipeline)
+            self.k_pages, self.v_pages = init_pools(cfg, self.pipeline, num_pages, ps, self.kv_dtype, num_window_pages)
+            return
+        if pools is not None and pools.made_for != (cfg, self.config, self.max_model_len):
+            raise ValueError("the page pools were started for another model or engine configuration")
+        cache = (pools.result() if pools is not None else
+                 kv.init_paged_cache(cfg, num_pages, ps, self.kv_dtype, num_window_pages=num_window_pages))
+        self.k_pages, self.v_pages, self.windowed = cache.k, cache.v, cache.windowed
+        if mesh is None:
+            self.k_pages, self.v_pages = self.committed((self.k_pages, self.v_pages))
+            return
+        # tensor parallel: pools split over KV heads (or replicated)
+        from jaxinfer.sharding import kv_pool_shardings
+
+        pools_ = (self.k_pages, self.v_pages)
+        if self.D > 1:
+            pools_ = jax.tree.map(lambda a: jnp.broadcast_to(a, (self.D,) + a.shape), pools_)
+        pool = kv_pool_shardings(mesh, cfg, leading=("data",) if self.D > 1 else ())
+        self.k_pages, self.v_pages = jax.device_put(pools_, (pool, pool))
+
+    # ------------------------------------------------------------------ reports
+    @property
+    def stats(self) -> dict:
+        if self.D == 1:
+            return self.sched.stats
+        out: dict = {}
+        for s in self.scheds:
+            for k, v in s.stats.items():  # peak_pages: the sum of the replicas' peaks
+                out[k] = out.get(k, 0) + v
+        return out
+
+    @property
+    def spec_stats(self):
+        """Speculative decoding's acceptance counters (``speculative.SpecStats``), or None."""
+        return self.drafter.stats if self.drafter is not None else None
+
+    @property
+    def supports_guided_decoding(self) -> bool:
+        return self.D == 1
+
+    @property
+    def last_cache_bytes(self) -> int:
+        extra = self.drafter.kv if self.drafter is not None else None
+        pools = self.k_pages + self.v_pages + (list(extra[0]) + list(extra[1]) if extra else [])
+        return sum(a.nbytes for a in pools if a is not None)
+
+    def num_compilations(self) -> int:
+        """Executables built so far by the engine's jitted steps (each compiled, or loaded from
+        the persistent compilation cache): exact, see ``engine.compiles``."""
+        return self._compiles.count
+
+    def num_running(self) -> int:
+        return sum(s is not None for sc in self.scheds for s in sc.slots)
+
+    def num_waiting(self) -> int:
+        return sum(len(sc.waiting) for sc in self.scheds)
+
+    def kv_usage(self) -> float:
+        """Share of the full-length page pools in use (scratch pages excluded)."""
+        return sum(sc.allocator.num_used for sc in self.scheds) / max(self.D * (self.allocator.num_pages - 1), 1)
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup_shapes(self, max_prompt_len: int | None = None, max_len: int | None = None) -> list[tuple]:
+        """Every (R, width, Tp) a workload whose prompts are at most max_prompt_len tokens and
+        whose sequences at most max_len can hit (a cached prefix or a long prompt's earlier
+        chunks may give the prefill row history of up to max_prompt_len positions)."""
+        max_len = min(max_len or self.max_model_len, self.max_model_len)
+        max_prompt = min(max_prompt_len or max_len, max_len)
+        ps, chunk = self.allocator.page_size, self.config.max_num_batched_tokens
+        rows = sorted({0} | {buckets.bucket(n, buckets.BATCH_BUCKETS, self.max_num_seqs)
+                             for n in range(1, self.max_num_seqs + 1)})
+        top_tp = buckets.bucket(min(max_prompt, chunk), buckets.PREFILL_BUCKETS, chunk)
+        tps = sorted({0} | {b for b in buckets.PREFILL_BUCKETS if b <= top_tp} | {top_tp})
+        widths = sorted({buckets.width_bucket(n, self.pages_per_seq) for n in range(1, -(-max_len // ps) + 1)})
+        return [(R, w, Tp) for R in rows for w in widths for Tp in tps if R or Tp]
+
+    def idle_batch(self, rows: int, width: int, prefill: int, q: int = 1) -> PackedBatch:
+        """A batch of the given shape (every replica's) that touches only the scratch page."""
+        ww = window_width(width, q, self.window, self.allocator.page_size)
+        N = rows * q + prefill
+        z = lambda *shape: np.zeros(shape, np.int32)
+        one = PackedBatch(tokens=z(N), positions=z(N), write_page=z(N), write_wpage=z(N),
+                          active=np.zeros(rows, np.bool_), use_prev=np.zeros(rows, np.bool_), last_q=z(rows),
+                          table=z(rows + 1, width), wtable=z(rows + 1, ww), wbase=z(rows + 1),
+                          seg=np.full(prefill, -1, np.int32), hist_end=np.int32(0),
+                          targets=np.full(prefill, -1, np.int32), rows=rows, q=q,
+                          max_segments=min(prefill, self.max_num_seqs))
+        return one if self.D == 1 else replicas.stack([one] * self.D)
+
+    def warmup(self, max_prompt_len: int | None = None, max_len: int | None = None) -> int:
+        """Compile every step shape a workload up to these lengths can hit (see
+        ``warmup_shapes``), verification steps included; returns the number of executables
+        compiled. Runs the steps on the scratch page only, with every slot idle."""
+        before = self.num_compilations()
+        for R, w, Tp in self.warmup_shapes(max_prompt_len, max_len):
+            self.run_step(self.idle_batch(R, w, Tp))
+            if self.drafter is not None:
+                self.drafter.warm(R, w, Tp)
+        self.slots = self._fresh_slots()  # warm-up sampled into idle slots
+        if self.D == 1:  # one slot's state from the host, as _insert_row's (slot_state_for) comes
+            self._insert_at(0, 0, jax.tree.map(lambda a: jax.device_put(np.asarray(a[:1])), self.slots))
+        jax.block_until_ready(self.k_pages)
+        return self.num_compilations() - before
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, row: Row) -> None:
+        """Raise InvalidRequest if the row can never run on this engine."""
+        if row.guided is not None and not self.supports_guided_decoding:
+            raise InvalidRequest("structured output (guided_decoding) is not supported with data_parallel_size > 1")
+        n = len(row.prompt_ids) + row.max_new
+        need = -(-n // self.allocator.page_size)
+        if need > self.allocator.num_pages - 1:
+            raise InvalidRequest(
+                f"a sequence of {n} tokens needs {need} KV pages but the pool has only "
+                f"{self.allocator.num_pages - 1}; raise kv_cache_memory_bytes or num_gpu_blocks_override, "
+                "or lower max_tokens")
+        ids = tuple(row.params.stop_token_ids) + (() if row.params.ignore_eos else tuple(self.tokenizer.eos_ids))
+        if row.params.min_tokens and len(ids) > STOP_ID_WIDTH:
+            raise InvalidRequest(f"min_tokens supports at most {STOP_ID_WIDTH - len(self.tokenizer.eos_ids)} stop_token_ids")
+
+    def add(self, row: Row) -> None:
+        """Validate and queue a row (on the replica with the least work); it joins the running
+        batch when a slot and pages allow."""
+        self.validate(row)
+        if row.params.prompt_logprobs is not None:
+            row.prompt_logprobs = [None]
+        d = min(range(self.D), key=lambda i: (len(self.scheds[i].waiting) + len(self.scheds[i].running()), i))
+        self._seqs[id(row)] = (d, self.scheds[d].add(row))
+
+    def abort(self, row: Row) -> None:
+        """Cancel a waiting or running row: its pages are freed and it is never returned."""
+        found = self._seqs.pop(id(row), None)
+        if found is not None:
+            self.scheds[found[0]].abort(found[1])
+
+    def has_unfinished(self) -> bool:
+        return self._has_work() or self._inflight is not None
+
+    def _has_work(self) -> bool:
+        return any(s.has_work() for s in self.scheds)
+
+    def run(self, rows) -> Iterator[Row]:
+        """Run rows (an iterable, consumed as slots free up); yield each row as it finishes."""
+        incoming = iter(rows)
+        exhausted = False
+        while True:
+            # keep the queue topped up without reading the whole input
+            while not exhausted and self.num_waiting() < 2 * self.max_num_seqs * self.D:
+                row = next(incoming, None)
+                if row is None:
+                    exhausted = True
+                    break
+                self.add(row)
+            yield from self.step()
+            if exhausted and not self.has_unfinished():
+                return
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[Row]:
+        """One scheduler iteration: dispatch the next step, then read the previous one's tokens
+        while it runs. The previous step is read first when the next depends on its tokens: a
+        constrained row's mask, or speculation's drafts (unless the drafter can chain the next
+        verification step from the unread one's device outputs). Returns the rows that finished."""
+        done = []
+        fl, self._inflight = self._inflight, None
+        if fl is not None and (fl.guided or (self.drafter is not None and not self.drafter.can_chain(fl))):
+            done, fl = consume(self, fl), None
+        if fl is not None and self.drafter is not None:
+            self._inflight = self.drafter.dispatch_chained(fl, self._record)
+        elif self._has_work():
+            self._inflight = self._dispatch()
+        if fl is not None:
+            done = consume(self, fl)
+        return done
+
+    def _dispatch(self) -> InFlight | None:
+        """Plan every replica and dispatch their step: a verification step where the drafter
+        has drafts, else a plain one."""
+        drafts = {}
+        if self.drafter is not None:
+            decoding = [s for s in self.sched.slots if s is not None and s.state.value == "decode"]
+            drafts = self.drafter.propose(decoding)
+        for s, d in drafts.items():
+            s.lookahead = len(d)
+        plans = [s.plan() for s in self.scheds]
+        for s in drafts:
+            s.lookahead = 0
+        for d, plan in enumerate(plans):
+            for seq in plan.inserted:
+                self._insert_row(d, seq)
+        if not any(p.decode or p.prefill for p in plans):
+            return None
+        want_plp = [g.seq.row.params.prompt_logprobs for p in plans for g in p.prefill if g.seq.wants_prompt_logprobs]
+        num_lp = buckets.logprob_bucket([s.row.params.logprobs for p in plans for s in p.decode])
+        plp = buckets.logprob_bucket(want_plp)
+        if drafts:
+            (plan,) = plans
+            rows = {s.slot: drafts[s] for s in plan.decode if s in drafts}
+            q = self.spec.num_speculative_tokens + 1
+            batch = self.build(plans, q, want_targets=bool(want_plp), drafts=rows)
+            self.shapes_run.add((batch.rows, batch.table.shape[1], batch.prefill_len, q, num_lp, plp))
+            out = self.drafter.run(batch, self.drafter.block_guide(plan.decode, rows, batch.rows, q),
+                                   num_logprobs=num_lp, prompt_logprobs=plp, draft_layers=self.drafter.draft_layers(),
+                                   branch_drafts=self.drafter.branch_drafts(batch.rows, q - 1, rows))
+            if plan.decode:
+                self.drafter.stats.steps += 1
+            drafted = {b: len(d) for b, d in rows.items()}
+        else:
+            batch = self.build(plans, 1, want_targets=bool(want_plp))
+            guide = self._guide(plans[0].decode, batch.rows) if self.D == 1 else None
+            out = self.run_step(batch, num_logprobs=num_lp, prompt_logprobs=plp, guide=guide)
+            for p in plans:
+                for s in p.decode:
+                    s.inflight += 1
+        for p, sched in zip(plans, self.scheds):
+            sched.prefill_done(p.prefill)
+            if p.decode:
+                sched.stats["decode_steps"] += 1
+        fl = self._record([p.decode for p in plans], [prompt_logprob_segments(p) for p in plans], out,
+                          drafted if drafts else False)
+        fl.guided = not drafts and any(s.row.guided is not None for s in plans[0].decode)
+        return fl
+
+    @staticmethod
+    def _record(decode: list[list[Seq]], segments: list[list], out, drafted: dict | None | bool = False) -> InFlight:
+        """The in-flight record of a step: drafted False for a plain step; for a verification
+        step, slot -> its row's drafts, or None when chained."""
+        return InFlight(decode, segments, out, spec=drafted is not False,
+                         drafted=None if drafted is False else drafted)
+
+    def build(self, plans, q: int, *, want_targets: bool, drafts: dict | None = None) -> PackedBatch:
+        """``batch.build_batch`` of every replica's plan with the engine's own sizes, padded to
+        one shape and stacked when there are several replicas (an EAGLE head needs every
+        prefill token's next token)."""
+        kw = {"q": q, "pages_per_seq": self.pages_per_seq, "max_num_seqs": self.max_num_seqs,
+              "prefill_chunk": self.config.max_num_batched_tokens}
+        eagle = self.drafter is not None and self.drafter.eagle is not None
+        if self.D == 1:
+            return build_batch(plans[0], self.sched, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
+                               drafts=drafts, next_tokens=eagle, **kw)
+        shape = tuple(int(x) for x in np.max([plan_shape(p, s, **kw) for p, s in zip(plans, self.scheds)], axis=0))
+        return replicas.stack([build_batch(p, s, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
+                                           shape=shape, **kw) for p, s in zip(plans, self.scheds)])
+
+    def run_step(self, batch: PackedBatch, *, num_logprobs: int = -1, prompt_logprobs: int = -1, guide=None):
+        """Run one plain step on the engine's pools and slots (donated); returns its StepOutput.
+        guide: None, or (bitmask i32[R, V/32], has_mask bool[R]) for the decode rows."""
+        self.shapes_run.add((batch.rows, batch.table.shape[-1], batch.seg.shape[-1], batch.q, num_logprobs,
+                             prompt_logprobs) + (("guided",) if guide is not None else ()))
+        mode = kernels.current_mode()
+        extra = self.drafter.plain_extras(batch, mode) if self.drafter is not None else ()
+        out, self.k_pages, self.v_pages, self.slots, *eagle_kv = self._step(
+            self.weights, batch, self.k_pages, self.v_pages, self.slots, guide, *extra, cfg=self.cfg,
+            num_logprobs=num_logprobs, prompt_logprobs=prompt_logprobs, kernel_mode=mode)
+        if eagle_kv:
+            self.drafter.kv = eagle_kv[0]
+        return out
+
+    def _guide(self, decode: list[Seq], R: int):
+        """The decode rows' structured-output masks (bitmask i32[R, V/32], has_mask bool[R]), or
+        None when no row is constrained. Decode row r is slot r."""
+        guided = [s for s in decode if s.row.guided is not None]
+        if not guided:
+            return None
+        if self._bitmask is None:
+            self._bitmask = np.full((self.max_num_seqs, -(-self.cfg.vocab_size // 32)), -1, np.int32)
+        has = np.zeros(R, np.bool_)
+        for s in guided:
+            s.row.guided.fill_bitmask(self._bitmask[s.slot])
+            has[s.slot] = True
+        return self._bitmask[:R].copy(), has
+
+    # ------------------------------------------------------------------ slots
+    def committed(self, tree):
+        """``tree`` committed to the device of the (one-device) weights, without a copy. jit keys
+        its executables on whether each argument is committed: a step's outputs are (its
+        weights are), so pools or slots left uncommitted (made by jnp.zeros or a bare
+        device_put) would make the first step shape's executable twice, once for them and
+        again for the outputs that replace them (a second lowering, 0.5-1 s, mid-run)."""
+        return jax.device_put(tree, _devices(self.weights)[0])
+
+    def _fresh_slots(self) -> SlotState:
+        """Every slot idle, placed as the steps' own outputs will be: split over the replicas,
+        replicated over the mesh, or committed to the weights' device."""
+        slots = make_slots(self.cfg.vocab_size, self.max_num_seqs, self.seed)
+        if self.mesh is None:
+            return self.committed(slots)
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        if self.D > 1:
+            slots = jax.tree.map(lambda a: jnp.broadcast_to(a, (self.D,) + a.shape), slots)
+        return jax.device_put(slots, NamedSharding(self.mesh, PartitionSpec("data" if self.D > 1 else None)))
+
+    def _insert_row(self, replica: int, seq: Seq) -> None:
+        self._insert_at(replica, seq.slot, slot_state_for(seq.row, self.cfg.vocab_size, self.tokenizer.eos_ids,
+                                                           self.seed))
+
+    def _insert_at(self, replica: int, slot: int, new: SlotState) -> None:
+        where = (jnp.int32(replica),) if self.D > 1 else ()
+        self.slots = self._insert(self.slots, *where, jnp.int32(slot), new)
+
+
+def _devices(weights) -> list:
+    """The device of (one-device) weights: the first committed leaf's, else the default one."""
+    leaf = next((a for a in jax.tree.leaves(weights) if getattr(a, "committed", False)), None)
+    return list(leaf.devices()) if leaf is not None else jax.devices()[:1]
+
+
+def slot_state_for(row: Row, vocab_size: int, eos_ids, seed: int) -> SlotState:
+    """One sequence's slot state (batch 1): its sampling state (penalties counting what it
+    generated before a preemption), stop ids, min_tokens and step count."""
+    p = row.params
+    sampling = smp.make_sampling_state([p], [row.prompt_ids], vocab_size, default_seed=seed,
+                                       request_indices=[row.request_index])
+    if row.token_ids:  # recomputing after preemption: penalties must see what was generated
+        counts = np.bincount(row.token_ids, minlength=vocab_size).astype(np.int32)[None]
+        sampling = dataclasses.replace(sampling, output_counts=jax.device_put(counts))
+    stop, mins = smp.min_tokens_inputs([p], eos_ids)
+    stop_ids = np.full((1, STOP_ID_WIDTH), -1, np.int32)
+    stop_ids[0, : min(stop.shape[1], STOP_ID_WIDTH)] = stop[0, :STOP_ID_WIDTH]
+    # host arrays in one transfer (jnp.asarray would compile a small executable per shape)
+    return SlotState(sampling, *jax.device_put((np.zeros(1, np.int32), stop_ids, np.asarray(mins, np.int32),
+                                                np.asarray([len(row.token_ids)], np.int32))))
