@@ -40,6 +40,7 @@ from jaxinfer.engine.step import (
     insert_step,
     make_slots,
     packed_step,
+    slots_with_vocab_state,
     spec_step,
 )
 from jaxinfer.errors import InvalidRequest
@@ -722,7 +723,7 @@ class PagedEngine:
     def _fresh_slots(self) -> SlotState:
         """Every slot idle, placed as the steps' own outputs will be: replicated over the mesh,
         or committed to the weights' device."""
-        slots = make_slots(self.cfg.vocab_size, self.max_num_seqs, self.seed)
+        slots = make_slots(self.cfg.vocab_size, self.max_num_seqs, self.seed, vocab_state=False)
         if self.mesh is None:
             return _committed(slots, self.weights)
         from jax.sharding import NamedSharding, PartitionSpec
@@ -730,7 +731,10 @@ class PagedEngine:
         return jax.device_put(slots, NamedSharding(self.mesh, PartitionSpec()))
 
     def _insert_row(self, seq: Seq) -> None:
-        new = slot_state_for(seq.row, self.cfg.vocab_size, self.tokenizer.eos_ids, self.seed)
+        # [S, V] penalty statistics only while some running row has penalties
+        need = any(s is not None and smp.needs_vocab_state(s.row.params) for s in self.sched.slots)
+        self.slots = slots_with_vocab_state(self.slots, self.cfg.vocab_size, need)
+        new = slot_state_for(seq.row, self.cfg.vocab_size, self.tokenizer.eos_ids, self.seed, vocab_state=need)
         self.slots = self._insert(self.slots, jnp.int32(seq.slot), new)
 
 
@@ -783,13 +787,14 @@ def start_pools(cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> c
     return future
 
 
-def slot_state_for(row: Row, vocab_size: int, eos_ids, seed: int) -> SlotState:
+def slot_state_for(row: Row, vocab_size: int, eos_ids, seed: int, *, vocab_state: bool = True) -> SlotState:
     """One sequence's slot state (batch 1): its sampling state (penalties counting what it
-    generated before a preemption), stop ids, min_tokens and step count."""
+    generated before a preemption; without [V] statistics unless vocab_state), stop ids,
+    min_tokens and step count."""
     p = row.params
     sampling = smp.make_sampling_state([p], [row.prompt_ids], vocab_size, default_seed=seed,
-                                       request_indices=[row.request_index])
-    if row.token_ids:  # recomputing after preemption: penalties must see what was generated
+                                       request_indices=[row.request_index], vocab_state=vocab_state)
+    if row.token_ids and vocab_state:  # recomputing after preemption: penalties must see what was generated
         counts = np.bincount(row.token_ids, minlength=vocab_size).astype(np.int32)[None]
         sampling = dataclasses.replace(sampling, output_counts=jax.device_put(counts))
     stop, mins = smp.min_tokens_inputs([p], eos_ids)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from jaxinfer.sampling.params import SamplingParams
 
 
