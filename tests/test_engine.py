@@ -10,6 +10,7 @@ import pytest
 from jaxinfer import SamplingParams, kernels
 from jaxinfer import cache as kv
 from jaxinfer import sampling as smp
+from jaxinfer.engine.step import slots_with_vocab_state
 from jaxinfer.errors import InvalidRequest
 
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog and keeps running", "1 2 3",
@@ -113,13 +114,16 @@ def test_max_tokens_capped_by_max_model_len(tiny_llm):
 def test_packed_step_donates_pools_and_slots(tiny_llm):
 
     eng = tiny_llm.engine  # the paged engine: page pools and per-slot device state donated
-    k_old, v_old, slots_old = eng.k_pages, eng.v_pages, eng.slots
+    # with the [S, V] penalty statistics, the largest per-slot buffers
+    slots_old = slots_with_vocab_state(eng.slots, tiny_llm.cfg.vocab_size, True)
+    k_old, v_old = eng.k_pages, eng.v_pages
     out = eng._step(tiny_llm.weights, eng.idle_batch(8, 8, 32), k_old, v_old, slots_old, cfg=tiny_llm.cfg,
                     num_logprobs=-1, prompt_logprobs=-1, kernel_mode=kernels.current_mode())
     jax.block_until_ready(out)
     assert all(a.is_deleted() for a in k_old + v_old)  # the page pools were donated
-    assert slots_old.sampling.output_counts.is_deleted() and slots_old.last_tokens.is_deleted()
-    _, eng.k_pages, eng.v_pages, eng.slots = out
+    assert all(a.is_deleted() for a in jax.tree.leaves(slots_old))
+    _, eng.k_pages, eng.v_pages, slots = out
+    eng.slots = slots_with_vocab_state(slots, tiny_llm.cfg.vocab_size, False)
     assert not any(a.is_deleted() for a in eng.k_pages + eng.v_pages)
 
 
