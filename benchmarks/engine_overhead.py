@@ -1,50 +1,178 @@
-"""Engine overhead: continuous-batching decode throughput against a bare jitted decode step.
+"""Engine overhead: continuous-batching decode throughput against a bare jitted decode step,
+where the engine's host time goes, and how many executables each ``generate`` builds.
 
-    python benchmarks/engine_overhead.py --model smollm2-135m-instruct --batch 64 --prompt 128 --new 64
+    python benchmarks/engine_overhead.py --tiny --batch 1 64 256
+    python benchmarks/engine_overhead.py --model smollm2-135m-instruct --batch 64
 
-The bare loop calls the engine's own jitted paged decode step back to back with fixed
-inputs (no scheduling, no host work) at the same batch size and context; the engine number
-is the decode-phase throughput of LLM.generate on `batch` requests of `prompt` tokens
-(tokens after each row's first / time from first to last token). Medians of --repeats.
+``--tiny``: a random 2-layer, d=64 Llama with SmolLM2's 49,152-token vocabulary and tokenizer
+(``loaders.random_weights``), so the sampler, the LM head and the host loop weigh what they
+weigh on the real model while the layers cost almost nothing.
+
+The bare loop calls the engine's own jitted paged decode step back to back with fixed inputs
+(no scheduling, no host work) at the same batch size and context; the engine number is the
+decode-phase throughput of LLM.generate on ``batch`` requests of ``prompt`` tokens (tokens
+after each row's first / time from first to last token). Medians of --repeats, interleaved.
+Each generate gets prompts of its own (same lengths), so a warm one runs the shapes the first
+ran; the executables each builds are counted (``Engine.num_compilations``, and every
+lowering in the process), and once more for the first prompts again, whose prefix-cache hits
+make shorter prefill rows with history: new step shapes.
+
+The host split wraps the engine's own methods with timers during one more generate: schedule
+(``Scheduler.plan``), insert (new rows' slot state), build (the step's host arrays), dispatch
+(the jitted step's call, which returns before the device finishes), consume (reading the
+step's tokens: mostly waiting for the device) and, inside it, detokenize and stop checks.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import time
 
 import jax
 import numpy as np
+from jax import monitoring
+
+from jaxinfer.engine.compiles import LOWERING_EVENT
+
+_lowerings = [0]
+
+
+def _count_lowering(event: str, secs: float, **kwargs) -> None:
+    if event == LOWERING_EVENT:
+        _lowerings[0] += 1
+
+
+def tiny_llm(batch: int, max_model_len: int = 1024):
+    """The tiny model's LLM: SmolLM2's tokenizer and vocabulary over 2 random layers of width 64."""
+    from jaxinfer import LLM, registry
+    from jaxinfer.config import Family, ModelConfig
+    from jaxinfer.loaders.gguf import GGUFCheckpoint
+    from jaxinfer.loaders.random_weights import random_loaded
+    from jaxinfer.tokenizer import tokenizer_from_gguf
+
+    path = registry.resolve("smollm2-135m-instruct", progress=False)
+    tok = tokenizer_from_gguf(GGUFCheckpoint(path).metadata)
+    cfg = ModelConfig(Family.LLAMA, vocab_size=49152, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                      d_ff=128, max_position=max_model_len, name="tiny-smollm2-vocab")
+    return LLM(random_loaded(cfg, tokenizer=tok), max_model_len=max_model_len, max_num_seqs=batch, progress=False)
+
+
+class HostSplit:
+    """Timers around the engine's host phases (see the module docstring)."""
+
+    def __init__(self, eng):
+        from jaxinfer.engine import paged
+        from jaxinfer.sampling.stop import StopChecker
+        from jaxinfer.tokenizer import IncrementalDetokenizer
+
+        self.t = collections.Counter()
+        self._undo = []
+        self._wrap(eng.sched, "plan", "schedule")
+        self._wrap(eng, "_insert_row", "insert")
+        self._wrap(eng, "_build", "build")
+        self._wrap(eng, "run_step", "dispatch")
+        self._wrap(eng, "_consume", "consume")
+        self._wrap(paged, "record_token", "record")
+        self._wrap(IncrementalDetokenizer, "add", "detokenize")
+        self._wrap(StopChecker, "update", "stop checks")
+
+    def _wrap(self, obj, name, label):
+        fn = getattr(obj, name)
+        had = name in vars(obj)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[label] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+        self._undo.append(lambda: setattr(obj, name, fn) if had else delattr(obj, name))
+
+    def close(self):
+        for u in reversed(self._undo):
+            u()
+
+
+def device_split(eng, B: int, n: int) -> dict:
+    """Seconds per call of the bare step's pieces, each jitted alone on the step's own inputs:
+    the LM head (hidden f32[B, 1, D] -> logits f32[B, V]) and the sampler (``step.sample_step``
+    on those logits with the slots' state); the layers and the rest are what the full step
+    costs beyond them."""
+    import jax.numpy as jnp
+
+    from jaxinfer.engine.step import sample_step
+    from jaxinfer.models.registry import family_module
+
+    mod = family_module(eng.cfg.family)
+    h = jax.random.normal(jax.random.key(0), (B, 1, eng.cfg.d_model), jnp.float32)
+    head = jax.jit(lambda w, x: mod.unembed(w, x, eng.cfg)[:, 0])
+    sub = jax.tree.map(lambda a: a[:B], eng.slots)
+    samp = jax.jit(lambda lg, s: sample_step(lg, s.sampling, s.generated, s.stop_ids, s.min_tokens, -1)[0])
+    logits = head(eng.weights, h)
+
+    def per_call(fn, *args):
+        jax.block_until_ready(fn(*args))
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / n
+
+    return {"LM head": per_call(head, eng.weights, h), "sampler": per_call(samp, logits, sub)}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--tiny", action="store_true", help="a random 2-layer d=64 model with SmolLM2's vocabulary")
+    ap.add_argument("--batch", type=int, nargs="+", default=[64])
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
-    from jaxinfer import LLM, SamplingParams
-    from jaxinfer.bench import PASSAGE
-    from jaxinfer.engine.buckets import width_bucket as len_bucket_pages
+    monitoring.register_event_duration_secs_listener(_count_lowering)
+    rows = []
+    for B in a.batch:
+        rows.append(run_one(a, B))
+    print(f"\n{'batch':>5} {'bare ms/step':>12} {'engine ms/step':>14} {'engine/bare':>11} "
+          f"{'built 1st':>9} {'built 2nd':>9} {'2nd, all lowerings':>18}")
+    for r in rows:
+        print(f"{r['B']:5d} {r['bare_ms']:12.2f} {r['engine_ms']:14.2f} {r['ratio']:11.3f} "
+              f"{r['built'][0]:9d} {r['built'][1]:9d} {r['lowered'][1]:18d}")
+    if len(rows) > 1:
+        print(f"bare step at batch {rows[-1]['B']} / batch {rows[0]['B']}: {rows[-1]['bare_ms'] / rows[0]['bare_ms']:.1f}x")
 
-    llm = LLM(a.model, max_model_len=1024, max_num_seqs=a.batch, progress=False)
+
+def run_one(a, B: int) -> dict:
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.engine.buckets import width_bucket
+
+    llm = tiny_llm(B) if a.tiny else LLM(a.model, max_model_len=1024, max_num_seqs=B, progress=False)
     eng = llm.engine
-    ids = llm.tokenizer.encode(PASSAGE * 20, add_special_tokens=False)
-    prompts = [{"prompt_token_ids": ids[i : i + a.prompt]} for i in range(a.batch)]
+    def prompts_of(k):  # the k-th set of B prompts: same lengths, no prefix shared with another set
+        rng = np.random.default_rng(k)
+        return [{"prompt_token_ids": [int(t) for t in rng.integers(100, 40000, a.prompt)]} for _ in range(B)]
+
     sp = SamplingParams(temperature=0, max_tokens=a.new, ignore_eos=True)
-    eng.warmup(max_prompt_len=a.prompt, max_len=a.prompt + a.new)
+    # no warm-up: the first generate builds what it runs (counted below)
+
+    built, lowered = [], []
 
     def engine_run():
-        outs = llm.generate(prompts, sp, use_tqdm=False)
+        c0, l0 = eng.num_compilations(), _lowerings[0]
+        outs = llm.generate(prompts_of(len(built)), sp, use_tqdm=False)
+        built.append(eng.num_compilations() - c0)
+        lowered.append(_lowerings[0] - l0)
         first = min(o.metrics.first_token_time for o in outs)
         last = max(o.metrics.last_token_time for o in outs)
-        return sum(len(o.outputs[0].token_ids) - 1 for o in outs) / (last - first)
+        return (last - first) / (a.new - 1)  # seconds per decode step
 
-    B, ps = a.batch, eng.allocator.page_size
-    width = len_bucket_pages(-(-(a.prompt + a.new) // ps), eng.pages_per_seq)
+    ps = eng.allocator.page_size
+    width = width_bucket(-(-(a.prompt + a.new) // ps), eng.pages_per_seq)
     batch = eng.idle_batch(B, width, 0)  # B decode rows, no prefill row
     batch.table[:B] = np.arange(1, B * width + 1).reshape(B, width) % (eng.allocator.num_pages - 1) + 1
     batch.positions[:] = a.prompt + a.new // 2  # the mean context of the engine run
@@ -60,14 +188,42 @@ def main():
         for _ in range(a.new):
             out = eng.run_step(batch)
         jax.block_until_ready(out.tokens)
-        return B * a.new / (time.perf_counter() - t0)
+        return (time.perf_counter() - t0) / a.new
 
+    engine_run()  # the first generate builds its step shapes (counted, not timed)
     bare_run()
-    pairs = [(bare_run(), engine_run()) for _ in range(a.repeats)]  # interleaved: same noise
-    bare = statistics.median(p[0] for p in pairs)
-    engine = statistics.median(p[1] for p in pairs)
-    print(f"batch {B}, prompt {a.prompt}, new {a.new}: bare decode step {bare:.1f} tok/s, "
-          f"engine decode phase {engine:.1f} tok/s, ratio {engine / bare:.3f}")
+    dev = device_split(eng, B, a.new)
+    eng.slots = eng._fresh_slots()  # the bare steps sampled into the slots
+    pairs = [(engine_run(), bare_run()) for _ in range(a.repeats)]  # interleaved: same noise
+    eng.slots = eng._fresh_slots()
+    bare = statistics.median(p[1] for p in pairs)
+    engine = statistics.median(p[0] for p in pairs)
+
+    split = HostSplit(eng)
+    t0 = time.perf_counter()
+    llm.generate(prompts_of(len(built)), sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    split.close()
+    # the first prompts again: their cached prefixes leave short prefill rows with history,
+    # step shapes the first generate did not run
+    c0 = eng.num_compilations()
+    llm.generate(prompts_of(0), sp, use_tqdm=False)
+    again = eng.num_compilations() - c0
+    t = split.t
+    steps = eng.stats.get("decode_steps", 0)
+    print(f"batch {B}, prompt {a.prompt}, new {a.new}: bare step {bare * 1e3:.2f} ms, engine decode step "
+          f"{engine * 1e3:.2f} ms, engine/bare {bare / engine:.3f}; executables built per generate {built}, "
+          f"all lowerings {lowered}; the first prompts again (prefix-cache hits) built {again}")
+    print("  device split of the bare step: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in dev.items()))
+    other = t["consume"] - t["record"]
+    print(f"  host split of one generate ({wall * 1e3:.0f} ms wall, {steps} decode steps counted so far): "
+          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in [
+              ("schedule", t["schedule"]), ("insert", t["insert"]), ("build", t["build"]),
+              ("dispatch", t["dispatch"]), ("consume (waiting on device)", other),
+              ("detokenize", t["detokenize"]), ("stop checks", t["stop checks"]),
+              ("rest of record", t["record"] - t["detokenize"] - t["stop checks"])]))
+    return {"B": B, "bare_ms": bare * 1e3, "engine_ms": engine * 1e3, "ratio": bare / engine,
+            "built": built, "lowered": lowered}
 
 
 if __name__ == "__main__":

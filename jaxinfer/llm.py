@@ -33,7 +33,9 @@ _DTYPES = ("float32", "bfloat16", "float16")
 class LLM:
     """A model loaded for offline generation.
 
-    model: a registry name (see ``jaxinfer models``), a Hugging Face Hub id (``org/name``, or
+    model: a ``loaders.checkpoint.Loaded`` already in memory (config, weights and tokenizer, e.g.
+    ``loaders.random_weights.random_loaded``; dtype and quantize are then its own), a registry
+    name (see ``jaxinfer models``), a Hugging Face Hub id (``org/name``, or
     ``org/name:FILE.gguf`` for one GGUF file of a repository; downloaded once into
     huggingface_hub's cache, see ``jaxinfer.hub``) or a path to a .gguf file, a Hugging Face
     directory or an Orbax checkpoint. revision: the Hub id's branch, tag or commit (default: its
@@ -65,7 +67,7 @@ class LLM:
     dense MLP's. Attention is tensor parallel either way.
     """
 
-    def __init__(self, model: str = registry.DEFAULT_MODEL, *, dtype: str | None = None,
+    def __init__(self, model: str | checkpoint.Loaded = registry.DEFAULT_MODEL, *, dtype: str | None = None,
                  max_model_len: int | None = None, seed: int = 0, max_num_seqs: int = 64,
                  progress: bool = True, block_size: int = 16,
                  num_gpu_blocks_override: int | None = None, gpu_memory_utilization: float = 0.9,
@@ -112,10 +114,14 @@ class LLM:
                     and 1 < (max_model_len or cfg.max_position) <= cfg.max_position):
                 pools = start_pools(cfg, ecfg, max_model_len or cfg.max_position)
 
-        self.model_path = registry.resolve(model, revision=revision, download_dir=download_dir, progress=progress,
-                                           check_config=_architecture_check(model))
-        # vLLM's generation_config="auto": the checkpoint's sampling values become the defaults
-        self._sampling_defaults = generation_defaults(self.model_path) if generation_config == "auto" else {}
+        if isinstance(model, checkpoint.Loaded):  # weights already in memory (loaders.random_weights)
+            self.model_path, self._sampling_defaults = model.source, {}
+            on_config(model.cfg)
+        else:
+            self.model_path = registry.resolve(model, revision=revision, download_dir=download_dir,
+                                               progress=progress, check_config=_architecture_check(model))
+            # vLLM's generation_config="auto": the checkpoint's sampling values become the defaults
+            self._sampling_defaults = generation_defaults(self.model_path) if generation_config == "auto" else {}
         shardings_fn = None
         if mesh is not None:
             from jaxinfer.sharding import (
@@ -134,8 +140,8 @@ class LLM:
                 # pipeline: each layer goes to its own stage's devices only
                 return pipeline_weight_shardings(specs, mesh, stage_bounds(cfg.n_layers, mesh.shape["stage"]),
                                                  rules_for(enable_expert_parallel))
-        loaded = checkpoint.load(self.model_path, dtype=dtype, quantize=qcfg, shardings_fn=shardings_fn,
-                                 on_config=on_config)
+        loaded = model if isinstance(model, checkpoint.Loaded) else checkpoint.load(
+            self.model_path, dtype=dtype, quantize=qcfg, shardings_fn=shardings_fn, on_config=on_config)
         self.cfg, self.weights, self.tokenizer = loaded.cfg, loaded.weights, loaded.tokenizer
         if mesh is None:  # one CPU: w8a8 weights packed once for AMX, float32 ones for AVX-512
             self.weights = quant.pack_for_cpu(self.weights, family_module(self.cfg.family).weight_specs(self.cfg))

@@ -39,7 +39,14 @@ from jaxinfer.engine.consume import InFlight, consume, prompt_logprob_segments
 from jaxinfer.engine.rows import Row
 from jaxinfer.engine.scheduler import Scheduler, Seq
 from jaxinfer.engine.speculative import SpeculativeConfig
-from jaxinfer.engine.step import STOP_ID_WIDTH, SlotState, insert_step, make_slots, packed_step
+from jaxinfer.engine.step import (
+    STOP_ID_WIDTH,
+    SlotState,
+    insert_step,
+    make_slots,
+    packed_step,
+    slots_with_vocab_state,
+)
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.packed import PackedBatch
 
@@ -409,7 +416,7 @@ class Engine:
     def _fresh_slots(self) -> SlotState:
         """Every slot idle, placed as the steps' own outputs will be: split over the replicas,
         replicated over the mesh, or committed to the weights' device."""
-        slots = make_slots(self.cfg.vocab_size, self.max_num_seqs, self.seed)
+        slots = make_slots(self.cfg.vocab_size, self.max_num_seqs, self.seed, vocab_state=False)
         if self.mesh is None:
             return self.committed(slots)
         from jax.sharding import NamedSharding, PartitionSpec
@@ -419,8 +426,11 @@ class Engine:
         return jax.device_put(slots, NamedSharding(self.mesh, PartitionSpec("data" if self.D > 1 else None)))
 
     def _insert_row(self, replica: int, seq: Seq) -> None:
+        # [S, V] penalty statistics only while some running row (of any replica) has penalties
+        need = any(s is not None and smp.needs_vocab_state(s.row.params) for sched in self.scheds for s in sched.slots)
+        self.slots = slots_with_vocab_state(self.slots, self.cfg.vocab_size, need)
         self._insert_at(replica, seq.slot, slot_state_for(seq.row, self.cfg.vocab_size, self.tokenizer.eos_ids,
-                                                           self.seed))
+                                                           self.seed, vocab_state=need))
 
     def _insert_at(self, replica: int, slot: int, new: SlotState) -> None:
         where = (jnp.int32(replica),) if self.D > 1 else ()
@@ -433,13 +443,14 @@ def _devices(weights) -> list:
     return list(leaf.devices()) if leaf is not None else jax.devices()[:1]
 
 
-def slot_state_for(row: Row, vocab_size: int, eos_ids, seed: int) -> SlotState:
+def slot_state_for(row: Row, vocab_size: int, eos_ids, seed: int, *, vocab_state: bool = True) -> SlotState:
     """One sequence's slot state (batch 1): its sampling state (penalties counting what it
-    generated before a preemption), stop ids, min_tokens and step count."""
+    generated before a preemption; without [V] statistics unless vocab_state), stop ids,
+    min_tokens and step count."""
     p = row.params
     sampling = smp.make_sampling_state([p], [row.prompt_ids], vocab_size, default_seed=seed,
-                                       request_indices=[row.request_index])
-    if row.token_ids:  # recomputing after preemption: penalties must see what was generated
+                                       request_indices=[row.request_index], vocab_state=vocab_state)
+    if row.token_ids and vocab_state:  # recomputing after preemption: penalties must see what was generated
         counts = np.bincount(row.token_ids, minlength=vocab_size).astype(np.int32)[None]
         sampling = dataclasses.replace(sampling, output_counts=jax.device_put(counts))
     stop, mins = smp.min_tokens_inputs([p], eos_ids)

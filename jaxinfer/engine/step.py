@@ -35,7 +35,7 @@ STOP_ID_WIDTH = 16  # per-row stop ids masked before min_tokens (EOS ids + stop_
 class SlotState:
     """What the device keeps per decode slot between steps (S = max_num_seqs)."""
 
-    sampling: smp.SamplingState  # parameters, keys, prompt mask and output counts
+    sampling: smp.SamplingState  # parameters, keys, and prompt mask and output counts when a row has penalties
     last_tokens: jax.Array  # i32[S] the token each slot's previous step sampled
     stop_ids: jax.Array  # i32[S, STOP_ID_WIDTH] ids masked before min_tokens, -1 padded
     min_tokens: jax.Array  # i32[S]
@@ -51,11 +51,25 @@ class StepOutput:
     prompt_logprobs: tuple | None  # (chosen f32[Tp], rank i32[Tp], top ids, top logprobs) of the prefill row
 
 
-def make_slots(vocab_size: int, max_num_seqs: int, seed: int) -> SlotState:
+def make_slots(vocab_size: int, max_num_seqs: int, seed: int, *, vocab_state: bool = True) -> SlotState:
+    """Every slot idle; vocab_state False: without the [S, V] penalty statistics."""
     S = max_num_seqs
-    return SlotState(smp.make_sampling_state([], [], vocab_size, default_seed=seed, batch_size=S),
+    return SlotState(smp.make_sampling_state([], [], vocab_size, default_seed=seed, batch_size=S,
+                                             vocab_state=vocab_state),
                      *jax.device_put((np.zeros(S, np.int32), np.full((S, STOP_ID_WIDTH), -1, np.int32),
                                       np.zeros(S, np.int32), np.zeros(S, np.int32))))
+
+
+def slots_with_vocab_state(slots: SlotState, vocab_size: int, need: bool) -> SlotState:
+    """``slots`` carrying the [S, V] penalty statistics exactly when ``need`` (some running row
+    has penalties). Added zeroed: the rows already running have no penalties, so nothing they
+    generated needs counting; dropped when the last such row leaves. The two forms are
+    different pytrees, so every step compiles (once) a variant without any [S, V] state."""
+    if need == slots.sampling.has_vocab_state:
+        return slots
+    sampling = (smp.with_vocab_state(slots.sampling, vocab_size) if need
+                else smp.without_vocab_state(slots.sampling))
+    return dataclasses.replace(slots, sampling=sampling)
 
 
 def insert_step(slots: SlotState, slot, row: SlotState) -> SlotState:
@@ -141,7 +155,7 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
                 upd = SlotState(sampling, new, sub.stop_ids, sub.min_tokens, sub.generated + 1)
                 # idle slots (and ones still prefilling) keep their state: seeds and penalties
                 # must not see steps they took no part in
-                keep = lambda n, o: jnp.where(batch.active.reshape((R,) + (1,) * (n.ndim - 1)), n, o)  # noqa: E731
+                keep = lambda n, o: jnp.where(batch.active.reshape((R,) + (1,) * (n.ndim - 1)), n, o)
                 sub = jax.tree.map(keep, upd, sub)
                 slots = jax.tree.map(lambda a, s: a.at[:R].set(s), slots, sub)
         if prompt_logprobs >= 0 and batch.prefill_len:
@@ -210,8 +224,8 @@ def _decode_row_batch(batch: PackedBatch, j: int | jax.Array, tokens, *, with_pr
     i32[R]), followed by the prefill row when with_prefill: what a draft model computes in one
     pass of a speculative step."""
     R, Q = batch.rows, batch.q
-    at = lambda a: a[: R * Q].reshape(R, Q)[:, j]  # noqa: E731
-    rest = lambda a, pre: jnp.concatenate([pre, a[R * Q :]]) if with_prefill else pre  # noqa: E731
+    at = lambda a: a[: R * Q].reshape(R, Q)[:, j]
+    rest = lambda a, pre: jnp.concatenate([pre, a[R * Q :]]) if with_prefill else pre
     none = jnp.zeros(0, jnp.int32)
     return PackedBatch(tokens=rest(batch.tokens, tokens), positions=rest(batch.positions, at(batch.positions)),
                        write_page=rest(batch.write_page, at(batch.write_page)),
@@ -455,7 +469,7 @@ def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, n
                 at = jnp.take_along_axis(head_logits, ver.accepted[:, None, None, None], axis=1)[:, 0]
                 next_drafts = smp.argmax_first(at)  # i32[R, K]
             upd = SlotState(ver.state, new_last, sub.stop_ids, sub.min_tokens, sub.generated + ver.accepted + 1)
-            keep = lambda n, o: jnp.where(batch.active.reshape((R,) + (1,) * (n.ndim - 1)), n, o)  # noqa: E731
+            keep = lambda n, o: jnp.where(batch.active.reshape((R,) + (1,) * (n.ndim - 1)), n, o)
             sub = jax.tree.map(keep, upd, sub)
             slots = jax.tree.map(lambda a, s: a.at[:R].set(s), slots, sub)
         if eagle is not None:

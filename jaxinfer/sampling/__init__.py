@@ -35,18 +35,27 @@ from jaxinfer.sampling.device import (  # noqa: F401 (re-exported, private ones 
     apply_token_bitmask,
     argmax_first,
     bitmask_words,
-    filter_threshold,
-    penalised,
     default_seed_for,
+    filter_threshold,
     logprobs_of,
     make_sampling_state,
     mask_tokens_before_min,
     min_tokens_inputs,
+    needs_vocab_state,
+    penalised,
     sample,
     seed_to_key,
     update_counts,
+    with_vocab_state,
+    without_vocab_state,
     write_rows,
 )
-from jaxinfer.sampling.verify import Verified, draft_sample, verify_block  # noqa: F401
-from jaxinfer.sampling.params import GREEDY_TEMPERATURE, MAX_LOGPROBS, GuidedDecoding, RepetitionDetection, SamplingParams  # noqa: F401
+from jaxinfer.sampling.params import (  # noqa: F401
+    GREEDY_TEMPERATURE,
+    MAX_LOGPROBS,
+    GuidedDecoding,
+    RepetitionDetection,
+    SamplingParams,
+)
 from jaxinfer.sampling.stop import StopChecker  # noqa: F401
+from jaxinfer.sampling.verify import Verified, draft_sample, verify_block  # noqa: F401

@@ -35,8 +35,34 @@ class SamplingState:
     frequency_penalty: jax.Array  # f32[B]
     repetition_penalty: jax.Array  # f32[B]
     key: jax.Array  # u32[B, 2]  raw threefry key data, a function of the row's seed only
-    prompt_mask: jax.Array  # bool[B, V]  tokens present in the prompt
-    output_counts: jax.Array  # i32[B, V]  how often each token has been generated
+    # The vocabulary-sized statistics only penalties read: None when no row of the batch has
+    # any (``needs_vocab_state``), so a plain batch carries, reads and writes no [B, V] state.
+    # None and arrays are different pytrees: each gets its own executable.
+    prompt_mask: jax.Array | None  # bool[B, V]  tokens present in the prompt
+    output_counts: jax.Array | None  # i32[B, V]  how often each token has been generated
+
+    @property
+    def has_vocab_state(self) -> bool:
+        return self.output_counts is not None
+
+
+def needs_vocab_state(p: SamplingParams) -> bool:
+    """Whether a request's sampling reads the [V] token statistics (penalties)."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def with_vocab_state(state: SamplingState, vocab_size: int) -> SamplingState:
+    """``state`` with zeroed [B, V] statistics added when it has none (host zeros, one transfer)."""
+    if state.has_vocab_state:
+        return state
+    shape = state.temperature.shape + (vocab_size,)  # [B, V], or [D, B, V] over data-parallel replicas
+    where = state.temperature.sharding  # placed as the rest of the state: one device, replicated or split
+    mask, counts = jax.device_put((np.zeros(shape, np.bool_), np.zeros(shape, np.int32)), (where, where))
+    return dataclasses.replace(state, prompt_mask=mask, output_counts=counts)
+
+
+def without_vocab_state(state: SamplingState) -> SamplingState:
+    return dataclasses.replace(state, prompt_mask=None, output_counts=None)
 
 
 _MASK64 = (1 << 64) - 1
@@ -72,8 +98,10 @@ def make_sampling_state(
     default_seed: int,
     batch_size: int | None = None,
     request_indices: Sequence[int] | None = None,
+    vocab_state: bool = True,
 ) -> SamplingState:
     """Builds the device state for a batch; rows ``len(params):batch_size`` are greedy padding.
+    vocab_state False leaves out the [B, V] statistics (for rows none of which has penalties).
 
     A request with ``seed=None`` gets ``default_seed_for(default_seed, request_indices[i])``
     (``request_indices`` defaults to ``range(len(params))``; callers pass distinct indices), so
@@ -98,7 +126,7 @@ def make_sampling_state(
     frequency = np.zeros(B, np.float32)
     repetition = np.ones(B, np.float32)
     key = np.zeros((B, 2), np.uint32)
-    prompt_mask = np.zeros((B, vocab_size), np.bool_)
+    prompt_mask = np.zeros((B, vocab_size), np.bool_) if vocab_state else None
     for row, (p, prompt, index) in enumerate(zip(params, prompts, request_indices)):
         if not p.greedy:  # greedy rows keep the neutral filters: they take the argmax anyway
             temperature[row] = p.temperature
@@ -113,7 +141,8 @@ def make_sampling_state(
         ids = np.asarray(prompt, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size}), got {prompt}")
-        prompt_mask[row, ids] = True
+        if vocab_state:
+            prompt_mask[row, ids] = True
     # built on the host and placed in one transfer: jnp.asarray / jnp.zeros would each compile
     # a small executable per shape (~30 ms apiece at start-up)
     return jax.device_put(SamplingState(
@@ -126,7 +155,7 @@ def make_sampling_state(
         repetition_penalty=repetition,
         key=key,
         prompt_mask=prompt_mask,
-        output_counts=np.zeros((B, vocab_size), np.int32),
+        output_counts=np.zeros((B, vocab_size), np.int32) if vocab_state else None,
     ))
 
 
@@ -160,6 +189,8 @@ def apply_penalties(logits: jax.Array, state: SamplingState) -> jax.Array:
 
 
 def _has_penalties(state: SamplingState) -> jax.Array:
+    if not state.has_vocab_state:  # no row has penalties: known when traced
+        return jnp.bool_(False)
     return (
         jnp.any(state.repetition_penalty != 1.0)
         | jnp.any(state.presence_penalty != 0.0)
@@ -364,6 +395,8 @@ def filter_threshold(xp: jax.Array, bmax: jax.Array, state: SamplingState, vocab
 def penalised(logits: jax.Array, state: SamplingState) -> jax.Array:
     """f32[B, V] logits with the penalties applied, skipped (same result) when no row has any."""
     logits = logits.astype(jnp.float32)
+    if not state.has_vocab_state:
+        return logits
     return jax.lax.cond(_has_penalties(state), lambda: apply_penalties(logits, state), lambda: logits)
 
 
@@ -381,9 +414,7 @@ def sample(logits: jax.Array, state: SamplingState, step: jax.Array) -> jax.Arra
     # The cond skips reading prompt_mask and output_counts (5 bytes per logit) when no row has
     # penalties, and writes the penalised logits once instead of letting XLA fuse (and so
     # recompute) them into each of their consumers.
-    x = jax.lax.cond(
-        _has_penalties(state), lambda: apply_penalties(logits, state), lambda: logits
-    )  # f32[B, V]
+    x = penalised(logits, state)  # f32[B, V]
     pad = -V % _BLOCK
     xp = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x  # f32[B, Vp]
     bmax = jnp.max(xp.reshape(B, -1, _FINE), axis=2)  # f32[B, Vp / _FINE]
@@ -408,7 +439,9 @@ def sample(logits: jax.Array, state: SamplingState, step: jax.Array) -> jax.Arra
 
 
 def update_counts(state: SamplingState, tokens: jax.Array) -> SamplingState:
-    """Adds the sampled tokens (i32[B]) to output_counts."""
+    """Adds the sampled tokens (i32[B]) to output_counts (nothing to do without them)."""
+    if not state.has_vocab_state:
+        return state
     B = tokens.shape[0]
     counts = state.output_counts.at[jnp.arange(B), tokens].add(1)
     return dataclasses.replace(state, output_counts=counts)

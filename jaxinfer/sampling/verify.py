@@ -26,13 +26,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.sampling.device import (
-    SamplingState,
-    apply_penalties,
     _BLOCK,
     _FINE,
+    SamplingState,
     _argmax,
-    _has_penalties,
     _categorical,
+    _has_penalties,
+    apply_penalties,
     filter_threshold,
     mask_tokens_before_min,
     sample,
@@ -75,8 +75,10 @@ def _positions(state: SamplingState, drafts: jax.Array, J: int, with_counts: boo
     """The state of every block position as a batch of B * J rows: position j's output counts
     include drafts[:, :j] (with_counts=False: the row's own counts, repeated, for what reads
     every field but the counts)."""
+    rep = lambda a: jnp.repeat(a, J, axis=0)
+    if not state.has_vocab_state:
+        return jax.tree.map(rep, state)
     B, V = state.output_counts.shape
-    rep = lambda a: jnp.repeat(a, J, axis=0)  # noqa: E731
     if with_counts:
         onehot = jax.nn.one_hot(drafts, V, dtype=jnp.int32)  # i32[B, k, V]
         before = jnp.concatenate([jnp.zeros((B, 1, V), jnp.int32), jnp.cumsum(onehot, axis=1)], axis=1)
@@ -93,13 +95,14 @@ def _penalised_block(logits, drafts, state, step, stop_ids, min_tokens):
     of 128, their block maxima, and the state of every position (its counts left out)."""
     B, J, V = logits.shape
     flat_state = _positions(state, drafts, J, with_counts=False)
-    rep = lambda a: jnp.repeat(a, J, axis=0)  # noqa: E731
+    rep = lambda a: jnp.repeat(a, J, axis=0)
     flat_step = (step[:, None] + jnp.arange(J)[None]).reshape(B * J)
     x = mask_tokens_before_min(logits.reshape(B * J, V).astype(jnp.float32), rep(stop_ids), flat_step,
                                rep(min_tokens))
     # the per-position counts (a one-hot of the drafts over V) are built only when a row has
     # penalties: in the cond, not as its operand
-    x = jax.lax.cond(_has_penalties(state), lambda: apply_penalties(x, _positions(state, drafts, J)), lambda: x)
+    if state.has_vocab_state:
+        x = jax.lax.cond(_has_penalties(state), lambda: apply_penalties(x, _positions(state, drafts, J)), lambda: x)
     pad = -V % max(_LANES, _FINE)
     xp = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x
     return xp, jnp.max(xp.reshape(B * J, -1, _FINE), axis=2), flat_state
@@ -134,8 +137,9 @@ def draft_sample(logits, drafts, state: SamplingState, step, stop_ids, min_token
     verification never reads). The draw's uniforms come from (seed, step) on a stream of their
     own, so a row's drafts never depend on the rest of the batch."""
     B, V = logits.shape
-    V1 = jax.nn.one_hot(drafts, V, dtype=jnp.int32).sum(axis=1)  # i32[B, V]
-    state = dataclasses.replace(state, output_counts=state.output_counts + V1)
+    if state.has_vocab_state:
+        V1 = jax.nn.one_hot(drafts, V, dtype=jnp.int32).sum(axis=1)  # i32[B, V]
+        state = dataclasses.replace(state, output_counts=state.output_counts + V1)
     z, thr, greedy, amax = shape_block(logits[:, None], jnp.zeros((B, 0), jnp.int32), state, step, stop_ids,
                                        min_tokens)
     z, thr, amax = z[:, 0], thr[:, 0], amax[:, 0]
@@ -204,7 +208,8 @@ def verify_block(logits, drafts, num_drafts, state: SamplingState, step, stop_id
     j = jnp.arange(J)[None]
     full = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
     tokens = jnp.where(j < accepted[:, None], full, jnp.where(j == accepted[:, None], nxt[:, None], -1))
-    at = jnp.where(tokens >= 0, tokens, V)  # -1 (not emitted) falls outside and is dropped
-    counts = state.output_counts.at[jnp.arange(B)[:, None], at].add(1, mode="drop")
-    state = dataclasses.replace(state, output_counts=counts)
+    if state.has_vocab_state:
+        at = jnp.where(tokens >= 0, tokens, V)  # -1 (not emitted) falls outside and is dropped
+        counts = state.output_counts.at[jnp.arange(B)[:, None], at].add(1, mode="drop")
+        state = dataclasses.replace(state, output_counts=counts)
     return Verified(accepted, tokens.astype(jnp.int32), state)
