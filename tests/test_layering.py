@@ -170,13 +170,13 @@ def _upward(module: str, source: str) -> set[str]:
 
 def test_a_planted_upward_import_is_caught():
     # absolute, relative, function-level and package forms are all read; TYPE_CHECKING is not
-    assert _upward("jaxinfer.models.llama", "from jaxinfer.engine import paged") == {"jaxinfer.engine.paged"}
-    assert _upward("jaxinfer.models.llama", "def f():\n    from ..engine.paged import x") == {"jaxinfer.engine.paged"}
-    assert _upward("jaxinfer.engine.paged", "import jaxinfer.server.app as a") == {"jaxinfer.server.app"}
+    assert _upward("jaxinfer.models.llama", "from jaxinfer.engine import engine") == {"jaxinfer.engine.engine"}
+    assert _upward("jaxinfer.models.llama", "def f():\n    from ..engine.engine import x") == {"jaxinfer.engine.engine"}
+    assert _upward("jaxinfer.engine.engine", "import jaxinfer.server.app as a") == {"jaxinfer.server.app"}
     assert _upward("jaxinfer.kernels", "from jaxinfer import LLM") == {"jaxinfer"}
     assert _upward("jaxinfer.kernels", "from . import llm") == {"jaxinfer.llm"}
     assert not _upward("jaxinfer.models.llama", "import typing\nif typing.TYPE_CHECKING:\n    import jaxinfer.llm")
-    assert not _upward("jaxinfer.engine.paged", "from jaxinfer.models import llama\nfrom jaxinfer import errors")
+    assert not _upward("jaxinfer.engine.engine", "from jaxinfer.models import llama\nfrom jaxinfer import errors")
 
 
 # Said outright, whatever FLOORS says: what the lower floors must never import.
