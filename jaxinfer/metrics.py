@@ -135,7 +135,7 @@ def measure_peaks(cache_file: Path | None = None, dtype: str = "float32") -> dic
         return float(np.median(ts))
 
     d = {"dtype": dtype, "flops": 2 * n**3 / best(mm, a), "bytes_s": big.nbytes / best(rd, big),
-         "device": str(jax.devices()[0]), "method": "median of 5: 2048^3 matmul; sum over 256 MiB"}
+         "device": str(jax.local_devices()[0]), "method": "median of 5: 2048^3 matmul; sum over 256 MiB"}
     if cache_file is not None:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         cache_file.write_text(json.dumps(d))

@@ -76,7 +76,7 @@ def kv_budget(config: EngineConfig, devices=None) -> int:
     replica's; default the first device)."""
     if config.kv_cache_memory_bytes is not None:
         return config.kv_cache_memory_bytes
-    devices = list(devices) if devices is not None else jax.devices()[:1]
+    devices = list(devices) if devices is not None else jax.local_devices()[:1]
     total = 0
     for d in devices:
         st = d.memory_stats() if d.platform != "cpu" else None

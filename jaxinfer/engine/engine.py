@@ -440,7 +440,7 @@ class Engine:
 def _devices(weights) -> list:
     """The device of (one-device) weights: the first committed leaf's, else the default one."""
     leaf = next((a for a in jax.tree.leaves(weights) if getattr(a, "committed", False)), None)
-    return list(leaf.devices()) if leaf is not None else jax.devices()[:1]
+    return list(leaf.devices()) if leaf is not None else jax.local_devices()[:1]
 
 
 def slot_state_for(row: Row, vocab_size: int, eos_ids, seed: int, *, vocab_state: bool = True) -> SlotState:
