@@ -7,6 +7,7 @@ only (what decoding drafts from). Three recipes, the same data, steps and optimi
 * C: heads also fed the embedding of token t + 1 (the target's own next token, known when the
   heads draft after a verification step), answer positions only (Hydra-style conditioning).
 
+    pip install -e '.[train]'   # optax, which the training needs
     python benchmarks/medusa_recipes.py --train 160 --heldout 32 --max-tokens 96 --steps 300
 """
 

@@ -129,6 +129,14 @@ def context_error(line: int, kind: str, prompt_tokens: int, max_tokens: int, max
     )
 
 
+def guided_param(kind: str, g) -> str:
+    """The request field a structured-output error names: a chat's JSON schema comes in
+    ``response_format``, the other kinds in their own ``guided_*`` field."""
+    if g.json is not None:
+        return "response_format" if kind == "chat" else "guided_json"
+    return "guided_regex" if g.regex is not None else "guided_choice" if g.choice is not None else "guided_grammar"
+
+
 def encode_for(llm, kind: str, messages, prompts, params: SamplingParams, max_tokens_set: bool, *,
                where: str = "") -> tuple[list[tuple[str | None, list[int]]], SamplingParams]:
     """Token ids of a request's prompts (``llm.encode_chat`` / ``encode_prompt``) and its
@@ -146,10 +154,7 @@ def encode_for(llm, kind: str, messages, prompts, params: SamplingParams, max_to
         try:
             llm.compile_grammar(params.guided_decoding)
         except InvalidRequest as e:
-            g = params.guided_decoding
-            param = ("response_format" if kind == "chat" else "guided_json") if g.json is not None else \
-                "guided_regex" if g.regex is not None else "guided_choice" if g.choice is not None else "guided_grammar"
-            raise RequestError(f"{where}{e}", param=param) from None
+            raise RequestError(f"{where}{e}", param=guided_param(kind, params.guided_decoding)) from None
     longest = max(len(ids) for _, ids in encoded)
     room = llm.max_model_len - longest
     if max_tokens_set and params.max_tokens > room:

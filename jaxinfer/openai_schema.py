@@ -329,7 +329,7 @@ def _resolve(kind: str, req: _Request, features: Features, where: str, defaults:
         try:
             guided = _guided(req)
         except InvalidRequest as e:
-            raise bad(str(e), "response_format" if fmt is not None and fmt.type != "text" else "guided_json") from None
+            raise bad(str(e), _guided_param(req)) from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     beam = None
     if req.use_beam_search:
@@ -348,6 +348,15 @@ def _resolve(kind: str, req: _Request, features: Features, where: str, defaults:
         raise bad("length_penalty needs use_beam_search=true", "length_penalty")
     return ParsedRequest(kind, messages, prompts, params, max_tokens_set, top_logprobs, guided, bool(req.stream),
                          include_usage, beam)
+
+
+def _guided_param(req: _Request) -> str:
+    """The field a structured-output error is about: the one given (response_format first)."""
+    fmt = getattr(req, "response_format", None)
+    names = [name for name in GUIDED_FIELDS if getattr(req, name) is not None]
+    if fmt is not None and fmt.type != "text":
+        names.insert(0, "response_format")
+    return names[0] if names else "response_format"
 
 
 def _guided(req: _Request) -> GuidedDecoding | None:

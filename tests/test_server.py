@@ -178,7 +178,9 @@ def test_api_key(server):
     ({"messages": CHAT, "temperature": 2.5}, "temperature"),
     ({"messages": CHAT, "frobnicate": 1}, "frobnicate"),
     ({"messages": CHAT, "max_tokens": 10**6}, "max_tokens"),
-    ({"messages": CHAT, "guided_regex": "(["}, "guided_json"),
+    ({"messages": CHAT, "guided_regex": "(["}, "guided_regex"),
+    ({"messages": CHAT, "guided_json": {"type": "bogus"}}, "response_format"),
+    ({"messages": CHAT, "guided_choice": []}, "guided_choice"),
 ])
 def test_bad_requests_get_400_with_openai_error_body(server, body, param):
     r = httpx.post(f"{server[0]}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})

@@ -225,7 +225,7 @@ class Server:
             return None
         from jaxinfer.guided import GrammarCompiler
 
-        param = "response_format" if req.kind == "chat" and req.guided.json is not None else "guided_json"
+        param = oai.guided_param(req.kind, req.guided)
         if self._compiler is None:
             self._compiler = GrammarCompiler(self.llm.tokenizer, self.llm.cfg.vocab_size)
         try:
