@@ -248,7 +248,6 @@ def pytest_kernels(extra: list[str], timeout: float, log: Path):
     # One file failing to import (a module the device image lacks) must not stop the others.
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "gpu", "-rfE",
            "--continue-on-collection-errors",
-           "tests/test_kernels_flash_attention.py",
            "tests/test_kernels_ragged_paged_attention.py", "tests/test_kernels_quant_matmul.py",
            "tests/test_spec_verify.py", *extra]
     try:
@@ -343,7 +342,6 @@ def kernels_bench(bw: float, budget_end: float):
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels import flash_attention as fa
     from pallas_kernels import quant_matmul as qm
     from pallas_kernels import ragged_paged_attention as rpa
 
@@ -385,16 +383,6 @@ def kernels_bench(bw: float, budget_end: float):
         jax.jit(lambda *a: rpa.ragged_paged_attention_reference(*a, keys_transposed=True)),
         (qp, kp, vp, table, q_start, q_len, kv_len), bytes_moved=2 * B * ctx * K * H * 2,
         flops=4 * (chunk * (ctx - chunk / 2) + (B - 1) * ctx) * N * H)
-    # Flash prefill: 4096 causal tokens, Llama-3-8B heads.
-    for T, (N, K, H) in size([(4096, (32, 8, 128)), (2048, (9, 3, 64))], [(32, (4, 2, 16))]):
-        ks = jax.random.split(jax.random.key(6), 3)
-        q = jax.random.normal(ks[0], (1, T, N, H), bf16)
-        k = jax.random.normal(ks[1], (1, T, K, H), bf16)
-        v = jax.random.normal(ks[2], (1, T, K, H), bf16)
-        add(f"flash_attention causal T={T} N/K/H={N}/{K}/{H} bf16",
-            jax.jit(lambda q, k, v: fa.flash_attention_kernel(q, k, v, **I_)),
-            jax.jit(lambda q, k, v: fa.flash_attention_reference(q, k, v)),
-            (q, k, v), flops=4 * T * T / 2 * N * H, calls=5)
     # Quantized matmuls on an 8B MLP shape (I 4096 -> O 14336) and SmolLM2's (576 -> 1536).
     for I, O in size([(4096, 14336), (576, 1536)], [(256, 256)]):
         kw = jax.random.split(jax.random.key(7), 4)
