@@ -90,13 +90,17 @@ def choose(option: str | Kernels = "auto", *, platform: str | None = None, devic
       on several CPU devices (a custom call has no sharding rule);
     * "pallas": the Pallas kernels; on CPU in interpret mode (for tests: slow);
     * "native": as "auto" on one CPU device; refused elsewhere;
-    * "xla": the pure-JAX references everywhere."""
+    * "xla": the pure-JAX references everywhere.
+
+    A ``Kernels`` is returned as it is, unless it names a native kernel off one CPU device."""
+    platform = platform or _common.platform()
+    devices = jax.device_count() if devices is None else devices
     if isinstance(option, Kernels):
+        if (option.attention == Attention.NATIVE or option.matmul == Matmul.NATIVE) and (platform != "cpu" or devices != 1):
+            raise InvalidRequest(f"the native CPU kernels need one CPU device; this is {devices} {platform} device(s)")
         return option
     if option not in CHOICES:
         raise InvalidRequest(f"kernels must be one of {', '.join(CHOICES)}, got {option!r}")
-    platform = platform or _common.platform()
-    devices = jax.device_count() if devices is None else devices
     if option == "xla":
         return XLA
     if option == "pallas" or (option == "auto" and platform in _common.KERNEL_PLATFORMS):

@@ -43,6 +43,15 @@ def test_bad_options_are_refused(option, platform, devices, match):
         dispatch.choose(option, platform=platform, devices=devices)
 
 
+def test_a_native_choice_off_one_cpu_device_is_refused():
+    native = Kernels(Attention.XLA, Matmul.NATIVE)
+    assert dispatch.choose(native, platform="cpu", devices=1) is native
+    with pytest.raises(InvalidRequest, match="native CPU kernels need one CPU device; this is 8 cpu"):
+        dispatch.choose(native, platform="cpu", devices=8)
+    with pytest.raises(InvalidRequest, match="this is 1 gpu"):
+        dispatch.choose(Kernels(Attention.NATIVE), platform="gpu", devices=1)
+
+
 def test_llm_refuses_a_bad_option_before_loading(tmp_path):
     from jaxinfer import LLM
 
