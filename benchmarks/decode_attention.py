@@ -1,5 +1,5 @@
 """Decode attention over a paged cache on XLA CPU, per layer, at SmolLM2's shapes: the old
-dense copy of every row's pages (``cache.PagedKVCache.read_layer`` + ``layers.attention``)
+dense copy of every row's pages (a gather of the table's pages + ``layers.attention``)
 against the packed step's reader (``models.packed.paged_rows_attention``) under several
 settings of its blocking: rows per group (``ROW_GROUP``), key positions per block
 (``ROW_BLOCK_POSITIONS``) and whether scores are unrolled multiply-adds
@@ -25,7 +25,7 @@ import numpy as np
 
 import jaxinfer.models.packed as packed
 from jaxinfer import cpu_kernels as ck
-from jaxinfer.cache import PagedKVCache, QuantKV
+from jaxinfer.cache import QuantKV
 from jaxinfer.models.layers import attention
 from jaxinfer.quant import quantize_kv
 
@@ -99,8 +99,12 @@ def main():
                 pos = jnp.full((B, 1), ctx - 3, jnp.int32)
 
             @jax.jit
-            def dense(q, k, v, table, pos):
-                keys, values, kpos = PagedKVCache([k], [v], table).read_layer(0, pos[:, 0] + 1)
+            def dense(q, k, v, table, pos):  # every row's pages copied into one dense view
+                (B, n), (_, K, H, ps) = table.shape, k.shape
+                keys = k[table].transpose(0, 2, 3, 1, 4).reshape(B, K, H, n * ps)
+                values = v[table].transpose(0, 2, 1, 3, 4).reshape(B, K, n * ps, H)
+                kpos = jnp.arange(n * ps)
+                values = jnp.where((kpos[None, :] <= pos)[:, None, :, None], values, 0.0)
                 return attention(q, keys, values, pos, kpos, scale=0.125)
 
             args = (q, k, v, table, pos)

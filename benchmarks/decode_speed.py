@@ -45,10 +45,13 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quantization", default=None, help="a weight scheme (w8a8, int8, ...)")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "pallas", "native", "xla"],
+                    help="LLM's kernels= option (xla: no native CPU kernel)")
     a = ap.parse_args()
     from jaxinfer import LLM
 
-    llm = LLM(a.model, max_model_len=512, max_num_seqs=max(a.batch), progress=False, quantization=a.quantization)
+    llm = LLM(a.model, max_model_len=512, max_num_seqs=max(a.batch), progress=False, quantization=a.quantization,
+              kernels=a.kernels)
     rows = []
     for b in a.batch:
         run(llm, b, a.new)  # warm-up: compile this batch's buckets

@@ -47,7 +47,7 @@ def _xla(m, k, n):
 
 
 def _xla_s8(m, k, n):
-    """The w8a8 dot: int8 x int8 -> int32, as ``quant._s8_matmul`` runs it (scales left out)."""
+    """The w8a8 dot: int8 x int8 -> int32, as ``quant.s8_dot`` runs it (scales left out)."""
     import jax
     import jax.numpy as jnp
 

@@ -7,7 +7,8 @@ as in a decode or verification step.
     python benchmarks/f32_gemv.py [--rows 1 2 5 8] [--rounds 7] [--threads N] [--isa avx2]
 
 ``--threads`` is the kernel's (default: ``cpu_kernels.default_threads()``, the cores this
-process may run on); XLA's dot uses its own pool, of the same size. ``--isa`` picks the kernel's vector variant (default: the best this CPU runs); ``avx2`` on an
+process may run on); XLA's dot uses its own pool, of the same size. Each M also prints how many
+ranges (threads, the caller's included) the kernel cut each projection's call into. ``--isa`` picks the kernel's vector variant (default: the best this CPU runs); ``avx2`` on an
 AVX-512 machine times what an AVX2-only box (AMD EPYC) would run.
 
 Prints, per M and candidate, the median time and the weight bytes read per second. A
@@ -65,6 +66,11 @@ def main():
         cands = {(part, who): (chain(mm, [t for _, t in ws]), [w for w, _ in ws]) for part, ws in parts.items()
                  for who, mm in (("XLA", xla), ("native", native))}
         got = {k: float(f(x0, ws)) for k, (f, ws) in cands.items()}
+        f, ws = cands[("layers", "native")]
+        before = ck.split_count("f32_gemv")
+        jax.block_until_ready(f(x0, ws))
+        # how many threads shared each call (the calling one included): the kernel's own count
+        print(f"M={M} native ranges per call: {(ck.split_count('f32_gemv') - before) / len(ws):.2f}", flush=True)
         for part in parts:
             ref, nat = got[(part, "XLA")], got[(part, "native")]
             assert abs(ref - nat) <= 1e-4 * max(1.0, abs(ref)), (part, ref, nat)

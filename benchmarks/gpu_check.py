@@ -27,7 +27,7 @@ whole run ends within it):
   spec_verify  the speculative-verification kernel (Triton variant) against its reference
                (XLA) at B=64 and B=1, k=4, V=49152: greedy, sampled (point-mass drafts) and
                sampled with draft probabilities; rows equal, time, MBU
-  tests        the kernel-grid tests compiled for the GPU (JAXINFER_NATIVE_KERNELS=1, -k gpu),
+  tests        the kernel-grid tests compiled for the GPU (JAXINFER_TEST_COMPILED=1, -k gpu),
                spec_verify's among them
   kernels      each kernel against its pure-JAX reference (XLA on the same GPU) at serving
                shapes: time, bytes it must move, MBU = bytes / time / copy bandwidth
@@ -244,11 +244,10 @@ def ceilings():
 
 
 def pytest_kernels(extra: list[str], timeout: float, log: Path):
-    env = dict(os.environ, JAXINFER_NATIVE_KERNELS="1", JAX_PLATFORMS="cuda,cpu")
+    env = dict(os.environ, JAXINFER_TEST_COMPILED="1", JAX_PLATFORMS="cuda,cpu")
     # One file failing to import (a module the device image lacks) must not stop the others.
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "gpu", "-rfE",
            "--continue-on-collection-errors",
-           "tests/test_kernels_flash_attention.py", "tests/test_kernels_paged_attention.py",
            "tests/test_kernels_ragged_paged_attention.py", "tests/test_kernels_quant_matmul.py",
            "tests/test_spec_verify.py", *extra]
     try:
@@ -343,8 +342,6 @@ def kernels_bench(bw: float, budget_end: float):
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels import flash_attention as fa
-    from pallas_kernels import paged_attention as pa
     from pallas_kernels import quant_matmul as qm
     from pallas_kernels import ragged_paged_attention as rpa
 
@@ -366,11 +363,7 @@ def kernels_bench(bw: float, budget_end: float):
         lengths = jnp.full((B,), ctx, jnp.int32)
         kv_bytes = 2 * B * ctx * K * H * 2
         opts = dict(keys_transposed=True)
-        add(f"paged_attention B={B} ctx={ctx} N/K/H={N}/{K}/{H} bf16",
-            jax.jit(lambda *a: pa.paged_attention_kernel(*a, **opts, **I_)),
-            jax.jit(lambda *a: pa.paged_attention_reference(*a, **opts)),
-            (q, kp, vp, table, lengths), bytes_moved=kv_bytes)
-        # the same rows through the ragged kernel: one decode query per segment
+        # one decode query per segment
         S = jnp.arange(B, dtype=jnp.int32)
         add(f"ragged_paged decode B={B} ctx={ctx} N/K/H={N}/{K}/{H} bf16",
             jax.jit(lambda *a: rpa.ragged_paged_attention_kernel(*a, **opts, **I_)),
@@ -390,16 +383,6 @@ def kernels_bench(bw: float, budget_end: float):
         jax.jit(lambda *a: rpa.ragged_paged_attention_reference(*a, keys_transposed=True)),
         (qp, kp, vp, table, q_start, q_len, kv_len), bytes_moved=2 * B * ctx * K * H * 2,
         flops=4 * (chunk * (ctx - chunk / 2) + (B - 1) * ctx) * N * H)
-    # Flash prefill: 4096 causal tokens, Llama-3-8B heads.
-    for T, (N, K, H) in size([(4096, (32, 8, 128)), (2048, (9, 3, 64))], [(32, (4, 2, 16))]):
-        ks = jax.random.split(jax.random.key(6), 3)
-        q = jax.random.normal(ks[0], (1, T, N, H), bf16)
-        k = jax.random.normal(ks[1], (1, T, K, H), bf16)
-        v = jax.random.normal(ks[2], (1, T, K, H), bf16)
-        add(f"flash_attention causal T={T} N/K/H={N}/{K}/{H} bf16",
-            jax.jit(lambda q, k, v: fa.flash_attention_kernel(q, k, v, **I_)),
-            jax.jit(lambda q, k, v: fa.flash_attention_reference(q, k, v)),
-            (q, k, v), flops=4 * T * T / 2 * N * H, calls=5)
     # Quantized matmuls on an 8B MLP shape (I 4096 -> O 14336) and SmolLM2's (576 -> 1536).
     for I, O in size([(4096, 14336), (576, 1536)], [(256, 256)]):
         kw = jax.random.split(jax.random.key(7), 4)
@@ -433,7 +416,7 @@ def engine(bw: float, out_dir: Path, budget_end: float):
     import jax
     import numpy as np
 
-    from jaxinfer import LLM, SamplingParams, kernels
+    from jaxinfer import LLM, SamplingParams
     from tests.tiny_gguf import write_tiny_llama
 
     path = out_dir.parent / "smollm2-shaped-random.gguf"
@@ -444,9 +427,11 @@ def engine(bw: float, out_dir: Path, budget_end: float):
     t = time.perf_counter()
     # No prefix caching: the timed run repeats the warm-up's prompts, and cache hits would give
     # it step shapes the warm-up never compiled (seen on the H100: a 50 s batch-64 run).
-    llm = LLM(str(path), dtype="bfloat16", max_model_len=2048, max_num_seqs=64, progress=False,
-              kv_cache_memory_bytes=4 << 30, enable_prefix_caching=False)
-    res["load_s"] = time.perf_counter() - t
+    # one engine per kernel choice ("pallas": interpret mode in a dry run on CPU)
+    llms = {mode: LLM(str(path), dtype="bfloat16", max_model_len=2048, max_num_seqs=64, progress=False,
+                      kv_cache_memory_bytes=2 << 30, enable_prefix_caching=False, kernels=mode) for mode in ("pallas", "xla")}
+    llm = llms["pallas"]
+    res["load_s"] = (time.perf_counter() - t) / 2
     nparams = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(llm.weights))
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.weights))
     res["params"], res["weight_bytes"] = nparams, weight_bytes
@@ -457,32 +442,32 @@ def engine(bw: float, out_dir: Path, budget_end: float):
         sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
         rng = np.random.default_rng(batch)  # the same prompts in both modes
         prompts = [rng.integers(100, vocab, 64).tolist() for _ in range(batch)]
-        with kernels.traced_with(mode):
-            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                         use_tqdm=False)  # compile the prefill and decode shapes
-            llm.generate(prompts, sp, use_tqdm=False)
-            prof = None
-            if batch > 1 and mode != kernels.KernelMode.OFF:  # where a step took 200 ms: whose time?
-                import cProfile
-                prof = cProfile.Profile()
-                prof.enable()
-            t = time.perf_counter()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
-            wall = time.perf_counter() - t
-            if prof is not None:
-                import io
-                import pstats
-                prof.disable()
-                for key in ("tottime", "cumulative"):
-                    buf = io.StringIO()
-                    pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(22)
-                    text = buf.getvalue()
-                    (out_dir / f"profile_b{batch}_{key}.txt").write_text(text)
-                    print(text[-6000:], flush=True)
+        llm = llms[mode]
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)  # compile the prefill and decode shapes
+        llm.generate(prompts, sp, use_tqdm=False)
+        prof = None
+        if batch > 1 and mode == "pallas":  # where a step took 200 ms: whose time?
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        wall = time.perf_counter() - t
+        if prof is not None:
+            import io
+            import pstats
+            prof.disable()
+            for key in ("tottime", "cumulative"):
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(22)
+                text = buf.getvalue()
+                (out_dir / f"profile_b{batch}_{key}.txt").write_text(text)
+                print(text[-6000:], flush=True)
         first = min(o.metrics.first_token_time for o in outs)
         last = max(o.metrics.last_token_time for o in outs)
         steps = new - 1
-        r = {"batch": batch, "mode": mode.value, "wall_s": wall,
+        r = {"batch": batch, "mode": mode, "wall_s": wall,
              "decode_tok_s": batch * steps / (last - first), "step_ms": (last - first) / steps * 1e3}
         kv_bytes = 2 * batch * (64 + new // 2) * llm.cfg.n_layers * llm.cfg.n_kv_heads * llm.cfg.head_dim * 2
         r["MBU"] = (weight_bytes + kv_bytes) / (r["step_ms"] * 1e-3) / bw
@@ -490,15 +475,15 @@ def engine(bw: float, out_dir: Path, budget_end: float):
         return r, [o.outputs[0].token_ids for o in outs]
 
     rows, toks = [], {}
-    on = kernels.KernelMode.INTERPRET if DRY else kernels.KernelMode.NATIVE
+    on = "pallas"
     for batch in size((1, 64), (1, 3)):
-        for mode in (on, kernels.KernelMode.OFF):
+        for mode in (on, "xla"):
             if elapsed() > budget_end:
-                rows.append({"batch": batch, "mode": mode.value, "skipped": "out of time"})
+                rows.append({"batch": batch, "mode": mode, "skipped": "out of time"})
                 continue
             r, toks[(batch, mode)] = run(batch, mode)
             rows.append(r)
-        a, b = toks.get((batch, on)), toks.get((batch, kernels.KernelMode.OFF))
+        a, b = toks.get((batch, on)), toks.get((batch, "xla"))
         if a and b:
             same = [x == y for x, y in zip(a, b)]
             first_diff = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None) for x, y in zip(a, b)]

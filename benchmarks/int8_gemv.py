@@ -1,5 +1,5 @@
 """The int8 dots of one batch-1 w8a8 decode token of SmolLM2-135M, alone: XLA's s8 dot (two
-rows, as quant._s8_matmul ran it before) against the native kernel (jaxinfer.cpu_kernels)
+rows, as quant.s8_dot runs it) against the native kernel (jaxinfer.cpu_kernels)
 with one thread, two, and one per core this process may run on. Every weight is distinct and the calls are chained (each input
 depends on the last output), so the 134 MB stream from memory in order, as in a decode step.
 

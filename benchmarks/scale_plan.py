@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import cache as kv
-from jaxinfer import kernels
+from jaxinfer import dispatch
 from jaxinfer.config import Family, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.engine.step import make_slots, packed_step
 from jaxinfer.models import gemma3
@@ -128,7 +128,7 @@ def step_collectives(cfg: ModelConfig, tp: int, n_layers: int) -> dict:
                         rows=ROWS, q=1)
     step = jax.jit(lambda w_, b, k, v, s: packed_step(w_, b, k, v, s, None, cfg=small, windowed=cache.windowed,
                                                       num_logprobs=-1, prompt_logprobs=-1,
-                                                      kernel_mode=kernels.KernelMode.OFF))
+                                                      kernels=dispatch.XLA))
     compiled = step.lower(weights, batch, kp, vp, slots).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost

@@ -2,7 +2,7 @@
 scheduler, no host work) for a 64-row decode step and a 512-token prefill row (4 prompts of
 128), with its attention as built and with attention taken out (replaced by its queries, so
 what is left is every matmul, norm, rotary and the sampler), and with XLA's readers in place
-of the native kernels (``packed.NATIVE_ROWS``), interleaved in one process, min and median
+of the native kernels (``kernels=`` with XLA attention), interleaved in one process, min and median
 of the rounds. The difference is the attention's share. Under w8a8 on an AMX CPU, "XLA int8
 dots" is the engine with its weights left unpacked, so its dots run through XLA's s8 dot
 (which repacks each weight per call) instead of ``cpu_kernels.int8_amx``.
@@ -24,23 +24,23 @@ import jax
 import numpy as np
 
 import jaxinfer.models.packed as packed
-from jaxinfer import LLM, cpu_kernels, quant
+from jaxinfer import LLM, cpu_kernels, dispatch
 from jaxinfer.engine import buckets
 
 REAL = (packed.paged_rows_attention, packed.prefill_row_attention)
-PACK = quant.pack_for_cpu
 
 
 def _engine(page_size: int, attention: bool, native: bool, opts: dict, amx: bool = True):
-    packed.NATIVE_ROWS = native  # read while the steps are traced (in main, right after this)
-    quant.pack_for_cpu = PACK if amx else (lambda w: w)
+    auto = dispatch.choose("auto")
+    kernels = dispatch.Kernels(auto.attention if native else dispatch.Attention.XLA,
+                               auto.matmul if amx else dispatch.Matmul.XLA)
     if attention:
         packed.paged_rows_attention, packed.prefill_row_attention = REAL
     else:
         packed.paged_rows_attention = lambda q, *a, **k: q
         packed.prefill_row_attention = lambda q, *a, **k: q
     llm = LLM("smollm2-135m-instruct", max_model_len=1024, max_num_seqs=64, progress=False,
-              enable_prefix_caching=False, block_size=page_size, kv_cache_memory_bytes=1 << 30, **opts)
+              enable_prefix_caching=False, block_size=page_size, kv_cache_memory_bytes=1 << 30, kernels=kernels, **opts)
     return llm.engine
 
 
@@ -103,8 +103,6 @@ def main():
             _time(eng, b, 2)  # traced and compiled now, with this variant's attention
         cases[name] = (eng, batches)
     packed.paged_rows_attention, packed.prefill_row_attention = REAL
-    packed.NATIVE_ROWS = True
-    quant.pack_for_cpu = PACK
     times = {}
     for _ in range(a.rounds):
         for name, (eng, batches) in cases.items():

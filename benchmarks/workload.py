@@ -66,8 +66,8 @@ VARIANTS = {
     "jaxinfer:int8": {"quantization": "int8"},
     "jaxinfer:w8a8": {"quantization": "w8a8"},
     "jaxinfer:w8a8+kv8": {"quantization": "w8a8", "kv_cache_dtype": "int8"},
-    # float32 with XLA's own dots (the weights left unpacked: JAXINFER_NATIVE_F32_PACK=0)
-    "jaxinfer:float32+xla-dots": {"env": {"JAXINFER_NATIVE_F32_PACK": "0"}},
+    # float32 with XLA's own dots and attention readers: no native CPU kernel (LLM's kernels="xla")
+    "jaxinfer:float32+xla": {"kernels": "xla"},
     "vllm:float32": {"dtype": "float32", "max_num_seqs": 128, "max_num_batched_tokens": 2048},
     "vllm:bfloat16": {"dtype": "bfloat16", "max_num_seqs": 128, "max_num_batched_tokens": 2048},
     "openvino:int8": {"weight_format": "int8", "max_num_seqs": 128, "max_num_batched_tokens": 2048},
@@ -375,9 +375,6 @@ def worker(name: str, workfile: str, repeats: int, malloc: str) -> dict:
         from jaxinfer.hostmem import keep_freed_memory
 
         keep_freed_memory()
-    if engine == "jaxinfer":
-        opts = dict(opts)
-        os.environ.update(opts.pop("env", {}))  # read when the kernels are first asked for
     run = {"jaxinfer": run_jaxinfer, "transformers": run_transformers, "vllm": run_vllm,
            "openvino": run_openvino, "ctranslate2": run_ctranslate2, "llamacpp": run_llamacpp}[engine]
     return run(work, opts, repeats)
@@ -540,7 +537,7 @@ def run_one(a, name: str, opts: dict, workfile: str) -> dict:
     engine = name.split(":")[0]
     python = a.peers_python if engine in PEERS else sys.executable
     spec = name if not opts or opts == VARIANTS[name] else name + "@" + ",".join(
-        f"{k}={v}" for k, v in opts.items() if k != "env")
+        f"{k}={v}" for k, v in opts.items())
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS),
                TOKENIZERS_PARALLELISM="false")
     if a.omp_wait_policy:

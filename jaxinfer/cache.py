@@ -11,10 +11,9 @@ Sliding-window layers (Gemma's LOCAL layers) only ever attend to the last W posi
 they need not keep the rest. In the dense cache such a layer may keep a ring of
 R = W + max_chunk - 1 slots (position p in slot p % R; a chunk of T <= max_chunk queries
 sees the W + T - 1 positions it needs) and the positions each slot holds ride along in
-``ring_pos``. In the paged cache windowed layers have their own page pool and a second page
-table that covers only each row's window (``window_table``, starting at logical page
-``window_base``); the engine frees pages that fell out of every future query's window.
-Either way the layer's reader returns per-row key positions and attention masks by them.
+``ring_pos``. In the paged pools windowed layers have a page pool of their own and the
+scheduler a second page table that covers only each sequence's window (``models.packed``); the
+engine frees pages that fell out of every future query's window.
 
 Latent pools (multi-head latent attention, ``ModelConfig.latent_attention``): a layer caches
 one latent per token, [c_kv | k_rope], in its values buffer (one head of width C + R), and
@@ -32,12 +31,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.quant import dequantize_kv, quantize_kv
-
 
 EMPTY_POS = 1 << 30  # position of a slot that holds no key: after every query, so masked
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")  # auto: the model's dtype
@@ -121,7 +118,7 @@ class KVCache:
     def is_ring(self, layer: int) -> bool:
         return bool(self.windowed) and self.windowed[layer]
 
-    def write_layer(self, layer: int, k_new, v_new, start) -> "KVCache":
+    def write_layer(self, layer: int, k_new, v_new, start) -> KVCache:
         return write_layer(self, layer, k_new, v_new, start)
 
     def read_layer(self, layer: int, end: jax.Array):
@@ -208,93 +205,30 @@ def write_layer(cache: KVCache, layer: int, k_new: jax.Array, v_new: jax.Array, 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PagedKVCache:
-    """A page pool per layer plus the page tables of the rows in this call.
-
-    Row b's position p lives in page ``page_table[b, p // page_size]`` at offset
-    ``p % page_size``. The pools are donated to every step; the page table is small and
-    comes from the host allocator each call (its width is bucketed by the longest row).
-    Windowed layers (``windowed[layer]``) draw on a pool of their own and find position p in
-    page ``window_table[b, p // page_size - window_base[b]]``: the table covers only the pages
-    of the row's current window, the ones before it having gone back to the allocator.
-    """
+    """A page pool per layer: the paged engine's KV storage, donated to every step, which reads
+    and writes it through ``models.packed.PackedKV`` (a sequence's position p lives in page
+    ``table[p // page_size]`` at offset ``p % page_size`` of the tables the scheduler builds).
+    Windowed layers (``windowed[layer]``) draw on a pool of their own that holds only each
+    sequence's current window, the pages before it having gone back to the allocator."""
 
     k: list[jax.Array]  # L x [P_l, K_l, H_l, page_size]  keys transposed, as in KVCache
     v: list[jax.Array]  # L x [P_l, K_l, page_size, H_l]  P_l: pages of the layer's pool
     # (None for a layer that attends over another's pool: ModelConfig.kv_source)
-    page_table: jax.Array  # i32[B, n] pages of each row; unused entries are page 0 (scratch)
-    window_table: jax.Array | None = None  # i32[B, m] windowed layers' pages from logical page window_base[b]
-    window_base: jax.Array | None = None  # i32[B]
     windowed: tuple[bool, ...] = dataclasses.field(default=(), metadata={"static": True})
 
     @property
     def page_size(self) -> int:
-        return self.v[0].shape[2]
+        return next(v for v in self.v if v is not None).shape[2]
 
     @property
     def num_pages(self) -> int:
         """Pages of the full-length layers' pool."""
-        return next((v.shape[0] for v, w in zip(self.v, self._kinds()) if v is not None and not w),
-                    self.v[0].shape[0])
-
-    def _kinds(self):
-        return self.windowed or (False,) * len(self.v)
+        kinds = self.windowed or (False,) * len(self.v)
+        return next((v.shape[0] for v, w in zip(self.v, kinds) if v is not None and not w),
+                    next(v for v in self.v if v is not None).shape[0])
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k + self.v if a is not None)
-
-    def with_page_table(self, page_table, window_table=None, window_base=None) -> "PagedKVCache":
-        return PagedKVCache(self.k, self.v, page_table, window_table, window_base, self.windowed)
-
-    def _table(self, layer: int):
-        if self.windowed and self.windowed[layer]:
-            return self.window_table, self.window_base
-        return self.page_table, None
-
-    def write_layer(self, layer: int, k_new, v_new, start) -> "PagedKVCache":
-        """Scatter one layer's new keys/values [B, T, K, H] into the rows' pages."""
-        T = k_new.shape[1]
-        table, base = self._table(layer)
-        ps, n = self.page_size, table.shape[1]
-        pos = start[:, None] + jnp.arange(T)[None, :]  # i32[B, T]
-        col = pos // ps if base is None else pos // ps - base[:, None]
-        # positions past the table (padding of a right-padded chunk) go to the scratch page
-        inside = (col >= 0) & (col < n)
-        page = jnp.where(inside, jnp.take_along_axis(table, jnp.clip(col, 0, n - 1), axis=1), 0)
-        off = pos % ps
-        s = slice(None)
-        k, v = list(self.k), list(self.v)
-        if k[layer] is not None:  # (a latent layer has no keys pool)
-            k[layer] = _store(k[layer], (page, s, s, off), k_new)
-        v[layer] = _store(v[layer], (page, s, off), v_new)
-        return PagedKVCache(k, v, self.page_table, self.window_table, self.window_base, self.windowed)
-
-    def kernel_readable(self, layer: int) -> bool:
-        """Whether the Pallas paged-attention kernel can read this layer's pool in place:
-        float pages under the full-length table (windowed tables start at a per-row base), and
-        keys of their own (not a latent pool)."""
-        windowed = bool(self.windowed) and self.windowed[layer]
-        return not windowed and self.k[layer] is not None and not isinstance(self.k[layer], QuantKV)
-
-    def read_layer(self, layer: int, end: jax.Array):
-        """Gather the rows' pages into dense views (keys [B, K, H, n*ps], values
-        [B, K, n*ps, H], kpos); only the n page-table columns of this call are read. kpos is
-        i32[n*ps] for full-length layers and i32[B, m*ps] for windowed ones (each row's table
-        starts at its own logical page). Values at positions >= end[b] read as 0 (XLA fuses
-        that into the gather's copy)."""
-        table, base = self._table(layer)
-        B, n = table.shape
-        vp = _load(self.v[layer], table)  # [B, n, K, ps, H]
-        K, ps, H = vp.shape[2], vp.shape[3], vp.shape[4]
-        values = vp.transpose(0, 2, 1, 3, 4).reshape(B, K, n * ps, H)
-        kpos = jnp.arange(n * ps)
-        if base is not None:
-            kpos = base[:, None] * ps + kpos[None, :]
-        values = _zero_unseen(values, kpos, end)
-        if self.k[layer] is None:  # a latent pool
-            return _latent_keys(values), values, kpos
-        kp = _load(self.k[layer], table)  # [B, n, K, H, ps]
-        keys = kp.transpose(0, 2, 3, 1, 4).reshape(B, K, H, n * ps)
-        return keys, values, kpos
 
 
 def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None, *,
@@ -312,5 +246,5 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=Non
     return PagedKVCache(
         [None if p is None or not keys else _zeros((p[0], p[1], p[2], page_size), dt, -2) for p in pools],
         [None if p is None else _zeros((p[0], p[1], page_size, p[2]), dt, -1) for p in pools],
-        jax.device_put(np.zeros((1, 1), np.int32)), windowed=windowed,
+        windowed=windowed,
     )

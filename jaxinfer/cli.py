@@ -36,6 +36,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
                    help="KV cache storage (auto: the model's dtype; int8: int8 with a float32 scale per token and head)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "pallas", "native", "xla"],
+                   help="which kernels run attention and the matmuls: auto (Pallas on TPU/GPU, native CPU "
+                        "kernels on one CPU device), pallas (interpret mode on CPU), native, or xla")
     _add_quantize(p)
 
 
@@ -84,7 +87,7 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
 
 def _model_kwargs(a) -> dict:
     return {"dtype": a.dtype, "kv_cache_dtype": a.kv_cache_dtype, "max_model_len": a.max_model_len,
-                "revision": a.revision, "download_dir": a.download_dir}
+            "revision": a.revision, "download_dir": a.download_dir, "kernels": a.kernels}
 
 
 def _engine_kwargs(a) -> dict:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxinfer import quant, registry
+from jaxinfer import dispatch, quant, registry
 from jaxinfer.cache import KV_CACHE_DTYPES
 from jaxinfer.config import default_dtype
 from jaxinfer.engine.config import EngineConfig, Scheduling, start_pools
@@ -65,6 +65,11 @@ class LLM:
     tensor-parallel devices (tensor_parallel_size must divide their number), each device
     computing the tokens routed to its own; without it, every expert's width splits like a
     dense MLP's. Attention is tensor parallel either way.
+    kernels: which kernels run attention and the matmuls (``jaxinfer.dispatch``): "auto" (the
+    Pallas kernels on TPU/GPU; on one CPU device the native CPU kernels that built for this
+    CPU, XLA for the rest), "pallas" (on CPU in Pallas interpret mode: slow, for tests),
+    "native" (one CPU device only) or "xla" (the pure-JAX references everywhere); or a
+    ``dispatch.Kernels``, to choose attention and matmuls apart.
     """
 
     def __init__(self, model: str | checkpoint.Loaded = registry.DEFAULT_MODEL, *, dtype: str | None = None,
@@ -78,7 +83,7 @@ class LLM:
                  speculative_config: dict | str | None = None, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None,
                  revision: str | None = None, download_dir: str | None = None, generation_config: str = "auto",
-                 enable_expert_parallel: bool = False):
+                 enable_expert_parallel: bool = False, kernels: str | dispatch.Kernels = "auto"):
         dtype = dtype or default_dtype()
         if dtype == "auto":
             dtype = default_dtype()
@@ -93,6 +98,8 @@ class LLM:
         qcfg = _quant_config(quantization, quant_group)  # bad options fail before the download
         spec = SpeculativeConfig.parse(speculative_config)  # likewise (layer count checked once loaded)
         mesh = _parallel_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, mesh)
+        # which kernel runs each attention and matmul: chosen once, carried by the weights and the steps
+        self.kernels = dispatch.choose(kernels, devices=1 if mesh is None else mesh.size)
         if mesh is not None and mesh.shape["data"] > 1 and spec is not None:
             raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")
         try:
@@ -100,12 +107,11 @@ class LLM:
         except ValueError:
             raise InvalidRequest(f"scheduling_policy must be 'fcfs' or 'spf', got {scheduling_policy!r}") from None
         ecfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size,
-                                num_gpu_blocks_override=num_gpu_blocks_override,
-                                gpu_memory_utilization=gpu_memory_utilization,
-                                kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_batched_tokens=max_num_batched_tokens,
-                                enable_prefix_caching=enable_prefix_caching, scheduling_policy=sched,
-                                windowed_kv=windowed_kv,
-                                kv_cache_dtype=kv_cache_dtype)
+                            num_gpu_blocks_override=num_gpu_blocks_override,
+                            gpu_memory_utilization=gpu_memory_utilization,
+                            kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_batched_tokens=max_num_batched_tokens,
+                            enable_prefix_caching=enable_prefix_caching, scheduling_policy=sched,
+                            windowed_kv=windowed_kv, kv_cache_dtype=kv_cache_dtype, kernels=self.kernels)
         pools = None
 
         def on_config(cfg):  # one device: fill the page pools while the weights are read
@@ -143,8 +149,6 @@ class LLM:
         loaded = model if isinstance(model, checkpoint.Loaded) else checkpoint.load(
             self.model_path, dtype=dtype, quantize=qcfg, shardings_fn=shardings_fn, on_config=on_config)
         self.cfg, self.weights, self.tokenizer = loaded.cfg, loaded.weights, loaded.tokenizer
-        if mesh is None:  # one CPU: w8a8 weights packed once for AMX, float32 ones for AVX-512
-            self.weights = quant.pack_for_cpu(self.weights, family_module(self.cfg.family).weight_specs(self.cfg))
         self.mesh = mesh
         self.parallel = None
         if mesh is not None:
@@ -155,6 +159,7 @@ class LLM:
             self.parallel = dict(tensor_parallel_plan(self.cfg, mesh.shape["model"],
                                                       expert_parallel=enable_expert_parallel),
                                  data_parallel_size=mesh.shape["data"])
+        self.weights = dispatch.bind(self.weights, family_module(self.cfg.family).weight_specs(self.cfg), self.kernels)
         if max_model_len is None:
             max_model_len = self.cfg.max_position
         if not 1 < max_model_len <= self.cfg.max_position:
@@ -170,14 +175,16 @@ class LLM:
         # with data parallelism, max_num_seqs and the KV budget are each replica's
         self.engine = Engine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len, config=ecfg,
                              seed=seed, speculative=spec, mesh=mesh,
-                             draft=self._load_draft(spec, dtype, progress, download_dir), pools=pools)
+                             draft=self._load_draft(spec, dtype, progress, download_dir, self.kernels),
+                             pools=pools)
         if self.engine.pipeline is not None:  # the weights now live stacked by stage
             self.weights = self.engine.weights
             self.parallel = dict(self.parallel, **self.engine.pipeline.report())
         self._request_counter = 0
 
     @staticmethod
-    def _load_draft(spec: SpeculativeConfig | None, dtype: str, progress: bool, download_dir: str | None = None):
+    def _load_draft(spec: SpeculativeConfig | None, dtype: str, progress: bool, download_dir: str | None = None,
+                    kernels: dispatch.Kernels = dispatch.XLA):
         """(ModelConfig, weights) of speculative_config's draft model, loaded like the target (in
         its dtype, quantized while loading when the config says so), or None. A Hub id is
         downloaded at the config's ``revision`` into the target's download_dir."""
@@ -186,7 +193,7 @@ class LLM:
         path = registry.resolve(spec.model, revision=spec.revision, download_dir=download_dir, progress=progress,
                                 check_config=_architecture_check(spec.model))
         loaded = checkpoint.load(path, dtype=dtype, quantize=quant.quant_config(spec.quantization))
-        return loaded.cfg, quant.pack_for_cpu(loaded.weights, family_module(loaded.cfg.family).weight_specs(loaded.cfg))
+        return loaded.cfg, dispatch.bind(loaded.weights, family_module(loaded.cfg.family).weight_specs(loaded.cfg), kernels)
 
     def get_tokenizer(self):
         return self.tokenizer

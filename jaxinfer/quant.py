@@ -175,8 +175,10 @@ class QuantArray(_Matrix):
     scheme: QuantScheme = dataclasses.field(metadata={"static": True})
     group: int = dataclasses.field(default=0, metadata={"static": True})  # int4 group size
     # "io": values as above; "amx": w8a8 values packed for the AMX kernel
-    # (cpu_kernels.amx_pack, [O/16, I/64, 16, 16, 4]), made by ``pack_for_cpu``
+    # (cpu_kernels.amx_pack, [O/16, I/64, 16, 16, 4]), made by ``dispatch.bind``
     layout: str = dataclasses.field(default="io", metadata={"static": True})
+    # the dispatch.Kernels whose matmul multiplies it (``dispatch.bind``); None: XLA's dots
+    kernels: object = dataclasses.field(default=None, metadata={"static": True})
 
     def values_io(self) -> jax.Array:
         """``values`` in the "io" layout, unpacked where they are packed for AMX."""
@@ -219,18 +221,14 @@ class QuantArray(_Matrix):
 
     # ------------------------------------------------------------------ matmul
     def matmul(self, x: jax.Array) -> jax.Array:
-        """x [M, I] @ W [I, O] -> [M, O] in x.dtype, by this weight's scheme."""
+        """x [M, I] @ W [I, O] -> [M, O] in x.dtype, by this weight's scheme, with XLA's dots
+        (the reference of every kernel ``dispatch.matmul`` may pick instead)."""
         if self.scheme == QuantScheme.W8A8:
             return self.matmul_rows(*self.quantize_input(x), x.dtype)
         if self.scheme == QuantScheme.INT4:
             w = unpack_int4(self.values, self.group).astype(jnp.float32)
             w = (w * jnp.repeat(self.scale, self.group, axis=0)).astype(x.dtype)
             y = jax.lax.dot_general(x, w, _MATMUL, preferred_element_type=jnp.float32)
-        elif x.shape[0] <= cpu_kernels.MAX_ROWS and x.dtype == jnp.float32 and _native_gemv():
-            # a few float32 rows (batch-1 decode): the native kernel widens the int8 weight in
-            # registers; XLA would widen all of it to float32 in memory first (at one row, the
-            # same bits)
-            y = cpu_kernels.wo8_gemv(x, self.values) * self.scale
         else:
             y = jax.lax.dot_general(
                 x, self.values.astype(x.dtype), _MATMUL, preferred_element_type=jnp.float32
@@ -246,70 +244,51 @@ class QuantArray(_Matrix):
             xf = xf * self.smooth
         return quantize_rows(xf)
 
-    def matmul_rows(self, xq: jax.Array, xs: jax.Array, dtype=jnp.float32) -> jax.Array:
-        """w8a8 on already quantized rows: int8[M, I] (scales f32[M]) @ W -> [M, O] dtype."""
-        return _s8_matmul(xq, xs, self.values, self.scale, self.layout).astype(dtype)
+    def matmul_rows(self, xq: jax.Array, xs: jax.Array, dtype=jnp.float32, *, dot=None) -> jax.Array:
+        """w8a8 on already quantized rows: int8[M, I] (scales f32[M]) @ W -> [M, O] dtype.
+        ``dot(w, xq) -> int32[M, O]``: the integer product (default ``s8_dot``, XLA's)."""
+        sums = s8_dot(xq, self.values_io()) if dot is None else dot(self, xq)
+        return (sums.astype(jnp.float32) * xs[:, None] * self.scale).astype(dtype)
 
     def einsum(self, eq: str, x: jax.Array, *, matmul=None) -> jax.Array:
         """``jnp.einsum(eq, x, w)`` with this as w, e.g. "BTD,DNH->BTNH", "BTNH,NHD->BTD",
         "BTD,VD->BTV". The weight letters summed over must be exactly its contracted axes.
 
         ``matmul(w, x2) -> y2`` replaces the 2-D product ([M, I] -> [M, O]; default
-        ``QuantArray.matmul``, plain XLA): the seam where a layer above plugs in the Pallas
-        kernels on TPU/GPU without this module importing them."""
+        ``QuantArray.matmul``, plain XLA): the seam where ``dispatch.matmul`` plugs in the
+        kernel this weight is bound to without this module importing them."""
         x2, done = self.as_rows(eq, x)
         return done(self.matmul(x2) if matmul is None else matmul(self, x2))
 
 
-def _s8_matmul(xq: jax.Array, xs: jax.Array, values: jax.Array, scale: jax.Array, layout: str = "io") -> jax.Array:
-    """int8 rows xq [M, I] (scales xs f32[M]) @ int8 values [I, O] (layout "amx": packed by
-    ``cpu_kernels.amx_pack``; scales f32[O]) -> f32[M, O]."""
-    return _s8_dot(xq, values, layout).astype(jnp.float32) * xs[:, None] * scale
-
-
-def _s8_dot(xq: jax.Array, values: jax.Array, layout: str) -> jax.Array:
-    """The int32 sums of ``_s8_matmul``, by the fastest path this trace has; every path gives
-    the same integers."""
-    if layout == "amx":
-        if cpu_kernels.amx_active():
-            return cpu_kernels.int8_amx(xq, values)  # the weight was packed once, at load
-        values = cpu_kernels.amx_unpack(values)
-    if xq.shape[0] <= cpu_kernels.MAX_ROWS and _native_gemv():
-        # a few rows (batch-1 decode): the native kernel streams the weight as stored, where
-        # XLA's dot would repack all of it first
-        return cpu_kernels.int8_gemv(xq, values)
+def s8_dot(xq: jax.Array, values: jax.Array) -> jax.Array:
+    """XLA's int32 sums of int8 rows xq [M, I] with int8 values [I, O] (every kernel that
+    ``dispatch.s8_dot`` may pick gives the same integers)."""
     if xq.shape[0] == 1:
         # XLA CPU rewrites a one-row s8 dot as an s32 one, converting the whole weight
         # every call (measured 30x slower than two rows); pay for a second row.
-        return _s8_dot(jnp.concatenate([xq, xq]), values, "io")[:1]
+        return s8_dot(jnp.concatenate([xq, xq]), values)[:1]
     return jax.lax.dot_general(xq, values, _MATMUL, preferred_element_type=jnp.int32)
 
 
-def _native_gemv() -> bool:
-    """Whether this trace's few-row int8 dots (w8a8's ``int8_gemv``, weight-only int8's
-    ``wo8_gemv``) go to the native kernels: on a one-device CPU backend (a custom call has no
-    sharding rule) where they are built."""
-    return cpu_kernels.active()
-
-
-def einsum_shared(x: jax.Array, *pairs: tuple[str, QuantArray]) -> tuple[jax.Array, ...]:
+def einsum_shared(x: jax.Array, *pairs: tuple[str, QuantArray], dot=None) -> tuple[jax.Array, ...]:
     """Several einsums of one activation with w8a8 weights that contract it alike (q/k/v,
     gate/up): x is quantized once, each weight's dot runs on the same int8 rows.
-    ``pairs``: (eq, weight) each as for ``QuantArray.einsum``."""
+    ``pairs``: (eq, weight) each as for ``QuantArray.einsum``; ``dot``: as for ``matmul_rows``."""
     rows = [w.as_rows(eq, x) for eq, w in pairs]
     ws = [w for _, w in pairs]
     if not shares_input(ws) or any(r[0].shape != rows[0][0].shape for r in rows):
         raise ValueError("einsum_shared needs w8a8 weights contracting the same input alike")
     xq, xs = ws[0].quantize_input(rows[0][0])
-    return tuple(done(w.matmul_rows(xq, xs, x.dtype)) for w, (_, done) in zip(ws, rows))
+    return tuple(done(w.matmul_rows(xq, xs, x.dtype, dot=dot)) for w, (_, done) in zip(ws, rows))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedF32(_Matrix):
     """A float32 matmul weight packed once for ``cpu_kernels.f32_gemm_packed`` (its [I, O]
-    matrix in panels of 16 columns, ``cpu_kernels.f32_pack``), made by ``pack_for_cpu``. Pass
-    it wherever the float weight went into ``layers.dot``."""
+    matrix in panels of 16 columns, ``cpu_kernels.f32_pack``), made by ``dispatch.bind`` for the
+    native kernels. Pass it wherever the float weight went into ``layers.dot``."""
 
     values: jax.Array  # f32[O/16, I, 16]
     shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # the float weight's
@@ -322,67 +301,61 @@ class PackedF32(_Matrix):
         return self._from_matrix(cpu_kernels.f32_unpack(self.values))
 
     def einsum(self, eq: str, x: jax.Array, *, matmul=None) -> jax.Array:
-        """``jnp.einsum(eq, x, w)`` with this as w, through the native kernel (``matmul``, the
-        TPU/GPU seam of QuantArray.einsum, never applies: this form exists on CPU only)."""
+        """``jnp.einsum(eq, x, w)`` with this as w: ``matmul`` (``dispatch.matmul``) runs the
+        2-D product; without it, XLA's dot of the unpacked weight (the reference)."""
         x2, done = self.as_rows(eq, x)
-        return done(cpu_kernels.f32_gemm_packed(x2, self.values).astype(x.dtype))
+        if matmul is None:
+            y = jax.lax.dot_general(x2, cpu_kernels.f32_unpack(self.values), _MATMUL,
+                                    preferred_element_type=jnp.float32)
+            return done(y.astype(x.dtype))
+        return done(matmul(self, x2))
 
 
-def pack_for_cpu(weights, specs=None):
-    """``weights`` with each weight a native CPU kernel reads better packed, packed once, where
-    that kernel runs on this (one-device CPU) backend; the rest as they are:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """A float weight bound to a kernel choice (``dispatch.bind``): the array as it was, plus
+    the static ``kernels`` that ``dispatch.einsum`` and ``dispatch.grouped_matmul`` read. Pass
+    it wherever the float weight went (``layers.dot``, ``layers.take``)."""
 
-    * every w8a8 weight that fits, for the AMX kernel (layout "amx"): XLA's own s8 dot repacks
-      the whole weight on every call;
-    * given the model's ``specs``, every float32 matmul weight whose outputs come in whole
-      panels of 16 (``PackedF32``; not the embedding, which is also looked up, nor a mixture of
-      experts' expert weights, which the grouped matmul reads expert by expert), on AVX-512:
-      XLA's float32 dot transposes its weight on every call past one row."""
-    if cpu_kernels.amx_active():
-        pack = jax.jit(cpu_kernels.amx_pack)
+    values: jax.Array  # the float weight, any shape
+    kernels: object = dataclasses.field(metadata={"static": True})  # a dispatch.Kernels
 
-        def one(w):
-            if (isinstance(w, QuantArray) and w.scheme == QuantScheme.W8A8 and w.layout == "io"
-                    and cpu_kernels.amx_fits(w.in_size, w.out_size)):
-                return dataclasses.replace(w, values=pack(w.values), layout="amx")
-            return w
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
 
-        weights = jax.tree.map(one, weights, is_leaf=lambda x: isinstance(x, QuantArray))
-    if specs is not None and cpu_kernels.f32_packed_active():
-        from jaxinfer.specs import is_spec
+    @property
+    def dtype(self):
+        return self.values.dtype
 
-        def f32(spec, w):
-            contract = spec.contract_axes
-            if (not isinstance(w, jax.Array) or w.dtype != jnp.float32 or not contract or "vocab" in spec.axes
-                    or "expert" in spec.axes
-                    or w.shape != tuple(spec.shape)):
-                return w
-            free = _axes(w.shape, contract)[1]
-            if not cpu_kernels.f32_packed_fits(math.prod(w.shape[a] for a in contract),
-                                               math.prod(w.shape[a] for a in free)):
-                return w
-            return PackedF32(_pack_f32(w, contract, free), tuple(w.shape), contract)
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes
 
-        weights = jax.tree.map(f32, specs, weights, is_leaf=is_spec)
-    return weights
+    def dequantize(self, dtype=None) -> jax.Array:
+        """The float weight (``QuantArray.dequantize``'s counterpart)."""
+        return self.values if dtype is None else self.values.astype(dtype)
 
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _pack_f32(w: jax.Array, contract: tuple[int, ...], free: tuple[int, ...]) -> jax.Array:
-    return cpu_kernels.f32_pack(_as_matrix(w, contract, free))
+    def take(self, indices: jax.Array, dtype=None) -> jax.Array:
+        """Rows ``values[indices]`` (an embedding lookup)."""
+        rows = jnp.take(self.values, indices, axis=0)
+        return rows if dtype is None else rows.astype(dtype)
 
 
 def io_layout(weights):
-    """``weights`` with every packed weight back in its stored form (the inverse of
-    ``pack_for_cpu``): what a checkpoint stores."""
+    """``weights`` with every weight back in its stored form, packed or bound by
+    ``dispatch.bind`` no more: what a checkpoint stores."""
     def one(w):
-        if isinstance(w, QuantArray) and w.layout != "io":
-            return dataclasses.replace(w, values=w.values_io(), layout="io")
+        if isinstance(w, QuantArray):
+            return dataclasses.replace(w, values=w.values_io(), layout="io", kernels=None)
         if isinstance(w, PackedF32):
             return w.unpacked()
+        if isinstance(w, Dense):
+            return w.values
         return w
 
-    return jax.tree.map(one, weights, is_leaf=lambda x: isinstance(x, (QuantArray, PackedF32)))
+    return jax.tree.map(one, weights, is_leaf=lambda x: isinstance(x, (QuantArray, PackedF32, Dense)))
 
 
 def shares_input(ws) -> bool:
@@ -417,7 +390,7 @@ def _axes(shape: tuple[int, ...], contract_axes) -> tuple[tuple[int, ...], tuple
     return contract, tuple(a for a in range(len(shape)) if a not in contract)
 
 
-def _as_matrix(w: jax.Array, contract: tuple[int, ...], free: tuple[int, ...]) -> jax.Array:
+def as_matrix(w: jax.Array, contract: tuple[int, ...], free: tuple[int, ...]) -> jax.Array:
     """w -> f32[I, O] with the contracted axes first."""
     I, O = math.prod(w.shape[a] for a in contract), math.prod(w.shape[a] for a in free)
     return jnp.transpose(w.astype(jnp.float32), contract + free).reshape(I, O)
@@ -425,12 +398,12 @@ def _as_matrix(w: jax.Array, contract: tuple[int, ...], free: tuple[int, ...]) -
 
 @functools.partial(jax.jit, static_argnames=("contract", "free"))
 def _int8_matrix(w, contract, free):
-    return _per_column_int8(_as_matrix(w, contract, free))
+    return _per_column_int8(as_matrix(w, contract, free))
 
 
 @functools.partial(jax.jit, static_argnames=("contract", "free", "group"))
 def _int4_matrix(w, contract, free, group):
-    w2 = _as_matrix(w, contract, free)
+    w2 = as_matrix(w, contract, free)
     I, O = w2.shape
     g = w2.reshape(I // group, group, O)
     amax = jnp.max(jnp.abs(g), axis=1)  # [I/group, O]
@@ -441,12 +414,12 @@ def _int4_matrix(w, contract, free, group):
 
 @functools.partial(jax.jit, static_argnames=("contract", "free"))
 def _row_absmax(w, contract, free):
-    return jnp.max(jnp.abs(_as_matrix(w, contract, free)), axis=1)
+    return jnp.max(jnp.abs(as_matrix(w, contract, free)), axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("contract", "free"))
 def _smoothed_int8_matrix(w, s, contract, free):
-    return _per_column_int8(_as_matrix(w, contract, free) * s[:, None])
+    return _per_column_int8(as_matrix(w, contract, free) * s[:, None])
 
 
 def weight_row_absmax(w: jax.Array, contract_axes) -> jax.Array:

@@ -7,12 +7,6 @@ One small package per op:
                     chunks with or without cached history) in one call, each reading its
                     sequence's pages in place; causal, GQA/MQA, sliding window, soft-cap.
                     The packed engine step's attention on TPU/GPU.
-  flash_attention   dense prefill attention: causal, GQA/MQA, sliding window, logit soft-cap,
-                    per-row query offsets and key lengths. Prefill-only forwards (no cache
-                    to read) on TPU/GPU.
-  paged_attention   paged decode attention: one query token per sequence, keys and values
-                    read from a page pool through each sequence's page table. The
-                    model-level paged forward (cache.PagedKVCache) on TPU/GPU.
   quant_matmul      int8 x int8 -> int32 matmul with per-token and per-channel scales, and
                     weight-only int8 / packed-int4 matmuls that dequantize inside the kernel.
   grouped_matmul    rows sorted by group, each group's rows times its own weight (float,

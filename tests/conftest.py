@@ -49,7 +49,7 @@ def require_native(library: str) -> None:
     pass as a CPU without AVX-512."""
     from jaxinfer import cpu_kernels
 
-    state = cpu_kernels.library_state(library)
+    state = cpu_kernels.library_status(library)
     if state.loaded:
         return
     if state.failed and on_ci():
@@ -86,7 +86,7 @@ def f32_packed_kernel(f32_kernels):
     from jaxinfer import cpu_kernels
 
     if not cpu_kernels.f32_packed_available():
-        pytest.skip("f32_gemm_packed needs AVX-512F (and JAXINFER_NATIVE_F32_PACK unset)")
+        pytest.skip("f32_gemm_packed needs AVX-512F")
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import cpu_kernels as ck
-from jaxinfer import quant
+from jaxinfer import dispatch, quant
 
 needs_amx = pytest.mark.usefixtures("amx_kernel")  # AMX-INT8; under CI=true a failed build fails
 
@@ -97,9 +97,9 @@ def test_w8a8_model_with_packed_weights_equals_xla(tiny_gguf, monkeypatch):
     assert any(q.layout == "amx" for q in leaves)
     native = llm.generate(prompts, sp)
     assert calls
-    monkeypatch.setattr(ck, "amx_active", lambda: False)
     calls.clear()
-    xla = LLM(str(tiny_gguf), quantization="w8a8", progress=False, max_num_seqs=8).generate(prompts, sp)
+    xla_dots = dispatch.Kernels(llm.kernels.attention, dispatch.Matmul.XLA)
+    xla = LLM(str(tiny_gguf), quantization="w8a8", progress=False, max_num_seqs=8, kernels=xla_dots).generate(prompts, sp)
     assert not calls
     for a, b in zip(native, xla):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import cpu_kernels as ck
-from jaxinfer import quant
+from jaxinfer import dispatch, quant
 
 needs_kernel = pytest.mark.usefixtures("f32_packed_kernel")  # AVX-512F; under CI=true a failed build fails
 
@@ -71,7 +71,7 @@ def test_packed_weight_einsum_and_unpack(eq, shape, contract, x_shape):
     if len(x_shape) == 2:
         eq = eq.replace("BT", "T", 1).replace("->BT", "->T")
     free = tuple(a for a in range(len(shape)) if a not in contract)
-    pw = quant.PackedF32(quant._pack_f32(w, contract, free), shape, contract)
+    pw = quant.PackedF32(dispatch._f32_pack(w, contract, free), shape, contract)
     np.testing.assert_array_equal(np.asarray(pw.unpacked()), np.asarray(w))
     np.testing.assert_array_equal(np.asarray(quant.io_layout({"w": pw})["w"]), np.asarray(w))
     from jaxinfer.models.layers import dot
@@ -97,9 +97,9 @@ def test_model_with_packed_float32_weights_equals_xla(tiny_gguf, monkeypatch):
     assert len(packed) == 2 * 7  # two layers' seven projections; not the embedding
     native = llm.generate(prompts, sp)
     assert calls
-    monkeypatch.setattr(ck, "f32_packed_active", lambda: False)
     calls.clear()
-    xla = LLM(str(tiny_gguf), progress=False, max_num_seqs=8).generate(prompts, sp)
+    xla_dots = dispatch.Kernels(llm.kernels.attention, dispatch.Matmul.XLA)
+    xla = LLM(str(tiny_gguf), progress=False, max_num_seqs=8, kernels=xla_dots).generate(prompts, sp)
     assert not calls
     for a, b in zip(native, xla):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

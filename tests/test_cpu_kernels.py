@@ -9,6 +9,7 @@ CPU with the instructions but no library fails the run."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -20,13 +21,11 @@ import numpy as np
 import pytest
 
 from jaxinfer import cpu_kernels as ck
-from jaxinfer import quant
-from jaxinfer.models import packed
 
 # Skipped where the CPU lacks the instructions (or the library did not build; under CI=true that fails)
 needs_int8 = pytest.mark.usefixtures("int8_kernels")
 needs_f32 = pytest.mark.usefixtures("f32_kernels")
-# f32_gemv's vector variants, each where this CPU runs it (JAXINFER_NATIVE_ISA=avx2 leaves avx2)
+# f32_gemv's vector variants, each where this CPU runs it (an AVX-512 CPU runs both)
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(isa not in ck.isas(), reason=f"no {isa} here"))
         for isa in ck.ISA_FLAGS]
 
@@ -139,7 +138,7 @@ def test_ranges_cover_the_call_in_whole_units():
                 ranges = ck.split_plan(width, unit=unit, threads=threads)
                 assert len(ranges) == max(1, min(threads, width // unit // 4))
                 assert ranges[0][0] == 0 and ranges[-1][1] == width
-                assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+                assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
                 sizes = [c1 - c0 for c0, c1 in ranges[:-1]]
                 assert all(s % unit == 0 for s in sizes)
                 last = ranges[-1][1] - ranges[-1][0] - width % unit
@@ -215,7 +214,7 @@ def test_a_failed_build_skips_locally_and_fails_under_ci(tmp_path, ci):
     float32 kernel's tests skip, and under CI=true fail, naming the compiler's error."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
            "tests/test_cpu_kernels.py", "-k", "test_float_rows_out_of_range_are_refused"]
-    r = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path, _fake_compiler(tmp_path, "f32_gemv.cc"), ci),
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path, _fake_compiler(tmp_path, "f32_gemv.cc"), ci), check=False,
                        capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     if ci:
@@ -234,10 +233,10 @@ def test_one_source_failing_takes_no_other_library_with_it(tmp_path):
     and only the attention kernels are off (the engine keeps XLA's readers)."""
     code = """if True:
         from jaxinfer import cpu_kernels as ck
-        print(ck.library_state("paged_attention"))
+        print(ck.library_status("paged_attention"))
         print(ck.f32_available(), ck.attention_available())
     """
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=False,
                        env=_env(tmp_path, _fake_compiler(tmp_path, "paged_attention.cc"), ci=False),
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -275,19 +274,22 @@ def test_quantized_model_through_the_kernels_equals_xla(tiny_gguf, monkeypatch, 
     under w8a8 the same logprobs (the same integers feed the same epilogue); weight-only int8
     sums in float32 in another order inside XLA's fused step, so its logprobs agree to
     rounding."""
-    from jaxinfer import LLM, SamplingParams
+    from jaxinfer import LLM, SamplingParams, dispatch
 
     # XLA's own decode reader in both: the native one is a custom call, before which XLA fuses
     # the dot's epilogue differently for its dot and for int8_gemv (q moves by an ulp)
-    monkeypatch.setattr(packed, "NATIVE_ROWS", False)
+    kernels = dispatch.Kernels(dispatch.Attention.XLA, dispatch.Matmul.NATIVE)
     sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
     prompt = "The quick brown fox"
-    native = LLM(str(tiny_gguf), quantization=scheme, progress=False, max_num_seqs=2).generate(prompt, sp)[0]
-    asked = []
-    monkeypatch.setattr(quant, "_native_gemv", lambda: asked.append(1) or False)
-    monkeypatch.setattr(ck, "amx_active", lambda: asked.append(1) or False)
-    xla = LLM(str(tiny_gguf), quantization=scheme, progress=False, max_num_seqs=2).generate(prompt, sp)[0]
-    assert asked  # the second engine traced its steps anew, through XLA's dot
+    calls = []
+    for name in ("int8_gemv", "wo8_gemv", "int8_amx"):
+        real = getattr(ck, name)
+        monkeypatch.setattr(ck, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    native = LLM(str(tiny_gguf), quantization=scheme, progress=False, max_num_seqs=2, kernels=kernels).generate(prompt, sp)[0]
+    assert calls  # the steps' dots went through a native kernel
+    calls.clear()
+    xla = LLM(str(tiny_gguf), quantization=scheme, progress=False, max_num_seqs=2, kernels="xla").generate(prompt, sp)[0]
+    assert not calls
     assert native.outputs[0].token_ids == xla.outputs[0].token_ids
     if scheme == "w8a8":
         assert native.outputs[0].cumulative_logprob == xla.outputs[0].cumulative_logprob
@@ -300,19 +302,19 @@ def test_float_model_through_the_few_row_kernel_equals_xla(tiny_gguf, monkeypatc
     """The tiny float32 model with n-gram speculation (verification steps of k + 1 rows) and
     four sequences (decode steps of 4 rows): the native few-row dots give XLA's tokens, and
     logprobs equal to float32 rounding."""
-    from jaxinfer import LLM, SamplingParams
+    from jaxinfer import LLM, SamplingParams, dispatch
 
     sp = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
     prompts = ["The quick brown fox", "a b c a b c a b c", "one two three one two", "hello hello hello"]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
     calls, real = [], ck.f32_gemv
     monkeypatch.setattr(ck, "f32_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
-    make = lambda: LLM(str(tiny_gguf), progress=False, max_num_seqs=4, speculative_config=spec)  # noqa: E731
-    native = make().generate(prompts, sp)
+    make = lambda k: LLM(str(tiny_gguf), progress=False, max_num_seqs=4, speculative_config=spec, kernels=k)
+    auto = dispatch.choose("auto")
+    native = make(auto).generate(prompts, sp)
     assert calls  # some steps' dots went through the kernel
-    monkeypatch.setattr(ck, "f32_active", lambda: False)
     calls.clear()
-    xla = make().generate(prompts, sp)
+    xla = make(dispatch.Kernels(auto.attention, dispatch.Matmul.XLA)).generate(prompts, sp)
     assert not calls
     for a, b in zip(native, xla):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -101,15 +101,16 @@ def test_a_row_that_sees_nothing_gives_zeros():
 def test_the_model_through_the_kernel_equals_xla_reader(tiny_gguf, monkeypatch, kv):
     """Greedy and seeded, with prompt logprobs of a batch of rows: the same tokens, and logprobs
     equal to float32 rounding, with decode rows read by the kernel and by XLA."""
-    from jaxinfer import LLM, SamplingParams
+    from jaxinfer import LLM, SamplingParams, dispatch
 
     prompts = ["The quick brown fox", "Once upon a time there was", "1, 2, 3,"]
     params = [SamplingParams(temperature=0.0, max_tokens=24, logprobs=2),
               SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, logprobs=2)]
     outs = {}
+    auto = dispatch.choose("auto")
     for native in (True, False):
-        monkeypatch.setattr(packed, "NATIVE_ROWS", native)
-        llm = LLM(str(tiny_gguf), kv_cache_dtype=kv, progress=False, max_num_seqs=4)
+        kernels = auto if native else dispatch.Kernels(dispatch.Attention.XLA, auto.matmul)
+        llm = LLM(str(tiny_gguf), kv_cache_dtype=kv, progress=False, max_num_seqs=4, kernels=kernels)
         outs[native] = [o.outputs[0] for sp in params for o in llm.generate(prompts, sp)]
     for a, b in zip(outs[True], outs[False]):
         assert a.token_ids == b.token_ids

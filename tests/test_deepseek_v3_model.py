@@ -126,11 +126,8 @@ def test_deepseek_v3_on_the_kernel_path(tiny):
     """With the Pallas kernels on (interpret mode: TPU/GPU's path), latent layers still read
     their pools through the XLA readers (the kernels take separate key and value pools), and
     the rest (the experts' grouped matmuls) runs as kernels: still transformers' numbers."""
-    from jaxinfer import kernels
-
     path, ref = tiny
-    with kernels.interpret_kernels():
-        got = ft.generate(_llm(path))
+    got = ft.generate(_llm(path, kernels="pallas"))
     ft.assert_matches(got, ref, what="kernel path")
 
 

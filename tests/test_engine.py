@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer import SamplingParams, kernels
+from jaxinfer import SamplingParams
 from jaxinfer.engine.step import slots_with_vocab_state
 from jaxinfer.errors import InvalidRequest
 
@@ -115,7 +115,7 @@ def test_packed_step_donates_pools_and_slots(tiny_llm):
     slots_old = slots_with_vocab_state(eng.slots, tiny_llm.cfg.vocab_size, True)
     k_old, v_old = eng.k_pages, eng.v_pages
     out = eng._step(tiny_llm.weights, eng.idle_batch(8, 8, 32), k_old, v_old, slots_old, cfg=tiny_llm.cfg,
-                    num_logprobs=-1, prompt_logprobs=-1, kernel_mode=kernels.current_mode())
+                    num_logprobs=-1, prompt_logprobs=-1, kernels=eng.kernels)
     jax.block_until_ready(out)
     assert all(a.is_deleted() for a in k_old + v_old)  # the page pools were donated
     assert all(a.is_deleted() for a in jax.tree.leaves(slots_old))

@@ -227,12 +227,12 @@ def test_shared_layers_have_no_cache_and_cost_no_kv_bytes(gemma4_path):
 def test_ragged_kernel_path_equals_transformers(gemma4_path):
     """The TPU/GPU path (Pallas ragged paged attention, traced in interpret mode): per-layer
     head dims, and sharing layers reading their source's pages in the same step."""
-    from jaxinfer import LLM, kernels
+    from jaxinfer import LLM
 
     ref = ft.reference(gemma4_path, ft.PROMPTS[:2], max_tokens=4)
-    with kernels.interpret_kernels():
-        llm = LLM(str(gemma4_path), max_model_len=128, progress=False, kv_cache_memory_bytes=4 << 20, max_num_seqs=2)
-        got = ft.generate(llm, ft.PROMPTS[:2], max_tokens=4)
+    llm = LLM(str(gemma4_path), max_model_len=128, progress=False, kv_cache_memory_bytes=4 << 20, max_num_seqs=2,
+              kernels="pallas")
+    got = ft.generate(llm, ft.PROMPTS[:2], max_tokens=4)
     ft.assert_matches(got, ref, what="ragged kernel")
 
 

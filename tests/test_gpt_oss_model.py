@@ -166,7 +166,7 @@ def test_packed_attention_with_sinks_through_the_ragged_kernel_equals_reference(
     rows of 1 and 3 queries and a prefill row of two chunks, NaN-poisoned pools, a sliding
     layer over its own windowed pool and a full one, with sinks far from 0: the ragged kernel
     (interpret mode) gives what the pure-JAX readers give, and the sinks matter."""
-    from jaxinfer import kernels
+    from jaxinfer import dispatch
     from jaxinfer.config import AttentionKind, Family, ModelConfig
     from jaxinfer.models.packed import PackedKV
     from tests.kernel_testing import assert_close, run_interpreted
@@ -182,18 +182,17 @@ def test_packed_attention_with_sinks_through_the_ragged_kernel_equals_reference(
     q, k, v = (jnp.asarray(rng.normal(size=(1, n, heads, 8)), jnp.float32) for heads in (4, 2, 2))
     sinks = jnp.array([3.0, -2.0, 0.5, 1.5])
 
-    def make(use_kernels):
+    def make(kernels):
         def attend(q, k, v, sinks):
-            cache = PackedKV(ks, vs, batch, windowed, use_kernels)
+            cache = PackedKV(ks, vs, batch, windowed, kernels)
             return [cache.attend(i, q, k, v, scale=8**-0.5, window=cfg.layer_window(i), sinks=sinks)[0][0]
                     for i in range(cfg.n_layers)]
         return attend
 
-    ref = jax.jit(make(False))(q, k, v, sinks)
-    plain = jax.jit(make(False))(q, k, v, jnp.full((4,), -1e4))  # a sink that weighs nothing
-    with kernels.interpret_kernels():
-        assert str(jax.make_jaxpr(make(True))(q, k, v, sinks)).count("pallas_call") == cfg.n_layers
-        got = run_interpreted(make(True), q, k, v, sinks)
+    ref = jax.jit(make(dispatch.XLA))(q, k, v, sinks)
+    plain = jax.jit(make(dispatch.XLA))(q, k, v, jnp.full((4,), -1e4))  # a sink that weighs nothing
+    assert str(jax.make_jaxpr(make(dispatch.INTERPRET))(q, k, v, sinks)).count("pallas_call") == cfg.n_layers
+    got = run_interpreted(make(dispatch.INTERPRET), q, k, v, sinks)
     real = np.concatenate([[True] * 3 + [True, False, False], np.asarray(batch.seg) >= 0])  # B's padding: scratch
     for g, r, p in zip(got, ref, plain):
         assert np.isfinite(np.asarray(g)[real]).all()

@@ -1,18 +1,20 @@
 """The engine's seam to the Pallas kernels, exercised on CPU in interpret mode.
 
-On TPU/GPU the paged engine's decode attention and the quantized matmuls run as Pallas
-kernels (jaxinfer.kernels). Here ``interpret_kernels()`` traces those same paths in
-interpret mode, and they must give what the CPU reference paths give."""
+On TPU/GPU the paged engine's attention and the quantized matmuls run as Pallas kernels
+(jaxinfer.kernels, chosen by jaxinfer.dispatch). Here the choice ``dispatch.INTERPRET``
+(``kernels="pallas"`` on CPU) traces those same paths in interpret mode, and they must give
+what the reference paths give."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams, kernels
-from jaxinfer import cache as kv
+from jaxinfer import LLM, SamplingParams, dispatch
 from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig
 from jaxinfer.models import gemma3, llama
 from jaxinfer.models.layers import dot
@@ -34,62 +36,11 @@ def test_quantized_dot_through_the_kernel_equals_xla(scheme, group, calls):
     w = jnp.asarray(rng.normal(size=(128, 4, 16)).astype(np.float32))
     x = jnp.asarray(rng.normal(size=(2, 3, 128)).astype(np.float32))
     qa = quantize(w, (0,), scheme, group=group or 128)
-    f = jax.jit(lambda x: dot("BTD,DNH->BTNH", x, qa))
-    ref = f(x)
+    ref = jax.jit(lambda x: dot("BTD,DNH->BTNH", x, qa))(x)
     assert _pallas_calls(lambda x: dot("BTD,DNH->BTNH", x, qa), x) == 0
-    with kernels.interpret_kernels():
-        g = jax.jit(lambda x: dot("BTD,DNH->BTNH", x, qa))
-        assert _pallas_calls(lambda x: dot("BTD,DNH->BTNH", x, qa), x) == calls
-        got = g(x)
-    assert_close(got, ref)  # the kernel tests' one table (float32: 5e-6)
-
-
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_paged_decode_through_the_kernel_equals_reference(family):
-    """One decode token per row over NaN-poisoned, scattered pages: kernel == gather path."""
-    if family == "llama":
-        mod, cfg = llama, ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2,
-                                      n_heads=6, n_kv_heads=2, head_dim=8, d_ff=64)
-    else:  # sliding windows over a full-length page table, and soft-capped logits
-        L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
-        mod, cfg = gemma3, ModelConfig(
-            family=Family.GEMMA3, vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2,
-            head_dim=8, d_ff=64, rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=1e4),
-            layer_kinds=(L, G), sliding_window=4, query_pre_attn_scalar=12.0, attn_logit_softcap=2.0)
-    w = init_weights(mod.weight_specs(cfg), cfg, jax.random.key(0), scale=0.2)
-    ps, P, lens = 8, 12, [5, 17, 2]  # pages of 8: the TPU kernel tiles float32 by 8 rows
-    rng = np.random.default_rng(1)
-    pool = kv.init_paged_cache(cfg, P, ps)
-    pool = kv.PagedKVCache([jnp.full_like(a, jnp.nan) for a in pool.k], [jnp.full_like(a, jnp.nan) for a in pool.v],
-                           pool.page_table)
-    perm = rng.permutation(np.arange(1, P))
-    need = [-(-(n + 1) // ps) for n in lens]
-    table = np.zeros((3, max(need) + 1), np.int32)
-    off = 0
-    for b, k in enumerate(need):
-        table[b, :k] = perm[off : off + k]
-        off += k
-    seqs = [rng.integers(0, cfg.vocab_size, n + 1) for n in lens]
-    toks = np.zeros((3, max(lens)), np.int32)
-    for b, s in enumerate(seqs):
-        toks[b, : lens[b]] = s[: lens[b]]
-    fwd = jax.jit(mod.forward, static_argnames=("cfg", "read_cache"))
-    _, cache = fwd(w, jnp.asarray(toks), jnp.zeros(3, jnp.int32), pool.with_page_table(jnp.asarray(table)), cfg=cfg)
-    step_toks = jnp.asarray([[s[n]] for s, n in zip(seqs, lens)], jnp.int32)
-    start = jnp.asarray(lens, jnp.int32)
-
-    def make_step():  # a new function per trace: JAX caches traces by function
-        def step(w, cache):
-            h, _ = mod.forward(w, step_toks, start, cache, cfg=cfg)
-            return mod.unembed(w, h, cfg)
-        return step
-
-    ref = jax.jit(make_step())(w, cache)
-    assert _pallas_calls(make_step(), w, cache) == 0
-    with kernels.interpret_kernels():
-        assert _pallas_calls(make_step(), w, cache) == cfg.n_layers
-        got = jax.jit(make_step())(w, cache)
-    assert np.isfinite(np.asarray(got)).all()
+    qk = dataclasses.replace(qa, kernels=dispatch.INTERPRET)  # as dispatch.bind leaves it
+    assert _pallas_calls(lambda x: dot("BTD,DNH->BTNH", x, qk), x) == calls
+    got = jax.jit(lambda x: dot("BTD,DNH->BTNH", x, qk))(x)
     assert_close(got, ref)  # the kernel tests' one table (float32: 5e-6)
 
 
@@ -97,11 +48,11 @@ def test_engine_with_kernels_gives_the_reference_tokens(tiny_gguf):
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     ref = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, block_size=8)
     want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, sp, use_tqdm=False)]
-    with kernels.interpret_kernels():
-        llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, block_size=8, quantization="w8a8")
-        ref8 = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, block_size=8)
-        got = [o.outputs[0].token_ids for o in ref8.generate(PROMPTS, sp, use_tqdm=False)]
-        got8 = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    kw = {"progress": False, "max_num_seqs": 4, "max_model_len": 64, "block_size": 8, "kernels": "pallas"}
+    llm = LLM(str(tiny_gguf), quantization="w8a8", **kw)
+    assert llm.kernels == dispatch.INTERPRET
+    got = [o.outputs[0].token_ids for o in LLM(str(tiny_gguf), **kw).generate(PROMPTS, sp, use_tqdm=False)]
+    got8 = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
     assert got == want
     plain8 = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, block_size=8, quantization="w8a8")
     assert got8 == [o.outputs[0].token_ids for o in plain8.generate(PROMPTS, sp, use_tqdm=False)]
@@ -113,10 +64,9 @@ def test_engine_chunked_prefill_among_decode_rows_through_the_ragged_kernel(tiny
     reference path's tokens and logprobs."""
     prompts = PROMPTS + ["The capital of France is Paris and the capital of Spain is Madrid and " * 2]
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
-    kw = dict(progress=False, max_num_seqs=4, max_model_len=96, block_size=8, max_num_batched_tokens=16)
+    kw = {"progress": False, "max_num_seqs": 4, "max_model_len": 96, "block_size": 8, "max_num_batched_tokens": 16}
     ref = LLM(str(tiny_gguf), **kw).generate(prompts, sp, use_tqdm=False)
-    with kernels.interpret_kernels():
-        got = LLM(str(tiny_gguf), **kw).generate(prompts, sp, use_tqdm=False)
+    got = LLM(str(tiny_gguf), kernels="pallas", **kw).generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     for g, r in zip(got, ref):
         for lg, lr in zip(g.outputs[0].logprobs, r.outputs[0].logprobs):
@@ -132,30 +82,30 @@ def test_speculative_rows_through_the_ragged_kernel_give_the_reference_tokens(ti
     spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 16}
     prompts = ["a b c a b c a b c a b c a b", "1 2 3 4 1 2 3 4 1 2 3 4 1 2"]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    kw = dict(progress=False, max_num_seqs=4, max_model_len=64, block_size=8, speculative_config=spec)
+    kw = {"progress": False, "max_num_seqs": 4, "max_model_len": 64, "block_size": 8, "speculative_config": spec}
     want = [o.outputs[0].token_ids for o in LLM(str(tiny_gguf), **kw).generate(prompts, sp, use_tqdm=False)]
-    with kernels.interpret_kernels():
-        llm = LLM(str(tiny_gguf), **kw)
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(str(tiny_gguf), kernels="pallas", **kw)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert llm.engine.spec_stats.drafted > 0  # verification rows really ran
     assert got == want
 
 
-def test_kernel_mode_is_part_of_the_step_key(tiny_gguf):
-    """An executable traced on the reference path is never reused inside interpret_kernels():
-    the kernel mode is part of the step's cache key, not state read only while tracing."""
-    from jaxinfer import LLM, kernels
-
-    llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64)
+def test_kernel_choice_is_part_of_the_step_key(tiny_gguf):
+    """An executable traced with one kernel choice is never reused under another: the choice
+    is a static argument of the step (and rides on the weights), part of its cache key."""
+    llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, kernels="xla")
     eng = llm.engine
     batch = eng.idle_batch(4, 8, 0)
     eng.run_step(batch)
     before = eng._step._cache_size()
     eng.run_step(batch)
-    assert eng._step._cache_size() == before  # same shape, same mode: reused
-    with kernels.interpret_kernels():
-        eng.run_step(batch)
-    assert eng._step._cache_size() == before + 1  # same shape, other mode: its own executable
+    assert eng._step._cache_size() == before  # same shape, same choice: reused
+    eng.kernels = dispatch.INTERPRET
+    eng.run_step(batch)
+    assert eng._step._cache_size() == before + 1  # same shape, other choice: its own executable
+    q8 = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, quantization="int8", kernels="pallas")
+    leaves = jax.tree.leaves(q8.weights, is_leaf=lambda x: hasattr(x, "scheme"))
+    assert {x.kernels for x in leaves if hasattr(x, "scheme")} == {dispatch.INTERPRET}
 
 
 # ----------------------------------------------------------------------------- packed step
@@ -239,18 +189,17 @@ def test_packed_step_through_the_ragged_kernel_equals_reference(family, pool_dty
     batch = _hand_packed_batch(ps)
     ks, vs = _hand_pools(cfg, windowed, ps, dtype=pool_dtype)
 
-    def make_step(use_kernels):
+    def make_step(kernels):
         def step(w, ks, vs):
-            cache = PackedKV(ks, vs, batch, windowed, use_kernels)
+            cache = PackedKV(ks, vs, batch, windowed, kernels)
             h, cache = mod.forward(w, batch.tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
             return mod.unembed(w, h, cfg)[0], cache.k, cache.v
         return step
 
-    ref, ref_k, _ = jax.jit(make_step(False))(w, ks, vs)
-    assert _pallas_calls(make_step(False), w, ks, vs) == 0
-    with kernels.interpret_kernels():
-        assert _pallas_calls(make_step(True), w, ks, vs) == cfg.n_layers
-        got, got_k, _ = jax.jit(make_step(True))(w, ks, vs)
+    ref, ref_k, _ = jax.jit(make_step(dispatch.XLA))(w, ks, vs)
+    assert _pallas_calls(make_step(dispatch.XLA), w, ks, vs) == 0
+    assert _pallas_calls(make_step(dispatch.INTERPRET), w, ks, vs) == cfg.n_layers
+    got, got_k, _ = jax.jit(make_step(dispatch.INTERPRET))(w, ks, vs)
     real = np.asarray(batch.seg) >= 0
     real = np.concatenate([[True] * 3 + [True, False, False], real])  # B's padding queries are scratch
     assert np.isfinite(np.asarray(got)[real]).all()
@@ -260,32 +209,3 @@ def test_packed_step_through_the_ragged_kernel_equals_reference(family, pool_dty
         tol = 2e-5 if pool_dtype == jnp.float32 else 2e-2  # bfloat16: one rounding of the key apart
         np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
 
-
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_prefill_only_forward_through_flash_attention_equals_reference(family):
-    """A forward with no cache to read (every row a prompt from 0: perplexity, calibration) runs the flash-attention kernel per layer on TPU/GPU;
-    in interpret mode it gives the logits of the pure-JAX attention."""
-    if family == "llama":
-        mod, cfg = llama, ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2,
-                                      n_heads=6, n_kv_heads=2, head_dim=8, d_ff=64)
-    else:  # a sliding-window layer and soft-capped logits
-        L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
-        mod, cfg = gemma3, ModelConfig(
-            family=Family.GEMMA3, vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2,
-            head_dim=8, d_ff=64, rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=1e4),
-            layer_kinds=(L, G), sliding_window=4, query_pre_attn_scalar=12.0, attn_logit_softcap=2.0)
-    w = init_weights(mod.weight_specs(cfg), cfg, jax.random.key(0), scale=0.2)
-    toks = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
-
-    def make_step():
-        def step(w, toks):
-            h, _ = mod.forward(w, toks, jnp.zeros(2, jnp.int32), None, cfg=cfg)
-            return mod.unembed(w, h, cfg)
-        return step
-
-    ref = jax.jit(make_step())(w, toks)
-    assert _pallas_calls(make_step(), w, toks) == 0
-    with kernels.interpret_kernels():
-        assert _pallas_calls(make_step(), w, toks) == cfg.n_layers
-        got = jax.jit(make_step())(w, toks)
-    assert_close(got, ref)  # the kernel tests' one table (float32: 5e-6)

@@ -66,15 +66,24 @@ def test_int8_dense_cache_logits_close_to_float():
     assert (got.argmax(-1) == ref.argmax(-1)).mean() > 0.95
 
 
-def test_int8_paged_cache_equals_int8_dense():
-    """Same quantization per (token, head) in both layouts: paged int8 = dense int8."""
+@pytest.mark.parametrize("native", [False, True])
+def test_int8_paged_cache_equals_int8_dense(native):
+    """Same quantization per (token, head) in both layouts: decode rows over int8 pages (the
+    engine's packed steps, XLA's readers or the native kernels) = decode over the dense int8 cache.
+    The prefixes go in as decode rows, which read back their own quantized keys as the dense
+    cache's prefill does (the prefill row attends to its own tokens unquantized)."""
+    from jaxinfer import cpu_kernels, dispatch
+    from tests.kernel_testing import packed_decode_logits
+
+    if native and not cpu_kernels.attention_available():
+        pytest.skip(cpu_kernels.library_status("paged_attention").reason)
     w = init_weights(llama.weight_specs(CFG), CFG, jax.random.key(3), scale=0.2)
     tokens = jax.random.randint(jax.random.key(4), (2, 13), 0, CFG.vocab_size)
     dense, _ = _decode_logits(w, tokens, kv.init_cache(CFG, 2, 16, "int8"))
-    pool = kv.init_paged_cache(CFG, 12, 4, "int8")
-    table = jnp.asarray([[3, 7, 1, 9], [2, 11, 5, 4]], jnp.int32)  # scattered pages
-    paged, _ = _decode_logits(w, tokens, pool.with_page_table(table))
-    np.testing.assert_allclose(paged, dense, rtol=1e-5, atol=1e-5)
+    kernels = dispatch.Kernels(dispatch.Attention.NATIVE) if native else dispatch.XLA
+    paged = packed_decode_logits(llama, CFG, w, np.asarray(tokens), [5, 5], 8, page_size=4, num_pages=12,
+                                 kv_dtype="int8", kernels=kernels, prefill_row=False)
+    np.testing.assert_allclose(paged, dense[:, 5:], rtol=1e-5, atol=1e-5)
 
 
 def test_kv_bytes_per_token_int8():

@@ -12,7 +12,7 @@ Floors, top to bottom (a module belongs to the floor of its longest matching pre
                           config_from_gguf/hf and weight_specs, so they sit on the models;
                           ``loaders.gguf``, the GGUF container, needs nothing and stays below)
     2 models
-    1 kernels, cache      (and ops, the kernel dispatch, when it exists)
+    1 kernels, dispatch, cache   (dispatch: the one kernel choice and the ops that follow it)
     0 the rest: pallas_kernels, gguf parsing, tokenizer, sampling, registry, sharding, quant,
       metrics, specs, config, errors, outputs, openai_format
 
@@ -36,7 +36,7 @@ FLOORS = {
     "jaxinfer.engine": 3,
     "jaxinfer.loaders": 2.5, "jaxinfer.loaders.gguf": 0,
     "jaxinfer.models": 2,
-    "jaxinfer.kernels": 1, "jaxinfer.ops": 1, "jaxinfer.cache": 1,
+    "jaxinfer.kernels": 1, "jaxinfer.dispatch": 1, "jaxinfer.cache": 1,
 }
 BOTTOM = 0
 
@@ -181,7 +181,7 @@ def test_a_planted_upward_import_is_caught():
 
 # Said outright, whatever FLOORS says: what the lower floors must never import.
 NEVER = [
-    (("pallas_kernels", "jaxinfer.kernels", "jaxinfer.cpu_kernels", "jaxinfer.ops", "jaxinfer.cache",
+    (("pallas_kernels", "jaxinfer.kernels", "jaxinfer.cpu_kernels", "jaxinfer.dispatch", "jaxinfer.cache",
       "jaxinfer.quant", "jaxinfer.models"),
      ("jaxinfer.engine", "jaxinfer.server", "jaxinfer.llm", "jaxinfer.batch", "jaxinfer.cli")),
     (("jaxinfer.engine",), ("jaxinfer.server", "jaxinfer.llm", "jaxinfer.batch", "jaxinfer.cli")),

@@ -155,7 +155,7 @@ def test_mixtral_gguf_equals_transformers(tiny, tiny_ref, tmp_path):
 _EP_SCRIPT = textwrap.dedent(r"""
     import json, re, sys
     import jax, numpy as np
-    from jaxinfer import LLM, kernels
+    from jaxinfer import LLM
     from jaxinfer.sharding import Placed
     from tests.family_testing import generate
     from tests.hlo_collectives import collectives
@@ -169,7 +169,7 @@ _EP_SCRIPT = textwrap.dedent(r"""
         res["gate_spec"] = [str(s) for s in gate.specs] if isinstance(gate, Placed) else None
         n = len(jax.devices())
         txt = e._step.lower(e.weights, e.idle_batch(4, 8, 0), e.k_pages, e.v_pages, e.slots, cfg=e.cfg,
-                            num_logprobs=-1, prompt_logprobs=-1, kernel_mode=kernels.current_mode()).compile().as_text()
+                            num_logprobs=-1, prompt_logprobs=-1, kernels=e.kernels).compile().as_text()
         res["collectives"] = []
         for op, shape, groups, line in collectives(txt, n):
             scope = re.search(r"layer(\d+)/(attention|mlp)", line)
@@ -306,7 +306,7 @@ def test_moe_block_reads_experts_through_grouped_matmuls_only():
 def test_moe_block_kernel_path_equals_cpu_path():
     """Traced for TPU/GPU (the Pallas grouped matmul, in interpret mode here) the block computes
     what the CPU path (the XLA loop) does, float and int8 experts."""
-    from jaxinfer import kernels
+    from jaxinfer import dispatch
     from jaxinfer.config import Family, ModelConfig
     from jaxinfer.models import moe
     from jaxinfer.quant import quantize_int8
@@ -316,10 +316,11 @@ def test_moe_block_kernel_path_equals_cpu_path():
     w = init_weights(moe.weight_specs(128, 8, 128), cfg, jax.random.key(1), scale=0.1)
     x = jax.random.normal(jax.random.key(2), (3, 11, 128))
     route = moe.softmax_topk(2, renormalize=True)
+    specs = moe.weight_specs(128, 8, 128)
     for weights in (w, w | {n: quantize_int8(w[n], (1,)) for n in ("w_gate", "w_up", "w_down")}):
         cpu = jax.jit(lambda x, w: moe.moe_mlp(x, w, route=route))(x, weights)
-        with kernels.interpret_kernels():
-            kern = jax.jit(lambda x, w: moe.moe_mlp(x, w, route=route))(x, weights)
+        bound = dispatch.bind(weights, specs, dispatch.INTERPRET)  # as LLM(kernels="pallas") leaves them
+        kern = jax.jit(lambda x, w: moe.moe_mlp(x, w, route=route))(x, bound)
         np.testing.assert_allclose(kern, cpu, atol=1e-5, rtol=1e-5)
 
 

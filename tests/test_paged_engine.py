@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer import cache as kv
 from jaxinfer.config import Family, ModelConfig
 from jaxinfer.engine.pages import PageAllocator
 from jaxinfer.errors import InvalidRequest
@@ -23,34 +22,23 @@ CFG = ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2, n_
 
 
 # ----------------------------------------------------------------------------- paged attention
-def test_paged_forward_equals_dense_with_poisoned_pages():
+@pytest.mark.parametrize("native", [False, True])
+def test_packed_steps_over_poisoned_pages_equal_the_full_forward(native):
+    """Prompts written to scattered NaN-poisoned pages by one packed step, then decode rows of
+    three queries each reading them back: every query's logits equal the full forward pass's
+    (no cache) at its position, through XLA's readers and the native CPU kernels."""
+    from jaxinfer import cpu_kernels, dispatch
+    from tests.kernel_testing import packed_decode_logits
+
+    if native and not cpu_kernels.attention_available():
+        pytest.skip(cpu_kernels.library_status("paged_attention").reason)
+    kernels = dispatch.Kernels(dispatch.Attention.NATIVE) if native else dispatch.XLA
     w = init_weights(llama.weight_specs(CFG), CFG, jax.random.key(0), scale=0.2)
-    ps, P = 4, 24
-    lens = [5, 11, 2]
-    B, T = 3, 3  # decode-like chunk of 3 tokens after each row's prefix
+    lens, T = [5, 11, 2], 3
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, CFG.vocab_size, n + T) for n in lens]
-    pool = kv.init_paged_cache(CFG, P, ps)
-    pool = kv.PagedKVCache([jnp.full_like(a, jnp.nan) for a in pool.k], [jnp.full_like(a, jnp.nan) for a in pool.v], pool.page_table)
-    perm = rng.permutation(np.arange(1, P))  # scattered, non-contiguous pages
-    need = [-(-(n + T) // ps) for n in lens]
-    table = np.zeros((B, max(need) + 1), np.int32)  # one extra column of scratch entries
-    off = 0
-    for b, k in enumerate(need):
-        table[b, :k] = perm[off : off + k]
-        off += k
+    got = packed_decode_logits(llama, CFG, w, seqs, lens, T, page_size=4, num_pages=24, kernels=kernels)
     fwd = jax.jit(llama.forward, static_argnames=("cfg", "read_cache"))
-    # prefill each row's prefix through the pages (right-padded to the longest)
-    L = max(lens)
-    toks = np.zeros((B, L), np.int32)
-    for b, s in enumerate(seqs):
-        toks[b, : lens[b]] = s[: lens[b]]
-    cache = pool.with_page_table(jnp.asarray(table))
-    _, cache = fwd(w, jnp.asarray(toks), jnp.zeros(B, jnp.int32), cache, cfg=CFG)
-    # then T tokens per row at each row's own position, reading the (NaN-poisoned) pool
-    chunk = np.stack([s[n : n + T] for s, n in zip(seqs, lens)])
-    h, _ = fwd(w, jnp.asarray(chunk), jnp.asarray(lens, jnp.int32), cache, cfg=CFG)
-    got = np.asarray(llama.unembed(w, h, CFG))
     for b, (s, n) in enumerate(zip(seqs, lens)):
         hd, _ = fwd(w, jnp.asarray(s[None]), jnp.zeros(1, jnp.int32), None, cfg=CFG)
         ref = np.asarray(llama.unembed(w, hd, CFG))[0, n : n + T]

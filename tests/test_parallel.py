@@ -21,7 +21,7 @@ _COMMON = textwrap.dedent("""
     import json, re, sys
     from collections import Counter
     import jax, numpy as np
-    from jaxinfer import LLM, SamplingParams, kernels
+    from jaxinfer import LLM, SamplingParams
     assert len(jax.devices()) == 8
     path, opt = sys.argv[1], json.loads(sys.argv[2])
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1, logprobs=0)
@@ -55,7 +55,7 @@ _COMMON = textwrap.dedent("""
         if not opt["hlo"]:
             continue
         txt = e._step.lower(e.weights, e.idle_batch(4, 8, 0), e.k_pages, e.v_pages, e.slots, cfg=e.cfg,
-                            num_logprobs=-1, prompt_logprobs=-1, kernel_mode=kernels.current_mode()).compile().as_text()
+                            num_logprobs=-1, prompt_logprobs=-1, kernels=e.kernels).compile().as_text()
         per = Counter()
         for line in txt.splitlines():
             m = re.search(r"= (\\S+) (all-reduce|all-gather)(?:-start)?\\(", line)

@@ -21,7 +21,7 @@ ATOL = 2e-4
 _COMMON = textwrap.dedent("""
     import gc, re, sys
     import jax, numpy as np
-    from jaxinfer import LLM, SamplingParams, kernels
+    from jaxinfer import LLM, SamplingParams
     from jaxinfer.engine.pipeline import micro_batches
     from tests.hlo_collectives import collectives
 
@@ -72,7 +72,7 @@ _COMMON = textwrap.dedent("""
         if check_hlo:  # a step with decode rows and a prefill row: 2 decode micro-batches + 1
             batch = e.idle_batch(4, 8, 32)
             txt = e._step.lower(e.weights, batch, e.k_pages, e.v_pages, e.slots, cfg=e.cfg, num_logprobs=-1,
-                                prompt_logprobs=-1, kernel_mode=kernels.current_mode()).compile().as_text()
+                                prompt_logprobs=-1, kernels=e.kernels).compile().as_text()
             ids = [d.id for d in e.mesh.devices.reshape(-1)]
             cross = []
             for op, shape, groups, line in collectives(txt, len(ids)):

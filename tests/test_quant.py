@@ -4,6 +4,7 @@ messages, and that w8a8 really lowers to an s8 x s8 -> s32 dot."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -222,9 +223,9 @@ def test_channel_absmax_keeps_the_contracted_axes():
 
 # ----------------------------------------------------------------------------- int8 on XLA
 @pytest.mark.parametrize("B", [4, 1])  # 1: a one-row dot, which XLA CPU would widen to s32
-def test_w8a8_lowers_to_an_s8_s8_s32_dot(B, monkeypatch):
-    """Through XLA's dot (the few-row native kernel is checked below and in test_cpu_kernels)."""
-    monkeypatch.setattr(quant, "_native_gemv", lambda: False)
+def test_w8a8_lowers_to_an_s8_s8_s32_dot(B):
+    """Through XLA's dot (a weight bound to no kernel; the few-row native kernel is checked
+    below and in test_cpu_kernels)."""
     qa = quant.quantize_w8a8(_weight((256, 384)), (0,), jnp.ones(256))
     x = jnp.ones((B, 3 if B > 1 else 1, 256), jnp.float32)
     M = max(2, x.shape[0] * x.shape[1])
@@ -246,13 +247,14 @@ def test_w8a8_lowers_to_an_s8_s8_s32_dot(B, monkeypatch):
 
 
 def test_w8a8_one_row_goes_to_the_native_gemv_where_built():
-    from jaxinfer import cpu_kernels
+    from jaxinfer import cpu_kernels, dispatch
 
-    if not quant._native_gemv():
+    if not cpu_kernels.available():
         pytest.skip("native int8 gemv not built here")
     qa = quant.quantize_w8a8(_weight((256, 384)), (0,), jnp.ones(256))
+    qa = dataclasses.replace(qa, kernels=dispatch.Kernels(matmul=dispatch.Matmul.NATIVE))
     x = jnp.ones((1, 1, 256), jnp.float32)
-    text = jax.jit(lambda x, qa: qa.einsum("BTD,DF->BTF", x)).lower(x, qa).as_text()
+    text = jax.jit(lambda x, qa: dispatch.einsum("BTD,DF->BTF", x, qa)).lower(x, qa).as_text()
     assert cpu_kernels.TARGET in text and "stablehlo.dot_general" not in text
     assert re.search(r"\(tensor<1x256xi8>, tensor<256x384xi8>\) -> tensor<1x384xi32>", text), text
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, kernels, SamplingParams, quant
+from jaxinfer import LLM, SamplingParams, quant
 from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.evaluate import perplexity
@@ -301,7 +301,7 @@ def test_engine_decode_step_w8a8_is_int8_dots(tiny_gguf):
     llm = LLM(str(tiny_gguf), quantization="w8a8", progress=False, max_num_seqs=4, max_model_len=64)
     e, B = llm.engine, 4
     lowered = e._step.lower(e.weights, e.idle_batch(B, e.pages_per_seq, 32), e.k_pages, e.v_pages, e.slots,
-                            cfg=e.cfg, num_logprobs=-1, prompt_logprobs=-1, kernel_mode=kernels.current_mode())
+                            cfg=e.cfg, num_logprobs=-1, prompt_logprobs=-1, kernels=e.kernels)
     hlo = lowered.compile().as_text()
     types = dict(re.findall(r"(%[\w.-]+) = (\w+)\[", hlo))
     int_dots = [ops for ops in re.findall(r"= s32\[[\d,]*\]\{[^}]*\} dot\(([^)]*)\)", hlo)

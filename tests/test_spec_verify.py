@@ -208,7 +208,7 @@ VARIANTS = _VARIANTS  # target -> variant, as the dispatcher picks them
 
 
 def _kernel_case(variant, B, k, V, greedy, with_q, block_v=128, seed=None):
-    """Both variants (interpret mode; compiled for the device under NATIVE) against the
+    """Both variants (interpret mode; compiled for the device under JAXINFER_TEST_COMPILED=1) against the
     reference: accepted counts and next tokens equal. Logits end in -inf padding, half the
     positions carry a filter threshold, most drafts are the argmax."""
     skip_unless_runs_here(variant)

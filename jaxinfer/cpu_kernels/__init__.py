@@ -8,8 +8,8 @@ is stored (``int8_gemv.cc`` says how).
 
 ``int8_amx(xq, p)``: int8 rows [M, I] @ an int8 weight packed once into AMX's tile layout
 (``amx_pack``: [O/16, I/64, 16, 16, 4]) -> int32 [M, O], for any M, on Intel AMX (Sapphire
-Rapids and later): w8a8's dots wherever ``quant.pack_for_cpu`` packed the weights (``LLM`` does
-on a one-device CPU with AMX). Its reference is XLA's s8 dot of the unpacked weight
+Rapids and later): w8a8's dots wherever ``dispatch.bind`` packed the weights (the native
+choice does, on AMX CPUs). Its reference is XLA's s8 dot of the unpacked weight
 (``int8_amx_reference``); the two give the same integers. XLA's own dot runs on AMX as well,
 through YNNPACK, but repacks the weight on every call (``int8_amx.cc`` says more).
 
@@ -30,10 +30,10 @@ EPYC boxes without AVX-512.
 
 ``f32_gemm_packed(x, p)``: float32 rows [M, I] @ a float32 weight packed once into panels of
 16 columns (``f32_pack``: [O/16, I, 16]) -> [M, O], for any M, on AVX-512: the float32
-projections wherever ``quant.pack_for_cpu`` packed them (``LLM`` does on a one-device CPU).
+projections wherever ``dispatch.bind`` packed them (the native choice does, on AVX-512).
 XLA CPU transposes a float32 weight for its dot on every call past one row. Its reference is
 XLA's dot of the unpacked weight (``f32_gemm_packed_reference``): each row has the bits of
-XLA's one-row dot. ``JAXINFER_NATIVE_F32_PACK=0`` leaves float32 weights unpacked.
+XLA's one-row dot.
 
 ``paged_rows(q, k, v, table, ...)`` and ``prefill_row(q, k, v, pos, seg, ...)``: attention
 over the page pools (float32, or int8 with per-position scales) for the packed step's decode
@@ -50,9 +50,9 @@ callers keep the references where the answer is no: ``available()``, whether the
 are usable (their vector loops need AVX-512BW), ``f32_available()``, whether the float32 kernels
 are (AVX2 + FMA or AVX-512F), ``attention_available()``, whether the attention kernels are (the
 same), and ``amx_available()``, whether int8_amx is (AMX-INT8, and Linux grants the process its
-tiles). ``library_state(name)`` says why one is not: the CPU lacks its instructions, or it failed
-to build (with the compiler's error). ``active()``, ``f32_active()`` and ``attention_active()``
-add that the trace is for a one-device CPU backend.
+tiles). ``library_status(name)`` says why one is not: the CPU lacks its instructions, or it failed
+to build (with the compiler's error). Whether an engine calls them at all is its ``kernels``
+choice (``jaxinfer.dispatch``: "native", the default on one CPU device, or "xla").
 
 Each call runs on ``threads`` threads, by default ``default_threads()``: the cores this process
 may run on. A call cuts its output columns (or rows, or attention items) into one contiguous
@@ -60,12 +60,6 @@ range of whole column blocks per thread, at least four blocks each (``split_plan
 thread runs the first and XLA's intra-op pool, which XLA sizes to the same cores, the others
 (``gemv_split.h``; ``split_count`` counts the ranges). The cut never changes which code computes
 an output, so the results are the same bits at any thread count.
-
-Environment variables, each read once per process: ``JAXINFER_NATIVE_GEMV=0`` turns all
-the native kernels off; ``JAXINFER_NATIVE_ISA=avx2`` makes them act as on an AVX2-only box
-(the float32 kernel's AVX2 variant by default, no int8 kernels), to test and time that path on
-an AVX-512 machine; ``JAXINFER_NATIVE_AMX=0`` leaves w8a8 weights unpacked, on XLA's dots and
-int8_gemv, as on a VNNI box without AMX.
 """
 
 from __future__ import annotations
@@ -135,7 +129,7 @@ def _cpu_flags() -> set[str]:
 
 
 def _compiler() -> str:
-    return os.environ.get("CXX", "g++")
+    return os.environ.get("CXX", "g++")  # make's convention for the C++ compiler
 
 
 def _command(source: Path, out: Path) -> list[str]:
@@ -147,7 +141,7 @@ def _command(source: Path, out: Path) -> list[str]:
 def _compiler_version() -> str:
     """``$CXX --version`` (its first lines name the compiler and its version): part of the
     build key, so a compiler upgrade rebuilds the libraries."""
-    p = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=60)
+    p = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=60, check=False)
     if p.returncode != 0:
         raise RuntimeError(f"{_compiler()} --version failed:\n{p.stderr[-2000:]}")
     return p.stdout
@@ -157,9 +151,9 @@ def _build(name: str) -> Path:
     """Compile ``{name}.cc`` into ``$JAXINFER_HOME/native/{name}-{key}.so`` unless that is
     there, key a hash of the source, the headers, the compiler command, the compiler's version
     and jaxlib's version."""
-    from jaxinfer import registry
-
     import jaxlib
+
+    from jaxinfer import registry
 
     source = _HERE / f"{name}.cc"
     key = hashlib.sha256(b"".join(f.read_bytes() for f in [source, *HEADERS])
@@ -169,7 +163,7 @@ def _build(name: str) -> Path:
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        p = subprocess.run(_command(source, tmp), capture_output=True, text=True)
+        p = subprocess.run(_command(source, tmp), capture_output=True, text=True, check=False)
         if p.returncode != 0:
             raise RuntimeError(f"building {source.name} failed:\n{p.stderr[-2000:]}")
         tmp.replace(out)  # atomic: a concurrent build by another process is harmless
@@ -178,35 +172,25 @@ def _build(name: str) -> Path:
 
 @functools.cache
 def isas() -> tuple[str, ...]:
-    """The vector variants (keys of ``ISA_FLAGS``) this CPU runs, best first, less those above
-    ``JAXINFER_NATIVE_ISA`` where it is set."""
-    cap = os.environ.get("JAXINFER_NATIVE_ISA", "avx512")
-    if cap not in ISA_FLAGS:
-        raise ValueError(f"JAXINFER_NATIVE_ISA={cap!r}: one of {', '.join(ISA_FLAGS)}")
-    allowed = list(ISA_FLAGS)[list(ISA_FLAGS).index(cap):]
-    return tuple(isa for isa in allowed if ISA_FLAGS[isa] <= _cpu_flags())
+    """The vector variants (keys of ``ISA_FLAGS``) this CPU runs, best first."""
+    return tuple(isa for isa in ISA_FLAGS if ISA_FLAGS[isa] <= _cpu_flags())
 
 
 def _not_for_here(name: str) -> str | None:
-    """Why library ``name`` is not wanted here (the CPU lacks its instructions, or an
-    environment variable turns it off), or None where it should be built."""
-    if os.environ.get("JAXINFER_NATIVE_GEMV", "1") == "0":
-        return "JAXINFER_NATIVE_GEMV=0 turns the native kernels off"
-    capped = " (JAXINFER_NATIVE_ISA caps the CPU)" if os.environ.get("JAXINFER_NATIVE_ISA") else ""
+    """Why library ``name`` is not wanted here (the CPU lacks its instructions), or None where
+    it should be built."""
     if name in ("f32_gemv", "paged_attention"):
-        return None if isas() else f"{name} needs AVX2 + FMA or AVX-512F{capped}"
-    if name == "int8_amx" and os.environ.get("JAXINFER_NATIVE_AMX", "1") == "0":
-        return "JAXINFER_NATIVE_AMX=0 turns int8_amx off"
+        return None if isas() else f"{name} needs AVX2 + FMA or AVX-512F"
     needs = {"int8_gemv": ("avx512bw",), "int8_amx": ("avx512bw", *sorted(AMX_FLAGS))}[name]
     if "avx512" not in isas() or not set(needs) <= _cpu_flags():
         names = {"avx512bw": "AVX-512BW", "amx_tile": "AMX-TILE", "amx_int8": "AMX-INT8"}
-        return f"{name} needs AVX-512F, {', '.join(names[f] for f in needs)}{capped}"
+        return f"{name} needs AVX-512F, {', '.join(names[f] for f in needs)}"
     return None
 
 
 @dataclasses.dataclass(frozen=True)
-class LibraryState:
-    """Where a native library stands in this process (``library_state``)."""
+class LibraryStatus:
+    """Where a native library stands in this process (``library_status``)."""
 
     loaded: bool  # built, loaded and its handlers registered with XLA
     failed: bool  # wanted here (the CPU has its instructions) but it did not build or load
@@ -216,27 +200,26 @@ class LibraryState:
 @functools.cache
 def _load(name: str):
     """(the loaded library with its handlers registered with XLA, None) or (None, its
-    LibraryState), once per process."""
+    LibraryStatus), once per process."""
     if name not in LIBRARIES:
         raise ValueError(f"{name=}: one of {', '.join(LIBRARIES)}")
     why = _not_for_here(name)
     if why is not None:
-        return None, LibraryState(loaded=False, failed=False, reason=why)
+        return None, LibraryStatus(loaded=False, failed=False, reason=why)
     with _lock:
         try:
             lib = ctypes.cdll.LoadLibrary(str(_build(name)))
             for target in LIBRARIES[name]:
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
-        except Exception as e:  # no compiler, a compiler too old for the source: XLA's dots serve
+        except Exception as e:  # noqa: BLE001  (no compiler, one too old for the source...): XLA serves
             print(f"jaxinfer: native {name} kernels unavailable, using XLA ({e})", file=sys.stderr)
-            return None, LibraryState(loaded=False, failed=True, reason=f"{name} did not build or load: {e}")
-    return lib, LibraryState(loaded=True, failed=False, reason="")
+            return None, LibraryStatus(loaded=False, failed=True, reason=f"{name} did not build or load: {e}")
+    return lib, LibraryStatus(loaded=True, failed=False, reason="")
 
 
-def library_state(name: str) -> LibraryState:
+def library_status(name: str) -> LibraryStatus:
     """Whether library ``name`` (a key of ``LIBRARIES``) is loaded here, building it on first
-    use, and if not, whether that is the CPU's doing (or an environment variable's) or a
-    failed build's."""
+    use, and if not, whether that is the CPU's doing or a failed build's."""
     return _load(name)[1]
 
 
@@ -250,7 +233,7 @@ def split_plan(width: int, *, unit: int, threads: int, library: str = "f32_gemv"
     ``library`` computes them."""
     lib = _library(library)
     if lib is None:
-        raise RuntimeError(f"split_plan: {library_state(library).reason}")
+        raise RuntimeError(f"split_plan: {library_status(library).reason}")
     if unit < 1 or threads < 1 or width < 0:
         raise ValueError(f"split_plan needs unit >= 1, threads >= 1 and width >= 0, got {unit=}, {threads=}, {width=}")
     bounds = (ctypes.c_int64 * (min(threads, max(1, width // unit)) + 1))()
@@ -266,7 +249,7 @@ def split_count(library: str) -> int:
     that call shared its work among, the caller's included."""
     lib = _library(library)
     if lib is None:
-        raise RuntimeError(f"split_count: {library_state(library).reason}")
+        raise RuntimeError(f"split_count: {library_status(library).reason}")
     fn = lib.jaxinfer_split_count
     fn.restype = ctypes.c_int64
     return fn()
@@ -276,56 +259,26 @@ def available() -> bool:
     """Whether the int8 kernels (int8_gemv, wo8_gemv) are registered and worth calling here:
     their vector loops need AVX-512F and AVX-512BW (elsewhere they would run their scalar
     loops, slower than XLA's dot)."""
-    return library_state("int8_gemv").loaded
+    return library_status("int8_gemv").loaded
 
 
 def f32_available() -> bool:
     """Whether the float32 kernels (f32_gemv) are registered here: AVX2 + FMA or AVX-512F."""
-    return library_state("f32_gemv").loaded
+    return library_status("f32_gemv").loaded
 
 
 def attention_available() -> bool:
     """Whether the attention kernels (paged_rows, prefill_row) are registered here: AVX2 + FMA
     or AVX-512F."""
-    return library_state("paged_attention").loaded
-
-
-def _one_cpu_device() -> bool:
-    # a custom call has no sharding rule
-    return jax.default_backend() == "cpu" and jax.device_count() == 1
-
-
-def active() -> bool:
-    """Whether the trace being built should call the int8 kernels: a one-device CPU backend
-    where they are available."""
-    return _one_cpu_device() and available()
-
-
-def f32_active() -> bool:
-    """Whether the trace being built should call the float32 kernel: a one-device CPU backend
-    where it is available."""
-    return _one_cpu_device() and f32_available()
-
-
-def attention_active() -> bool:
-    """Whether the trace being built may call the attention kernels: a one-device CPU backend
-    where they are available."""
-    return _one_cpu_device() and attention_available()
+    return library_status("paged_attention").loaded
 
 
 @functools.cache
 def amx_available() -> bool:
     """Whether int8_amx runs here: the CPU has AMX-INT8 (Sapphire Rapids and later), Linux
-    grants this process AMX's tile state, the library is built, and neither
-    ``JAXINFER_NATIVE_AMX=0`` nor ``JAXINFER_NATIVE_ISA=avx2`` turns it off."""
+    grants this process AMX's tile state, and the library is built."""
     lib = _library("int8_amx")
     return lib is not None and lib.jaxinfer_amx_ready() == 1
-
-
-def amx_active() -> bool:
-    """Whether the trace being built should call int8_amx: a one-device CPU backend where it
-    is available."""
-    return _one_cpu_device() and amx_available()
 
 
 def amx_fits(I: int, O: int) -> bool:
@@ -437,14 +390,8 @@ def f32_gemv(x: jax.Array, w: jax.Array, *, transposed: bool = False, threads: i
 
 @functools.cache
 def f32_packed_available() -> bool:
-    """Whether f32_gemm_packed runs here: AVX-512F, the library built, and
-    ``JAXINFER_NATIVE_F32_PACK=0`` not set."""
-    return os.environ.get("JAXINFER_NATIVE_F32_PACK", "1") != "0" and "avx512" in isas() and f32_available()
-
-
-def f32_packed_active() -> bool:
-    """f32_packed_available on a one-device CPU backend (where ``LLM`` packs float32 weights)."""
-    return _one_cpu_device() and f32_packed_available()
+    """Whether f32_gemm_packed runs here: AVX-512F and the library built."""
+    return "avx512" in isas() and f32_available()
 
 
 def f32_packed_fits(I: int, O: int) -> bool:

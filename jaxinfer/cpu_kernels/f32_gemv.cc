@@ -22,7 +22,7 @@
 // The output columns are split between the caller and XLA's thread pool (gemv_split.h).
 //
 // Each has two vector variants, chosen per call by the handler's `isa` attribute (the Python
-// side passes the best this CPU has, or what JAXINFER_NATIVE_ISA caps it to): AVX-512F (32 zmm
+// side passes the best this CPU has, or the variant a caller names): AVX-512F (32 zmm
 // registers, 16 lanes) and AVX2 + FMA (16 ymm registers, 8 lanes, so fewer accumulators per
 // block) for the AMD EPYC boxes that have no AVX-512. In [I, O] both run the same FMA chain per
 // output, so they give the same bits; columns or rows past the last whole block take the

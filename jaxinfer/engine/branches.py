@@ -108,11 +108,11 @@ def store_chosen(cache: PackedKV, batch: PackedBatch, chosen: jax.Array, W: int)
         if ks[layer] is not None:  # (a latent pool stores the latent once, as its values)
             ks[layer] = _store(ks[layer], (page[None], s, s, off[None]), k)
         vs[layer] = _store(vs[layer], (page[None], s, off[None]), v)
-    return PackedKV(ks, vs, batch, cache.windowed, cache.use_kernels)
+    return PackedKV(ks, vs, batch, cache.windowed, cache.kernels)
 
 
 def eagle_drafts(eagle: dict, weights: dict, g0: jax.Array, start: jax.Array, batch: PackedBatch, eagle_kv,
-                 k: int, W: int, *, cfg, use_kernels: bool) -> jax.Array:
+                 k: int, W: int, *, cfg, kernels) -> jax.Array:
     """i32[R, W, k]: per decode row, the head's W most likely first drafts out of g0 f32[R, D]
     (its estimate at the accepted position ``start`` i32[R]), each continued greedily to k
     drafts. Draft j >= 2 of a branch comes from the head's layer over that branch's entries at
@@ -135,7 +135,7 @@ def eagle_drafts(eagle: dict, weights: dict, g0: jax.Array, start: jax.Array, ba
                           use_prev=jnp.zeros(R * W, bool), last_q=jnp.zeros(R * W, jnp.int32), table=table,
                           wtable=table, wbase=jnp.zeros(R * W + 1, jnp.int32), seg=none, hist_end=jnp.int32(0),
                           targets=none, rows=R * W, q=j)
-        cache = PackedKV(*eagle_kv, sub, (), use_kernels, defer_writes=True)
+        cache = PackedKV(*eagle_kv, sub, (), kernels, defer_writes=True)
         out, _ = eagle_mod.run_layer(eagle["head"], jnp.stack(xs, axis=1).reshape(1, R * W * j, D),
                                      pos.reshape(1, -1), cache, cfg)
         g = out[0].reshape(R * W, j, D)[:, -1]

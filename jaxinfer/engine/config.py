@@ -13,6 +13,7 @@ import dataclasses
 import jax
 
 from jaxinfer import cache as kv
+from jaxinfer import dispatch
 from jaxinfer.config import AttentionKind, ModelConfig
 from jaxinfer.engine.scheduler import Scheduling, window_pool_pages
 from jaxinfer.errors import InvalidRequest
@@ -43,6 +44,7 @@ class EngineConfig:
     scheduling_policy: Scheduling = Scheduling.FCFS
     windowed_kv: bool = True  # LOCAL layers keep only their window (False: every position)
     kv_cache_dtype: str = "auto"  # page pools' dtype: auto (the model's), a float type, or int8
+    kernels: str | dispatch.Kernels = "auto"  # the attention's kernels: dispatch.choose's option, or its choice
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import cache as kv
-from jaxinfer import kernels
 from jaxinfer.engine import buckets
 from jaxinfer.engine.rows import Row
 from jaxinfer.engine.scheduler import Seq
@@ -56,9 +55,9 @@ class Drafter:
         counted = eng._compiles.counted
         self._spec_step = counted(jax.jit(
             functools.partial(spec_step, windowed=eng.windowed),
-            static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode", "draft_layers", "draft_cfg"),
+            static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernels", "draft_layers", "draft_cfg"),
             donate_argnames=("state",)))
-        self._draft_step = counted(jax.jit(functools.partial(draft_kv_step), static_argnames=("draft_cfg", "kernel_mode"),
+        self._draft_step = counted(jax.jit(functools.partial(draft_kv_step), static_argnames=("draft_cfg", "kernels"),
                                            donate_argnames=("draft_kv",)))
 
     def _init_draft(self, draft, num_pages: int) -> None:
@@ -113,7 +112,7 @@ class Drafter:
         n = self.eng.max_num_seqs
         return buckets.bucket(self.spec.max_rows(n), buckets.BATCH_BUCKETS, n)
 
-    def plain_extras(self, batch: PackedBatch, mode) -> tuple:
+    def plain_extras(self, batch: PackedBatch) -> tuple:
         """Before a plain step: the draft model writes its keys and values of the same tokens
         (before the target's step, which donates the slots whose last tokens a use_prev row
         reads). The extra arguments of ``step.packed_step``: the EAGLE head and its pools where
@@ -121,7 +120,7 @@ class Drafter:
         keeps stale entries for those positions, which can only lower its acceptance later)."""
         if self.draft_cfg is not None:
             self.kv = self._draft_step(self.draft_weights, batch, self.kv, self.eng.slots.last_tokens,
-                                       draft_cfg=self.draft_cfg, kernel_mode=mode)
+                                       draft_cfg=self.draft_cfg, kernels=self.eng.kernels)
         if self.eagle is not None and batch.rows <= self.max_rows():
             return self.eagle, self.kv
         return ()
@@ -206,7 +205,7 @@ class Drafter:
                             draft_weights=self.draft_weights, eagle=self.eagle)
         state = SpecState(eng.k_pages, eng.v_pages, eng.slots, self.kv)
         out, state = self._spec_step(eng.weights, inputs, state, cfg=eng.cfg, num_logprobs=num_logprobs,
-                                     prompt_logprobs=prompt_logprobs, kernel_mode=kernels.current_mode(),
+                                     prompt_logprobs=prompt_logprobs, kernels=eng.kernels,
                                      draft_layers=draft_layers, draft_cfg=self.draft_cfg)
         eng.k_pages, eng.v_pages, eng.slots, self.kv = state.k_pages, state.v_pages, state.slots, state.draft_kv
         return out

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import cache as kv
-from jaxinfer import kernels
+from jaxinfer import dispatch
 from jaxinfer import sampling as smp
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import buckets, replicas
@@ -75,6 +75,8 @@ class Engine:
         self.max_model_len, self.config, self.seed, self.mesh = max_model_len, config, seed, mesh
         self.max_num_seqs = config.max_num_seqs
         self.D = D = mesh.shape["data"] if mesh is not None else 1
+        # which kernels run attention (the weights carry the matmuls' choice, ``dispatch.bind``)
+        self.kernels = dispatch.choose(config.kernels, devices=1 if mesh is None else mesh.size)
         self.spec = SpeculativeConfig.parse(speculative, cfg.n_layers)
         if D > 1 and self.spec is not None:
             raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")
@@ -95,7 +97,7 @@ class Engine:
         # one partial per engine, so each engine's jit caches are its own; the counter counts
         # the executables they build (engine.compiles)
         self._compiles = CompileCounter()
-        statics = ("cfg", "num_logprobs", "prompt_logprobs", "kernel_mode")
+        statics = ("cfg", "num_logprobs", "prompt_logprobs", "kernels")
         donate = ("k_pages", "v_pages", "slots")
         if D > 1:
             fn = functools.partial(replicas.replicas_step, mesh=mesh, windowed=self.windowed)
@@ -381,11 +383,10 @@ class Engine:
         guide: None, or (bitmask i32[R, V/32], has_mask bool[R]) for the decode rows."""
         self.shapes_run.add((batch.rows, batch.table.shape[-1], batch.seg.shape[-1], batch.q, num_logprobs,
                              prompt_logprobs) + (("guided",) if guide is not None else ()))
-        mode = kernels.current_mode()
-        extra = self.drafter.plain_extras(batch, mode) if self.drafter is not None else ()
+        extra = self.drafter.plain_extras(batch) if self.drafter is not None else ()
         out, self.k_pages, self.v_pages, self.slots, *eagle_kv = self._step(
             self.weights, batch, self.k_pages, self.v_pages, self.slots, guide, *extra, cfg=self.cfg,
-            num_logprobs=num_logprobs, prompt_logprobs=prompt_logprobs, kernel_mode=mode)
+            num_logprobs=num_logprobs, prompt_logprobs=prompt_logprobs, kernels=self.kernels)
         if eagle_kv:
             self.drafter.kv = eagle_kv[0]
         return out

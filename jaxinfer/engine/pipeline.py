@@ -189,7 +189,7 @@ def micro_batches(batch: PackedBatch, stages: int) -> list[tuple[int, int, Packe
     return out
 
 
-def _tick(s: int, m: int | None, layout: PipelineLayout, cfg, use_kernels: bool, width: int,
+def _tick(s: int, m: int | None, layout: PipelineLayout, cfg, kernels, width: int,
           recv, ks, vs, layers, x, batch):
     """Stage s's work in one tick: micro-batch m through its layers (None: idle) -> (the
     activations it hands on [width, D], and for every pool slot the new keys and values
@@ -213,7 +213,7 @@ def _tick(s: int, m: int | None, layout: PipelineLayout, cfg, use_kernels: bool,
     xin = x[:, start : start + n] if s == 0 else recv[None, :n]
     slot = [layout.pool_slot(i) for i in span]
     cache = PackedKV([ks[p] for p in slot], [vs[p] for p in slot], sub, tuple(layout.windowed[i] for i in span),
-                     use_kernels, defer_writes=True)
+                     kernels, defer_writes=True)
     mod = family_module(cfg.family)
     y, cache = mod.decoder_layers(layers[: len(span)], xin, sub.positions[None], None, cache, cfg=cfg,
                                   first=span.start)
@@ -227,7 +227,7 @@ def _tick(s: int, m: int | None, layout: PipelineLayout, cfg, use_kernels: bool,
 
 
 def pipeline_forward(layout: PipelineLayout, weights: dict, tokens, batch: PackedBatch, k_pages, v_pages, *,
-                     cfg, use_kernels: bool):
+                     cfg, kernels):
     """The decoder over a packed step's tokens i32[N], pipelined -> (hidden [1, N, D] on every
     device, k_pages, v_pages)."""
     mod = family_module(cfg.family)
@@ -248,7 +248,7 @@ def pipeline_forward(layout: PipelineLayout, weights: dict, tokens, batch: Packe
         for t in range(M + S - 1):
             with jax.named_scope(f"pipeline_tick{t}"):
                 branches = [functools.partial(_tick, s, t - s if 0 <= t - s < M else None, layout, cfg,
-                                              use_kernels, width) for s in range(S)]
+                                              kernels, width) for s in range(S)]
                 out, knew, vnew, pages, offs = jax.lax.switch(stage, branches, recv, ks, vs, layers, x, batch)
                 ks = [kv._store(a, (pg[None], every, every, of[None]), kn[None])
                       for a, kn, pg, of in zip(ks, knew, pages, offs)]

@@ -14,13 +14,13 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxinfer import kernels
+from jaxinfer.dispatch import Kernels
 from jaxinfer.engine.step import packed_step
 from jaxinfer.models.packed import PackedBatch
 
 
 def replicas_step(weights, batch: PackedBatch, k_pages, v_pages, slots, guide=None, *, mesh, cfg, windowed,
-                  num_logprobs: int, prompt_logprobs: int, kernel_mode: kernels.KernelMode):
+                  num_logprobs: int, prompt_logprobs: int, kernels: Kernels):
     """``step.packed_step`` of every replica at once: batch, pools and slots carry a leading
     replica axis [D, ...] split over "data"; the weights are shared -> (StepOutput [D, ...],
     pools, slots). A ``shard_map`` manual over "data" only (the "model" axis stays with the
@@ -32,7 +32,7 @@ def replicas_step(weights, batch: PackedBatch, k_pages, v_pages, slots, guide=No
     def one(w, b, k, v, s):
         b, k, v, s = jax.tree.map(lambda a: a[0], (b, k, v, s))
         out, k, v, s = packed_step(w, b, k, v, s, None, cfg=cfg, windowed=windowed, num_logprobs=num_logprobs,
-                                   prompt_logprobs=prompt_logprobs, kernel_mode=kernel_mode)
+                                   prompt_logprobs=prompt_logprobs, kernels=kernels)
         return jax.tree.map(lambda a: a[None], (out, k, v, s))
 
     rep, split = PartitionSpec(), PartitionSpec("data")

@@ -5,8 +5,8 @@ and placing a sequence into a decode slot.
 packed prefill row), samples one token for every decode row, and returns the page pools and
 the per-slot device state, both donated. With a draft model (speculative ``draft_model``),
 ``draft_kv_step`` runs the draft over the same batch into its own pools, and ``spec_step``
-drafts with it before verifying. The kernel mode is a static argument, so it is part
-of the executable's cache key.
+drafts with it before verifying. The kernel choice (``dispatch.Kernels``) is a static
+argument, so it is part of the executable's cache key.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import kernels
 from jaxinfer import sampling as smp
+from jaxinfer.dispatch import Kernels
 from jaxinfer.engine import branches
 from jaxinfer.engine.pages import SCRATCH_PAGE
 from jaxinfer.engine.pipeline import pipeline_forward
@@ -108,7 +108,7 @@ def token_logprobs(logits, targets, num_top: int):
 
 def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, guide=None, eagle=None,
                 eagle_kv=None, *, cfg, windowed, num_logprobs: int, prompt_logprobs: int,
-                kernel_mode: kernels.KernelMode, pipeline=None):
+                kernels: Kernels, pipeline=None):
     """One scheduler iteration on device -> (StepOutput, k_pages, v_pages, slots[, eagle_kv]).
 
     eagle: None, or an EAGLE draft head (speculative ``eagle``: {"head", "rows", "vocab"}) whose
@@ -125,21 +125,20 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
     Decode row r is slot r. Its first query token is the host's, or, where use_prev, the
     token the previous step sampled for that slot (still on device: the host reads it while
     this step runs)."""
-    with kernels.traced_with(kernel_mode):
+    with jax.named_scope("packed_step"):
         mod = family_module(cfg.family)
         R, Q = batch.rows, batch.q
         tokens = batch.tokens
         if R:
             first = jnp.where(batch.use_prev, slots.last_tokens[:R], tokens[0 : R * Q : Q])
             tokens = tokens.at[0 : R * Q : Q].set(first)
-        use_kernels = kernel_mode != kernels.KernelMode.OFF
         if pipeline is None:
-            cache = PackedKV(k_pages, v_pages, batch, windowed, use_kernels)
+            cache = PackedKV(k_pages, v_pages, batch, windowed, kernels)
             h, cache = mod.forward(weights, tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
             k_pages, v_pages = cache.k, cache.v
         else:
             h, k_pages, v_pages = pipeline_forward(pipeline, weights, tokens, batch, k_pages, v_pages, cfg=cfg,
-                                                   use_kernels=use_kernels)
+                                                   kernels=kernels)
         new = lp = row_logits = plp = None
         if R:
             with jax.named_scope("sample"):
@@ -171,22 +170,22 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
                     at_last = jnp.arange(Q)[None] == batch.last_q[:, None]
                     nxt = jnp.concatenate([jnp.where(at_last, new[:, None], shifted).reshape(-1), nxt])
                 _, eagle_kv = _eagle_entry_pass(eagle, weights, h, batch, nxt, eagle_kv, cfg=cfg,
-                                                use_kernels=use_kernels)
+                                                kernels=kernels)
             return StepOutput(new, lp, row_logits, plp), k_pages, v_pages, slots, eagle_kv
     return StepOutput(new, lp, row_logits, plp), k_pages, v_pages, slots
 
 
-def _eagle_entry_pass(eagle, weights, h, batch: PackedBatch, next_tokens, eagle_kv, *, cfg, use_kernels):
+def _eagle_entry_pass(eagle, weights, h, batch: PackedBatch, next_tokens, eagle_kv, *, cfg, kernels):
     """EAGLE entry p = (f_p, t_{p+1}) of every token the target just computed (features h
     [1, N, D], next_tokens i32[N], -1 read as 0: their entries are rewritten before anything
     reads them), written to the draft's pools at p -> (g f32[N, D], eagle_kv)."""
     x = eagle_mod.entries(eagle["head"], weights, h[0], jnp.maximum(next_tokens, 0), cfg)
-    cache = PackedKV(*eagle_kv, batch, (), use_kernels)
+    cache = PackedKV(*eagle_kv, batch, (), kernels)
     g, cache = eagle_mod.run_layer(eagle["head"], x[None], batch.positions[None], cache, cfg)
     return g[0], (cache.k, cache.v)
 
 
-def _eagle_drafts(eagle, weights, g0, start, batch: PackedBatch, eagle_kv, k: int, *, cfg, use_kernels):
+def _eagle_drafts(eagle, weights, g0, start, batch: PackedBatch, eagle_kv, k: int, *, cfg, kernels):
     """k drafts per decode row: the first read out of g0 f32[R, D] (the draft layer's estimate at
     each row's accepted position, ``start`` i32[R]), each further one from an entry of the
     previous estimate and draft written at start + j. Positions past the row's pages go to the
@@ -211,7 +210,7 @@ def _eagle_drafts(eagle, weights, g0, start, batch: PackedBatch, eagle_kv, k: in
                           wtable=batch.wtable, wbase=batch.wbase, seg=none, hist_end=jnp.int32(0), targets=none,
                           rows=R, q=1)
         x = eagle_mod.entries(eagle["head"], weights, g, tok, cfg)
-        cache = PackedKV(*eagle_kv, sub, (), use_kernels)
+        cache = PackedKV(*eagle_kv, sub, (), kernels)
         g, cache = eagle_mod.run_layer(eagle["head"], x[None], pos[None], cache, cfg)
         g, eagle_kv = g[0], (cache.k, cache.v)
         tok = read(g)
@@ -236,24 +235,24 @@ def _decode_row_batch(batch: PackedBatch, j: int | jax.Array, tokens, *, with_pr
                        targets=batch.targets if with_prefill else none, rows=R, q=1)
 
 
-def draft_kv_step(draft_weights, batch: PackedBatch, draft_kv, last_tokens, *, draft_cfg, kernel_mode):
+def draft_kv_step(draft_weights, batch: PackedBatch, draft_kv, last_tokens, *, draft_cfg, kernels: Kernels):
     """A plain step's draft pass: the draft model runs over every token of ``batch`` (decode
     rows and prefill row alike, the first query of a use_prev row being last_tokens i32[S]'s)
     only to write its keys and values to its own pools draft_kv = (k, v), which it returns
     (donated). Keeps the draft's pages holding every position the target's hold."""
-    with kernels.traced_with(kernel_mode):
+    with jax.named_scope("draft_kv_step"):
         mod = family_module(draft_cfg.family)
         R, Q = batch.rows, batch.q
         tokens = batch.tokens
         if R:
             first = jnp.where(batch.use_prev, last_tokens[:R], tokens[0 : R * Q : Q])
             tokens = tokens.at[0 : R * Q : Q].set(first)
-        cache = PackedKV(*draft_kv, batch, (), kernel_mode != kernels.KernelMode.OFF)
+        cache = PackedKV(*draft_kv, batch, (), kernels)
         _, cache = mod.forward(draft_weights, tokens[None], None, cache, cfg=draft_cfg, positions=batch.positions[None])
     return cache.k, cache.v
 
 
-def _draft_model_drafts(draft_weights, batch: PackedBatch, draft_kv, sub: SlotState, *, draft_cfg, use_kernels):
+def _draft_model_drafts(draft_weights, batch: PackedBatch, draft_kv, sub: SlotState, *, draft_cfg, kernels):
     """Each decode row's k drafts from the draft model -> (drafts i32[R, k], q f32[R, k, V],
     draft pools).
 
@@ -269,7 +268,7 @@ def _draft_model_drafts(draft_weights, batch: PackedBatch, draft_kv, sub: SlotSt
     last = batch.tokens[0 : R * Q : Q]
 
     def run(b, kv_, toks):
-        cache = PackedKV(*kv_, b, (), use_kernels)
+        cache = PackedKV(*kv_, b, (), kernels)
         h, cache = mod.forward(draft_weights, toks[None], None, cache, cfg=draft_cfg, positions=b.positions[None])
         return h[0, :R], (cache.k, cache.v)
 
@@ -304,7 +303,7 @@ class SpecOutput:
     next_drafts: jax.Array | None = None  # i32[R, K] (EAGLE branches: [R, W, K]) each row's next block's drafts
 
 
-def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cfg, windowed, use_kernels,
+def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cfg, windowed, kernels,
                        num_layers: int):
     """Fill each decode row's draft columns with the greedy tokens of the model's first
     num_layers layers (plus final norm and head), one position at a time; their keys and
@@ -322,7 +321,7 @@ def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cf
                           active=batch.active, use_prev=jnp.zeros(R, bool), last_q=jnp.zeros(R, jnp.int32),
                           table=batch.table, wtable=batch.wtable, wbase=batch.wbase, seg=none,
                           hist_end=jnp.int32(0), targets=none, rows=R, q=1)
-        cache = PackedKV(k_pages, v_pages, sub, windowed, use_kernels)
+        cache = PackedKV(k_pages, v_pages, sub, windowed, kernels)
         h, cache = mod.forward(head, cur[None], None, cache, cfg=cfg, positions=pos[None, :, j])
         k_pages, v_pages = cache.k, cache.v
         cur = smp.argmax_first(mod.unembed(weights, h[0][:, None], cfg)[:, 0])
@@ -378,7 +377,7 @@ class SpecState:
 
 
 def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, num_logprobs: int,
-              prompt_logprobs: int, kernel_mode: kernels.KernelMode, draft_layers: int = 0, draft_cfg=None):
+              prompt_logprobs: int, kernels: Kernels, draft_layers: int = 0, draft_cfg=None):
     """One speculative scheduler iteration -> (SpecOutput, SpecState).
 
     Decode row r (slot r) carries q = k + 1 queries: its last token, then its drafts
@@ -405,17 +404,16 @@ def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, n
     branch_drafts, chain = inputs.branch_drafts, inputs.chain
     draft_kv = state.draft_kv if draft_cfg is not None else None
     eagle_kv = state.draft_kv if eagle is not None else None
-    with kernels.traced_with(kernel_mode):
+    with jax.named_scope("spec_step"):
         if chain is not None:
             batch = chain_block(batch, slots.last_tokens, *chain, page_size=v_pages[0].shape[2])
         mod = family_module(cfg.family)
         R, Q = batch.rows, batch.q
-        use_kernels = kernel_mode != kernels.KernelMode.OFF
         tokens = batch.tokens
         if draft_layers:
             with jax.named_scope("early_exit_draft"):
                 tokens, k_pages, v_pages = _early_exit_drafts(mod, weights, batch, k_pages, v_pages, cfg=cfg,
-                                                              windowed=windowed, use_kernels=use_kernels,
+                                                              windowed=windowed, kernels=kernels,
                                                               num_layers=draft_layers)
             batch = dataclasses.replace(batch, tokens=tokens)
         q_draft = None
@@ -423,13 +421,13 @@ def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, n
             with jax.named_scope("draft_model"):
                 sub = jax.tree.map(lambda a: a[:R], slots)
                 d, q_draft, draft_kv = _draft_model_drafts(draft_weights, batch, draft_kv, sub, draft_cfg=draft_cfg,
-                                                           use_kernels=use_kernels)
+                                                           kernels=kernels)
                 tokens = batch.tokens.at[: R * Q].set(
                     jnp.concatenate([batch.tokens[0 : R * Q : Q][:, None], d], axis=1).reshape(-1))
             batch = dataclasses.replace(batch, tokens=tokens)
         W = 1 if branch_drafts is None else branch_drafts.shape[1] + 1
         vb = batch if W == 1 else branches.expand(batch, branch_drafts)  # W virtual rows per row
-        cache = PackedKV(k_pages, v_pages, vb, windowed, use_kernels, defer_writes=W > 1)
+        cache = PackedKV(k_pages, v_pages, vb, windowed, kernels, defer_writes=W > 1)
         h, cache = mod.forward(weights, vb.tokens[None], None, cache, cfg=cfg, positions=vb.positions[None])
         with jax.named_scope("verify"):
             hd = h[0, : R * W * Q].reshape(R * W, Q, -1)
@@ -451,8 +449,8 @@ def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, n
                 shaped = smp.apply_token_bitmask(row_logits.reshape(R * W * Q, V), bm.reshape(R * W * Q, -1),
                                                  jnp.repeat(has, Q)).reshape(R * W, Q, V)
             ver = smp.verify_block(shaped, drafts, vb.last_q, vsub.sampling, vsub.generated, vsub.stop_ids,
-                                   vsub.min_tokens, draft_probs=q_draft, use_kernel=use_kernels,
-                                   interpret=kernel_mode == kernels.KernelMode.INTERPRET)
+                                   vsub.min_tokens, draft_probs=q_draft, use_kernel=kernels.pallas,
+                                   interpret=kernels.interpret)
             if W > 1:  # each row keeps one branch: its pages, features, logits and verdict
                 free = sub.sampling.temperature <= 0.0
                 if guide is not None:
@@ -476,15 +474,15 @@ def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, n
             with jax.named_scope("eagle"):
                 nxt = jnp.concatenate([ver.tokens.reshape(-1), batch.targets])
                 g, eagle_kv = _eagle_entry_pass(eagle, weights, h, batch, nxt, eagle_kv, cfg=cfg,
-                                                use_kernels=use_kernels)
+                                                kernels=kernels)
                 g0 = jnp.take_along_axis(g[: R * Q].reshape(R, Q, -1), ver.accepted[:, None, None], axis=1)[:, 0]
                 start = batch.positions[: R * Q].reshape(R, Q)[:, 0] + ver.accepted
                 if W == 1:
                     next_drafts, eagle_kv = _eagle_drafts(eagle, weights, g0, start, batch, eagle_kv, Q - 1, cfg=cfg,
-                                                          use_kernels=use_kernels)
+                                                          kernels=kernels)
                 else:
                     next_drafts = branches.eagle_drafts(eagle, weights, g0, start, batch, eagle_kv, Q - 1, W, cfg=cfg,
-                                                        use_kernels=use_kernels)
+                                                        kernels=kernels)
             draft_kv = eagle_kv
         lp = plp = None
         if num_logprobs >= 0:

@@ -15,8 +15,8 @@ experts with biases.
 
 On the native CPU attention kernels (``cpu_kernels.paged_rows``, ``prefill_row``), which take
 no sinks, every layer reads its pages through the packed step's XLA readers instead
-(``models.packed``); on TPU/GPU the ragged paged-attention kernel takes the sinks. The paged
-decode and flash prefill kernels take none: where a step would use them, the reference runs.
+(``models.packed``); on TPU/GPU the ragged paged-attention kernel takes the sinks
+(``dispatch.paged_path``).
 
 weights = {"embed": [V, D], "layers": [one dict per layer: Llama's attention weights with
            bq, bk, bv, "bo" [D], "sinks" [N], "mlp_norm" [D], "moe": the block's weights with

@@ -9,77 +9,31 @@ Shape glossary (used in einsum strings and comments everywhere):
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import cpu_kernels, kernels, quant
-from jaxinfer.cache import PagedKVCache
+from jaxinfer import dispatch
 from jaxinfer.config import RopeConfig, RopeKind
+
 # The weight declarations live in jaxinfer.specs; re-exported for existing importers.
 from jaxinfer.specs import WeightSpec, init_weights, is_spec, spec_dtype, weight_key  # noqa: F401
 
 
 # ----------------------------------------------------------------------------- matmul
 def dot(eq: str, x: jax.Array, w) -> jax.Array:
-    """einsum of an activation with a weight; the one place quantized weights plug in."""
-    if hasattr(w, "einsum"):  # QuantArray and friends implement their own contraction
-        return w.einsum(eq, x, matmul=kernels.matmul_for_quantized())
-    w = w.astype(x.dtype) if w.dtype != x.dtype else w
-    y = _few_rows_f32(eq, x, w)
-    if y is not None:
-        return y
-    lhs, out = eq.split("->")
-    xs, ws = lhs.split(",")
-    c = "".join(ch for ch in xs if ch in ws and ch not in out)
-    if len(c) > 1 and xs.endswith(c) and ws.startswith(c):
-        # several contracted axes, trailing in x and leading in w ("BTNH,NHD->BTD"): merge
-        # them (free reshapes) so XLA CPU does not transpose the weight on every call
-        n = len(c)
-        x2 = x.reshape(*x.shape[:-n], -1)
-        w2 = w.reshape(-1, *w.shape[n:])
-        return jnp.einsum(f"{xs[:-n]}Z,Z{ws[n:]}->{out}", x2, w2)
-    return jnp.einsum(eq, x, w)
-
-
-def _few_rows_f32(eq: str, x: jax.Array, w: jax.Array) -> jax.Array | None:
-    """``dot`` of 1..16 float32 rows on CPU through the native kernel (batch-1 decode, a
-    verification step's k + 1 rows, decode batches up to 16), or None where XLA keeps it. XLA
-    CPU packs a float32 weight for a dot of two or more rows, so 5 rows cost ~2x one, 16 rows
-    ~3x; the kernel reads the weight once as stored, [I, O] or [O, I] (the tied head,
-    "BTD,VD->BTV"). At one row XLA streams the weight too, but the kernel's split over both
-    cores is faster, with XLA's bits for [I, O]; the head at one row stays with XLA (the
-    kernel sums it in another order), so plain batch-1 decoding computes what it did."""
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or not isinstance(w, jax.Array):
-        return None
-    lhs, out = eq.split("->")
-    xs, ws = lhs.split(",")
-    c = "".join(ch for ch in xs if ch in ws)
-    if not c or any(ch in out for ch in c) or not xs.endswith(c):
-        return None
-    keep, free = xs[: -len(c)], ws.replace(c, "")
-    if out != keep + free or ws not in (c + free, free + c):
-        return None
-    M = math.prod(x.shape[: len(keep)])
-    transposed = ws == free + c
-    if not (1 if not transposed else 2) <= M <= cpu_kernels.F32_MAX_ROWS or not cpu_kernels.f32_active():
-        return None
-    I = math.prod(x.shape[len(keep):])
-    w2 = w.reshape(-1, I) if transposed else w.reshape(I, -1)
-    y = cpu_kernels.f32_gemv(x.reshape(M, I), w2, transposed=transposed)
-    return y.reshape(*x.shape[: len(keep)], *(w.shape[: len(free)] if transposed else w.shape[len(c):]))
+    """einsum of an activation with a weight; the one place quantized weights and kernels plug
+    in: the weight carries its kernel choice (``dispatch.bind``), plain arrays run XLA's dot."""
+    return dispatch.einsum(eq, x, w)
 
 
 def dot_many(x: jax.Array, *pairs: tuple[str, object]) -> tuple[jax.Array, ...]:
     """Several ``dot(eq, x, w)`` of one activation, e.g. q/k/v from one normed h:
     ``q, k, v = dot_many(h, ("BTD,DNH->BTNH", wq), ("BTD,DKH->BTKH", wk), ...)``. w8a8
     weights (smoothing folded away) share one quantization of x; anything else runs dot by dot."""
-    ws = [w for _, w in pairs]
-    if quant.shares_input(ws) and kernels.matmul_for_quantized() is None:
-        return quant.einsum_shared(x, *pairs)
-    return tuple(dot(eq, x, w) for eq, w in pairs)
+    return dispatch.einsum_many(x, *pairs)
 
 
 def take(w, tokens: jax.Array) -> jax.Array:
@@ -253,15 +207,9 @@ def sink_softmax(s: jax.Array, sink: jax.Array) -> jax.Array:
 
 
 def cache_attention(cache, layer: int, q, qpos, end, *, scale, window=None, softcap=None, sinks=None):
-    """Attention of q [B, T, N, H] at positions qpos over one layer of a KV cache written up to
-    end[b] -> [B, T, N, H]. A decode step (T = 1) over a paged cache on TPU/GPU reads the pages
-    in place with the Pallas kernel (see jaxinfer.kernels); otherwise the cache's reader
-    gathers the rows' keys/values and the reference above runs."""
-    # the paged decode kernel has no sinks: a layer with sinks takes the reference
-    if (q.shape[1] == 1 and isinstance(cache, PagedKVCache) and cache.kernel_readable(layer)
-            and kernels.enabled() and sinks is None):
-        return kernels.paged_decode_attention(q, cache.k[layer], cache.v[layer], cache.page_table, end,
-                                              scale=scale, window=window, softcap=softcap)
+    """Attention of q [B, T, N, H] at positions qpos over one layer of a dense KV cache
+    (``cache.KVCache``) written up to end[b] -> [B, T, N, H]: the cache's reader gathers the
+    rows' keys/values and the reference above runs."""
     keys, values, kpos = cache.read_layer(layer, end)
     return attention(q, keys, values, qpos, kpos, scale=scale, window=window, softcap=softcap, sinks=sinks)
 
@@ -290,10 +238,6 @@ def attend_layer(cache, layer: int, q, k, v, positions, start, rope, *, read_cac
             cache = cache.write_layer(layer, k, v, start)
         if read_cache:
             return cache_attention(cache, layer, q, positions, start + q.shape[1], **opts), cache
-    # a prefill-only step on TPU/GPU: keys at 0..T-1 of every row, no copy to transpose (the
-    # flash kernel has no sinks: a layer with sinks takes the reference)
-    if kernels.enabled() and sinks is None:
-        return kernels.prefill_attention(q, k, v, positions[:, 0], **opts), cache
     return attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), positions, positions[0], **opts), cache
 
 

@@ -13,7 +13,7 @@ A family supplies two functions, so its differences stay in its own file:
 
 Compute is proportional to the experts used: the T*k (token, expert) pairs are sorted by
 expert (fixed shape: T*k rows), each projection is one grouped matmul over the sorted rows
-(``kernels.grouped_matmul``: the Pallas kernel on TPU/GPU, on CPU a loop that reads only the
+(``dispatch.grouped_matmul``: the Pallas kernel on TPU/GPU, on CPU a loop that reads only the
 experts with rows; ``jax.lax.ragged_dot`` is the reference), and the rows go back to their
 tokens, summed with their routing weights. No loop over all experts, no dense expert einsum.
 
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxinfer import kernels
+from jaxinfer import dispatch
 from jaxinfer.models.layers import dot, silu
 from jaxinfer.quant import QuantArray, QuantScheme
 from jaxinfer.sharding import Placed
@@ -164,8 +164,8 @@ def _expert_rows(x, weights, experts, w: dict, *, glu, n_experts: int, axis: str
     row_expert = None
     if "b_gate" in w or "b_down" in w:  # each sorted row's expert, counted within the held ones
         row_expert = jnp.clip(jnp.take(flat, order) - offset, 0, held - 1)
-    gate = kernels.grouped_matmul(xs, w["w_gate"], sizes, group_offset=offset)
-    up = kernels.grouped_matmul(xs, w["w_up"], sizes, group_offset=offset)
+    gate = dispatch.grouped_matmul(xs, w["w_gate"], sizes, group_offset=offset)
+    up = dispatch.grouped_matmul(xs, w["w_up"], sizes, group_offset=offset)
     if "b_gate" in w:
         gate = gate + _bias_rows(w["b_gate"], row_expert, index, gate.shape[1]).astype(gate.dtype)
         up = up + _bias_rows(w["b_up"], row_expert, index, up.shape[1]).astype(up.dtype)
@@ -175,7 +175,7 @@ def _expert_rows(x, weights, experts, w: dict, *, glu, n_experts: int, axis: str
         # tensor parallel with quantized experts: gate/up stay whole (a column block of an
         # expert is not contiguous in their [D, E*F] storage), w_down holds this device's F rows
         h = jax.lax.dynamic_slice_in_dim(h, index * f_down, f_down, axis=1)
-    y = kernels.grouped_matmul(h, w["w_down"], sizes, group_offset=offset)  # [M*k, D], 0 off this device
+    y = dispatch.grouped_matmul(h, w["w_down"], sizes, group_offset=offset)  # [M*k, D], 0 off this device
     if "b_down" in w:
         # whole experts here: add each held row's bias; experts split by columns: one device adds it
         owner = (index == 0) if held == n_experts else True

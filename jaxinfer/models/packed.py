@@ -12,13 +12,14 @@ every matmul sees all of them at once (one read of the weights, large M for the 
   continue an earlier chunk or a cached prefix) also to the positions before ``hist_end``
   held in the extra last table row ``table[R]``.
 
-On a one-device CPU backend, over float32 or int8 pools, decode rows and the prefill row are
-read by native kernels (``cpu_kernels.paged_rows`` and ``prefill_row``, ``native=True`` below)
-that walk the pages where they lie, all KV heads of a page together, prefetching ahead: with
-them a 64-row w8a8 + int8 KV decode step of SmolLM2 takes 61 ms instead of 171 and a 512-token
-prefill row 113 ms instead of 193 (``benchmarks/RESULTS.md``, "Native attention kernels"). The
-XLA readers below are their references, and serve everywhere else (bfloat16 pools, deferred
-writes, several devices).
+Which reader runs is the step's ``Kernels`` choice (``PackedKV.kernels``, decided by
+``dispatch.paged_path``). With the native CPU kernels, over float32 or int8 pools, decode rows
+and the prefill row are read by ``cpu_kernels.paged_rows`` and ``prefill_row`` (``native=True``
+below), which walk the pages where they lie, all KV heads of a page together, prefetching
+ahead: with them a 64-row w8a8 + int8 KV decode step of SmolLM2 takes 61 ms instead of 171 and
+a 512-token prefill row 113 ms instead of 193 (``benchmarks/RESULTS.md``, "Native attention
+kernels"). The XLA readers below are their references, and serve everywhere else (bfloat16
+pools, deferred writes, several devices).
 
 XLA's decode reader never builds a dense copy of every row's whole context. The rows are
 taken ROW_GROUP at a time (a ``lax.map`` over groups), and each group's table a block of
@@ -31,17 +32,16 @@ the whole step's gathered pages, 19-38 MB per layer, were not, and ran 2-4x slow
 CPU fuses into one pass over the keys: about twice as fast as its batched dot at M = 3.
 
 Windowed layers (Gemma's LOCAL layers) read their own pool through ``wtable`` from logical
-page ``wbase`` on, exactly as ``cache.PagedKVCache`` does; int8 pools dequantize each block as
-it is gathered. That is the CPU path (``KernelMode.OFF``). On TPU/GPU (and in Pallas interpret
-mode) a layer over float pools instead runs the whole step's attention, every decode row and
-every prefill segment, windowed layers included, as one ragged paged-attention kernel call that
-reads the pages in place (``ragged_kernel_attention``, ``jaxinfer.kernels``); int8 pools keep
-the blockwise path.
+page ``wbase`` on; int8 pools dequantize each block as it is gathered. With the Pallas choice
+(TPU/GPU, or Pallas interpret mode) a layer over float pools instead runs the whole step's
+attention, every decode row and every prefill segment, windowed layers included, as one ragged
+paged-attention kernel call that reads the pages in place (``ragged_kernel_attention``,
+``jaxinfer.kernels``); int8 pools keep the blockwise path.
 
 Latent pools (multi-head latent attention: ``cache`` module doc) have no keys pool (None): the
 XLA readers here take the keys as the values pool's transpose, block by block as they gather
 it. The native CPU kernels and the Pallas kernels read separate key and value pools, so a
-latent layer always runs the XLA readers, on every platform.
+latent layer always runs the XLA readers, whatever the choice.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import cpu_kernels, kernels
+from jaxinfer import cpu_kernels, dispatch, kernels
 from jaxinfer.cache import QuantKV, _load, _store
 from jaxinfer.models.layers import sink_rows
 from jaxinfer.quant import dequantize_kv, quantize_kv
@@ -66,9 +66,6 @@ PREFILL_QUERY_BLOCK = 128  # prefill-row queries attended together
 UNROLL_QUERIES = 16
 UNROLL_HEAD_DIM = 128
 _NEG = -1e30  # masked score: finite, so a block with nothing visible keeps the max finite
-# decode rows and the prefill row through the native kernels on CPU (cpu_kernels.paged_rows,
-# prefill_row) where they apply; read while tracing, so set it before the steps are first traced
-NATIVE_ROWS = True
 
 
 @jax.tree_util.register_dataclass
@@ -109,7 +106,7 @@ class PackedKV:
     v: list  # L x [P_l, K_l, ps, H_l]
     batch: PackedBatch
     windowed: tuple[bool, ...] = dataclasses.field(default=(), metadata={"static": True})
-    use_kernels: bool = dataclasses.field(default=False, metadata={"static": True})
+    kernels: dispatch.Kernels = dataclasses.field(default=dispatch.XLA, metadata={"static": True})
     # defer_writes: the pools are only read; each layer's new keys/values are collected in
     # ``written`` (one (k, v) [1, N, K, H] per layer, None for a layer that writes nothing) for
     # the caller to store, and the decode rows see their own new tokens from them. A pipeline
@@ -144,15 +141,16 @@ class PackedKV:
             if ks[layer] is not None:  # (a latent pool: the latent is stored once, as the values)
                 ks[layer] = _store(ks[layer], (page[None], s, s, off[None]), k)
             vs[layer] = _store(vs[layer], (page[None], s, off[None]), v)
-            cache = PackedKV(ks, vs, b, self.windowed, self.use_kernels)
+            cache = PackedKV(ks, vs, b, self.windowed, self.kernels)
         R, Q, Tp = b.rows, b.q, b.prefill_len
         table, base = (b.wtable, b.wbase) if self._is_windowed(layer) else (b.table, None)
         opts = {"scale": scale, "window": window, "softcap": softcap, "sinks": sinks}
-        native = native_rows(ks[layer], vs[layer]) and sinks is None
-        # the kernel reads this step's keys from the pages: not with deferred writes
-        if (self.use_kernels and not self.defer_writes and ks[layer] is not None and not isinstance(ks[layer], QuantKV)
-                and kernels.ragged_paged_attention_fits(ps, ks[layer].dtype)):
-            return ragged_kernel_attention(q, ks[layer], vs[layer], b, table, base, page, **opts), cache
+        path = dispatch.paged_path(self.kernels, ks[layer], vs[layer], defer_writes=self.defer_writes,
+                                   sinks=sinks is not None)
+        if path == dispatch.PagedPath.RAGGED:
+            return ragged_kernel_attention(q, ks[layer], vs[layer], b, table, base, page,
+                                           interpret=self.kernels.interpret, **opts), cache
+        native = path == dispatch.PagedPath.NATIVE
         outs = []
         if R:
             qd = q[0, : R * Q].reshape(R, Q, *q.shape[2:])
@@ -285,7 +283,7 @@ def _visible(qpos, kpos, window):
 # trace, and JAX then traces (and lowers) each one once per shape, not once per layer. Traced
 # 30 times over, their blocks made up most of a step's trace, and of start-up.
 # ``native`` (static, so that the per-shape trace cache cannot hand back the other reader) picks
-# the native kernel where the caller found it applies (``native_rows``).
+# the native kernel where the caller's dispatch found it applies (``dispatch.paged_path``).
 _reader = functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "native"))
 
 
@@ -327,23 +325,9 @@ def _kernel_pools(kpool, vpool):
     return (kpool, vpool), {}
 
 
-def native_rows(kpool, vpool) -> bool:
-    """Whether a trace should read these pools through the native kernels (``native=True`` for
-    ``paged_rows_attention`` and ``prefill_row_attention``): ``NATIVE_ROWS``, a one-device CPU
-    backend where they build, float32 or int8 pools, pages of at most 64 positions (the prefill
-    kernel also checks its own shapes, ``cpu_kernels.prefill_row_fits``), keys of their own (not
-    a latent pool)."""
-    if not NATIVE_ROWS or kpool is None or not cpu_kernels.attention_active():
-        return False
-    if isinstance(kpool, QuantKV):
-        return kpool.axis == -2 and vpool.axis == -1 and kpool.shape[3] <= cpu_kernels.ROWS_MAX_PAGE
-    return (kpool.dtype == jnp.float32 and vpool.dtype == jnp.float32
-            and kpool.shape[3] <= cpu_kernels.ROWS_MAX_PAGE)
-
-
 def _rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window, softcap, own, sinks=None):
     """paged_rows_attention for one group of rows."""
-    B, T, N, H = q.shape
+    B, T, N, _ = q.shape
     K, ps = vpool.shape[1], vpool.shape[2]
     G = N // K
     qm = _fold_queries(q, K, scale)
@@ -473,7 +457,7 @@ def _logical_table(table, base, width: int):
 
 
 def ragged_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, page, *, scale, window=None,
-                            softcap=None, sinks=None):
+                            softcap=None, sinks=None, interpret: bool = False):
     """The whole packed step's attention in one ragged paged-attention call (TPU/GPU, or
     Pallas interpret mode): q [1, N, N_heads, H] -> [1, N, N_heads, H].
 
@@ -511,5 +495,6 @@ def ragged_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, page, 
         kv_lens.append(jnp.zeros(S, jnp.int32).at[seg].max(ppos + 1, mode="drop"))
     cat = lambda xs: jnp.concatenate(xs, axis=0)
     out = kernels.ragged_paged_attention(q[0], kpool, vpool, cat(tables), cat(starts), cat(lens), cat(kv_lens),
-                                         scale=scale, window=window, softcap=softcap, sinks=sinks)
+                                         scale=scale, window=window, softcap=softcap, sinks=sinks,
+                                         interpret=interpret)
     return out[None]

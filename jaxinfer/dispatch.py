@@ -1,0 +1,318 @@
+"""Which kernel runs each op: one choice per engine, made here, and the ops that follow it.
+
+An engine runs every attention and every matmul of its steps through one of three families of
+code:
+
+* ``pallas``: the Pallas kernels (``pallas_kernels``, adapted by ``jaxinfer.kernels``), the
+  compiled ones on TPU/GPU, or on CPU in Pallas interpret mode (``interpret``: the TPU/GPU path
+  traced and checked on CPU, slowly);
+* ``native``: the C++ CPU kernels (``jaxinfer.cpu_kernels``), on a one-device CPU backend where
+  the library of each op built for this CPU;
+* ``xla``: the pure-JAX references, on any backend.
+
+``choose(option)`` turns the user's ``kernels=`` option ("auto", "pallas", "native", "xla";
+``LLM(kernels=...)``, ``--kernels``) into a frozen ``Kernels`` once, from the platform and the
+device count. Nothing reads it from a global: it travels with the step's inputs as static data,
+so it is part of every executable's cache key (an executable traced with one choice is never
+reused under another):
+
+* the matmuls' choice rides on the weights: ``bind`` gives every quantized weight the choice as
+  a static field and, where a kernel is chosen for float weights, wraps them (``quant.Dense``,
+  or packed once as ``quant.PackedF32`` / the AMX layout for the native kernels);
+* the attention's choice rides on the page pools' view the model writes and reads
+  (``models.packed.PackedKV.kernels``); the engine's jitted steps take it as the static
+  argument ``kernels``.
+
+Each op below then picks kernel or reference from that choice and the shapes it is given. A
+pass outside the engine (perplexity over a dense ``cache.KVCache``, calibration) runs the
+reference attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import cpu_kernels, kernels, quant
+from jaxinfer.errors import InvalidRequest
+from pallas_kernels import _common
+from pallas_kernels import grouped_matmul as gm
+
+
+class Attention(str, enum.Enum):
+    PALLAS = "pallas"  # ragged paged attention over the page pools
+    NATIVE = "native"  # cpu_kernels.paged_rows / prefill_row over float32 or int8 pages
+    XLA = "xla"  # the blockwise pure-JAX readers in models.packed
+
+
+class Matmul(str, enum.Enum):
+    PALLAS = "pallas"  # quantized matmuls and expert matmuls as Pallas kernels
+    NATIVE = "native"  # int8_gemv / wo8_gemv / int8_amx / f32_gemv / f32_gemm_packed
+    XLA = "xla"  # XLA's dots
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The kernel choice of an engine (hashable: a jit static argument and a static pytree field)."""
+
+    attention: Attention = Attention.XLA
+    matmul: Matmul = Matmul.XLA
+    interpret: bool = False  # Pallas kernels in interpret mode (CPU tests of the TPU/GPU path)
+
+    def __post_init__(self):
+        object.__setattr__(self, "attention", Attention(self.attention))
+        object.__setattr__(self, "matmul", Matmul(self.matmul))
+        if self.interpret and Attention.PALLAS not in (self.attention, self.matmul):
+            raise ValueError(f"interpret=True needs a Pallas choice, got {self}")
+
+    @property
+    def pallas(self) -> bool:
+        """Whether the step's other Pallas kernels (speculative verification) run too."""
+        return self.attention == Attention.PALLAS
+
+
+XLA = Kernels()
+INTERPRET = Kernels(Attention.PALLAS, Matmul.PALLAS, interpret=True)
+CHOICES = ("auto", "pallas", "native", "xla")
+
+
+def choose(option: str | Kernels = "auto", *, platform: str | None = None, devices: int | None = None) -> Kernels:
+    """The ``Kernels`` of the user's ``kernels=`` option on this platform ("cpu", "gpu",
+    "tpu"; default the default backend's) with this many devices (default all):
+
+    * "auto": Pallas on TPU/GPU; on one CPU device the native kernels for each op whose library
+      built here (``cpu_kernels.library_status`` says why one did not), XLA for the others; XLA
+      on several CPU devices (a custom call has no sharding rule);
+    * "pallas": the Pallas kernels; on CPU in interpret mode (for tests: slow);
+    * "native": as "auto" on one CPU device; refused elsewhere;
+    * "xla": the pure-JAX references everywhere.
+
+    A ``Kernels`` is returned as it is, unless it names a native kernel off one CPU device."""
+    platform = platform or _common.platform()
+    devices = jax.device_count() if devices is None else devices
+    if isinstance(option, Kernels):
+        if (option.attention == Attention.NATIVE or option.matmul == Matmul.NATIVE) and (platform != "cpu" or devices != 1):
+            raise InvalidRequest(f"the native CPU kernels need one CPU device; this is {devices} {platform} device(s)")
+        return option
+    if option not in CHOICES:
+        raise InvalidRequest(f"kernels must be one of {', '.join(CHOICES)}, got {option!r}")
+    if option == "xla":
+        return XLA
+    if option == "pallas" or (option == "auto" and platform in _common.KERNEL_PLATFORMS):
+        return Kernels(Attention.PALLAS, Matmul.PALLAS, interpret=platform not in _common.KERNEL_PLATFORMS)
+    if platform != "cpu" or devices != 1:
+        if option == "native":
+            raise InvalidRequest(f"kernels='native' needs one CPU device; this is {devices} {platform} device(s)")
+        return XLA
+    attention = Attention.NATIVE if cpu_kernels.attention_available() else Attention.XLA
+    matmul = Matmul.NATIVE if cpu_kernels.f32_available() or cpu_kernels.available() else Matmul.XLA
+    return Kernels(attention, matmul)
+
+
+# ----------------------------------------------------------------------------- weights
+def bind(weights, specs, k: Kernels):
+    """``weights`` carrying the matmul choice of ``k`` (see the module docstring); ``specs``:
+    the model's ``weight_specs`` (which weights are multiplied, which hold experts). The native
+    choice packs, once, what its kernels read better packed: w8a8 weights into AMX tiles (AMX
+    CPUs: XLA's own s8 dot repacks the whole weight on every call) and float32 weights whose
+    outputs come in panels of 16 into ``PackedF32`` (AVX-512: XLA's float32 dot transposes its
+    weight on every call past one row); not the embedding, which is also looked up, nor expert
+    weights, which the grouped matmul reads expert by expert."""
+    if k.matmul == Matmul.XLA:
+        return weights
+    from jaxinfer.sharding import Placed
+    from jaxinfer.specs import is_spec
+
+    amx = k.matmul == Matmul.NATIVE and cpu_kernels.amx_available()
+    packed = k.matmul == Matmul.NATIVE and cpu_kernels.f32_packed_available()
+
+    def one(spec, w):
+        if isinstance(w, Placed):
+            return dataclasses.replace(w, value=one(spec, w.value))
+        expert = "expert" in spec.axes
+        if isinstance(w, quant.QuantArray):
+            if amx and w.scheme == quant.QuantScheme.W8A8 and w.layout == "io" and cpu_kernels.amx_fits(
+                    w.in_size, w.out_size):
+                w = dataclasses.replace(w, values=_amx_pack(w.values), layout="amx")
+            return dataclasses.replace(w, kernels=k)
+        if not isinstance(w, jax.Array) or not spec.contract_axes or w.shape != tuple(spec.shape):
+            return w
+        if k.matmul == Matmul.PALLAS:  # float dense dots stay XLA's; the experts' grouped matmul is a kernel
+            return quant.Dense(w, k) if expert else w
+        if expert or w.dtype != jnp.float32:
+            return w
+        contract = tuple(sorted(a % w.ndim for a in spec.contract_axes))
+        free = tuple(a for a in range(w.ndim) if a not in contract)
+        I, O = math.prod(w.shape[a] for a in contract), math.prod(w.shape[a] for a in free)
+        if packed and "vocab" not in spec.axes and cpu_kernels.f32_packed_fits(I, O):
+            return quant.PackedF32(_f32_pack(w, contract, free), tuple(w.shape), contract)
+        return quant.Dense(w, k)
+
+    return jax.tree.map(one, specs, weights, is_leaf=is_spec)
+
+
+_amx_pack = jax.jit(cpu_kernels.amx_pack)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _f32_pack(w: jax.Array, contract: tuple[int, ...], free: tuple[int, ...]) -> jax.Array:
+    return cpu_kernels.f32_pack(quant.as_matrix(w, contract, free))
+
+
+# ----------------------------------------------------------------------------- matmuls
+def einsum(eq: str, x: jax.Array, w) -> jax.Array:
+    """``jnp.einsum(eq, x, w)`` of an activation with a weight (``layers.dot``), by the kernel
+    the weight carries: a plain array or a weight bound to XLA runs XLA's dot."""
+    if isinstance(w, quant.Dense):
+        y = _few_rows_f32(eq, x, w.values) if w.kernels.matmul == Matmul.NATIVE else None
+        return xla_einsum(eq, x, w.values) if y is None else y
+    if hasattr(w, "einsum"):  # QuantArray, PackedF32 and other weights with a contraction of their own
+        return w.einsum(eq, x, matmul=matmul)
+    return xla_einsum(eq, x, w)
+
+
+def xla_einsum(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """The reference: XLA's einsum, in x's dtype."""
+    w = w.astype(x.dtype) if w.dtype != x.dtype else w
+    lhs, out = eq.split("->")
+    xs, ws = lhs.split(",")
+    c = "".join(ch for ch in xs if ch in ws and ch not in out)
+    if len(c) > 1 and xs.endswith(c) and ws.startswith(c):
+        # several contracted axes, trailing in x and leading in w ("BTNH,NHD->BTD"): merge
+        # them (free reshapes) so XLA CPU does not transpose the weight on every call
+        n = len(c)
+        x2 = x.reshape(*x.shape[:-n], -1)
+        w2 = w.reshape(-1, *w.shape[n:])
+        return jnp.einsum(f"{xs[:-n]}Z,Z{ws[n:]}->{out}", x2, w2)
+    return jnp.einsum(eq, x, w)
+
+
+def _few_rows_f32(eq: str, x: jax.Array, w: jax.Array) -> jax.Array | None:
+    """``einsum`` of 1..16 float32 rows through the native ``f32_gemv`` (batch-1 decode, a
+    verification step's k + 1 rows, decode batches up to 16), or None where XLA keeps it. XLA
+    CPU packs a float32 weight for a dot of two or more rows, so 5 rows cost ~2x one, 16 rows
+    ~3x; the kernel reads the weight once as stored, [I, O] or [O, I] (the tied head,
+    "BTD,VD->BTV"). At one row XLA streams the weight too, but the kernel's split over the
+    cores is faster, with XLA's bits for [I, O]; the head at one row stays with XLA (the
+    kernel sums it in another order), so plain batch-1 decoding computes what XLA does."""
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or not cpu_kernels.f32_available():
+        return None
+    lhs, out = eq.split("->")
+    xs, ws = lhs.split(",")
+    c = "".join(ch for ch in xs if ch in ws)
+    if not c or any(ch in out for ch in c) or not xs.endswith(c):
+        return None
+    keep, free = xs[: -len(c)], ws.replace(c, "")
+    if out != keep + free or ws not in (c + free, free + c):
+        return None
+    M = math.prod(x.shape[: len(keep)])
+    transposed = ws == free + c
+    if not (1 if not transposed else 2) <= M <= cpu_kernels.F32_MAX_ROWS:
+        return None
+    I = math.prod(x.shape[len(keep):])
+    w2 = w.reshape(-1, I) if transposed else w.reshape(I, -1)
+    y = cpu_kernels.f32_gemv(x.reshape(M, I), w2, transposed=transposed)
+    return y.reshape(*x.shape[: len(keep)], *(w.shape[: len(free)] if transposed else w.shape[len(c):]))
+
+
+def matmul(w, x: jax.Array) -> jax.Array:
+    """x [M, I] @ the bound weight w ([I, O] as stored) -> [M, O] in x.dtype: the 2-D product
+    behind ``QuantArray.einsum`` and ``PackedF32.einsum``."""
+    if isinstance(w, quant.PackedF32):  # made by bind for the native kernel only
+        return cpu_kernels.f32_gemm_packed(x, w.values).astype(x.dtype)
+    k = w.kernels or XLA
+    if k.matmul == Matmul.PALLAS and not (w.scheme == quant.QuantScheme.INT4 and w.group % 64):
+        # (the kernel unpacks int4 in tiles of 64 rows; XLA serves smaller groups)
+        return kernels.quant_matmul(w, x, interpret=k.interpret)
+    if w.scheme == quant.QuantScheme.W8A8:
+        return w.matmul_rows(*w.quantize_input(x), x.dtype, dot=s8_dot)
+    if (k.matmul == Matmul.NATIVE and w.scheme == quant.QuantScheme.INT8 and x.dtype == jnp.float32
+            and x.shape[0] <= cpu_kernels.MAX_ROWS and cpu_kernels.available()):
+        # a few float32 rows (batch-1 decode): the native kernel widens the int8 weight in
+        # registers; XLA would widen all of it to float32 in memory first (at one row, the same bits)
+        return (cpu_kernels.wo8_gemv(x, w.values) * w.scale).astype(x.dtype)
+    return w.matmul(x)
+
+
+def s8_dot(w, xq: jax.Array) -> jax.Array:
+    """The int32 sums of int8 rows xq [M, I] with w8a8 weight w's int8 values, by the fastest
+    path w's choice has; every path gives the same integers."""
+    native = (w.kernels or XLA).matmul == Matmul.NATIVE
+    if w.layout == "amx" and native and cpu_kernels.amx_available():
+        return cpu_kernels.int8_amx(xq, w.values)  # the weight was packed once, by bind
+    if native and xq.shape[0] <= cpu_kernels.MAX_ROWS and cpu_kernels.available():
+        # a few rows (batch-1 decode): the native kernel streams the weight as stored, where
+        # XLA's dot would repack all of it first
+        return cpu_kernels.int8_gemv(xq, w.values_io())
+    return quant.s8_dot(xq, w.values_io())
+
+
+def einsum_many(x: jax.Array, *pairs: tuple[str, object]) -> tuple[jax.Array, ...]:
+    """Several ``einsum(eq, x, w)`` of one activation (q/k/v, gate/up). w8a8 weights (smoothing
+    folded away) not bound to the Pallas kernel share one quantization of x."""
+    ws = [w for _, w in pairs]
+    if quant.shares_input(ws) and all((w.kernels or XLA).matmul != Matmul.PALLAS for w in ws):
+        return quant.einsum_shared(x, *pairs, dot=s8_dot)
+    return tuple(einsum(eq, x, w) for eq, w in pairs)
+
+
+def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, group_offset=0) -> jax.Array:
+    """x [M, I] (rows sorted by group) times each group's weight -> [M, O] in x.dtype. w: a
+    float [G, I, O] (bound: ``quant.Dense``) or a ``QuantArray`` of one (contracting axis 1:
+    stored [I, G*O] with a scale per group and output channel), holding groups group_offset ..
+    + G - 1 of ``group_sizes``; rows of other groups give 0. Bound to Pallas: the kernel where
+    its tiling fits; otherwise ``grouped_matmul_xla``, which reads only the weights of groups
+    with rows (XLA CPU lowers the reference, ``ragged_dot``, to a dense dot over every group)."""
+    k = getattr(w, "kernels", None) or XLA
+    kw = {}
+    if isinstance(w, quant.Dense):
+        w = w.values
+    elif isinstance(w, quant.QuantArray):
+        if w.smooth is not None:
+            x = (x.astype(jnp.float32) * w.smooth).astype(x.dtype)
+        # w8a8 experts are multiplied as weight-only int8: the same values and scales
+        kw = {"w_scale": w.scale, "out_size": w.shape[-1]}
+        w = w.values_io()
+    if k.matmul == Matmul.PALLAS and gm.kernel_fits(w, x.shape[1]):
+        return gm.grouped_matmul_kernel(x, w, group_sizes, group_offset=group_offset, interpret=k.interpret, **kw)
+    return gm.grouped_matmul_xla(x, w, group_sizes, group_offset=group_offset, **kw)
+
+
+# ----------------------------------------------------------------------------- attention
+class PagedPath(enum.Enum):
+    """How a packed step's layer reads its page pools (``models.packed.PackedKV.attend``)."""
+
+    RAGGED = "ragged"  # one ragged paged-attention Pallas call for every row and segment
+    NATIVE = "native"  # cpu_kernels.paged_rows for the decode rows, prefill_row for the prefill row
+    XLA = "xla"  # the blockwise readers of models.packed
+
+
+def paged_path(k: Kernels, kpool, vpool, *, defer_writes: bool, sinks: bool = False) -> PagedPath:
+    """The path of a packed step's layer over pools kpool [P, K, H, ps] / vpool (float, or
+    ``cache.QuantKV``; kpool None: a latent pool, whose keys are its values). The ragged kernel
+    reads this step's keys from the pages, so not with deferred writes, and takes float pools of
+    the page sizes it tiles, with or without attention sinks; the native kernels take float32 or
+    int8 pools of pages up to ``cpu_kernels.ROWS_MAX_PAGE`` positions, and no sinks. Neither
+    reads a latent pool."""
+    from jaxinfer.cache import QuantKV
+
+    if kpool is None:
+        return PagedPath.XLA
+    ps = vpool.shape[2]
+    quantized = isinstance(kpool, QuantKV)
+    if k.attention == Attention.PALLAS:
+        if not defer_writes and not quantized and kernels.ragged_paged_attention_fits(ps, kpool.dtype):
+            return PagedPath.RAGGED
+        return PagedPath.XLA
+    if (k.attention == Attention.NATIVE and not sinks and ps <= cpu_kernels.ROWS_MAX_PAGE
+            and cpu_kernels.attention_available()):
+        if quantized:
+            return PagedPath.NATIVE if kpool.axis == -2 and vpool.axis == -1 else PagedPath.XLA
+        if kpool.dtype == jnp.float32 and vpool.dtype == jnp.float32:
+            return PagedPath.NATIVE
+    return PagedPath.XLA
