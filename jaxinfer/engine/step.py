@@ -72,9 +72,10 @@ def slots_with_vocab_state(slots: SlotState, vocab_size: int, need: bool) -> Slo
     return dataclasses.replace(slots, sampling=sampling)
 
 
-def insert_step(slots: SlotState, slot, row: SlotState) -> SlotState:
-    """Place one sequence's slot state (batch 1) into slot ``slot``."""
-    return jax.tree.map(lambda a, r: a.at[slot].set(r[0]), slots, row)
+def insert_step(slots: SlotState, slot, rows: SlotState) -> SlotState:
+    """Place n sequences' slot state (batch n) into slots ``slot`` i32[n]; a slot number past
+    the last (padding up to a batch bucket) is dropped."""
+    return jax.tree.map(lambda a, r: a.at[slot].set(r, mode="drop"), slots, rows)
 
 
 def sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs, guide=None):
