@@ -82,7 +82,7 @@ class HostSplit:
     """Timers around the engine's host phases (see the module docstring)."""
 
     def __init__(self, eng):
-        from jaxinfer.engine import paged
+        from jaxinfer.engine import consume, engine
         from jaxinfer.sampling.stop import StopChecker
         from jaxinfer.tokenizer import IncrementalDetokenizer
 
@@ -90,10 +90,10 @@ class HostSplit:
         self._undo = []
         self._wrap(eng.sched, "plan", "schedule")
         self._wrap(eng, "_insert_rows", "insert")
-        self._wrap(eng, "_build", "build")
+        self._wrap(eng, "build", "build")
         self._wrap(eng, "run_step", "dispatch")
-        self._wrap(eng, "_consume", "consume")
-        self._wrap(paged, "record_token", "record")
+        self._wrap(engine, "consume", "consume")
+        self._wrap(consume, "record_token", "record")
         self._wrap(IncrementalDetokenizer, "add", "detokenize")
         self._wrap(StopChecker, "update", "stop checks")
 
