@@ -59,22 +59,41 @@ def tiny_llm(batch: int, max_model_len: int = 1024):
     return LLM(random_loaded(cfg, tokenizer=tok), max_model_len=max_model_len, max_num_seqs=batch, progress=False)
 
 
+def bare_batch(eng, B: int, prompt: int, new: int):
+    """B decode rows (no prefill row) at the mean context of the engine run (prompt + new / 2),
+    over distinct pages: the bare step's fixed input."""
+    from jaxinfer.engine.buckets import width_bucket
+
+    ps = eng.allocator.page_size
+    width = width_bucket(-(-(prompt + new) // ps), eng.pages_per_seq)
+    batch = eng.idle_batch(B, width, 0)
+    batch.table[:B] = np.arange(1, B * width + 1).reshape(B, width) % (eng.allocator.num_pages - 1) + 1
+    batch.positions[:] = prompt + new // 2
+    batch.active[:] = True
+    if eng.window:
+        wpool = eng.window_allocator.num_pages
+        ww = batch.wtable.shape[1]
+        batch.wtable[:B] = np.arange(1, B * ww + 1).reshape(B, ww) % (wpool - 1) + 1
+        batch.wbase[:B] = max(0, prompt + new // 2 - eng.window + 1) // ps
+    return batch
+
+
 class HostSplit:
     """Timers around the engine's host phases (see the module docstring)."""
 
     def __init__(self, eng):
-        from jaxinfer.engine import paged
+        from jaxinfer.engine import consume, engine
         from jaxinfer.sampling.stop import StopChecker
         from jaxinfer.tokenizer import IncrementalDetokenizer
 
         self.t = collections.Counter()
         self._undo = []
         self._wrap(eng.sched, "plan", "schedule")
-        self._wrap(eng, "_insert_row", "insert")
-        self._wrap(eng, "_build", "build")
+        self._wrap(eng, "_insert_rows", "insert")
+        self._wrap(eng, "build", "build")
         self._wrap(eng, "run_step", "dispatch")
-        self._wrap(eng, "_consume", "consume")
-        self._wrap(paged, "record_token", "record")
+        self._wrap(engine, "consume", "consume")
+        self._wrap(consume, "record_token", "record")
         self._wrap(IncrementalDetokenizer, "add", "detokenize")
         self._wrap(StopChecker, "update", "stop checks")
 
@@ -149,7 +168,6 @@ def main():
 
 def run_one(a, B: int) -> dict:
     from jaxinfer import LLM, SamplingParams
-    from jaxinfer.engine.buckets import width_bucket
 
     llm = tiny_llm(B) if a.tiny else LLM(a.model, max_model_len=1024, max_num_seqs=B, progress=False)
     eng = llm.engine
@@ -171,17 +189,7 @@ def run_one(a, B: int) -> dict:
         last = max(o.metrics.last_token_time for o in outs)
         return (last - first) / (a.new - 1)  # seconds per decode step
 
-    ps = eng.allocator.page_size
-    width = width_bucket(-(-(a.prompt + a.new) // ps), eng.pages_per_seq)
-    batch = eng.idle_batch(B, width, 0)  # B decode rows, no prefill row
-    batch.table[:B] = np.arange(1, B * width + 1).reshape(B, width) % (eng.allocator.num_pages - 1) + 1
-    batch.positions[:] = a.prompt + a.new // 2  # the mean context of the engine run
-    batch.active[:] = True
-    if eng.window:
-        wpool = eng.window_allocator.num_pages
-        ww = batch.wtable.shape[1]
-        batch.wtable[:B] = np.arange(1, B * ww + 1).reshape(B, ww) % (wpool - 1) + 1
-        batch.wbase[:B] = max(0, a.prompt + a.new // 2 - eng.window + 1) // ps
+    batch = bare_batch(eng, B, a.prompt, a.new)
 
     def bare_run():
         t0 = time.perf_counter()

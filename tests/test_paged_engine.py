@@ -209,18 +209,19 @@ def test_compilations_are_counted_exactly(tiny_gguf):
     first = llm.engine.num_compilations()
     llm.generate(PROMPTS, sp, use_tqdm=False)
     assert llm.engine.num_compilations() == first  # a warm engine compiles nothing more
-    # one executable per step shape run (prefill at 1 or 4 rows, then decode only) plus the
-    # slot insert, each shape among the ones warm-up compiles
+    # one executable per step shape run (prefill at 1 or 4 rows, then decode only) plus one
+    # slot insert per row bucket run, each shape among the ones warm-up compiles
     eng = llm.engine
     assert len(eng.shapes_run) == 3, sorted(eng.shapes_run)
-    assert first == len(eng.shapes_run) + 1, (first, sorted(eng.shapes_run))
+    assert first == len(eng.shapes_run) + len(eng.inserts_run), (first, sorted(eng.shapes_run), eng.inserts_run)
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     allowed = set(eng.warmup_shapes(max(map(len, ids)), max(map(len, ids)) + 5))
     assert {(R, w, Tp) for R, w, Tp, *_ in eng.shapes_run} <= allowed
+    assert eng.inserts_run <= {1, 4}  # the batch buckets up to max_num_seqs, as warm-up inserts
     # a second engine in the same process counts only its own executables
     other = _paged(tiny_gguf, block_size=8, max_num_seqs=4, max_num_batched_tokens=32)
     other.generate(PROMPTS[:1], sp, use_tqdm=False)
-    assert other.engine.num_compilations() == len(other.engine.shapes_run) + 1
+    assert other.engine.num_compilations() == len(other.engine.shapes_run) + len(other.engine.inserts_run)
     assert eng.num_compilations() == first
 
 
@@ -238,7 +239,7 @@ def test_committed_weights_build_each_shape_once(tiny_gguf):
     llm.generate(PROMPTS, sp, use_tqdm=False)
     first = eng.num_compilations()
     llm.generate(PROMPTS, sp, use_tqdm=False)
-    assert eng.num_compilations() == first == len(eng.shapes_run) + 1
+    assert eng.num_compilations() == first == len(eng.shapes_run) + len(eng.inserts_run)
 
 
 def test_warmup_with_one_slot(tiny_gguf):

@@ -392,6 +392,48 @@ def test_mask_tokens_before_min():
             assert np.asarray(tokens)[:3].tolist() == expected, (count, mask.dtype)
 
 
+@pytest.mark.parametrize("V", [1000, 512])  # padded to the block size, and a whole number of blocks
+def test_banned_ids_sample_as_if_masked(V):
+    """min_tokens' ban applied inside the sampler (block maxima and the argmax's block, the
+    logits written with it only for sampled rows) gives the tokens of logits with the banned
+    ids set to -inf in numpy: greedy rows their first argmax, sampled rows (plain, top-k,
+    top-p, penalties) the draw from those logits with the same uniforms, never a banned id."""
+    from jaxinfer.engine.step import sample_step
+
+    rng = np.random.default_rng(V)
+    B, Sw = 12, 16
+    step_fn = jax.jit(sample_step, static_argnames="num_logprobs")
+    for trial in range(6):
+        logits = rng.integers(0, 40, (B, V)).astype(np.float32) / 4  # ties in and across blocks
+        stop_ids = np.full((B, Sw), -1, np.int32)
+        for b in range(B):
+            top = np.argsort(-logits[b], kind="stable")
+            ids = {0: top[:3], 1: [V - 1, V - 2, top[0]], 2: top[:Sw], 3: [top[0]] * 4,
+                   4: rng.integers(0, V, 9)}.get(b % 6, [])
+            stop_ids[b, : len(ids)] = ids
+        min_tokens = np.where(np.arange(B) % 4 == 3, 0, 5).astype(np.int32)  # every 4th row's ban is off
+        generated = rng.integers(0, 5, B).astype(np.int32)
+        greedy = np.arange(B) % 3 != (trial % 3)
+        params = [SamplingParams(temperature=0) if greedy[b] else
+                  SamplingParams(temperature=0.9, top_k=[0, 5, 0, 0][b % 4], top_p=[1.0, 1.0, 0.8, 1.0][b % 4],
+                                 repetition_penalty=1 + 0.3 * (trial % 2)) for b in range(B)]
+        state = S.make_sampling_state(params, [[1, 2]] * B, V, default_seed=trial)
+        banned = (generated < min_tokens)[:, None] & (stop_ids >= 0)
+        masked = logits.copy()
+        for b in range(B):
+            masked[b, stop_ids[b][banned[b]]] = -np.inf
+        ref = np.asarray(_sample(jnp.asarray(masked), state, jnp.asarray(generated)))
+        np.testing.assert_array_equal(ref[greedy], masked[greedy].argmax(axis=1))
+        got = np.asarray(_sample(jnp.asarray(logits), state, jnp.asarray(generated),
+                                 S.banned_ids(jnp.asarray(stop_ids), jnp.asarray(generated),
+                                              jnp.asarray(min_tokens), V)))
+        np.testing.assert_array_equal(got, ref, err_msg=f"{trial=}")
+        assert not any(banned[b][stop_ids[b] == got[b]].any() for b in range(B))
+        tokens, _, _ = step_fn(jnp.asarray(logits), state, jnp.asarray(generated), jnp.asarray(stop_ids),
+                               jnp.asarray(min_tokens), num_logprobs=-1)
+        np.testing.assert_array_equal(np.asarray(tokens), ref, err_msg=f"{trial=}")
+
+
 # --------------------------------------------------------------------------------------------
 # Stop handling
 # --------------------------------------------------------------------------------------------

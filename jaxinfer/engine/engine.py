@@ -116,6 +116,7 @@ class Engine:
         self._inflight: InFlight | None = None
         self._bitmask: np.ndarray | None = None  # i32[S, V/32] structured-output masks, made on first use
         self.shapes_run: set[tuple] = set()  # (R, width, Tp, q, logprobs, prompt logprobs) of every step run
+        self.inserts_run: set[int] = set()  # the row buckets of every slot insert run (one device)
 
     def _init_pools(self, num_pages: int, num_window_pages: int | None, pools) -> None:
         cfg, ps, mesh = self.cfg, self.config.block_size, self.mesh
@@ -233,8 +234,11 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.warm(R, w, Tp)
         self.slots = self._fresh_slots()  # warm-up sampled into idle slots
-        if self.D == 1:  # one slot's state from the host, as _insert_row's (slot_state_for) comes
-            self._insert_at(0, 0, jax.tree.map(lambda a: jax.device_put(np.asarray(a[:1])), self.slots))
+        if self.D == 1:  # every row bucket of _insert_rows, host state as slot_states_for's, all padding
+            for n in sorted({buckets.bucket(k, buckets.BATCH_BUCKETS, self.max_num_seqs)
+                             for k in range(1, self.max_num_seqs + 1)}):
+                pad = jax.tree.map(lambda a: jax.device_put(np.repeat(np.asarray(a[:1]), n, axis=0)), self.slots)
+                self._insert_at(0, np.full(n, self.max_num_seqs, np.int32), pad)
         jax.block_until_ready(self.k_pages)
         return self.num_compilations() - before
 
@@ -322,8 +326,8 @@ class Engine:
         for s in drafts:
             s.lookahead = 0
         for d, plan in enumerate(plans):
-            for seq in plan.inserted:
-                self._insert_row(d, seq)
+            if plan.inserted:
+                self._insert_rows(d, plan.inserted)
         if not any(p.decode or p.prefill for p in plans):
             return None
         want_plp = [g.seq.row.params.prompt_logprobs for p in plans for g in p.prefill if g.seq.wants_prompt_logprobs]
@@ -426,16 +430,31 @@ class Engine:
             slots = jax.tree.map(lambda a: jnp.broadcast_to(a, (self.D,) + a.shape), slots)
         return jax.device_put(slots, NamedSharding(self.mesh, PartitionSpec("data" if self.D > 1 else None)))
 
-    def _insert_row(self, replica: int, seq: Seq) -> None:
+    def _insert_rows(self, replica: int, seqs: list[Seq]) -> None:
+        """The slot state of the sequences one plan admitted: on one device in one call, padded
+        to a batch bucket (a wave of 64 new rows was 64 calls); per row across replicas."""
         # [S, V] penalty statistics only while some running row (of any replica) has penalties
         need = any(s is not None and smp.needs_vocab_state(s.row.params) for sched in self.scheds for s in sched.slots)
         self.slots = slots_with_vocab_state(self.slots, self.cfg.vocab_size, need)
-        self._insert_at(replica, seq.slot, slot_state_for(seq.row, self.cfg.vocab_size, self.tokenizer.eos_ids,
-                                                           self.seed, vocab_state=need))
+        state = functools.partial(slot_states_for, vocab_size=self.cfg.vocab_size, eos_ids=self.tokenizer.eos_ids,
+                                  seed=self.seed, vocab_state=need)
+        if self.D > 1:
+            for seq in seqs:
+                self._insert_at(replica, seq.slot, state([seq.row]))
+            return
+        n = buckets.bucket(len(seqs), buckets.BATCH_BUCKETS, self.max_num_seqs)
+        at = np.full(n, self.max_num_seqs, np.int32)  # padding rows: dropped
+        at[: len(seqs)] = [s.slot for s in seqs]
+        self._insert_at(replica, at, state([s.row for s in seqs], batch_size=n))
 
-    def _insert_at(self, replica: int, slot: int, new: SlotState) -> None:
-        where = (jnp.int32(replica),) if self.D > 1 else ()
-        self.slots = self._insert(self.slots, *where, jnp.int32(slot), new)
+    def _insert_at(self, replica: int, slot, new: SlotState) -> None:
+        """slot: the slot number (several replicas; new has batch 1), or i32[n] slot numbers
+        (one device; new has batch n)."""
+        if self.D > 1:
+            self.slots = self._insert(self.slots, jnp.int32(replica), jnp.int32(slot), new)
+        else:
+            self.inserts_run.add(len(slot))
+            self.slots = self._insert(self.slots, slot, new)
 
 
 def _devices(weights) -> list:
@@ -444,19 +463,26 @@ def _devices(weights) -> list:
     return list(leaf.devices()) if leaf is not None else jax.local_devices()[:1]
 
 
-def slot_state_for(row: Row, vocab_size: int, eos_ids, seed: int, *, vocab_state: bool = True) -> SlotState:
-    """One sequence's slot state (batch 1): its sampling state (penalties counting what it
-    generated before a preemption; without [V] statistics unless vocab_state), stop ids,
-    min_tokens and step count."""
-    p = row.params
-    sampling = smp.make_sampling_state([p], [row.prompt_ids], vocab_size, default_seed=seed,
-                                       request_indices=[row.request_index], vocab_state=vocab_state)
-    if row.token_ids and vocab_state:  # recomputing after preemption: penalties must see what was generated
-        counts = np.bincount(row.token_ids, minlength=vocab_size).astype(np.int32)[None]
+def slot_states_for(rows: list[Row], vocab_size: int, eos_ids, seed: int, *, vocab_state: bool = True,
+                    batch_size: int | None = None) -> SlotState:
+    """The sequences' slot state (batch ``batch_size``, default len(rows); rows past len(rows)
+    are greedy padding): their sampling state (penalties counting what each generated before a
+    preemption; without [V] statistics unless vocab_state), stop ids, min_tokens and step count."""
+    n = len(rows)
+    B = n if batch_size is None else batch_size
+    params = [r.params for r in rows]
+    sampling = smp.make_sampling_state(params, [r.prompt_ids for r in rows], vocab_size, default_seed=seed,
+                                       batch_size=B, request_indices=[r.request_index for r in rows],
+                                       vocab_state=vocab_state)
+    if vocab_state and any(r.token_ids for r in rows):  # recomputed after preemption: penalties see what was generated
+        counts = np.zeros((B, vocab_size), np.int32)
+        for i, r in enumerate(rows):
+            counts[i] = np.bincount(r.token_ids, minlength=vocab_size)
         sampling = dataclasses.replace(sampling, output_counts=jax.device_put(counts))
-    stop, mins = smp.min_tokens_inputs([p], eos_ids)
-    stop_ids = np.full((1, STOP_ID_WIDTH), -1, np.int32)
-    stop_ids[0, : min(stop.shape[1], STOP_ID_WIDTH)] = stop[0, :STOP_ID_WIDTH]
+    stop, mins = smp.min_tokens_inputs(params, eos_ids, batch_size=B)
+    stop_ids = np.full((B, STOP_ID_WIDTH), -1, np.int32)
+    stop_ids[:, : min(stop.shape[1], STOP_ID_WIDTH)] = stop[:, :STOP_ID_WIDTH]
+    generated = np.zeros(B, np.int32)
+    generated[:n] = [len(r.token_ids) for r in rows]
     # host arrays in one transfer (jnp.asarray would compile a small executable per shape)
-    return SlotState(sampling, *jax.device_put((np.zeros(1, np.int32), stop_ids, np.asarray(mins, np.int32),
-                                                np.asarray([len(row.token_ids)], np.int32))))
+    return SlotState(sampling, *jax.device_put((np.zeros(B, np.int32), stop_ids, mins.astype(np.int32), generated)))

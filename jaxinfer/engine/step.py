@@ -72,9 +72,10 @@ def slots_with_vocab_state(slots: SlotState, vocab_size: int, need: bool) -> Slo
     return dataclasses.replace(slots, sampling=sampling)
 
 
-def insert_step(slots: SlotState, slot, row: SlotState) -> SlotState:
-    """Place one sequence's slot state (batch 1) into slot ``slot``."""
-    return jax.tree.map(lambda a, r: a.at[slot].set(r[0]), slots, row)
+def insert_step(slots: SlotState, slot, rows: SlotState) -> SlotState:
+    """Place n sequences' slot state (batch n) into slots ``slot`` i32[n]; a slot number past
+    the last (padding up to a batch bucket) is dropped."""
+    return jax.tree.map(lambda a, r: a.at[slot].set(r, mode="drop"), slots, rows)
 
 
 def sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs, guide=None):
@@ -83,10 +84,11 @@ def sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs, guide=N
 
     guide: None (no row is constrained: no mask work at all), or (bitmask i32[B, V/32],
     has_mask bool[B]), the structured-output rows' allowed tokens."""
-    masked = smp.mask_tokens_before_min(logits, stop_ids, step, min_tokens)
-    if guide is not None:
-        masked = smp.apply_token_bitmask(masked, *guide)
-    tokens = smp.sample(masked, state, step)
+    # min_tokens bans stop ids inside the sampler (block maxima, the argmax's block), not by a
+    # write of every logit
+    banned = smp.banned_ids(stop_ids, step, min_tokens, logits.shape[-1])
+    masked = logits if guide is None else smp.apply_token_bitmask(logits, *guide)
+    tokens = smp.sample(masked, state, step, banned)
     state = smp.update_counts(state, tokens)
     if num_logprobs < 0:  # logprobs not requested by any row: skip the log-softmax
         return tokens, None, state

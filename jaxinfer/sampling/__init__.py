@@ -34,6 +34,7 @@ from jaxinfer.sampling.device import (  # noqa: F401 (re-exported, private ones 
     apply_penalties,
     apply_token_bitmask,
     argmax_first,
+    banned_ids,
     bitmask_words,
     default_seed_for,
     filter_threshold,

@@ -212,12 +212,13 @@ def argmax_first(x: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.min(jnp.where(x == m, jnp.arange(n, dtype=jnp.int32), n), axis=-1), n - 1)
 
 
-def _argmax(xp: jax.Array, bmax: jax.Array, vocab_size: int) -> jax.Array:
+def _argmax(xp: jax.Array, bmax: jax.Array, vocab_size: int, banned: jax.Array | None = None) -> jax.Array:
     """i32[B]: first index of the row maximum, as jnp.argmax, from the block maxima.
 
     xp f32[B, Vp] (padded with -inf), bmax f32[B, Vp / _FINE]. On XLA:CPU jnp.argmax's
     variadic (value, index) reduce over V is ~10x slower than this: the block maxima are needed
-    anyway, and only one block per row is searched.
+    anyway, and only one block per row is searched. banned: None, or i32[B, S] ids read as -inf
+    (``banned_ids``; bmax must already leave them out, as ``_ban_block_maxima`` does).
     """
     B = xp.shape[0]
     m = jnp.max(bmax, axis=1, keepdims=True)  # f32[B, 1]
@@ -225,8 +226,24 @@ def _argmax(xp: jax.Array, bmax: jax.Array, vocab_size: int) -> jax.Array:
     blk = jnp.min(jnp.where(bmax == m, jnp.arange(NB), NB), axis=1)  # i32[B]
     blk = jnp.minimum(blk, NB - 1)
     inside = jnp.take_along_axis(xp.reshape(B, NB, _FINE), blk[:, None, None], axis=1)[:, 0]
+    if banned is not None:
+        idx = blk[:, None] * _FINE + jnp.arange(_FINE)  # i32[B, _FINE]
+        inside = jnp.where(jnp.any(idx[:, :, None] == banned[:, None, :], axis=2), -jnp.inf, inside)
     i = jnp.min(jnp.where(inside == m, jnp.arange(_FINE), _FINE), axis=1)
     return jnp.minimum(blk * _FINE + i, vocab_size - 1).astype(jnp.int32)
+
+
+def _ban_block_maxima(xp: jax.Array, bmax: jax.Array, banned: jax.Array) -> jax.Array:
+    """bmax f32[B, Vp / _FINE] as if the ids banned i32[B, S] were -inf in xp f32[B, Vp]: only
+    the (at most S) blocks holding a banned id are read again, so no pass over the logits.
+    Ids >= V (none) land in a real block, whose maximum is then rewritten unchanged."""
+    B, NB = bmax.shape
+    blk = jnp.minimum(banned // _FINE, NB - 1)  # i32[B, S]
+    blocks = jnp.take_along_axis(xp.reshape(B, NB, _FINE), blk[:, :, None], axis=1)  # f32[B, S, _FINE]
+    idx = blk[:, :, None] * _FINE + jnp.arange(_FINE)  # i32[B, S, _FINE]
+    hit = jnp.any(idx[:, :, :, None] == banned[:, None, None, :], axis=3)  # bool[B, S, _FINE]
+    m = jnp.max(jnp.where(hit, -jnp.inf, blocks), axis=2)  # f32[B, S]
+    return bmax.at[jnp.arange(B)[:, None], blk].set(m)  # a block named twice gets one value twice
 
 
 def _to_ordered(x: jax.Array) -> jax.Array:
@@ -400,7 +417,7 @@ def penalised(logits: jax.Array, state: SamplingState) -> jax.Array:
     return jax.lax.cond(_has_penalties(state), lambda: apply_penalties(logits, state), lambda: logits)
 
 
-def sample(logits: jax.Array, state: SamplingState, step: jax.Array) -> jax.Array:
+def sample(logits: jax.Array, state: SamplingState, step: jax.Array, banned: jax.Array | None = None) -> jax.Array:
     """i32[B] next tokens from logits f32[B, V].
 
     step: i32[B], the index of the token being generated within each request (0 for the first),
@@ -408,6 +425,11 @@ def sample(logits: jax.Array, state: SamplingState, step: jax.Array) -> jax.Arra
     categorical draw; greedy rows (temperature 0) take the argmax of the penalised logits.
     Each stage that no row of the batch needs is skipped with lax.cond, with identical results,
     so a row's tokens do not depend on the rest of the batch.
+
+    banned: None, or i32[B, S] ids sampled as if their logits were -inf (ids >= V: none), as
+    ``banned_ids`` gives for ``min_tokens``: the same tokens as ``mask_tokens_before_min``
+    before sampling, but only the block maxima and the block the argmax reads see the ban; the
+    logits are written out with it only when some row samples.
     """
     B, V = logits.shape
     logits = logits.astype(jnp.float32)
@@ -418,24 +440,27 @@ def sample(logits: jax.Array, state: SamplingState, step: jax.Array) -> jax.Arra
     pad = -V % _BLOCK
     xp = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x  # f32[B, Vp]
     bmax = jnp.max(xp.reshape(B, -1, _FINE), axis=2)  # f32[B, Vp / _FINE]
+    if banned is not None:
+        bmax = _ban_block_maxima(xp, bmax, banned)
     greedy = state.temperature <= 0.0  # bool[B]
 
     def random_rows():
-        t, m, thr = filter_threshold(xp, bmax, state, V)
+        xb = xp if banned is None else xp.at[jnp.arange(B)[:, None], banned].set(-jnp.inf, mode="drop")
+        t, m, thr = filter_threshold(xb, bmax, state, V)
 
-        def weight(xs):  # f32[B, ..., C] slice of xp -> unnormalised probabilities
+        def weight(xs):  # f32[B, ..., C] slice of xb -> unnormalised probabilities
             z = xs / _rows(t, xs.ndim)
             return jnp.where(z >= _rows(thr, xs.ndim), jnp.exp(z - _rows(m, xs.ndim)), 0.0)
 
         with jax.named_scope("categorical"):
-            tokens = _categorical(xp, weight, _row_uniforms(state.key, step))
+            tokens = _categorical(xb, weight, _row_uniforms(state.key, step))
         return jax.lax.cond(
             jnp.any(greedy),
-            lambda: jnp.where(greedy, _argmax(xp, bmax, V), tokens),
+            lambda: jnp.where(greedy, _argmax(xb, bmax, V), tokens),
             lambda: tokens,
         )
 
-    return jax.lax.cond(jnp.all(greedy), lambda: _argmax(xp, bmax, V), random_rows)
+    return jax.lax.cond(jnp.all(greedy), lambda: _argmax(xp, bmax, V, banned), random_rows)
 
 
 def update_counts(state: SamplingState, tokens: jax.Array) -> SamplingState:
@@ -506,8 +531,16 @@ def mask_tokens_before_min(
     active = generated_count < min_tokens  # bool[B]
     if stop_ids.dtype == jnp.bool_:
         return jnp.where(stop_ids & active[:, None], -jnp.inf, logits)
-    ids = jnp.where(active[:, None] & (stop_ids >= 0), stop_ids, V)  # V is dropped below
+    ids = banned_ids(stop_ids, generated_count, min_tokens, V)  # V is dropped below
     return logits.at[jnp.arange(B)[:, None], ids].set(-jnp.inf, mode="drop")
+
+
+def banned_ids(stop_ids: jax.Array, generated_count: jax.Array, min_tokens: jax.Array, vocab_size: int) -> jax.Array:
+    """i32[B, S]: the stop ids (i32[B, S], -1 padded) of rows that have generated fewer than
+    min_tokens (generated_count, min_tokens i32[B]), vocab_size (none) elsewhere: ``sample``'s
+    ``banned``, the ban ``mask_tokens_before_min`` writes into the logits."""
+    active = generated_count < min_tokens  # bool[B]
+    return jnp.where(active[:, None] & (stop_ids >= 0), stop_ids, vocab_size)
 
 
 def bitmask_words(vocab_size: int) -> int:
