@@ -65,6 +65,9 @@ class LLM:
     tensor-parallel devices (tensor_parallel_size must divide their number), each device
     computing the tokens routed to its own; without it, every expert's width splits like a
     dense MLP's. Attention is tensor parallel either way.
+    num_scheduler_steps: decode steps one device call may chain while no running row needs the
+    host between tokens (see ``jaxinfer.engine.engine.Engine``); 1 never chains; None: the
+    platform's default (``engine.config.DEFAULT_SCHEDULER_STEPS``).
     """
 
     def __init__(self, model: str | checkpoint.Loaded = registry.DEFAULT_MODEL, *, dtype: str | None = None,
@@ -78,7 +81,7 @@ class LLM:
                  speculative_config: dict | str | None = None, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None,
                  revision: str | None = None, download_dir: str | None = None, generation_config: str = "auto",
-                 enable_expert_parallel: bool = False):
+                 enable_expert_parallel: bool = False, num_scheduler_steps: int | None = None):
         dtype = dtype or default_dtype()
         if dtype == "auto":
             dtype = default_dtype()
@@ -105,7 +108,7 @@ class LLM:
                                 kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_batched_tokens=max_num_batched_tokens,
                                 enable_prefix_caching=enable_prefix_caching, scheduling_policy=sched,
                                 windowed_kv=windowed_kv,
-                                kv_cache_dtype=kv_cache_dtype)
+                                kv_cache_dtype=kv_cache_dtype, num_scheduler_steps=num_scheduler_steps)
         pools = None
 
         def on_config(cfg):  # one device: fill the page pools while the weights are read
@@ -302,6 +305,7 @@ class LLM:
         self.check_guided([sp])
         req = self.new_request("0", text, toks, sp, time.perf_counter())
         (row,) = req.rows
+        row.stream = True  # the caller sees each token's text: no chained decode steps
         self.last_stream_output = None
         self.engine.add(row)
         sent = 0
