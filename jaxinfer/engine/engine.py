@@ -234,10 +234,9 @@ class Engine:
         widths = sorted({buckets.width_bucket(n, self.pages_per_seq) for n in range(1, -(-max_len // ps) + 1)})
         return [(R, w, Tp) for R in rows for w in widths for Tp in tps if R or Tp]
 
-    def idle_batch(self, rows: int, width: int, prefill: int, q: int = 1, chain: int = 1) -> PackedBatch:
-        """A batch of the given shape (every replica's) that touches only the scratch page
-        (chain: the decode steps it is chained over)."""
-        ww = window_width(width, q + chain - 1, self.window, self.allocator.page_size)
+    def idle_batch(self, rows: int, width: int, prefill: int, q: int = 1) -> PackedBatch:
+        """A batch of the given shape (every replica's) that touches only the scratch page."""
+        ww = window_width(width, q + self._window_ahead(), self.window, self.allocator.page_size)
         N = rows * q + prefill
         z = lambda *shape: np.zeros(shape, np.int32)
         one = PackedBatch(tokens=z(N), positions=z(N), write_page=z(N), write_wpage=z(N),
@@ -256,8 +255,7 @@ class Engine:
         for R, w, Tp in self.warmup_shapes(max_prompt_len, max_len):
             self.run_step(self.idle_batch(R, w, Tp))
             if R and not Tp and self._chains():
-                self._run_chain(self.idle_batch(R, w, 0, chain=self.num_scheduler_steps), np.zeros(R, np.int32), 0,
-                                False, -1)
+                self._run_chain(self.idle_batch(R, w, 0), np.zeros(R, np.int32), 0, False, -1)
             if self.drafter is not None:
                 self.drafter.warm(R, w, Tp)
         self.slots = self._fresh_slots()  # warm-up sampled into idle slots
@@ -395,6 +393,11 @@ class Engine:
         """Whether this engine chains decode steps at all."""
         return self.num_scheduler_steps > 1 and self.chain_off is None
 
+    def _window_ahead(self) -> int:
+        """Positions past its next query a row may hold window pages for: those of a chain,
+        which it keeps when the chain ends early, so every step's window tables are as wide."""
+        return self.num_scheduler_steps - 1 if self._chains() else 0
+
     def _refuse_chain(self, reason: str | None) -> None:
         if reason is not None and self.num_scheduler_steps > 1:
             self.chain_stats[f"chain_refused_{reason}"] += 1
@@ -449,7 +452,7 @@ class Engine:
 
     def _dispatch_chain(self, plan, n: int, num_lp: int) -> InFlight:
         """Dispatch a chain of up to n decode steps over the plan's rows (pages reserved)."""
-        batch = self.build([plan], 1, want_targets=False, chain=self.num_scheduler_steps)
+        batch = self.build([plan], 1, want_targets=False)
         remaining = np.zeros(batch.rows, np.int32)
         for s in plan.decode:
             remaining[s.slot] = self._left(s)
@@ -474,7 +477,7 @@ class Engine:
         return InFlight(decode, segments, out, spec=drafted is not False,
                          drafted=None if drafted is False else drafted)
 
-    def build(self, plans, q: int, *, want_targets: bool, drafts: dict | None = None, chain: int = 1) -> PackedBatch:
+    def build(self, plans, q: int, *, want_targets: bool, drafts: dict | None = None) -> PackedBatch:
         """``batch.build_batch`` of every replica's plan with the engine's own sizes, padded to
         one shape and stacked when there are several replicas (an EAGLE head needs every
         prefill token's next token)."""
@@ -483,7 +486,7 @@ class Engine:
         eagle = self.drafter is not None and self.drafter.eagle is not None
         if self.D == 1:
             return build_batch(plans[0], self.sched, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
-                               drafts=drafts, next_tokens=eagle, chain=chain, **kw)
+                               drafts=drafts, next_tokens=eagle, chain=1 + self._window_ahead(), **kw)
         shape = tuple(int(x) for x in np.max([plan_shape(p, s, **kw) for p, s in zip(plans, self.scheds)], axis=0))
         return replicas.stack([build_batch(p, s, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
                                            shape=shape, **kw) for p, s in zip(plans, self.scheds)])
