@@ -3,6 +3,7 @@ where the engine's host time goes, and how many executables each ``generate`` bu
 
     python benchmarks/engine_overhead.py --tiny --batch 1 64 256
     python benchmarks/engine_overhead.py --model smollm2-135m-instruct --batch 64
+    python benchmarks/engine_overhead.py --tiny --batch 1 64 --num-scheduler-steps 1 4 8 16
 
 ``--tiny``: a random 2-layer, d=64 Llama with SmolLM2's 49,152-token vocabulary and tokenizer
 (``loaders.random_weights``), so the sampler, the LM head and the host loop weigh what they
@@ -15,7 +16,9 @@ after each row's first / time from first to last token). Medians of --repeats, i
 Each generate gets prompts of its own (same lengths), so a warm one runs the shapes the first
 ran; the executables each builds are counted (``Engine.num_compilations``, and every
 lowering in the process), and once more for the first prompts again, whose prefix-cache hits
-make shorter prefill rows with history: new step shapes.
+make shorter prefill rows with history: new step shapes. ``--num-scheduler-steps``: one engine
+per value (decode steps chained on device), their generates interleaved; the host split and
+the second pass of the first prompts are the first value's.
 
 The host split wraps the engine's own methods with timers during one more generate: schedule
 (``Scheduler.plan``), insert (new rows' slot state), build (the step's host arrays), dispatch
@@ -44,7 +47,7 @@ def _count_lowering(event: str, secs: float, **kwargs) -> None:
         _lowerings[0] += 1
 
 
-def tiny_llm(batch: int, max_model_len: int = 1024):
+def tiny_llm(batch: int, max_model_len: int = 1024, num_scheduler_steps: int | None = None):
     """The tiny model's LLM: SmolLM2's tokenizer and vocabulary over 2 random layers of width 64."""
     from jaxinfer import LLM, registry
     from jaxinfer.config import Family, ModelConfig
@@ -56,7 +59,8 @@ def tiny_llm(batch: int, max_model_len: int = 1024):
     tok = tokenizer_from_gguf(GGUFCheckpoint(path).metadata)
     cfg = ModelConfig(Family.LLAMA, vocab_size=49152, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                       d_ff=128, max_position=max_model_len, name="tiny-smollm2-vocab")
-    return LLM(random_loaded(cfg, tokenizer=tok), max_model_len=max_model_len, max_num_seqs=batch, progress=False)
+    return LLM(random_loaded(cfg, tokenizer=tok), max_model_len=max_model_len, max_num_seqs=batch, progress=False,
+               num_scheduler_steps=num_scheduler_steps)
 
 
 def bare_batch(eng, B: int, prompt: int, new: int):
@@ -82,7 +86,8 @@ class HostSplit:
     """Timers around the engine's host phases (see the module docstring)."""
 
     def __init__(self, eng):
-        from jaxinfer.engine import consume, engine
+        from jaxinfer.engine import consume as consume_mod
+        from jaxinfer.engine import engine as engine_mod
         from jaxinfer.sampling.stop import StopChecker
         from jaxinfer.tokenizer import IncrementalDetokenizer
 
@@ -92,8 +97,9 @@ class HostSplit:
         self._wrap(eng, "_insert_rows", "insert")
         self._wrap(eng, "build", "build")
         self._wrap(eng, "run_step", "dispatch")
-        self._wrap(engine, "consume", "consume")
-        self._wrap(consume, "record_token", "record")
+        self._wrap(eng, "_run_chain", "dispatch")
+        self._wrap(engine_mod, "consume", "consume")
+        self._wrap(consume_mod, "record_token", "record")
         self._wrap(IncrementalDetokenizer, "add", "detokenize")
         self._wrap(StopChecker, "update", "stop checks")
 
@@ -152,16 +158,19 @@ def main():
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[None],
+                    help="decode steps chained on device, one engine per value (default: the platform's)")
     a = ap.parse_args()
     monitoring.register_event_duration_secs_listener(_count_lowering)
     rows = []
     for B in a.batch:
         rows.append(run_one(a, B))
-    print(f"\n{'batch':>5} {'bare ms/step':>12} {'engine ms/step':>14} {'engine/bare':>11} "
-          f"{'built 1st':>9} {'built 2nd':>9} {'2nd, all lowerings':>18}")
+    print(f"\n{'batch':>5} {'steps':>5} {'bare ms/step':>12} {'engine ms/step':>14} {'generate tok/s':>14} "
+          f"{'engine/bare':>11} {'built 1st':>9} {'built 2nd':>9} {'2nd, all lowerings':>18}")
     for r in rows:
-        print(f"{r['B']:5d} {r['bare_ms']:12.2f} {r['engine_ms']:14.2f} {r['ratio']:11.3f} "
-              f"{r['built'][0]:9d} {r['built'][1]:9d} {r['lowered'][1]:18d}")
+        for S, e in r["engine_ms"].items():
+            print(f"{r['B']:5d} {S or 'auto':>5} {r['bare_ms']:12.2f} {e:14.2f} {r['gen'][S]:14.0f} "
+                  f"{r['bare_ms'] / e:11.3f} {r['built'][S][0]:9d} {r['built'][S][1]:9d} {r['lowered'][S][1]:18d}")
     if len(rows) > 1:
         print(f"bare step at batch {rows[-1]['B']} / batch {rows[0]['B']}: {rows[-1]['bare_ms'] / rows[0]['bare_ms']:.1f}x")
 
@@ -169,7 +178,10 @@ def main():
 def run_one(a, B: int) -> dict:
     from jaxinfer import LLM, SamplingParams
 
-    llm = tiny_llm(B) if a.tiny else LLM(a.model, max_model_len=1024, max_num_seqs=B, progress=False)
+    steps = a.num_scheduler_steps
+    llms = {S: tiny_llm(B, num_scheduler_steps=S) if a.tiny else
+            LLM(a.model, max_model_len=1024, max_num_seqs=B, progress=False, num_scheduler_steps=S) for S in steps}
+    llm = llms[steps[0]]
     eng = llm.engine
     def prompts_of(k):  # the k-th set of B prompts: same lengths, no prefix shared with another set
         rng = np.random.default_rng(k)
@@ -178,13 +190,16 @@ def run_one(a, B: int) -> dict:
     sp = SamplingParams(temperature=0, max_tokens=a.new, ignore_eos=True)
     # no warm-up: the first generate builds what it runs (counted below)
 
-    built, lowered = [], []
+    built, lowered, walls = {S: [] for S in steps}, {S: [] for S in steps}, {S: [] for S in steps}
 
-    def engine_run():
-        c0, l0 = eng.num_compilations(), _lowerings[0]
-        outs = llm.generate(prompts_of(len(built)), sp, use_tqdm=False)
-        built.append(eng.num_compilations() - c0)
-        lowered.append(_lowerings[0] - l0)
+    def engine_run(S):
+        e = llms[S].engine
+        c0, l0 = e.num_compilations(), _lowerings[0]
+        t0 = time.perf_counter()
+        outs = llms[S].generate(prompts_of(len(built[S])), sp, use_tqdm=False)
+        walls[S].append(time.perf_counter() - t0)
+        built[S].append(e.num_compilations() - c0)
+        lowered[S].append(_lowerings[0] - l0)
         first = min(o.metrics.first_token_time for o in outs)
         last = max(o.metrics.last_token_time for o in outs)
         return (last - first) / (a.new - 1)  # seconds per decode step
@@ -198,18 +213,24 @@ def run_one(a, B: int) -> dict:
         jax.block_until_ready(out.tokens)
         return (time.perf_counter() - t0) / a.new
 
-    engine_run()  # the first generate builds its step shapes (counted, not timed)
+    for S in steps:
+        engine_run(S)  # the first generate builds its step shapes (counted, not timed)
     bare_run()
     dev = device_split(eng, B, a.new)
     eng.slots = eng._fresh_slots()  # the bare steps sampled into the slots
-    pairs = [(engine_run(), bare_run()) for _ in range(a.repeats)]  # interleaved: same noise
+    runs = []
+    for _ in range(a.repeats):  # interleaved: same noise
+        runs.append(({S: engine_run(S) for S in steps}, bare_run()))
     eng.slots = eng._fresh_slots()
-    bare = statistics.median(p[1] for p in pairs)
-    engine = statistics.median(p[0] for p in pairs)
+    bare = statistics.median(p[1] for p in runs)
+    engines = {S: statistics.median(p[0][S] for p in runs) for S in steps}
+    # tokens a chain samples are read (and stamped) together, so first-to-last token time
+    # undercounts a chained engine's decode steps; the whole generate's wall does not
+    gen_tok_s = {S: B * a.new / statistics.median(walls[S][1:]) for S in steps}
 
     split = HostSplit(eng)
     t0 = time.perf_counter()
-    llm.generate(prompts_of(len(built)), sp, use_tqdm=False)
+    llm.generate(prompts_of(len(built[steps[0]])), sp, use_tqdm=False)
     wall = time.perf_counter() - t0
     split.close()
     # the first prompts again: their cached prefixes leave short prefill rows with history,
@@ -218,19 +239,23 @@ def run_one(a, B: int) -> dict:
     llm.generate(prompts_of(0), sp, use_tqdm=False)
     again = eng.num_compilations() - c0
     t = split.t
-    steps = eng.stats.get("decode_steps", 0)
-    print(f"batch {B}, prompt {a.prompt}, new {a.new}: bare step {bare * 1e3:.2f} ms, engine decode step "
-          f"{engine * 1e3:.2f} ms, engine/bare {bare / engine:.3f}; executables built per generate {built}, "
-          f"all lowerings {lowered}; the first prompts again (prefix-cache hits) built {again}")
+    n_steps = eng.stats.get("decode_steps", 0)
+    for S in steps:
+        print(f"batch {B}, prompt {a.prompt}, new {a.new}, num_scheduler_steps {S or 'auto'}: bare step "
+              f"{bare * 1e3:.2f} ms, engine decode step {engines[S] * 1e3:.2f} ms, engine/bare "
+              f"{bare / engines[S]:.3f}; executables built per generate {built[S]}, all lowerings {lowered[S]}; "
+              f"chains {llms[S].engine.stats['chains']}, chained steps {llms[S].engine.stats['chained_steps']}; "
+              f"generate (prefill included) {gen_tok_s[S]:.0f} tokens/s")
+    print(f"  the first prompts again (prefix-cache hits) built {again}")
     print("  device split of the bare step: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in dev.items()))
     other = t["consume"] - t["record"]
-    print(f"  host split of one generate ({wall * 1e3:.0f} ms wall, {steps} decode steps counted so far): "
+    print(f"  host split of one generate ({wall * 1e3:.0f} ms wall, {n_steps} decode steps counted so far): "
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in [
               ("schedule", t["schedule"]), ("insert", t["insert"]), ("build", t["build"]),
               ("dispatch", t["dispatch"]), ("consume (waiting on device)", other),
               ("detokenize", t["detokenize"]), ("stop checks", t["stop checks"]),
               ("rest of record", t["record"] - t["detokenize"] - t["stop checks"])]))
-    return {"B": B, "bare_ms": bare * 1e3, "engine_ms": engine * 1e3, "ratio": bare / engine,
+    return {"B": B, "bare_ms": bare * 1e3, "engine_ms": {S: e * 1e3 for S, e in engines.items()}, "gen": gen_tok_s,
             "built": built, "lowered": lowered}
 
 

@@ -64,6 +64,10 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="reuse the KV pages of shared prompt prefixes (default: on)")
     p.add_argument("--scheduling-policy", choices=["fcfs", "spf"], default="fcfs",
                    help="admission order: first come first served, or shortest prompt first")
+    p.add_argument("--num-scheduler-steps", type=int, default=None,
+                   help="decode steps one device call may chain when no running row needs the host between "
+                        "tokens (no stop strings, grammars or streaming); 1: never chain (default: the "
+                        "platform's, see benchmarks/RESULTS.md)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(methods: ngram with prompt_lookup_min/max, early_exit with num_layers, medusa or eagle with "
@@ -96,7 +100,7 @@ def _engine_kwargs(a) -> dict:
                 gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
                 max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.enable_prefix_caching,
                 scheduling_policy=a.scheduling_policy, speculative_config=a.speculative_config,
-                **_parallel_kwargs(a))
+                num_scheduler_steps=a.num_scheduler_steps, **_parallel_kwargs(a))
 
 
 def _parallel_kwargs(a) -> dict:

@@ -70,6 +70,9 @@ class LLM:
     CPU, XLA for the rest), "pallas" (on CPU in Pallas interpret mode: slow, for tests),
     "native" (one CPU device only) or "xla" (the pure-JAX references everywhere); or a
     ``dispatch.Kernels``, to choose attention and matmuls apart.
+    num_scheduler_steps: decode steps one device call may chain while no running row needs the
+    host between tokens (see ``jaxinfer.engine.engine.Engine``); 1 never chains; None: the
+    platform's default (``engine.config.DEFAULT_SCHEDULER_STEPS``).
     """
 
     def __init__(self, model: str | checkpoint.Loaded = registry.DEFAULT_MODEL, *, dtype: str | None = None,
@@ -83,7 +86,8 @@ class LLM:
                  speculative_config: dict | str | None = None, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None,
                  revision: str | None = None, download_dir: str | None = None, generation_config: str = "auto",
-                 enable_expert_parallel: bool = False, kernels: str | dispatch.Kernels = "auto"):
+                 enable_expert_parallel: bool = False, kernels: str | dispatch.Kernels = "auto",
+                 num_scheduler_steps: int | None = None):
         dtype = dtype or default_dtype()
         if dtype == "auto":
             dtype = default_dtype()
@@ -111,7 +115,8 @@ class LLM:
                             gpu_memory_utilization=gpu_memory_utilization,
                             kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_batched_tokens=max_num_batched_tokens,
                             enable_prefix_caching=enable_prefix_caching, scheduling_policy=sched,
-                            windowed_kv=windowed_kv, kv_cache_dtype=kv_cache_dtype, kernels=self.kernels)
+                            windowed_kv=windowed_kv, kv_cache_dtype=kv_cache_dtype, kernels=self.kernels,
+                            num_scheduler_steps=num_scheduler_steps)
         pools = None
 
         def on_config(cfg):  # one device: fill the page pools while the weights are read
@@ -309,6 +314,7 @@ class LLM:
         self.check_guided([sp])
         req = self.new_request("0", text, toks, sp, time.perf_counter())
         (row,) = req.rows
+        row.stream = True  # the caller sees each token's text: no chained decode steps
         self.last_stream_output = None
         self.engine.add(row)
         sent = 0

@@ -47,7 +47,7 @@ def plan_shape(plan: StepPlan, sched: Scheduler, *, q: int, pages_per_seq: int, 
 def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_per_seq: int,
                 max_num_seqs: int, prefill_chunk: int, want_targets: bool,
                 drafts: dict[int, list[int]] | None = None, next_tokens: bool = False,
-                shape: tuple[int, int, int] | None = None) -> PackedBatch:
+                shape: tuple[int, int, int] | None = None, chain: int = 1) -> PackedBatch:
     """The host arrays of one step (numpy; jit moves them). Inflight bookkeeping is the
     caller's: this only reads the sequences. With ``drafts`` (slot -> the row's drafted
     tokens, at most q - 1), a decode row carries its last token then its drafts at the
@@ -55,12 +55,14 @@ def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_
     scratch page. ``last_q[r]`` is then the row's number of drafts. ``shape``: (R, width, Tp)
     at least this plan's own (``plan_shape``), so data-parallel replicas share one shape.
     ``next_tokens``: every prefill token's next token goes in ``targets`` (an EAGLE head's
-    entries need it), not only those of sequences that want prompt logprobs."""
+    entries need it), not only those of sequences that want prompt logprobs. ``chain``: the
+    decode steps the batch is chained over (``step.chained_decode``), so the window tables
+    cover each row's last chained position."""
     ps, W = sched.page_size, sched.window
     hist = plan.prefill[0] if plan.prefill and plan.prefill[0].start > 0 else None
     R, width, Tp = shape or plan_shape(plan, sched, q=q, pages_per_seq=pages_per_seq, max_num_seqs=max_num_seqs,
                                        prefill_chunk=prefill_chunk)
-    ww = window_width(width, q, W, ps)
+    ww = window_width(width, q + chain - 1, W, ps)
     N = R * q + Tp
     tokens = np.full(N, pad_id, np.int32)
     positions = np.zeros(N, np.int32)

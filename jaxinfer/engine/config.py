@@ -18,9 +18,13 @@ from jaxinfer.config import AttentionKind, ModelConfig
 from jaxinfer.engine.scheduler import Scheduling, window_pool_pages
 from jaxinfer.errors import InvalidRequest
 
-__all__ = ["CPU_KV_CACHE_BYTES", "EngineConfig", "Scheduling", "kv_budget", "pool_sizes", "start_pools"]
+__all__ = ["CPU_KV_CACHE_BYTES", "DEFAULT_SCHEDULER_STEPS", "EngineConfig", "Scheduling", "kv_budget", "pool_sizes",
+           "scheduler_steps", "start_pools"]
 
 CPU_KV_CACHE_BYTES = 2 << 30  # the page pools' budget on CPU when kv_cache_memory_bytes is not given
+# decode steps chained on device when num_scheduler_steps is not given, by platform
+# (benchmarks/RESULTS.md, "Chained decode steps")
+DEFAULT_SCHEDULER_STEPS = {"cpu": 1, "accelerator": 8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,9 @@ class EngineConfig:
     windowed_kv: bool = True  # LOCAL layers keep only their window (False: every position)
     kv_cache_dtype: str = "auto"  # page pools' dtype: auto (the model's), a float type, or int8
     kernels: str | dispatch.Kernels = "auto"  # the attention's kernels: dispatch.choose's option, or its choice
+    # decode steps one device call may chain when no running row needs the host between tokens
+    # (``engine.step.chained_decode``); None: the platform's default (DEFAULT_SCHEDULER_STEPS)
+    num_scheduler_steps: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -61,6 +68,8 @@ class EngineConfig:
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise InvalidRequest(f"num_gpu_blocks_override must be >= 2 (one is the scratch page), "
                                  f"got {self.num_gpu_blocks_override}")
+        if self.num_scheduler_steps is not None and not 1 <= self.num_scheduler_steps <= 256:
+            raise InvalidRequest(f"num_scheduler_steps must be in [1, 256], got {self.num_scheduler_steps}")
         if self.kv_cache_dtype not in kv.KV_CACHE_DTYPES:
             raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(kv.KV_CACHE_DTYPES)}, "
                                  f"got {self.kv_cache_dtype!r}")
@@ -70,6 +79,13 @@ class EngineConfig:
         to measure): then the pools can be filled while the weights load."""
         return (self.num_gpu_blocks_override is not None or self.kv_cache_memory_bytes is not None
                 or jax.default_backend() == "cpu")
+
+
+def scheduler_steps(config: EngineConfig) -> int:
+    """Decode steps a chain may run: ``num_scheduler_steps``, else the platform's default."""
+    if config.num_scheduler_steps is not None:
+        return config.num_scheduler_steps
+    return DEFAULT_SCHEDULER_STEPS["cpu" if jax.default_backend() == "cpu" else "accelerator"]
 
 
 def kv_budget(config: EngineConfig, devices=None) -> int:
@@ -97,7 +113,9 @@ def pool_sizes(cfg: ModelConfig, config: EngineConfig, kv_dtype, pages_per_seq: 
     window = W if W and any(cfg.layer_window(i) for i in range(cfg.n_layers)) else None
     window_bytes, num_window_pages = 0, None
     if window:
-        num_window_pages = window_pool_pages(window, ps, config.max_num_seqs, config.max_num_batched_tokens, pages_per_seq)
+        # a chain's rows hold window pages up to their last chained position too
+        num_window_pages = window_pool_pages(window + scheduler_steps(config) - 1, ps, config.max_num_seqs,
+                                             config.max_num_batched_tokens, pages_per_seq)
         window_bytes = num_window_pages * ps * cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.LOCAL)
     full_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.GLOBAL if window else None)
     num_pages = config.num_gpu_blocks_override or max(2, min(

@@ -31,11 +31,15 @@ class InFlight:
     spec: bool = False  # a verification step
     drafted: dict | None = None  # verification: slot -> drafts its row verifies; None: chained
     guided: bool = False  # a constrained row's next mask needs this step's token
+    chain: int = 0  # a chain of up to this many decode steps (step.ChainOutput); 0: one step
+    chain_exit: bool = False  # the chain ends after the first step in which a row finishes
 
 
 def consume(eng, fl: InFlight) -> list[Row]:
     """Read a step: each decode row's tokens (a plain step's one, or a verification step's
     accepted drafts and new token) and logprobs, each prompt segment's prompt logprobs."""
+    if fl.chain:
+        return consume_chain(eng, fl)
     live = any(s.slot >= 0 and not s.row.checker.finished for dec in fl.decode for s in dec)
     if not live and not any(fl.segments):
         return []  # e.g. a chained block after its rows ended: nothing to read, no need to wait
@@ -78,6 +82,43 @@ def consume(eng, fl: InFlight) -> list[Row]:
                 eng._seqs.pop(id(r), None)
                 done.append(r)
     return done
+
+def consume_chain(eng, fl: InFlight) -> list[Row]:
+    """Read a chain of decode steps (one replica): each row's tokens, up to the step in which
+    the device stopped it; the host's own stop checks finish it on the same token."""
+    (decode,) = fl.decode
+    sched, out = eng.sched, fl.out
+    steps = int(out.steps)
+    sched.stats["decode_steps"] += steps
+    eng.chain_stats["chained_steps"] += steps
+    toks = np.asarray(out.tokens)  # [N, R]
+    lp = None if out.logprobs is None else tuple(np.asarray(x) for x in jax.device_get(out.logprobs))
+    now = time.perf_counter()
+    done, running = [], False
+    for seq in decode:
+        if seq.slot < 0 or seq.row.checker.finished:
+            continue  # finished by the step read before this chain, or aborted
+        r, b = seq.row, seq.slot
+        finished = False
+        for j in range(steps):
+            tok = int(toks[j, b])
+            if tok < 0:
+                break  # the device stopped the row
+            seq.computed = len(seq.tokens)  # the input of step j is in the pages now
+            if record_token(r, tok, None if lp is None else tuple(x[j] for x in lp), b, now, eng.tokenizer):
+                finished = True
+                break
+        sched.register_full_pages(seq)
+        if finished:
+            sched.release(seq)  # with the pages reserved for steps it did not take
+            eng._seqs.pop(id(r), None)
+            done.append(r)
+        else:
+            running = True
+    if fl.chain_exit and running and steps < fl.chain:
+        eng.chain_stats["chain_cut_arrivals"] += 1
+    return done
+
 
 def record_prompt_logprobs(segments, plp, tokenizer) -> None:
     """Each prompt-logprob segment's query at position p scores prompt token p + 1."""

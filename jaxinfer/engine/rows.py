@@ -31,6 +31,7 @@ class Row:
     # params.prompt_logprobs set: one entry per prompt token (None for the first), filled by prefill
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     guided: object = None  # structured output: the row's guided.GrammarMatcher (None: unconstrained)
+    stream: bool = False  # its text streams to a client as it grows: the host reads every token
     spec_drafted: int = 0  # speculative decoding: tokens drafted for this row
     spec_accepted: int = 0  # and accepted
 

@@ -250,6 +250,18 @@ class Scheduler:
                 self._window_grow(seq, pos)
         self.stats["peak_pages"] = max(self.stats["peak_pages"], self.allocator.num_used)
 
+    def pages_short(self, seq: Seq, last_pos: int) -> int:
+        """Full-length pages seq lacks to write every position up to last_pos."""
+        return max(0, last_pos // self.page_size + 1 - len(seq.pages))
+
+    def reserve(self, seq: Seq, last_pos: int) -> None:
+        """Pages, full-length and window, for every position up to last_pos: allocated before
+        a chain of decode steps is dispatched (the caller checked that ``pages_short`` of its
+        rows are free). What a row does not use stays its own until it is released."""
+        seq.pages += self.allocator.allocate(self.pages_short(seq, last_pos))
+        self._window_grow(seq, last_pos)
+        self.stats["peak_pages"] = max(self.stats["peak_pages"], self.allocator.num_used)
+
     # ------------------------------------------------------------------ pages
     def _window_grow(self, seq: Seq, last_pos: int) -> None:
         """Window pages for every logical page up to the one holding ``last_pos``."""

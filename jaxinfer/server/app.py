@@ -134,7 +134,8 @@ class Server:
             raise HTTPError.bad_request(e) from None
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(prompts, params, sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), on_row=on_row)
+        job = Job(prompts, params, sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), on_row=on_row,
+                  stream=bool(req.stream))
         try:
             self.loop.submit(job)
         except QueueFull as e:

@@ -63,6 +63,7 @@ class Job:
     sink: Callable[[object], None]  # called on the engine thread with Accepted/Delta/Done/Failed
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     on_row: Callable[[object], None] | None = None  # called on each new row (e.g. to attach a grammar)
+    stream: bool = False  # the client reads each choice's text as it grows (no chained decode steps)
     # engine-thread state
     requests: list = dataclasses.field(default_factory=list)  # llm.Request per prompt
     rows: list = dataclasses.field(default_factory=list)  # in choice order
@@ -192,6 +193,7 @@ class EngineLoop:
         job.sent = [(0, 0)] * len(job.rows)
         try:
             for row in job.rows:
+                row.stream = job.stream
                 if job.on_row is not None:
                     job.on_row(row)
                 self.engine.add(row)
