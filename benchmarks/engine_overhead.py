@@ -97,7 +97,7 @@ class HostSplit:
         self._wrap(eng, "_insert_rows", "insert")
         self._wrap(eng, "build", "build")
         self._wrap(eng, "run_step", "dispatch")
-        self._wrap(eng, "_run_chain", "dispatch")
+        self._wrap(eng.chainer, "run", "dispatch")
         self._wrap(engine_mod, "consume", "consume")
         self._wrap(consume_mod, "record_token", "record")
         self._wrap(IncrementalDetokenizer, "add", "detokenize")

@@ -29,7 +29,8 @@ import numpy as np
 from jaxinfer import cache as kv
 from jaxinfer import dispatch
 from jaxinfer.config import Family, ModelConfig, RopeConfig, RopeKind
-from jaxinfer.engine.step import make_slots, packed_step
+from jaxinfer.engine.slots import make_slots
+from jaxinfer.engine.step import packed_step
 from jaxinfer.models import gemma3
 from jaxinfer.models.packed import PackedBatch
 from jaxinfer.models.registry import family_module

@@ -115,6 +115,7 @@ def test_eos_stop_ids_and_min_tokens_mid_chain(loaded):
     assert st["chains"] > 0, st
 
 
+@pytest.mark.slow
 def test_prefix_cache_hits_and_a_short_page_pool(loaded):
     """Prompts sharing two full pages hit the prefix cache; a pool of few pages makes chains
     shorter (chain_cut_pages) and rows wait or get preempted, with the same tokens."""
@@ -131,6 +132,7 @@ def test_prefix_cache_hits_and_a_short_page_pool(loaded):
     assert st["chain_cut_pages"] > 0 and st["chains"] > 0, st
 
 
+@pytest.mark.slow
 def test_int8_kv_cache(loaded):
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=2) for m in (7, 20)]
     params += [SamplingParams(temperature=0.9, seed=3, max_tokens=18, ignore_eos=True)]
@@ -138,6 +140,7 @@ def test_int8_kv_cache(loaded):
     assert st["chains"] > 0, st
 
 
+@pytest.mark.slow
 def test_sliding_window_family():
     """Gemma 3 with a 4-token window over 4-token pages: a chain's rows hold window pages
     ahead, and trimming after the chain frees them."""
@@ -186,6 +189,7 @@ def test_grammar_rows_chain_nothing(pair):
     assert st["chains"] == 0 and st["chain_refused_guided"] > 0, st
 
 
+@pytest.mark.slow
 def test_speculation_switches_chaining_off_and_says_so(loaded):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     single, chained = _pair(loaded, speculative_config=spec)
@@ -234,6 +238,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_tensor_parallel_2_chains_equal_one_device():
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     p = subprocess.run([sys.executable, "-c", _TP], env=env, capture_output=True, text=True, timeout=600)

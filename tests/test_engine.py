@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import SamplingParams
-from jaxinfer.engine.step import slots_with_vocab_state
+from jaxinfer.engine.slots import slots_with_vocab_state
 from jaxinfer.errors import InvalidRequest
 
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog and keeps running", "1 2 3",

@@ -56,7 +56,7 @@ def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_
     at least this plan's own (``plan_shape``), so data-parallel replicas share one shape.
     ``next_tokens``: every prefill token's next token goes in ``targets`` (an EAGLE head's
     entries need it), not only those of sequences that want prompt logprobs. ``chain``: the
-    decode steps the batch is chained over (``step.chained_decode``), so the window tables
+    decode steps the batch is chained over (``chaining.chained_decode``), so the window tables
     cover each row's last chained position."""
     ps, W = sched.page_size, sched.window
     hist = plan.prefill[0] if plan.prefill and plan.prefill[0].start > 0 else None

@@ -50,7 +50,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # page pools' dtype: auto (the model's), a float type, or int8
     kernels: str | dispatch.Kernels = "auto"  # the attention's kernels: dispatch.choose's option, or its choice
     # decode steps one device call may chain when no running row needs the host between tokens
-    # (``engine.step.chained_decode``); None: the platform's default (DEFAULT_SCHEDULER_STEPS)
+    # (``engine.chaining.chained_decode``); None: the platform's default (DEFAULT_SCHEDULER_STEPS)
     num_scheduler_steps: int | None = None
 
     def __post_init__(self):

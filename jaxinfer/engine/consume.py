@@ -31,7 +31,7 @@ class InFlight:
     spec: bool = False  # a verification step
     drafted: dict | None = None  # verification: slot -> drafts its row verifies; None: chained
     guided: bool = False  # a constrained row's next mask needs this step's token
-    chain: int = 0  # a chain of up to this many decode steps (step.ChainOutput); 0: one step
+    chain: int = 0  # a chain of up to this many decode steps (chaining.ChainOutput); 0: one step
     chain_exit: bool = False  # the chain ends after the first step in which a row finishes
 
 
@@ -90,7 +90,7 @@ def consume_chain(eng, fl: InFlight) -> list[Row]:
     sched, out = eng.sched, fl.out
     steps = int(out.steps)
     sched.stats["decode_steps"] += steps
-    eng.chain_stats["chained_steps"] += steps
+    eng.chainer.stats["chained_steps"] += steps
     toks = np.asarray(out.tokens)  # [N, R]
     lp = None if out.logprobs is None else tuple(np.asarray(x) for x in jax.device_get(out.logprobs))
     now = time.perf_counter()
@@ -116,7 +116,7 @@ def consume_chain(eng, fl: InFlight) -> list[Row]:
         else:
             running = True
     if fl.chain_exit and running and steps < fl.chain:
-        eng.chain_stats["chain_cut_arrivals"] += 1
+        eng.chainer.stats["chain_cut_arrivals"] += 1
     return done
 
 

@@ -19,7 +19,6 @@ that finished), ``has_unfinished()``; ``run(rows)`` drives them for a batch.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 from collections.abc import Iterator
 
@@ -33,34 +32,26 @@ from jaxinfer import sampling as smp
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import buckets, replicas
 from jaxinfer.engine.batch import build_batch, plan_shape, window_width
+from jaxinfer.engine.chaining import Chainer
 from jaxinfer.engine.compiles import CompileCounter
 from jaxinfer.engine.config import EngineConfig, kv_budget, pool_sizes, scheduler_steps
 from jaxinfer.engine.consume import InFlight, consume, prompt_logprob_segments
 from jaxinfer.engine.rows import Row
 from jaxinfer.engine.scheduler import Scheduler, Seq
 from jaxinfer.engine.speculative import SpeculativeConfig
-from jaxinfer.engine.step import (
+from jaxinfer.engine.slots import (
     STOP_ID_WIDTH,
     SlotState,
-    chained_decode,
     insert_step,
     make_slots,
-    packed_step,
+    slot_states_for,
     slots_with_vocab_state,
 )
+from jaxinfer.engine.step import packed_step
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.packed import PackedBatch
 
-__all__ = ["CHAIN_REFUSALS", "Engine"]
-
-# why a decode step ran unchained although num_scheduler_steps > 1 (``Engine.stats``:
-# chain_refused_<reason>): a prompt chunk in the step (new arrivals, long prompts), a row
-# whose finish the host must see token by token (stop strings, grammars, streaming to a
-# client, repetition detection, more stop ids than the device checks), or an engine that
-# does not chain (speculative decoding, data-parallel replicas, pipeline stages)
-CHAIN_REFUSALS = ("prefill", "stop_strings", "guided", "streaming", "repetition_detection", "stop_ids",
-                  "speculative", "data_parallel", "pipeline")
-
+__all__ = ["Engine"]
 
 class Engine:
     """Continuous batching over one model (``config`` is one replica's).
@@ -72,7 +63,7 @@ class Engine:
     the host reads each step's tokens before dispatching the next.
 
     Chained decode steps (``num_scheduler_steps`` N > 1): when every running row decodes and
-    none needs the host between tokens, one device call (``step.chained_decode``) runs up to N
+    none needs the host between tokens, one device call (``chaining.chained_decode``) runs up to N
     decode steps, checking EOS, stop_token_ids, min_tokens and max_tokens on device, and the
     host reads the chain's tokens once. The pages the chain may write are allocated before it
     is dispatched (fewer steps when the pool is short); a row that finishes mid-chain gives back
@@ -126,14 +117,9 @@ class Engine:
             insert, donate = insert_step, (*donate, "eagle_kv")
         self._step = self._compiles.counted(jax.jit(fn, static_argnames=statics, donate_argnames=donate))
         self._insert = self._compiles.counted(jax.jit(functools.partial(insert), donate_argnames=("slots",)))
-        self.num_scheduler_steps = N = scheduler_steps(config)
-        self.chain_off = ("data_parallel" if D > 1 else "pipeline" if self.pipeline is not None
-                          else "speculative" if self.spec is not None else None)
-        self._chain = self._compiles.counted(jax.jit(
-            functools.partial(chained_decode, windowed=self.windowed, steps=N, page_size=ps),
-            static_argnames=("cfg", "num_logprobs", "kernels"), donate_argnames=("k_pages", "v_pages", "slots")))
-        self.chain_stats = {"chains": 0, "chained_steps": 0, **{f"chain_refused_{r}": 0 for r in CHAIN_REFUSALS},
-                            "chain_cut_pages": 0, "chain_cut_arrivals": 0}
+        self.chainer = Chainer(self, scheduler_steps(config),
+                               "data_parallel" if D > 1 else "pipeline" if self.pipeline is not None
+                               else "speculative" if self.spec is not None else None)
         self.drafter = None
         if self.spec is not None:
             from jaxinfer.engine.drafting import Drafter
@@ -190,7 +176,7 @@ class Engine:
         for s in self.scheds:
             for k, v in s.stats.items():  # peak_pages: the sum of the replicas' peaks
                 out[k] = out.get(k, 0) + v
-        return {**out, **self.chain_stats}
+        return {**out, **self.chainer.stats}
 
     @property
     def spec_stats(self):
@@ -239,7 +225,7 @@ class Engine:
 
     def idle_batch(self, rows: int, width: int, prefill: int, q: int = 1) -> PackedBatch:
         """A batch of the given shape (every replica's) that touches only the scratch page."""
-        ww = window_width(width, q + self._window_ahead(), self.window, self.allocator.page_size)
+        ww = window_width(width, q + self.chainer.window_ahead(), self.window, self.allocator.page_size)
         N = rows * q + prefill
         z = lambda *shape: np.zeros(shape, np.int32)
         one = PackedBatch(tokens=z(N), positions=z(N), write_page=z(N), write_wpage=z(N),
@@ -257,8 +243,8 @@ class Engine:
         before = self.num_compilations()
         for R, w, Tp in self.warmup_shapes(max_prompt_len, max_len):
             self.run_step(self.idle_batch(R, w, Tp))
-            if R and not Tp and self._chains():
-                self._run_chain(self.idle_batch(R, w, 0), np.zeros(R, np.int32), 0, False, -1)
+            if R and not Tp and self.chainer.enabled:
+                self.chainer.run(self.idle_batch(R, w, 0), np.zeros(R, np.int32), 0, False, -1)
             if self.drafter is not None:
                 self.drafter.warm(R, w, Tp)
         self.slots = self._fresh_slots()  # warm-up sampled into idle slots
@@ -336,7 +322,7 @@ class Engine:
         if fl is not None and self.drafter is not None:
             self._inflight = self.drafter.dispatch_chained(fl, self._record)
             if self._inflight is not None and self._inflight.decode[0]:
-                self._refuse_chain(self.chain_off)
+                self.chainer.refuse(self.chainer.off)
         elif self._has_work():
             self._inflight = self._dispatch()
         if fl is not None:
@@ -363,9 +349,9 @@ class Engine:
         want_plp = [g.seq.row.params.prompt_logprobs for p in plans for g in p.prefill if g.seq.wants_prompt_logprobs]
         num_lp = buckets.logprob_bucket([s.row.params.logprobs for p in plans for s in p.decode])
         plp = buckets.logprob_bucket(want_plp)
-        n = self._chain_length(plans)
+        n = self.chainer.length(plans)
         if n > 1:
-            return self._dispatch_chain(plans[0], n, num_lp)
+            return self.chainer.dispatch(plans[0], n, num_lp)
         if drafts:
             (plan,) = plans
             rows = {s.slot: drafts[s] for s in plan.decode if s in drafts}
@@ -394,88 +380,6 @@ class Engine:
         fl.guided = not drafts and any(s.row.guided is not None for s in plans[0].decode)
         return fl
 
-    # ------------------------------------------------------------------ chains
-    def _chains(self) -> bool:
-        """Whether this engine chains decode steps at all."""
-        return self.num_scheduler_steps > 1 and self.chain_off is None
-
-    def _window_ahead(self) -> int:
-        """Positions past its next query a row may hold window pages for: those of a chain,
-        which it keeps when the chain ends early, so every step's window tables are as wide."""
-        return self.num_scheduler_steps - 1 if self._chains() else 0
-
-    def _refuse_chain(self, reason: str | None) -> None:
-        if reason is not None and self.num_scheduler_steps > 1:
-            self.chain_stats[f"chain_refused_{reason}"] += 1
-
-    def _needs_host(self, row: Row) -> str | None:
-        """Why a row's finish must be seen by the host token by token (None: the device can
-        tell): a reason of ``CHAIN_REFUSALS``."""
-        p = row.params
-        if row.guided is not None:
-            return "guided"
-        if p.stop:
-            return "stop_strings"
-        if row.stream:
-            return "streaming"
-        if p.repetition_detection is not None:
-            return "repetition_detection"
-        if len(p.stop_token_ids) + (0 if p.ignore_eos else len(self.tokenizer.eos_ids)) > STOP_ID_WIDTH:
-            return "stop_ids"
-        return None
-
-    @staticmethod
-    def _left(seq: Seq) -> int:
-        """Tokens a row may still sample after those already dispatched (max_tokens)."""
-        return max(seq.row.max_new - len(seq.row.token_ids) - seq.inflight, 0)
-
-    def _chain_length(self, plans) -> int:
-        """Decode steps the next dispatch chains (1: a plain step), counting why it is fewer
-        than num_scheduler_steps; allocates the pages (and window pages) of the chain's
-        positions when it is more than 1."""
-        if self.num_scheduler_steps < 2 or not any(p.decode for p in plans):
-            return 1
-        if self.chain_off is not None:
-            self._refuse_chain(self.chain_off)
-            return 1
-        (plan,) = plans
-        reason = "prefill" if plan.prefill else next(filter(None, map(self._needs_host, (s.row for s in plan.decode))),
-                                                      None)
-        if reason is not None:
-            self._refuse_chain(reason)
-            return 1
-        n = want = min(self.num_scheduler_steps, max(self._left(s) for s in plan.decode))
-        sched = self.sched
-        last = lambda s, n: len(s.tokens) - 1 + s.inflight + min(n, self._left(s)) - 1  # noqa: E731
-        while n > 1 and sum(sched.pages_short(s, last(s, n)) for s in plan.decode) > self.allocator.num_free:
-            n -= 1
-        if n < want:
-            self.chain_stats["chain_cut_pages"] += 1
-        if n > 1:
-            for s in plan.decode:
-                sched.reserve(s, last(s, n))
-        return n
-
-    def _dispatch_chain(self, plan, n: int, num_lp: int) -> InFlight:
-        """Dispatch a chain of up to n decode steps over the plan's rows (pages reserved)."""
-        batch = self.build([plan], 1, want_targets=False)
-        remaining = np.zeros(batch.rows, np.int32)
-        for s in plan.decode:
-            remaining[s.slot] = self._left(s)
-        waiting = bool(self.sched.waiting)
-        out = self._run_chain(batch, remaining, n, waiting, num_lp)
-        self.chain_stats["chains"] += 1
-        fl = InFlight([plan.decode], [[]], out, chain=n)
-        fl.chain_exit = waiting
-        return fl
-
-    def _run_chain(self, batch: PackedBatch, remaining: np.ndarray, n: int, exit_on_finish: bool, num_lp: int):
-        self.shapes_run.add((batch.rows, batch.table.shape[1], 0, 1, num_lp, -1, ("chain", self.num_scheduler_steps)))
-        out, self.k_pages, self.v_pages, self.slots = self._chain(
-            self.weights, batch, self.k_pages, self.v_pages, self.slots, remaining, np.int32(n),
-            np.bool_(exit_on_finish), cfg=self.cfg, num_logprobs=num_lp, kernels=self.kernels)
-        return out
-
     @staticmethod
     def _record(decode: list[list[Seq]], segments: list[list], out, drafted: dict | None | bool = False) -> InFlight:
         """The in-flight record of a step: drafted False for a plain step; for a verification
@@ -492,7 +396,7 @@ class Engine:
         eagle = self.drafter is not None and self.drafter.eagle is not None
         if self.D == 1:
             return build_batch(plans[0], self.sched, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
-                               drafts=drafts, next_tokens=eagle, chain=1 + self._window_ahead(), **kw)
+                               drafts=drafts, next_tokens=eagle, chain=1 + self.chainer.window_ahead(), **kw)
         shape = tuple(int(x) for x in np.max([plan_shape(p, s, **kw) for p, s in zip(plans, self.scheds)], axis=0))
         return replicas.stack([build_batch(p, s, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
                                            shape=shape, **kw) for p, s in zip(plans, self.scheds)])
@@ -576,28 +480,3 @@ def _devices(weights) -> list:
     """The device of (one-device) weights: the first committed leaf's, else the default one."""
     leaf = next((a for a in jax.tree.leaves(weights) if getattr(a, "committed", False)), None)
     return list(leaf.devices()) if leaf is not None else jax.local_devices()[:1]
-
-
-def slot_states_for(rows: list[Row], vocab_size: int, eos_ids, seed: int, *, vocab_state: bool = True,
-                    batch_size: int | None = None) -> SlotState:
-    """The sequences' slot state (batch ``batch_size``, default len(rows); rows past len(rows)
-    are greedy padding): their sampling state (penalties counting what each generated before a
-    preemption; without [V] statistics unless vocab_state), stop ids, min_tokens and step count."""
-    n = len(rows)
-    B = n if batch_size is None else batch_size
-    params = [r.params for r in rows]
-    sampling = smp.make_sampling_state(params, [r.prompt_ids for r in rows], vocab_size, default_seed=seed,
-                                       batch_size=B, request_indices=[r.request_index for r in rows],
-                                       vocab_state=vocab_state)
-    if vocab_state and any(r.token_ids for r in rows):  # recomputed after preemption: penalties see what was generated
-        counts = np.zeros((B, vocab_size), np.int32)
-        for i, r in enumerate(rows):
-            counts[i] = np.bincount(r.token_ids, minlength=vocab_size)
-        sampling = dataclasses.replace(sampling, output_counts=jax.device_put(counts))
-    stop, mins = smp.min_tokens_inputs(params, eos_ids, batch_size=B)
-    stop_ids = np.full((B, STOP_ID_WIDTH), -1, np.int32)
-    stop_ids[:, : min(stop.shape[1], STOP_ID_WIDTH)] = stop[:, :STOP_ID_WIDTH]
-    generated = np.zeros(B, np.int32)
-    generated[:n] = [len(r.token_ids) for r in rows]
-    # host arrays in one transfer (jnp.asarray would compile a small executable per shape)
-    return SlotState(sampling, *jax.device_put((np.zeros(B, np.int32), stop_ids, mins.astype(np.int32), generated)))

@@ -1,5 +1,5 @@
-"""The jitted engine steps: one packed step per scheduler iteration, the one sampling step,
-and placing a sequence into a decode slot.
+"""The jitted engine steps: one packed step per scheduler iteration and the one sampling step
+(the per-slot state they carry is ``slots.SlotState``; chains of decode steps: ``chaining``).
 
 ``packed_step`` runs the model once over a ``models.packed.PackedBatch`` (decode rows plus a
 packed prefill row), samples one token for every decode row, and returns the page pools and
@@ -15,32 +15,17 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxinfer import sampling as smp
 from jaxinfer.dispatch import Kernels
 from jaxinfer.engine import branches
 from jaxinfer.engine.pages import SCRATCH_PAGE
 from jaxinfer.engine.pipeline import pipeline_forward
+from jaxinfer.engine.slots import SlotState
 from jaxinfer.models import eagle as eagle_mod
 from jaxinfer.models import medusa
 from jaxinfer.models.packed import PackedBatch, PackedKV
 from jaxinfer.models.registry import family_module
-
-STOP_ID_WIDTH = 16  # per-row stop ids masked before min_tokens (EOS ids + stop_token_ids)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class SlotState:
-    """What the device keeps per decode slot between steps (S = max_num_seqs)."""
-
-    sampling: smp.SamplingState  # parameters, keys, and prompt mask and output counts when a row has penalties
-    last_tokens: jax.Array  # i32[S] the token each slot's previous step sampled
-    stop_ids: jax.Array  # i32[S, STOP_ID_WIDTH] ids masked before min_tokens, -1 padded
-    min_tokens: jax.Array  # i32[S]
-    generated: jax.Array  # i32[S] tokens sampled so far (the step index of the next sample)
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -49,33 +34,6 @@ class StepOutput:
     logprobs: tuple | None  # (chosen f32[R], rank i32[R], top ids i32[R, n], top logprobs f32[R, n])
     row_logits: jax.Array | None  # f32[R, q, V] every query's logits, when q > 1 (verification)
     prompt_logprobs: tuple | None  # (chosen f32[Tp], rank i32[Tp], top ids, top logprobs) of the prefill row
-
-
-def make_slots(vocab_size: int, max_num_seqs: int, seed: int, *, vocab_state: bool = True) -> SlotState:
-    """Every slot idle; vocab_state False: without the [S, V] penalty statistics."""
-    S = max_num_seqs
-    return SlotState(smp.make_sampling_state([], [], vocab_size, default_seed=seed, batch_size=S,
-                                             vocab_state=vocab_state),
-                     *jax.device_put((np.zeros(S, np.int32), np.full((S, STOP_ID_WIDTH), -1, np.int32),
-                                      np.zeros(S, np.int32), np.zeros(S, np.int32))))
-
-
-def slots_with_vocab_state(slots: SlotState, vocab_size: int, need: bool) -> SlotState:
-    """``slots`` carrying the [S, V] penalty statistics exactly when ``need`` (some running row
-    has penalties). Added zeroed: the rows already running have no penalties, so nothing they
-    generated needs counting; dropped when the last such row leaves. The two forms are
-    different pytrees, so every step compiles (once) a variant without any [S, V] state."""
-    if need == slots.sampling.has_vocab_state:
-        return slots
-    sampling = (smp.with_vocab_state(slots.sampling, vocab_size) if need
-                else smp.without_vocab_state(slots.sampling))
-    return dataclasses.replace(slots, sampling=sampling)
-
-
-def insert_step(slots: SlotState, slot, rows: SlotState) -> SlotState:
-    """Place n sequences' slot state (batch n) into slots ``slot`` i32[n]; a slot number past
-    the last (padding up to a batch bucket) is dropped."""
-    return jax.tree.map(lambda a, r: a.at[slot].set(r, mode="drop"), slots, rows)
 
 
 def sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs, guide=None):
@@ -499,71 +457,3 @@ def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, n
                 logits = mod.unembed(weights, h[:, R * Q :], cfg)[0]
                 plp = token_logprobs(logits, batch.targets, prompt_logprobs)
     return SpecOutput(ver.tokens, ver.accepted, lp, plp, next_drafts), SpecState(cache.k, cache.v, slots, draft_kv)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class ChainOutput:
-    """What a chain of decode steps leaves for the host to read once."""
-
-    tokens: jax.Array  # i32[N, R] each chained step's token per decode row; -1 once the row stopped
-    logprobs: tuple | None  # (chosen f32[N, R], rank i32[N, R], top ids i32[N, R, n], top logprobs f32[N, R, n])
-    steps: jax.Array  # i32[] steps the chain ran
-
-
-def chained_decode(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, remaining, n, exit_on_finish,
-                   *, cfg, windowed, num_logprobs: int, kernels: Kernels, steps: int,
-                   page_size: int):
-    """Up to n (i32[], at most the static ``steps``) decode steps in one ``lax.while_loop``
-    -> (ChainOutput, k_pages, v_pages, slots), pools and slots donated.
-
-    batch: a pure-decode batch (q = 1, no prefill row) of the chain's first step, whose page
-    tables already hold every page the chain may write. Step i runs ``packed_step`` on it with
-    each live row's position advanced by i and its token the one the step before sampled.
-    A row stops (its later steps write to the scratch page and leave its slot state alone)
-    after a token of its stop ids (EOS unless ignore_eos, and stop_token_ids; only once
-    min_tokens are generated) or after remaining i32[R] tokens (max_tokens). The loop ends
-    after n steps, when every row stopped, or, with exit_on_finish (bool[]: requests are
-    waiting for a slot), after the first step in which a row stopped."""
-    R = batch.rows
-    assert R and batch.q == 1 and batch.prefill_len == 0, (R, batch.q, batch.prefill_len)
-    pos0 = batch.positions[:R]
-    width, wwidth = batch.table.shape[1], batch.wtable.shape[1]
-    rows = jnp.arange(R)
-    lp_shapes = [(steps, R), (steps, R), (steps, R, max(num_logprobs, 0)), (steps, R, max(num_logprobs, 0))]
-    lp0 = (None if num_logprobs < 0 else
-           tuple(jnp.zeros(s, d) for s, d in zip(lp_shapes, (jnp.float32, jnp.int32, jnp.int32, jnp.float32))))
-
-    def cond(c):
-        i, done, finished_any = c[0], c[4], c[5]
-        return (i < n) & ~jnp.all(done) & ~(exit_on_finish & finished_any)
-
-    def body(c):
-        i, k, v, sl, done, finished_any, taken, toks, lp = c
-        live = batch.active & ~done
-        pos = pos0 + taken  # a stopped row stays at its last position, writing nowhere
-        logical = pos // page_size
-        page = batch.table[rows, jnp.minimum(logical, width - 1)]
-        wpage = batch.wtable[rows, jnp.clip(logical - batch.wbase[:R], 0, wwidth - 1)]
-        step_batch = dataclasses.replace(
-            batch, positions=pos, write_page=jnp.where(live, page, SCRATCH_PAGE),
-            write_wpage=jnp.where(live, wpage, SCRATCH_PAGE), active=live,
-            use_prev=jnp.where(i == 0, batch.use_prev, batch.active))
-        gen, mins, stop_ids = sl.generated[:R], sl.min_tokens[:R], sl.stop_ids[:R]
-        out, k, v, sl = packed_step(weights, step_batch, k, v, sl, cfg=cfg, windowed=windowed,
-                                    num_logprobs=num_logprobs, prompt_logprobs=-1, kernels=kernels)
-        tok = out.tokens
-        stop = (gen + 1 > mins) & jnp.any(tok[:, None] == stop_ids, axis=1)
-        fin = live & (stop | (taken + 1 >= remaining))
-        toks = toks.at[i].set(jnp.where(live, tok, -1))
-        if lp is not None:
-            lp = tuple(b.at[i].set(x) for b, x in zip(lp, out.logprobs))
-        taken = taken + live.astype(jnp.int32)
-        return (i + 1, k, v, sl, done | fin, finished_any | jnp.any(fin), taken, toks, lp)
-
-    with jax.named_scope("chain"):
-        done0 = ~batch.active | (remaining <= 0)
-        init = (jnp.int32(0), k_pages, v_pages, slots, done0, jnp.bool_(False), jnp.zeros(R, jnp.int32),
-                jnp.full((steps, R), -1, jnp.int32), lp0)
-        i, k_pages, v_pages, slots, *_, toks, lp = jax.lax.while_loop(cond, body, init)
-    return ChainOutput(toks, lp, i), k_pages, v_pages, slots
