@@ -115,14 +115,16 @@ def ceilings(sz: Sizes) -> dict:
             "matmul_n": m, "matmul_tflops": 2 * m**3 / tm / 1e12}
 
 
-def _llm(cfg, quantize, *, max_num_seqs: int, max_model_len: int, kv_tokens: int, prefill_chunk: int):
+def _llm(cfg, quantize, *, max_num_seqs: int, max_model_len: int, kv_tokens: int, prefill_chunk: int,
+         num_scheduler_steps: int):
     from jaxinfer import LLM, quant
     from jaxinfer.loaders.random_weights import random_loaded
 
     loaded = random_loaded(cfg, quantize=quant.quant_config(quantize))
     kv_bytes = int(1.15 * kv_tokens * cfg.kv_bytes_per_token(cfg.dtype)) + (64 << 20)
     return LLM(loaded, max_model_len=max_model_len, max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_bytes,
-               max_num_batched_tokens=prefill_chunk, enable_prefix_caching=False, progress=False)
+               max_num_batched_tokens=prefill_chunk, enable_prefix_caching=False, progress=False,
+               num_scheduler_steps=num_scheduler_steps)
 
 
 def _weight_bytes(llm) -> int:
@@ -185,6 +187,8 @@ def main(argv=None):
     ap.add_argument("--dry", action="store_true", help="toy sizes (runs on CPU in seconds)")
     ap.add_argument("--out", help="directory for gpu_engine.json")
     ap.add_argument("--budget", type=float, default=450.0, help="seconds; sections stop starting work past it")
+    ap.add_argument("--num-scheduler-steps", type=int, default=8,
+                    help="decode steps chained on device per host round trip (1: none)")
     a = ap.parse_args(argv)
     sz = DRY if a.dry else FULL
     t_start = time.perf_counter()
@@ -210,7 +214,7 @@ def main(argv=None):
                 ceil = res["sections"][name] = ceilings(sz)
             else:
                 res["sections"][name] = model_section(name, configs[name], sz, ceil, nameplate,
-                                                      lambda s=share: left(s), a.dry)
+                                                      lambda s=share: left(s), a.dry, a.num_scheduler_steps)
         except Exception as e:  # noqa: BLE001 (one failure must not hide the other sections)
             res["sections"][name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
         res["sections"][name]["section_s"] = time.perf_counter() - t0
@@ -224,7 +228,7 @@ def main(argv=None):
     return res
 
 
-def model_section(name, cfg_q, sz: Sizes, ceil, nameplate, left, dry: bool) -> dict:
+def model_section(name, cfg_q, sz: Sizes, ceil, nameplate, left, dry: bool, steps: int) -> dict:
     cfg, quantize = cfg_q
     bw = ceil["copy_gbps"] * 1e9 if ceil else float("nan")
     rate = ceil["matmul_tflops"] * 1e12 if ceil else float("nan")
@@ -234,8 +238,8 @@ def model_section(name, cfg_q, sz: Sizes, ceil, nameplate, left, dry: bool) -> d
     kv_tokens = max(max(batches) * (sz.prompt + sz.new), sz.prefill_prompts * (sz.prefill_len + 1))
     t0 = time.perf_counter()
     llm = _llm(cfg, quantize, max_num_seqs=max(batches), max_model_len=max_len, kv_tokens=kv_tokens,
-               prefill_chunk=2048 if not dry else 32)
-    out = {"model": cfg.name, "quantize": quantize, "dtype": cfg.dtype, "weight_bytes": _weight_bytes(llm),
+               prefill_chunk=2048 if not dry else 32, num_scheduler_steps=steps)
+    out = {"model": cfg.name, "num_scheduler_steps": steps, "quantize": quantize, "dtype": cfg.dtype, "weight_bytes": _weight_bytes(llm),
            "load_s": time.perf_counter() - t0, "decode": [], "prefill": None}
     step_b1 = None
     for B in batches:

@@ -24,7 +24,7 @@ __all__ = ["CPU_KV_CACHE_BYTES", "DEFAULT_SCHEDULER_STEPS", "EngineConfig", "Sch
 CPU_KV_CACHE_BYTES = 2 << 30  # the page pools' budget on CPU when kv_cache_memory_bytes is not given
 # decode steps chained on device when num_scheduler_steps is not given, by platform
 # (benchmarks/RESULTS.md, "Chained decode steps")
-DEFAULT_SCHEDULER_STEPS = {"cpu": 1, "accelerator": 8}
+DEFAULT_SCHEDULER_STEPS = {"cpu": 1, "accelerator": 1}
 
 
 @dataclasses.dataclass(frozen=True)
