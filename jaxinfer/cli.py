@@ -66,8 +66,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="admission order: first come first served, or shortest prompt first")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="decode steps one device call may chain when no running row needs the host between "
-                        "tokens (no stop strings, grammars or streaming); 1: never chain (default: the "
-                        "platform's, see benchmarks/RESULTS.md)")
+                        "tokens (no stop strings, grammars or streaming); 1: never chain (the default)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(methods: ngram with prompt_lookup_min/max, early_exit with num_layers, medusa or eagle with "
