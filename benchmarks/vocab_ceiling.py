@@ -53,7 +53,6 @@ def machine_rows():
 
 
 def batch_rows(B: int, iters: int):
-    from jaxinfer import kernels
     from jaxinfer.engine.step import packed_step, sample_step
     from jaxinfer.models.registry import family_module
 
@@ -87,9 +86,8 @@ def batch_rows(B: int, iters: int):
 
     batch = bare_batch(eng, B, 128, 64)
     batch.use_prev[:] = True  # each row's token is the previous iteration's
-    mode = kernels.current_mode()
     step = functools.partial(packed_step, windowed=eng.windowed, pipeline=eng.pipeline, cfg=cfg, num_logprobs=-1,
-                             prompt_logprobs=-1, kernel_mode=mode)
+                             prompt_logprobs=-1, kernels=eng.kernels)
 
     @functools.partial(jax.jit, static_argnames="n", donate_argnames=("k", "v", "slots"))
     def steps(w, batch, k, v, slots, n):
