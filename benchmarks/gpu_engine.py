@@ -148,9 +148,11 @@ def decode_run(llm, B: int, sz: Sizes, bw: float) -> dict:
     start = max(o.metrics.first_token_time for o in outs)
     stop = min(o.metrics.last_token_time for o in outs)
     times = [t for t in outs[0].metrics.token_times if start <= t <= stop]
-    if len(times) < 3:  # rows never all decoded together: fall back to the first row's own steps
+    if len(times) < 3 or times[-1] == times[0]:
+        # rows never all decoded together, or every token of the window was read at the end of
+        # one chain of steps (num_scheduler_steps): the first row's own span, first to last token
         times = list(outs[0].metrics.token_times)
-    step = (times[-1] - times[0]) / (len(times) - 1)
+    step = (times[-1] - times[0]) / (len(times) - 1) if times[-1] > times[0] else wall / sz.new
     cfg = llm.cfg
     ctx = sz.prompt + sz.new / 2
     kv = B * ctx * cfg.kv_bytes_per_token(llm.engine.kv_dtype)
