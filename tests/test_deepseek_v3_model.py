@@ -95,6 +95,7 @@ def test_deepseek_v3_equals_transformers(tiny):
     ft.check_family(path, tp=False, ngram=False, ref=ref)
 
 
+@pytest.mark.slow
 def test_deepseek_v3_preemption_on_latent_pools(tiny):
     """Pages for fewer than the three sequences at once: rows are preempted, their latent
     pages released, and recomputed later to the same tokens."""

@@ -497,6 +497,7 @@ def test_paged_window_pages_equal_dense_reference_with_poisoned_freed_pages(tiny
     _all_pages_free(eng)
 
 
+@pytest.mark.slow
 def test_prefix_cache_with_window_pages_on_and_off_agree(tiny_gemma3):
     from jaxinfer import LLM, SamplingParams
 
@@ -633,6 +634,7 @@ def test_real_gemma3_gguf_has_no_chat_template(gemma3_llm):
         gemma3_llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)
 
 
+@pytest.mark.slow
 def test_int8_window_pages_agree_with_float(tiny_gemma3):
     """int8 KV in both pools (full-length and window): greedy tokens past the window agree
     with float KV, and the pools hold int8 values with float32 scales."""

@@ -58,6 +58,7 @@ def test_gemma4_equals_transformers(gemma4_path):
     ft.check_family(gemma4_path)
 
 
+@pytest.mark.slow
 def test_gemma4_values_from_keys_equals_transformers(k_eq_v_path):
     ft.check_family(k_eq_v_path, ngram=False)
 

@@ -58,6 +58,7 @@ def test_engine_with_kernels_gives_the_reference_tokens(tiny_gguf):
     assert got8 == [o.outputs[0].token_ids for o in plain8.generate(PROMPTS, sp, use_tqdm=False)]
 
 
+@pytest.mark.slow
 def test_engine_chunked_prefill_among_decode_rows_through_the_ragged_kernel(tiny_gguf):
     """Small prefill chunks make steps that mix decode rows with a chunk continuing its cached
     pages and fresh prompts; through the ragged kernel (interpret mode) the engine gives the

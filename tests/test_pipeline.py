@@ -117,11 +117,13 @@ def tiny_deep(tmp_path_factory, smollm2_gguf):
     return out
 
 
+@pytest.mark.slow
 def test_tiny_tp2_x_pp2_uneven_equals_one_device(tiny_deep):
     out = _run(tiny_deep[5], "1x1,2x2", "hlo")
     assert "[[0, 3], [3, 5]]" in out
 
 
+@pytest.mark.slow
 def test_tiny_pipeline_4_uneven_equal_one_device(tiny_deep):
     out = _run(tiny_deep[7], "1x1,4x1", "hlo")
     assert "[[0, 2], [2, 4], [4, 6], [6, 7]]" in out

@@ -51,7 +51,9 @@ def test_ngram_lookup_by_hand():
     assert ngram_propose([3, 1, 2, 8, 3, 1, 2], 1, 2, 2) == [8]
 
 
-@pytest.mark.parametrize("spec", [NGRAM, EARLY, MEDUSA, EAGLE, {**EAGLE, "branches": 3}],
+@pytest.mark.parametrize("spec", [NGRAM, pytest.param(EARLY, marks=pytest.mark.slow),
+                                  pytest.param(MEDUSA, marks=pytest.mark.slow), EAGLE,
+                                  pytest.param({**EAGLE, "branches": 3}, marks=pytest.mark.slow)],
                          ids=["ngram", "early_exit", "medusa", "eagle", "eagle_branches"])
 def test_greedy_equals_transformers_goldens(smollm2_gguf, spec):
     llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=spec, kv_cache_memory_bytes=KV_BYTES)
@@ -125,7 +127,7 @@ def test_gemma_goldens_with_an_eagle_head(gemma3_gguf, tmp_path, monkeypatch, br
         assert st.accepted > 0.5 * st.drafted, st.summary()
 
 
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("batch", [1, pytest.param(8, marks=pytest.mark.slow)])
 def test_batched_mixed_acceptance_equals_plain(ngram_llm, smollm2_llm, batch):
     sp = _greedy(40)
     prompts = MIXED[:batch]
@@ -159,6 +161,7 @@ def test_blocks_end_at_max_tokens_stop_strings_and_eos(ngram_llm, smollm2_llm):
     assert a.finish_reason == "stop" and (b.token_ids, b.finish_reason, b.text) == (a.token_ids, a.finish_reason, a.text)
 
 
+@pytest.mark.slow
 def test_chained_blocks_equal_host_built_ones(smollm2_gguf, smollm2_llm, monkeypatch):
     """EAGLE verification steps dispatched before the host read the previous one (each row
     moved on by the unread step's accepted drafts on device, ``step.chain_block``) give what
