@@ -26,7 +26,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import cache as kv
 from jaxinfer.config import Family, ModelConfig, RopeKind, yarn_mscale, yarn_or_default_rope
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import moe
@@ -40,6 +39,7 @@ from jaxinfer.models.layers import (
     rope_table,
     silu,
 )
+from jaxinfer.models import llama
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (the family's embed / unembed)
 from jaxinfer.specs import WeightSpec
 
@@ -113,15 +113,6 @@ def grouped_sigmoid_topk(cfg: ModelConfig) -> moe.Route:
 
 
 # ----------------------------------------------------------------------------- forward
-def forward(weights: dict, tokens: jax.Array, start: jax.Array, cache, *, cfg: ModelConfig,
-            read_cache: bool = True, positions: jax.Array | None = None) -> tuple[jax.Array, kv.KVCache | None]:
-    """As ``llama.forward``: hidden [B, T, D] before the final norm, and the cache."""
-    if positions is None:
-        positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    x = embed(weights, tokens, cfg)
-    return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache)
-
-
 def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
                    first: int = 0, read_cache: bool = True):
     """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] -> (x, cache)."""
@@ -142,6 +133,9 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
                 y = gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
             x = x + y
     return x, cache
+
+
+forward = llama.decoder(embed, decoder_layers)
 
 
 def attention_block(w: dict, x: jax.Array, cache, j: int, positions, start, rope, *, cfg: ModelConfig,

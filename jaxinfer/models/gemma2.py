@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig
 from jaxinfer.errors import CheckpointError
-from jaxinfer.models import gemma3
+from jaxinfer.models import gemma3, llama
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
@@ -67,26 +67,6 @@ def weight_specs(cfg: ModelConfig) -> dict:
     return specs
 
 
-def forward(
-    weights: dict,
-    tokens: jax.Array,  # i32[B, T]
-    start: jax.Array,  # i32[B] position of tokens[:, 0]
-    cache,  # kv.KVCache | kv.PagedKVCache | None
-    *,
-    cfg: ModelConfig,
-    read_cache: bool = True,  # False when every row starts at 0: attend over the new tokens only
-    positions: jax.Array | None = None,  # i32[B, T] explicit positions (a packed step's); default start + t
-) -> tuple[jax.Array, object]:  # hidden [B, T, D] before the final norm, cache
-    """The decoder over T new tokens per row. With a cache, each layer first writes its new
-    keys/values at their positions, then attends over the cache; LOCAL layers mask out keys
-    ``sliding_window`` or more positions behind the query."""
-    T = tokens.shape[1]
-    if positions is None:
-        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # i32[B, T]
-    x = embed(weights, tokens, cfg)
-    return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache)
-
-
 def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
                    first: int = 0, read_cache: bool = True):
     """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
@@ -107,6 +87,9 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
             h = norm(x, w["mlp_norm"])
             x = x + norm(gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], gelu_tanh), w["post_mlp_norm"])
     return x, cache
+
+
+forward = llama.decoder(embed, decoder_layers)
 
 
 # Where each weight lives in the two external formats: Gemma 3's names, less its head norms.

@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import cache as kv
 from jaxinfer import mxfp4
 from jaxinfer.config import Family, ModelConfig, RopeConfig, yarn_or_default_rope
 from jaxinfer.errors import CheckpointError
@@ -55,15 +54,6 @@ def weight_specs(cfg: ModelConfig) -> dict:
     return specs | {"layers": [layer] * cfg.n_layers}
 
 
-def forward(weights: dict, tokens: jax.Array, start: jax.Array, cache, *, cfg: ModelConfig,
-            read_cache: bool = True, positions: jax.Array | None = None) -> tuple[jax.Array, kv.KVCache | None]:
-    """As ``llama.forward``: hidden [B, T, D] before the final norm, and the cache."""
-    if positions is None:
-        positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    x = embed(weights, tokens, cfg)
-    return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache)
-
-
 def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
                    first: int = 0, read_cache: bool = True):
     """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] -> (x, cache)."""
@@ -77,6 +67,9 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
         with jax.named_scope(f"layer{i}/mlp"):
             x = x + moe.moe_mlp(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w["moe"], route=route, glu=glu)
     return x, cache
+
+
+forward = llama.decoder(embed, decoder_layers)
 
 
 def attention_block(w: dict, x: jax.Array, cache, j: int, positions, start, rope, *, cfg: ModelConfig, layer: int,

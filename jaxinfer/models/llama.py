@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import cache as kv
 from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models.layers import (
@@ -71,25 +70,6 @@ def unembed(weights, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return dot("BTD,DV->BTV", x, weights["lm_head"]).astype(jnp.float32)
 
 
-def forward(
-    weights: dict,
-    tokens: jax.Array,  # i32[B, T]
-    start: jax.Array,  # i32[B] position of tokens[:, 0]
-    cache,  # kv.KVCache | kv.PagedKVCache | None
-    *,
-    cfg: ModelConfig,
-    read_cache: bool = True,  # False when every row starts at 0: attend over the new tokens only
-    positions: jax.Array | None = None,  # i32[B, T] explicit positions (a packed step's); default start + t
-) -> tuple[jax.Array, kv.KVCache | None]:  # hidden [B, T, D] before the final norm, cache
-    """The decoder over T new tokens per row. With a cache, each layer first writes its new
-    keys/values at their positions, then attends over the cache (everything <= its position)."""
-    T = tokens.shape[1]
-    if positions is None:
-        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # i32[B, T]
-    x = embed(weights, tokens, cfg)
-    return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache)
-
-
 def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
                    first: int = 0, read_cache: bool = True):
     """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
@@ -105,6 +85,28 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
             h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
             x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
     return x, cache
+
+
+def decoder(embed, decoder_layers):
+    """A family's ``forward`` from its ``embed`` and ``decoder_layers``:
+
+    forward(weights, tokens i32[B, T], start i32[B] (position of tokens[:, 0]), cache, *, cfg,
+    read_cache=True (False when every row starts at 0: attend over the new tokens only),
+    positions=None (i32[B, T] explicit positions, a packed step's; default start + t))
+    -> (hidden [B, T, D] before the final norm, cache). With a cache, each layer first writes
+    its new keys/values at their positions, then attends over the cache."""
+
+    def forward(weights: dict, tokens: jax.Array, start: jax.Array, cache, *, cfg: ModelConfig,
+                read_cache: bool = True, positions: jax.Array | None = None):
+        if positions is None:
+            positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        x = embed(weights, tokens, cfg)
+        return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache)
+
+    return forward
+
+
+forward = decoder(embed, decoder_layers)
 
 
 def attention_block(w: dict, x: jax.Array, cache, j: int, positions, start, rope, *, cfg: ModelConfig, layer: int,

@@ -17,7 +17,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import cache as kv
 from jaxinfer.config import AttentionKind, Family, ModelConfig
 from jaxinfer.models import llama, moe
 from jaxinfer.models.layers import gated_mlp, rms_norm, rope_inv_freq, rope_table, silu
@@ -32,15 +31,6 @@ def weight_specs(cfg: ModelConfig) -> dict:
     block = moe.weight_specs(cfg.d_model, cfg.n_experts, cfg.moe_d_ff)
     layer = {k: v for k, v in specs["layers"][0].items() if k not in _DENSE_MLP} | {"moe": block}
     return specs | {"layers": [layer] * cfg.n_layers}
-
-
-def forward(weights: dict, tokens: jax.Array, start: jax.Array, cache, *, cfg: ModelConfig,
-            read_cache: bool = True, positions: jax.Array | None = None) -> tuple[jax.Array, kv.KVCache | None]:
-    """As ``llama.forward``: hidden [B, T, D] before the final norm, and the cache."""
-    if positions is None:
-        positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    x = embed(weights, tokens, cfg)
-    return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache)
 
 
 def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
@@ -61,6 +51,9 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
             else:
                 x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
     return x, cache
+
+
+forward = llama.decoder(embed, decoder_layers)
 
 
 # Where each weight lives: our path -> (HF name, GGUF name, transpose: torch's [out, in] on

@@ -56,23 +56,6 @@ def weight_specs(cfg: ModelConfig) -> dict:
     return specs | {"layers": [layer] * cfg.n_layers}
 
 
-def forward(
-    weights: dict,
-    tokens: jax.Array,  # i32[B, T]
-    start: jax.Array,  # i32[B] position of tokens[:, 0]
-    cache,  # kv.KVCache | kv.PagedKVCache | None
-    *,
-    cfg: ModelConfig,
-    read_cache: bool = True,  # False when every row starts at 0: attend over the new tokens only
-    positions: jax.Array | None = None,  # i32[B, T] explicit positions (a packed step's); default start + t
-) -> tuple[jax.Array, object]:  # hidden [B, T, D] before the final norm, cache
-    """The decoder over T new tokens per row (see ``llama.forward``)."""
-    if positions is None:
-        positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)  # i32[B, T]
-    x = embed(weights, tokens, cfg)
-    return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache)
-
-
 def heads_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm of x [B, T, n, H] over all n*H values of each token at once; w [n, H]."""
     return rms_norm(x.reshape(*x.shape[:2], -1), w.reshape(-1), eps).reshape(x.shape)
@@ -98,6 +81,9 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
         with jax.named_scope(f"layer{i}/mlp"):
             x = x + norm(gated_mlp(x, w["w_gate"], w["w_up"], w["w_down"], silu), w["post_mlp_norm"])
     return x, cache
+
+
+forward = llama.decoder(embed, decoder_layers)
 
 
 # Where each weight lives in the two external formats: our path -> (HF name, GGUF name, transpose).

@@ -50,23 +50,6 @@ def weight_specs(cfg: ModelConfig) -> dict:
     return specs | {"layers": [layer] * cfg.n_layers}
 
 
-def forward(
-    weights: dict,
-    tokens: jax.Array,  # i32[B, T]
-    start: jax.Array,  # i32[B] position of tokens[:, 0]
-    cache,  # kv.KVCache | kv.PagedKVCache | None
-    *,
-    cfg: ModelConfig,
-    read_cache: bool = True,  # False when every row starts at 0: attend over the new tokens only
-    positions: jax.Array | None = None,  # i32[B, T] explicit positions (a packed step's); default start + t
-) -> tuple[jax.Array, object]:  # hidden [B, T, D] before the final norm, cache
-    """The decoder over T new tokens per row (see ``llama.forward``)."""
-    if positions is None:
-        positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)  # i32[B, T]
-    x = embed(weights, tokens, cfg)
-    return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache)
-
-
 def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
                    first: int = 0, read_cache: bool = True):
     """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
@@ -84,6 +67,9 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
             x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
     return x, cache
 
+
+
+forward = llama.decoder(embed, decoder_layers)
 
 
 def attention_block(w: dict, x: jax.Array, cache, j: int, positions, start, rope, *, cfg: ModelConfig, layer: int,

@@ -16,9 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
-from jaxinfer import cache as kv
 from jaxinfer.config import AttentionKind, Family, ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import llama, mixtral, moe
@@ -41,21 +39,15 @@ def weight_specs(cfg: ModelConfig) -> dict:
     return specs | {"layers": [base if i in cfg.dense_layers else sparse for i in range(cfg.n_layers)]}
 
 
-def forward(weights: dict, tokens: jax.Array, start: jax.Array, cache, *, cfg: ModelConfig,
-            read_cache: bool = True, positions: jax.Array | None = None) -> tuple[jax.Array, kv.KVCache | None]:
-    """As ``llama.forward``: hidden [B, T, D] before the final norm, and the cache."""
-    if positions is None:
-        positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    x = embed(weights, tokens, cfg)
-    return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache)
-
-
 def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
                    first: int = 0, read_cache: bool = True):
     """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] -> (x, cache): Mixtral's
     layers with Qwen 3's attention."""
     return mixtral.decoder_layers(layers, x, positions, start, cache, cfg=cfg, first=first, read_cache=read_cache,
                                   attention=attention_block)
+
+
+forward = llama.decoder(embed, decoder_layers)
 
 
 # Where each weight lives (see ``mixtral.CHECKPOINT_NAMES`` for ``{{e}}``); a dense layer's MLP
