@@ -70,7 +70,7 @@ class Engine:
     what it did not use when it is released. While requests wait for a slot, a chain ends after
     the step in which a row finishes. Speculative decoding, data-parallel replicas and pipeline
     stages do not chain. ``stats`` counts chains, chained steps and why steps ran unchained
-    (``CHAIN_REFUSALS``) or chains were cut short (chain_cut_pages, chain_cut_arrivals)."""
+    (``chaining.CHAIN_REFUSALS``) or chains were cut short (chain_cut_pages, chain_cut_arrivals)."""
 
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, max_model_len: int,
                  config: EngineConfig | None = None, seed: int = 0,
