@@ -38,7 +38,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -46,6 +45,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_seconds
 
 # dense bf16 tensor-core rates from the vendor's data sheets (SXM parts), TFLOP/s
 NAMEPLATE_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -89,27 +89,16 @@ def model_configs(dry: bool) -> dict:
     return {"llama8b": (llama, None), "llama8b-int8": (llama, "int8"), "smollm2": (smol, None)}
 
 
-def _timed(fn, *args, reps: int = 10) -> float:
-    """Median seconds of fn(*args) (compiled first)."""
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
 def ceilings(sz: Sizes) -> dict:
     """Copy bandwidth (bytes read + written) and bf16 matmul rate, measured here."""
     n = sz.copy_mib * (1 << 20) // 2
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
     copy = jax.jit(lambda a: a * jnp.bfloat16(1.0009765625))  # not a no-op: every byte read and written
-    t = _timed(copy, x)
+    t = median_seconds(copy, x, reps=10)
     m = sz.matmul_n
     a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
-    tm = _timed(jax.jit(lambda p, q: p @ q), a, b)
+    tm = median_seconds(jax.jit(lambda p, q: p @ q), a, b, reps=10)
     del x, a, b
     return {"copy_bytes": 4 * n, "copy_s": t, "copy_gbps": 4 * n / t / 1e9,
             "matmul_n": m, "matmul_tflops": 2 * m**3 / tm / 1e12}

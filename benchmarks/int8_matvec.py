@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -38,6 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxinfer import quant  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 SHAPES = {"qkv/gate-up in [D, F]": (576, 1536), "down [F, D]": (1536, 576), "wq [D, D]": (576, 576),
           "head [D, V]": (576, 49152)}
@@ -100,16 +99,6 @@ CANDIDATES = {"s8 dot M=2": (s8_dot_m2, False), "s8 dot M=4": (s8_dot_rows(4), F
               "s8 dot [O,I]": (s8_dot_oi, True)}
 
 
-def timed(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mbytes", type=int, default=128)
@@ -120,7 +109,7 @@ def main():
     rng = np.random.default_rng(0)
     print(f"jax {jax.__version__}, load average {os.getloadavg()[0]:.1f} at start")
     big = jnp.asarray(rng.integers(-127, 128, a.mbytes << 20), jnp.int8)
-    t = timed(jax.jit(lambda b: jnp.max(b.reshape(-1, 4096), axis=0)), big, reps=a.reps)
+    t = median_seconds(jax.jit(lambda b: jnp.max(b.reshape(-1, 4096), axis=0)), big, reps=a.reps)
     print(f"read (max over {a.mbytes} MiB of int8): {big.nbytes / t / 1e9:.1f} GB/s")
     print("| weight | " + " | ".join(f"{c} GB/s" for c in a.candidates) + " |")
     print("|---|" + "---|" * len(a.candidates))
@@ -144,7 +133,7 @@ def main():
             if ref is None:
                 ref = out
             assert np.allclose(out, ref, rtol=0.05, atol=0.05 * float(jnp.max(jnp.abs(ref)))), cname
-            t = timed(f, x, w, s, reps=a.reps)
+            t = median_seconds(f, x, w, s, reps=a.reps)
             cells.append(f"{nbytes / t / 1e9:.1f}")
         print(f"| {name} x{n} | " + " | ".join(cells) + " |", flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at end")

@@ -26,17 +26,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 
 def timed(fn, *args, reps: int) -> float:
     """Median ms of ``reps`` calls (one warm call first)."""
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(ts)
+    return 1e3 * median_seconds(fn, *args, reps=reps)
 
 
 def steps(llm, *, prefill: int, batch: int, context: int):

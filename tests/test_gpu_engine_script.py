@@ -11,6 +11,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_engine.py"
 
 
 def test_gpu_engine_dry(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as when run as a script: its sibling modules
     spec = importlib.util.spec_from_file_location("gpu_engine", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_engine", mod)  # its dataclasses look their module up

@@ -1,0 +1,20 @@
+"""The benchmark scripts' one timer for a jitted call."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+
+
+def median_seconds(fn, *args, reps: int) -> float:
+    """Median seconds of ``reps`` calls of fn(*args), each waited for, after one warm call
+    (which compiles)."""
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
