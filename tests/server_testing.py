@@ -25,8 +25,11 @@ def live_server(llm, config, *, startup_s: float = 60.0):
 
     app = build_app(llm, config)
     port = free_port()
+    # A long keep-alive: with uvicorn's 5 s, a pooled client connection idle for about 5 s can be
+    # closed by the server just as the next request goes out ("Server disconnected"); the tests'
+    # clients do not retry, so that race would read as a failure of the server under test.
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, timeout_keep_alive=600))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
