@@ -48,6 +48,7 @@ from jaxinfer.engine.slots import (
     slots_with_vocab_state,
 )
 from jaxinfer.engine.step import packed_step
+from jaxinfer.engine.warmup import warm
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.packed import PackedBatch
 
@@ -137,19 +138,14 @@ class Engine:
             # pipeline parallel: each stage's devices hold only their layers' weights and pools
             if self.spec is not None:
                 raise InvalidRequest("speculative decoding with pipeline_parallel_size > 1 is not supported")
-            from jaxinfer.engine.pipeline import (
-                PipelineLayout,
-                check_pipeline,
-                init_pools,
-                stack_weights,
-            )
+            from jaxinfer.engine import pipeline as pp
 
-            check_pipeline(cfg)
+            pp.check_pipeline(cfg)
             self.windowed = tuple(num_window_pages is not None and cfg.layer_window(i) is not None
                                   for i in range(cfg.n_layers))
-            self.pipeline = PipelineLayout.make(mesh, cfg.n_layers, self.windowed)
-            self.weights = stack_weights(self.weights, self.pipeline)
-            self.k_pages, self.v_pages = init_pools(cfg, self.pipeline, num_pages, ps, self.kv_dtype, num_window_pages)
+            self.pipeline = pp.PipelineLayout.make(mesh, cfg.n_layers, self.windowed)
+            self.weights = pp.stack_weights(self.weights, self.pipeline)
+            self.k_pages, self.v_pages = pp.init_pools(cfg, self.pipeline, num_pages, ps, self.kv_dtype, num_window_pages)
             return
         if pools is not None and pools.made_for != (cfg, self.config, self.max_model_len):
             raise ValueError("the page pools were started for another model or engine configuration")
@@ -209,20 +205,6 @@ class Engine:
         return sum(sc.allocator.num_used for sc in self.scheds) / max(self.D * (self.allocator.num_pages - 1), 1)
 
     # ------------------------------------------------------------------ warm-up
-    def warmup_shapes(self, max_prompt_len: int | None = None, max_len: int | None = None) -> list[tuple]:
-        """Every (R, width, Tp) a workload whose prompts are at most max_prompt_len tokens and
-        whose sequences at most max_len can hit (a cached prefix or a long prompt's earlier
-        chunks may give the prefill row history of up to max_prompt_len positions)."""
-        max_len = min(max_len or self.max_model_len, self.max_model_len)
-        max_prompt = min(max_prompt_len or max_len, max_len)
-        ps, chunk = self.allocator.page_size, self.config.max_num_batched_tokens
-        rows = sorted({0} | {buckets.bucket(n, buckets.BATCH_BUCKETS, self.max_num_seqs)
-                             for n in range(1, self.max_num_seqs + 1)})
-        top_tp = buckets.bucket(min(max_prompt, chunk), buckets.PREFILL_BUCKETS, chunk)
-        tps = sorted({0} | {b for b in buckets.PREFILL_BUCKETS if b <= top_tp} | {top_tp})
-        widths = sorted({buckets.width_bucket(n, self.pages_per_seq) for n in range(1, -(-max_len // ps) + 1)})
-        return [(R, w, Tp) for R in rows for w in widths for Tp in tps if R or Tp]
-
     def idle_batch(self, rows: int, width: int, prefill: int, q: int = 1) -> PackedBatch:
         """A batch of the given shape (every replica's) that touches only the scratch page."""
         ww = window_width(width, q + self.chainer.window_ahead(), self.window, self.allocator.page_size)
@@ -237,24 +219,9 @@ class Engine:
         return one if self.D == 1 else replicas.stack([one] * self.D)
 
     def warmup(self, max_prompt_len: int | None = None, max_len: int | None = None) -> int:
-        """Compile every step shape a workload up to these lengths can hit (see
-        ``warmup_shapes``), verification steps included; returns the number of executables
-        compiled. Runs the steps on the scratch page only, with every slot idle."""
-        before = self.num_compilations()
-        for R, w, Tp in self.warmup_shapes(max_prompt_len, max_len):
-            self.run_step(self.idle_batch(R, w, Tp))
-            if R and not Tp and self.chainer.enabled:
-                self.chainer.run(self.idle_batch(R, w, 0), np.zeros(R, np.int32), 0, False, -1)
-            if self.drafter is not None:
-                self.drafter.warm(R, w, Tp)
-        self.slots = self._fresh_slots()  # warm-up sampled into idle slots
-        if self.D == 1:  # every row bucket of _insert_rows, host state as slot_states_for's, all padding
-            for n in sorted({buckets.bucket(k, buckets.BATCH_BUCKETS, self.max_num_seqs)
-                             for k in range(1, self.max_num_seqs + 1)}):
-                pad = jax.tree.map(lambda a: jax.device_put(np.repeat(np.asarray(a[:1]), n, axis=0)), self.slots)
-                self._insert_at(0, np.full(n, self.max_num_seqs, np.int32), pad)
-        jax.block_until_ready(self.k_pages)
-        return self.num_compilations() - before
+        """Compile every step shape a workload up to these lengths can hit; returns the number
+        of executables compiled (``engine.warmup``)."""
+        return warm(self, max_prompt_len, max_len)
 
     # ------------------------------------------------------------------ requests
     def validate(self, row: Row) -> None:
