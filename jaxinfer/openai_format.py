@@ -81,6 +81,7 @@ class BatchRequest:
     max_tokens_set: bool  # False: params.max_tokens is a default, to be capped to the context
     top_logprobs: int | None  # None: no logprobs; chat: top_logprobs; completion: logprobs
     beam: object = None  # beam.BeamSearchParams when use_beam_search: its n beams are the choices
+    guided_field: str | None = None  # the field that asked for structured output (its errors name it)
 
 
 # ------------------------------------------------------------------------------------ parsing
@@ -129,19 +130,12 @@ def context_error(line: int, kind: str, prompt_tokens: int, max_tokens: int, max
     )
 
 
-def guided_param(kind: str, g) -> str:
-    """The request field a structured-output error names: a chat's JSON schema comes in
-    ``response_format``, the other kinds in their own ``guided_*`` field."""
-    if g.json is not None:
-        return "response_format" if kind == "chat" else "guided_json"
-    return "guided_regex" if g.regex is not None else "guided_choice" if g.choice is not None else "guided_grammar"
-
-
 def encode_for(llm, kind: str, messages, prompts, params: SamplingParams, max_tokens_set: bool, *,
-               where: str = "") -> tuple[list[tuple[str | None, list[int]]], SamplingParams]:
+               where: str = "", guided_field: str | None = None) -> tuple[list[tuple[str | None, list[int]]], SamplingParams]:
     """Token ids of a request's prompts (``llm.encode_chat`` / ``encode_prompt``) and its
     params fitted to the context: the rules the batch job and the server share. A prompt or
-    max_tokens that cannot fit raises RequestError, its message prefixed by ``where``."""
+    max_tokens that cannot fit raises RequestError, its message prefixed by ``where``; a grammar
+    that cannot compile names ``guided_field``, the request field it came in."""
     try:
         if kind == "chat":
             encoded = [llm.encode_chat(messages, 0)]
@@ -154,7 +148,7 @@ def encode_for(llm, kind: str, messages, prompts, params: SamplingParams, max_to
         try:
             llm.compile_grammar(params.guided_decoding)
         except InvalidRequest as e:
-            raise RequestError(f"{where}{e}", param=guided_param(kind, params.guided_decoding)) from None
+            raise RequestError(f"{where}{e}", param=guided_field or "response_format") from None
     longest = max(len(ids) for _, ids in encoded)
     room = llm.max_model_len - longest
     if max_tokens_set and params.max_tokens > room:

@@ -226,6 +226,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
     beam: BeamSearchParams | None = None  # use_beam_search: n beams of params.max_tokens
+    guided_field: str | None = None  # the request field that asked for guided (its errors name it)
 
 
 def parse_body(kind: str, body: Any, *, features: Features = Features.SERVER, where: str = "",
@@ -264,7 +265,7 @@ def parse_request(custom_id: str, obj: dict, line: int, defaults: Mapping[str, A
     if req.guided is not None:
         params = dataclasses.replace(params, guided_decoding=req.guided)
     return BatchRequest(custom_id, line, kind, req.messages, req.prompts, params, req.max_tokens_set,
-                        req.top_logprobs, req.beam)
+                        req.top_logprobs, req.beam, req.guided_field)
 
 
 def _resolve(kind: str, req: _Request, features: Features, where: str, defaults: dict) -> ParsedRequest:
@@ -347,7 +348,7 @@ def _resolve(kind: str, req: _Request, features: Features, where: str, defaults:
     elif req.length_penalty is not None:
         raise bad("length_penalty needs use_beam_search=true", "length_penalty")
     return ParsedRequest(kind, messages, prompts, params, max_tokens_set, top_logprobs, guided, bool(req.stream),
-                         include_usage, beam)
+                         include_usage, beam, _guided_param(req) if guided is not None else None)
 
 
 def _guided_param(req: _Request) -> str:

@@ -303,6 +303,7 @@ def test_structured_output_in_a_batch_file(tiny_llm, tmp_path):
         completion("p-choice", "pick", max_tokens=8, n=2, seed=2, guided_choice=["left", "right"]),
         chat("c-bad", "x", max_tokens=8, guided_regex="(["),
         chat("c-free", "x", max_tokens=4, temperature=0, ignore_eos=True),
+        chat("c-badjson", "x", max_tokens=8, guided_json={"type": "bogus"}),
     ])
     _run(tiny_llm, inp, tmp_path / "out.jsonl")
     rows = by_id(read_jsonl(tmp_path / "out.jsonl"))
@@ -311,6 +312,7 @@ def test_structured_output_in_a_batch_file(tiny_llm, tmp_path):
     body = check_ok(rows["p-choice"], "completion", 2)
     assert {c["text"] for c in body["choices"]} <= {"left", "right"}
     check_400(rows["c-bad"], "c-bad", "invalid_value", "guided_regex", 3)
+    check_400(rows["c-badjson"], "c-badjson", "invalid_value", "guided_json", 5)  # the field it came in
     assert check_ok(rows["c-free"], "chat", 1)["usage"]["completion_tokens"] == 4
 
 

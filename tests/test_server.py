@@ -179,7 +179,9 @@ def test_api_key(server):
     ({"messages": CHAT, "frobnicate": 1}, "frobnicate"),
     ({"messages": CHAT, "max_tokens": 10**6}, "max_tokens"),
     ({"messages": CHAT, "guided_regex": "(["}, "guided_regex"),
-    ({"messages": CHAT, "guided_json": {"type": "bogus"}}, "response_format"),
+    ({"messages": CHAT, "guided_json": {"type": "bogus"}}, "guided_json"),
+    ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+     "response_format"),
     ({"messages": CHAT, "guided_choice": []}, "guided_choice"),
 ])
 def test_bad_requests_get_400_with_openai_error_body(server, body, param):

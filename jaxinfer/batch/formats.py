@@ -180,4 +180,4 @@ class _PromptsFormat:
 def _encode(llm, req: oai.BatchRequest) -> tuple[list[tuple[str | None, list[int]]], SamplingParams]:
     """Token ids of a request's prompts, and its params fitted to the context."""
     return oai.encode_for(llm, req.kind, req.messages, req.prompts, req.params, req.max_tokens_set,
-                          where=f"line {req.line}: ")
+                          where=f"line {req.line}: ", guided_field=req.guided_field)

@@ -226,7 +226,7 @@ class Server:
             return None
         from jaxinfer.guided import GrammarCompiler
 
-        param = oai.guided_param(req.kind, req.guided)
+        param = req.guided_field
         if self._compiler is None:
             self._compiler = GrammarCompiler(self.llm.tokenizer, self.llm.cfg.vocab_size)
         try:
