@@ -2,7 +2,7 @@
 one replica or several.
 
 A plain step gives each decode row one token (``step.StepOutput``), a verification step its
-accepted drafts and then a new token (``step.SpecOutput``); both are read as tokens [D, R, q]
+accepted drafts and then a new token (``verify.SpecOutput``); both are read as tokens [D, R, q]
 with the number accepted per row (0 for a plain step), so every row takes its tokens through
 ``rows.record_token`` the same way, and its pages are registered for prefix caching or
 released when it finishes.

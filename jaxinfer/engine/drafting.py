@@ -3,7 +3,7 @@ a draft model and its pools, an EAGLE head and its pools), which drafts each dec
 carries, the verification step's inputs, and what a read verification step teaches each row.
 
 ``Engine.step`` asks ``propose`` for drafts; with any, it dispatches a verification step through
-``run`` (``step.spec_step``: each decode row carries its last token and its drafts), else a plain
+``run`` (``verify.spec_step``: each decode row carries its last token and its drafts), else a plain
 step (``plain_extras`` then keeps a draft model's or EAGLE head's pages in step). The engine's one
 consume path reads both kinds of step; ``took`` records a row's acceptance. With Medusa or EAGLE
 (``can_chain``), the next verification step is dispatched from the unread one's device outputs
@@ -24,7 +24,7 @@ from jaxinfer.engine import buckets
 from jaxinfer.engine.rows import Row
 from jaxinfer.engine.scheduler import Seq
 from jaxinfer.engine.speculative import SpecMethod, SpecStats, SpeculativeConfig, ngram_propose
-from jaxinfer.engine.step import SpecInputs, SpecState, draft_kv_step, spec_step
+from jaxinfer.engine.verify import SpecInputs, SpecState, draft_kv_step, spec_step
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.packed import PackedBatch
 
@@ -197,7 +197,7 @@ class Drafter:
             branch_drafts=None, chain=None):
         """One verification step on the engine's pools and slots and the drafter's pools (all
         donated). branch_drafts: i32[R, W - 1, k] with EAGLE branches (zeros when None). chain:
-        see ``step.spec_step``."""
+        see ``verify.spec_step``."""
         eng, W = self.eng, self.spec.branches
         if W > 1 and branch_drafts is None:
             branch_drafts = np.zeros((batch.rows, W - 1, batch.q - 1), np.int32)
