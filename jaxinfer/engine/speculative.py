@@ -1,5 +1,5 @@
-"""Speculative decoding's host side: the configuration (vLLM's ``speculative_config``), the
-prompt-lookup proposer, and the acceptance statistics.
+"""Speculative decoding's configuration (vLLM's ``speculative_config``), the prompt-lookup
+proposer (on the host, and on device), and the acceptance statistics.
 
 Every method but ``draft_model`` proposes a deterministic block of drafts, so verification
 treats them as a point mass (accept draft x with probability p(x), resample from p without x
@@ -9,7 +9,8 @@ min(1, p(x)/q(x)), resample from norm(max(0, p - q))). Lossless in every samplin
 
 * ``ngram``: the longest suffix of the sequence (prompt + output), between
   ``prompt_lookup_min`` and ``prompt_lookup_max`` tokens, that occurred earlier; the tokens that
-  followed its latest earlier occurrence are the drafts. Host only, no model.
+  followed its latest earlier occurrence are the drafts. No model: ``ngram_propose`` on the
+  host, and ``ngram_drafts``, its twin over padded histories, on device.
 * ``early_exit``: the model's own first ``num_layers`` layers, final norm and head, run
   greedily k times inside the same jitted step before the block is verified; their keys and
   values go to the target's own pages (the verification pass rewrites them).
@@ -38,6 +39,9 @@ import dataclasses
 import enum
 import json
 from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
 
 from jaxinfer.errors import InvalidRequest
 
@@ -177,6 +181,32 @@ def ngram_propose(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list
                 if follow:
                     return follow
     return []
+
+
+def ngram_drafts(history: jax.Array, lengths: jax.Array, k: int, min_n: int, max_n: int) -> tuple[jax.Array, jax.Array]:
+    """``ngram_propose`` on device, row by row: history i32[R, L] (row r's tokens at [0,
+    lengths[r]), anything after), lengths i32[R] -> (drafts i32[R, k], -1 past each row's
+    count; count i32[R]), the drafts ``ngram_propose(history[r, :lengths[r]], k, min_n, max_n)``
+    returns. An earlier occurrence of the last n tokens is named by its end e (the position of
+    the first token that followed it): the n tokens before e equal the last n, e < length."""
+    if not 1 <= min_n <= max_n or k < 1:
+        raise ValueError(f"ngram_drafts needs 1 <= min_n <= max_n and k >= 1, got {min_n=}, {max_n=}, {k=}")
+    R, L = history.shape
+    e = jnp.arange(L)[None]  # [1, L]
+    last = lengths[:, None] - 1
+    match = jnp.ones((R, L), bool)
+    best = jnp.full(R, -1, jnp.int32)
+    for j in range(max_n):  # match: the j + 1 tokens before e equal the last j + 1
+        src = e - 1 - j
+        mine = jnp.take_along_axis(history, jnp.clip(last - j, 0, L - 1), axis=1)  # [R, 1]
+        match = match & (src >= 0) & (jnp.take_along_axis(history, jnp.clip(src, 0, L - 1), axis=1) == mine)
+        if j + 1 >= min_n:  # the longest n with an occurrence wins; within it, the latest
+            latest = jnp.max(jnp.where(match & (e <= last), e, -1), axis=1)
+            best = jnp.where(latest >= 0, latest, best)
+    count = jnp.where(best >= 0, jnp.minimum(k, lengths - best), 0).astype(jnp.int32)
+    i = jnp.arange(k)[None]
+    drafts = jnp.take_along_axis(history, jnp.clip(best[:, None] + i, 0, L - 1), axis=1)
+    return jnp.where(i < count[:, None], drafts, -1).astype(jnp.int32), count
 
 
 @dataclasses.dataclass
