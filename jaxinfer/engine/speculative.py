@@ -1,5 +1,6 @@
 """Speculative decoding's configuration (vLLM's ``speculative_config``), the prompt-lookup
-proposer (on the host, and on device), and the acceptance statistics.
+proposer (on the host, and on device for chained verification steps), and the acceptance
+statistics.
 
 Every method but ``draft_model`` proposes a deterministic block of drafts, so verification
 treats them as a point mass (accept draft x with probability p(x), resample from p without x
@@ -10,7 +11,8 @@ min(1, p(x)/q(x)), resample from norm(max(0, p - q))). Lossless in every samplin
 * ``ngram``: the longest suffix of the sequence (prompt + output), between
   ``prompt_lookup_min`` and ``prompt_lookup_max`` tokens, that occurred earlier; the tokens that
   followed its latest earlier occurrence are the drafts. No model: ``ngram_propose`` on the
-  host, and ``ngram_drafts``, its twin over padded histories, on device.
+  host, and ``ngram_drafts``, its twin over padded histories, inside a verification step
+  chained to the unread one (``engine.drafting``).
 * ``early_exit``: the model's own first ``num_layers`` layers, final norm and head, run
   greedily k times inside the same jitted step before the block is verified; their keys and
   values go to the target's own pages (the verification pass rewrites them).
@@ -220,6 +222,7 @@ class SpecStats:
     accepted: int = 0
     emitted: int = 0  # tokens produced by verification steps (accepted + one per row)
     disabled_steps: int = 0  # decode steps run without speculation (batch too large, no drafts)
+    chained_steps: int = 0  # verification steps dispatched before the host read the previous one
     by_position: list[int] = dataclasses.field(default_factory=list)  # blocks whose draft j was accepted
     drafted_by_position: list[int] = dataclasses.field(default_factory=list)  # blocks with a draft j
 
@@ -240,6 +243,7 @@ class SpecStats:
     def summary(self) -> dict:
         rate = self.accepted / self.drafted if self.drafted else 0.0
         return {"spec_steps": self.steps, "spec_disabled_steps": self.disabled_steps,
+                "spec_chained_steps": self.chained_steps,
                 "spec_drafted_tokens": self.drafted, "spec_accepted_tokens": self.accepted,
                 "spec_acceptance_rate": round(rate, 4),
                 "spec_mean_accepted_length": round(self.emitted / self.rows, 4) if self.rows else 0.0,

@@ -21,6 +21,7 @@ from jaxinfer.dispatch import Kernels
 from jaxinfer.engine import branches
 from jaxinfer.engine.pages import SCRATCH_PAGE
 from jaxinfer.engine.slots import SlotState
+from jaxinfer.engine.speculative import ngram_drafts
 from jaxinfer.engine.step import _eagle_entry_pass, token_logprobs
 from jaxinfer.models import eagle as eagle_mod
 from jaxinfer.models import medusa
@@ -144,6 +145,7 @@ class SpecOutput:
     logprobs: tuple | None  # (chosen f32[R, q], rank i32[R, q], top ids i32[R, q, n], top logprobs f32[R, q, n])
     prompt_logprobs: tuple | None
     next_drafts: jax.Array | None = None  # i32[R, K] (EAGLE branches: [R, W, K]) each row's next block's drafts
+    drafted: jax.Array | None = None  # i32[R] drafts each row carried, where they were made on device (n-gram chained)
 
 
 def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cfg, windowed, kernels,
@@ -173,9 +175,21 @@ def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cf
     return batch.tokens.at[: R * Q].set(toks.reshape(-1)), k_pages, v_pages
 
 
+def ngram_chain_drafts(history, lengths, block, accepted, k: int, *, lookup: tuple[int, int]):
+    """The n-gram drafts of a block chained to an unread one: each row's history as the host
+    last read it (history i32[R, L], lengths i32[R]) extended by the unread block's accepted
+    drafts and new token (block i32[R, q], accepted i32[R]), then looked up as ``ngram_propose``
+    would (lookup = (prompt_lookup_min, prompt_lookup_max)) -> (drafts i32[R, k], count i32[R])."""
+    R, L = history.shape
+    j = jnp.arange(block.shape[1])[None]
+    at = jnp.where(j <= accepted[:, None], lengths[:, None] + j, L)  # L: not emitted, dropped
+    history = history.at[jnp.arange(R)[:, None], at].set(block, mode="drop")
+    return ngram_drafts(history, lengths + accepted + 1, k, *lookup)
+
+
 def chain_block(batch: PackedBatch, last_tokens, accepted, next_drafts, budget, page_size: int) -> PackedBatch:
     """The decode rows of a verification step dispatched before the host read the previous
-    one (``engine.drafting`` chains Medusa and EAGLE steps so): the host built ``batch`` as a
+    one (``engine.drafting`` chains Medusa, EAGLE and n-gram steps so): the host built ``batch`` as a
     block without drafts at each row's previous first query p, not yet knowing how far the
     previous step got. Each row now starts at p + 1 + accepted (i32[R], the previous step's),
     with that step's last token (last_tokens i32[S]) and then its next drafts (i32[R, >= k]),
@@ -203,6 +217,8 @@ class SpecInputs:
     guide: tuple | None = None  # (bitmask i32[R, q, V/32], has_mask bool[R]) when a row is constrained
     branch_drafts: jax.Array | None = None  # i32[R, W - 1, k] EAGLE branches 1..W-1
     chain: tuple | None = None  # (accepted i32[R], next_drafts i32[R, K], budget i32[R]) of the unread step
+    # n-gram chained: (history i32[R, L], lengths i32[R], the unread step's tokens i32[R, q]); next_drafts None
+    history: tuple | None = None
     heads: dict | None = None  # Medusa heads
     draft_weights: object = None  # the draft model's weights (speculative draft_model)
     eagle: dict | None = None  # the EAGLE head: {"head", "rows", "vocab"}
@@ -220,7 +236,8 @@ class SpecState:
 
 
 def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, num_logprobs: int,
-              prompt_logprobs: int, kernels: Kernels, draft_layers: int = 0, draft_cfg=None):
+              prompt_logprobs: int, kernels: Kernels, draft_layers: int = 0, draft_cfg=None,
+              lookup: tuple[int, int] | None = None):
     """One speculative scheduler iteration -> (SpecOutput, SpecState).
 
     Decode row r (slot r) carries q = k + 1 queries: its last token, then its drafts
@@ -241,6 +258,8 @@ def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, n
     carries W - 1 more chains, verified as virtual rows; next_drafts is then i32[R, W, k].
     With ``chain`` = (accepted i32[R], next_drafts i32[R, k], budget i32[R]) of the previous
     step, still unread by the host, the decode rows are first moved on by it (``chain_block``;
+    with n-gram ``history`` the next drafts are looked up here first, ``ngram_chain_drafts``
+    with lookup = (prompt_lookup_min, prompt_lookup_max), and SpecOutput.drafted says how many;
     no window pools)."""
     batch, k_pages, v_pages, slots = inputs.batch, state.k_pages, state.v_pages, state.slots
     heads, guide, draft_weights, eagle = inputs.heads, inputs.guide, inputs.draft_weights, inputs.eagle
@@ -248,8 +267,15 @@ def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, n
     draft_kv = state.draft_kv if draft_cfg is not None else None
     eagle_kv = state.draft_kv if eagle is not None else None
     with jax.named_scope("spec_step"):
+        drafted = None
         if chain is not None:
-            batch = chain_block(batch, slots.last_tokens, *chain, page_size=v_pages[0].shape[2])
+            prev, ahead, budget = chain
+            if inputs.history is not None:  # n-gram: a row drafts what its lookup finds, within its budget
+                with jax.named_scope("ngram_drafts"):
+                    ahead, n = ngram_chain_drafts(*inputs.history, prev, batch.q - 1, lookup=lookup)
+                    ahead, budget = jnp.maximum(ahead, 0), jnp.minimum(budget, prev + n)
+            batch = chain_block(batch, slots.last_tokens, prev, ahead, budget, page_size=v_pages[0].shape[2])
+            drafted = None if inputs.history is None else batch.last_q
         mod = family_module(cfg.family)
         R, Q = batch.rows, batch.q
         tokens = batch.tokens
@@ -339,4 +365,4 @@ def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, n
             with jax.named_scope("prompt_logprobs"):
                 logits = mod.unembed(weights, h[:, R * Q :], cfg)[0]
                 plp = token_logprobs(logits, batch.targets, prompt_logprobs)
-    return SpecOutput(ver.tokens, ver.accepted, lp, plp, next_drafts), SpecState(cache.k, cache.v, slots, draft_kv)
+    return SpecOutput(ver.tokens, ver.accepted, lp, plp, next_drafts, drafted), SpecState(cache.k, cache.v, slots, draft_kv)
