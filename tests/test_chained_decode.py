@@ -7,6 +7,10 @@ finishing mid-chain by EOS, stop_token_ids and max_tokens, min_tokens and ignore
 requests than slots, prefix-cache hits, int8 KV pages, a sliding-window family, a short page
 pool and tensor parallelism. Rows the host must watch token by token (stop strings, grammars,
 streaming) chain nothing, and ``Engine.stats`` says why.
+
+n-gram speculation chains its verification steps instead (drafts looked up on device): the
+same tokens and acceptance as blocks the host drafts, greedy (and plain decoding's tokens) and
+seeded.
 """
 
 from __future__ import annotations
