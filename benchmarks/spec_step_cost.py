@@ -30,20 +30,20 @@ PROMPT = "Write a short story about a robot who learns to paint."
 
 def _take_out(parts) -> None:
     """Replace parts of the verification step by stand-ins of the same shapes (before tracing)."""
-    from jaxinfer.engine import step
+    from jaxinfer.engine import verify as verify_step
     from jaxinfer.sampling import verify
 
     if "drafts" in parts:
-        step._eagle_drafts = lambda eagle, weights, g0, start, batch, eagle_kv, k, **kw: (
+        verify_step._eagle_drafts = lambda eagle, weights, g0, start, batch, eagle_kv, k, **kw: (
             jnp.zeros((batch.rows, k), jnp.int32) + g0[:, :1].astype(jnp.int32), eagle_kv)
     if "entries" in parts:
-        step._eagle_entry_pass = lambda eagle, weights, h, batch, nxt, eagle_kv, **kw: (h[0], eagle_kv)
+        verify_step._eagle_entry_pass = lambda eagle, weights, h, batch, nxt, eagle_kv, **kw: (h[0], eagle_kv)
     if "verification" in parts:
         def verify_block(logits, drafts, num_drafts, state, *a, **k):
             amax = jnp.argmax(logits[:, :, :64], -1).astype(jnp.int32)
             return verify.Verified(jnp.zeros(logits.shape[0], jnp.int32), amax, state)
 
-        step.smp.verify_block = verify_block
+        verify_step.smp.verify_block = verify_block
 
 
 def main() -> None:

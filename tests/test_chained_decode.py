@@ -7,6 +7,10 @@ finishing mid-chain by EOS, stop_token_ids and max_tokens, min_tokens and ignore
 requests than slots, prefix-cache hits, int8 KV pages, a sliding-window family, a short page
 pool and tensor parallelism. Rows the host must watch token by token (stop strings, grammars,
 streaming) chain nothing, and ``Engine.stats`` says why.
+
+n-gram speculation chains its verification steps instead (drafts looked up on device): the
+same tokens and acceptance as blocks the host drafts, greedy (and plain decoding's tokens) and
+seeded.
 """
 
 from __future__ import annotations
@@ -247,3 +251,81 @@ def test_tensor_parallel_2_chains_equal_one_device():
     assert out["tp2"]["tokens"] == out["one"]["tokens"]
     assert np.allclose(out["tp2"]["lp"][:3], out["one"]["lp"][:3], atol=1e-3)
     assert out["tp2"]["chains"] > 0
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module")
+def ngram_pair(loaded):
+    """(plain single steps, n-gram speculation) over the same weights; the random model's
+    greedy answers fall into loops, which n-gram drafts then predict."""
+    kw = {"max_model_len": 128, "max_num_seqs": 4, "progress": False}
+    return LLM(loaded, **kw), LLM(loaded, speculative_config=NGRAM, **kw)
+
+
+def _ngram_runs(llm, monkeypatch, prompts, params):
+    """The speculative engine's outputs and acceptance counters with its verification steps
+    chained (n-gram drafts looked up on device) and with every block built by the host."""
+    from jaxinfer.engine import drafting
+
+    dispatched = []
+    orig = drafting.Drafter.dispatch_chained
+    monkeypatch.setattr(drafting.Drafter, "dispatch_chained", lambda self, *a: dispatched.append(1) or orig(self, *a))
+
+    def run(chain: bool):
+        monkeypatch.setattr(drafting.Drafter, "chains", lambda self: chain)
+        st = llm.engine.spec_stats
+        st.__init__(NGRAM["num_speculative_tokens"])
+        dispatched.clear()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason,
+                o.metrics.spec_drafted_tokens, o.metrics.spec_accepted_tokens) for o in outs]
+        return got, (st.drafted, st.accepted, st.by_position, st.drafted_by_position), st.chained_steps, len(dispatched)
+
+    chained, unchained = run(True), run(False)
+    assert unchained[2:] == (0, 0)
+    assert chained[2] == chained[3] > 0  # the counter says the steps chained
+    assert chained[:2] == unchained[:2]  # same tokens, finishes and acceptance, chained or not
+    assert chained[1][1] > 0 and chained[1][0] > chained[1][1]  # drafts accepted and rejected
+    return chained[0]
+
+
+def test_ngram_chained_verification_equals_host_built_blocks_and_plain(ngram_pair, monkeypatch):
+    """Greedy rows (six over four slots) chain their n-gram verification steps: the same
+    tokens as blocks the host drafts and as plain decoding, with max_tokens cutting drafts and
+    ending rows inside a block, and a stop token ending one."""
+    plain, spec = ngram_pair
+    prompts = [p * 3 for p in _prompts(6, seed=10, length=5)]  # repeats for the n-gram drafts
+    free = plain.generate(prompts[5:], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 5, 17, 2, 23)]
+    params.append(SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[free[13]]))
+    want = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+            for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = _ngram_runs(spec, monkeypatch, prompts, params)
+    assert [g[:3] for g in got] == want
+    assert want[5][1:] == ("stop", free[13]) and [len(w[0]) for w in want[:5]] == [30, 5, 17, 2, 23]
+
+
+def test_ngram_chained_verification_seeded_rows(ngram_pair, monkeypatch):
+    """Seeded rows (top-p, top-k, min_tokens) draw the same tokens with chained verification
+    steps as with host-built ones."""
+    _, spec = ngram_pair
+    prompts = [p * 3 for p in _prompts(4, seed=12, length=4)]
+    params = [SamplingParams(temperature=0.5, top_p=0.9, seed=1, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.2, top_k=5, seed=2, max_tokens=33, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=37, min_tokens=8),
+              SamplingParams(temperature=0.5, seed=4, max_tokens=29, ignore_eos=True)]
+    _ngram_runs(spec, monkeypatch, prompts, params)
+
+
+@pytest.mark.slow  # 50 s on 2 cores: the steps with logprobs and with penalties compiled
+def test_ngram_chained_verification_logprobs_and_penalties(ngram_pair, monkeypatch):
+    _, spec = ngram_pair
+    prompts = [p * 3 for p in _prompts(4, seed=10, length=5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.2, top_k=5, seed=2, max_tokens=33, ignore_eos=True, logprobs=0),
+              SamplingParams(temperature=0.4, presence_penalty=0.3, repetition_penalty=1.2, seed=3, max_tokens=30),
+              SamplingParams(temperature=0.0, max_tokens=27, ignore_eos=True)]
+    _ngram_runs(spec, monkeypatch, prompts, params)

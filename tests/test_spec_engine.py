@@ -164,7 +164,7 @@ def test_blocks_end_at_max_tokens_stop_strings_and_eos(ngram_llm, smollm2_llm):
 @pytest.mark.slow
 def test_chained_blocks_equal_host_built_ones(smollm2_gguf, smollm2_llm, monkeypatch):
     """EAGLE verification steps dispatched before the host read the previous one (each row
-    moved on by the unread step's accepted drafts on device, ``step.chain_block``) give what
+    moved on by the unread step's accepted drafts on device, ``verify.chain_block``) give what
     host-built blocks give: the same tokens, finish reasons and acceptance counts, with
     max_tokens and a stop string landing inside blocks, one request at a time and three at
     once; and plain decoding's tokens."""

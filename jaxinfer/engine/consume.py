@@ -2,7 +2,7 @@
 one replica or several.
 
 A plain step gives each decode row one token (``step.StepOutput``), a verification step its
-accepted drafts and then a new token (``step.SpecOutput``); both are read as tokens [D, R, q]
+accepted drafts and then a new token (``verify.SpecOutput``); both are read as tokens [D, R, q]
 with the number accepted per row (0 for a plain step), so every row takes its tokens through
 ``rows.record_token`` the same way, and its pages are registered for prefix caching or
 released when it finishes.
@@ -57,6 +57,7 @@ def consume(eng, fl: InFlight) -> list[Row]:
     lp = None if out.logprobs is None else tuple(per_query(one(np.asarray(x)))
                                                  for x in jax.device_get(out.logprobs))
     nxt = np.asarray(out.next_drafts) if fl.spec and out.next_drafts is not None else None
+    carried = np.asarray(out.drafted) if fl.spec and out.drafted is not None else None
     now = time.perf_counter()
     done = []
     for d, (decode, sched) in enumerate(zip(fl.decode, eng.scheds)):
@@ -66,7 +67,8 @@ def consume(eng, fl: InFlight) -> list[Row]:
             r, b = seq.row, seq.slot
             a = int(accepted[d, b])
             if fl.spec:
-                eng.drafter.took(seq, fl.drafted, a, None if nxt is None else nxt[b])
+                eng.drafter.took(seq, fl.drafted, a, None if nxt is None else nxt[b],
+                                 None if carried is None else int(carried[b]))
             else:
                 seq.inflight -= 1
             finished = False

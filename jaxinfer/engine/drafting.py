@@ -3,12 +3,14 @@ a draft model and its pools, an EAGLE head and its pools), which drafts each dec
 carries, the verification step's inputs, and what a read verification step teaches each row.
 
 ``Engine.step`` asks ``propose`` for drafts; with any, it dispatches a verification step through
-``run`` (``step.spec_step``: each decode row carries its last token and its drafts), else a plain
+``run`` (``verify.spec_step``: each decode row carries its last token and its drafts), else a plain
 step (``plain_extras`` then keeps a draft model's or EAGLE head's pages in step). The engine's one
-consume path reads both kinds of step; ``took`` records a row's acceptance. With Medusa or EAGLE
-(``can_chain``), the next verification step is dispatched from the unread one's device outputs
-(``dispatch_chained``), so reading it overlaps the device's work. Methods and their configuration:
-``engine.speculative``.
+consume path reads both kinds of step; ``took`` records a row's acceptance. With Medusa, EAGLE or
+n-gram drafts (``can_chain``), the next verification step is dispatched from the unread one's
+device outputs (``dispatch_chained``), so reading it overlaps the device's work: Medusa's and
+EAGLE's next drafts come out of the unread step, and n-gram drafts are looked up on device in
+each row's history (the host's, extended by the unread block's tokens). Methods and their
+configuration: ``engine.speculative``.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from jaxinfer.engine import buckets
 from jaxinfer.engine.rows import Row
 from jaxinfer.engine.scheduler import Seq
 from jaxinfer.engine.speculative import SpecMethod, SpecStats, SpeculativeConfig, ngram_propose
-from jaxinfer.engine.step import SpecInputs, SpecState, draft_kv_step, spec_step
+from jaxinfer.engine.verify import SpecInputs, SpecState, draft_kv_step, spec_step
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.packed import PackedBatch
 
 # methods whose drafts come out of the previous verification step (the host holds them)
 _DRAFTS_FROM_PREVIOUS_STEP = (SpecMethod.MEDUSA, SpecMethod.EAGLE)
+# methods whose next verification step can be dispatched before the host reads the last one
+_CHAINS = (*_DRAFTS_FROM_PREVIOUS_STEP, SpecMethod.NGRAM)
 
 
 class Drafter:
@@ -55,7 +59,8 @@ class Drafter:
         counted = eng._compiles.counted
         self._spec_step = counted(jax.jit(
             functools.partial(spec_step, windowed=eng.windowed),
-            static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernels", "draft_layers", "draft_cfg"),
+            static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernels", "draft_layers", "draft_cfg",
+                             "lookup"),
             donate_argnames=("state",)))
         self._draft_step = counted(jax.jit(functools.partial(draft_kv_step), static_argnames=("draft_cfg", "kernels"),
                                            donate_argnames=("draft_kv",)))
@@ -194,19 +199,20 @@ class Drafter:
 
     # ------------------------------------------------------------------ the verification step
     def run(self, batch: PackedBatch, guide, *, num_logprobs: int, prompt_logprobs: int, draft_layers: int,
-            branch_drafts=None, chain=None):
+            branch_drafts=None, chain=None, history=None):
         """One verification step on the engine's pools and slots and the drafter's pools (all
-        donated). branch_drafts: i32[R, W - 1, k] with EAGLE branches (zeros when None). chain:
-        see ``step.spec_step``."""
+        donated). branch_drafts: i32[R, W - 1, k] with EAGLE branches (zeros when None). chain,
+        history: see ``verify.spec_step``."""
         eng, W = self.eng, self.spec.branches
         if W > 1 and branch_drafts is None:
             branch_drafts = np.zeros((batch.rows, W - 1, batch.q - 1), np.int32)
-        inputs = SpecInputs(batch=batch, guide=guide, branch_drafts=branch_drafts, chain=chain, heads=self.heads,
-                            draft_weights=self.draft_weights, eagle=self.eagle)
+        inputs = SpecInputs(batch=batch, guide=guide, branch_drafts=branch_drafts, chain=chain, history=history,
+                            heads=self.heads, draft_weights=self.draft_weights, eagle=self.eagle)
+        lookup = None if history is None else (self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
         state = SpecState(eng.k_pages, eng.v_pages, eng.slots, self.kv)
         out, state = self._spec_step(eng.weights, inputs, state, cfg=eng.cfg, num_logprobs=num_logprobs,
                                      prompt_logprobs=prompt_logprobs, kernels=eng.kernels,
-                                     draft_layers=draft_layers, draft_cfg=self.draft_cfg)
+                                     draft_layers=draft_layers, draft_cfg=self.draft_cfg, lookup=lookup)
         eng.k_pages, eng.v_pages, eng.slots, self.kv = state.k_pages, state.v_pages, state.slots, state.draft_kv
         return out
 
@@ -220,19 +226,21 @@ class Drafter:
         if Tp == 0 and self.chains():
             K = self.heads["w"].shape[0] if self.heads is not None else q - 1
             z = lambda *shape: jnp.zeros(shape, jnp.int32)
+            ngram = self.spec.method == SpecMethod.NGRAM
+            history = (z(R, width * self.eng.allocator.page_size), z(R), z(R, q)) if ngram else None
             self.run(self.eng.idle_batch(R, width, 0, q=q), None, num_logprobs=-1, prompt_logprobs=-1,
-                     draft_layers=0, chain=(z(R), z(R, K), z(R)))
+                     draft_layers=0, chain=(z(R), None if ngram else z(R, K), z(R)), history=history)
 
     # ------------------------------------------------------------------ chaining
     def chains(self) -> bool:
         """Whether verification steps may be chained at all (see ``can_chain``)."""
         eng = self.eng
-        return (self.spec.method in _DRAFTS_FROM_PREVIOUS_STEP and self.spec.branches == 1 and not eng.window
+        return (self.spec.method in _CHAINS and self.spec.branches == 1 and not eng.window
                 and eng.mesh is None)
 
     def can_chain(self, fl) -> bool:
         """Whether the next verification step can be dispatched before the unread ``fl`` is read:
-        Medusa or EAGLE drafts (one chain, no grammar), the same rows decoding and nothing to
+        Medusa, EAGLE or n-gram drafts (one chain, no grammar), the same rows decoding and nothing to
         admit or prefill, and, for every row, pages for everything the two blocks may write
         (without preempting) below max_model_len. No window pools: a windowed row's table
         follows its position, which only the unread step knows."""
@@ -275,19 +283,38 @@ class Drafter:
             budget[s.slot] = draft_room(s.row) - 1
         num_lp = buckets.logprob_bucket([s.row.params.logprobs for s in plan.decode])
         eng.shapes_run.add((batch.rows, batch.table.shape[1], 0, k + 1, num_lp, -1, "chained"))
+        history = self._history(plan.decode, batch, fl.out.tokens) if self.spec.method == SpecMethod.NGRAM else None
+        ahead = None if history is not None else fl.out.next_drafts  # n-gram: looked up on device
         out = self.run(batch, None, num_logprobs=num_lp, prompt_logprobs=-1, draft_layers=0,
-                       chain=(fl.out.accepted, fl.out.next_drafts, budget))
+                       chain=(fl.out.accepted, ahead, budget), history=history)
         eng.sched.stats["decode_steps"] += 1
         self.stats.steps += 1
+        self.stats.chained_steps += 1
         return in_flight([plan.decode], [[]], out, None)
 
+    def _history(self, decode: list[Seq], batch: PackedBatch, block) -> tuple:
+        """n-gram chaining's ``verify.SpecInputs.history``: each row's tokens as the host last
+        read them (i32[R, L], L the pages the batch's tables cover: room for the unread block
+        and the next), their counts, and the unread block's tokens (block, still on device)."""
+        L = batch.table.shape[1] * self.eng.allocator.page_size
+        tokens, lengths = np.zeros((batch.rows, L), np.int32), np.zeros(batch.rows, np.int32)
+        for s in decode:
+            t = s.tokens
+            assert len(t) + self.spec.num_speculative_tokens + 1 <= L, (len(t), L)  # can_chain's pages
+            tokens[s.slot, : len(t)] = t
+            lengths[s.slot] = len(t)
+        return tokens, lengths, block
+
     # ------------------------------------------------------------------ reading
-    def took(self, seq: Seq, drafted: dict | None, accepted: int, next_drafts) -> None:
+    def took(self, seq: Seq, drafted: dict | None, accepted: int, next_drafts, carried: int | None = None) -> None:
         """Record what a read verification step did for one row: its acceptance, and the drafts
-        its heads made for the next block (next_drafts: i32[K], or [W, K] with EAGLE branches)."""
+        its heads made for the next block (next_drafts: i32[K], or [W, K] with EAGLE branches).
+        carried: the drafts a chained block looked up on device carried (n-gram), else None."""
         r, k = seq.row, self.spec.num_speculative_tokens
         # a chained block drafted what the row's max_tokens left room for after the last one
-        n = drafted.get(seq.slot, 0) if drafted is not None else min(k, max(0, draft_room(r)))
+        # (n-gram: what its lookup found, within that)
+        n = (drafted.get(seq.slot, 0) if drafted is not None else carried if carried is not None
+             else min(k, max(0, draft_room(r))))
         if n:
             self.stats.record(n, accepted)
         seq.drafts = [] if next_drafts is None else next_drafts.tolist()

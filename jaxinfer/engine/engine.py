@@ -1,6 +1,6 @@
 """The engine: continuous batching over a paged KV cache, one packed step per scheduler iteration.
 
-    LLM -> Engine.step -> Scheduler.plan -> batch.build_batch -> step.packed_step / spec_step -> model
+    LLM -> Engine.step -> Scheduler.plan -> batch.build_batch -> step.packed_step / verify.spec_step -> model
 
 Each iteration the scheduler (``engine.scheduler``) decides what to compute, and one jitted call
 runs every decoding sequence and a row of packed prompt chunks together, so the weights are read

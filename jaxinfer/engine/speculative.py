@@ -1,5 +1,6 @@
-"""Speculative decoding's host side: the configuration (vLLM's ``speculative_config``), the
-prompt-lookup proposer, and the acceptance statistics.
+"""Speculative decoding's configuration (vLLM's ``speculative_config``), the prompt-lookup
+proposer (on the host, and on device for chained verification steps), and the acceptance
+statistics.
 
 Every method but ``draft_model`` proposes a deterministic block of drafts, so verification
 treats them as a point mass (accept draft x with probability p(x), resample from p without x
@@ -9,7 +10,9 @@ min(1, p(x)/q(x)), resample from norm(max(0, p - q))). Lossless in every samplin
 
 * ``ngram``: the longest suffix of the sequence (prompt + output), between
   ``prompt_lookup_min`` and ``prompt_lookup_max`` tokens, that occurred earlier; the tokens that
-  followed its latest earlier occurrence are the drafts. Host only, no model.
+  followed its latest earlier occurrence are the drafts. No model: ``ngram_propose`` on the
+  host, and ``ngram_drafts``, its twin over padded histories, inside a verification step
+  chained to the unread one (``engine.drafting``).
 * ``early_exit``: the model's own first ``num_layers`` layers, final norm and head, run
   greedily k times inside the same jitted step before the block is verified; their keys and
   values go to the target's own pages (the verification pass rewrites them).
@@ -38,6 +41,9 @@ import dataclasses
 import enum
 import json
 from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
 
 from jaxinfer.errors import InvalidRequest
 
@@ -179,6 +185,32 @@ def ngram_propose(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list
     return []
 
 
+def ngram_drafts(history: jax.Array, lengths: jax.Array, k: int, min_n: int, max_n: int) -> tuple[jax.Array, jax.Array]:
+    """``ngram_propose`` on device, row by row: history i32[R, L] (row r's tokens at [0,
+    lengths[r]), anything after), lengths i32[R] -> (drafts i32[R, k], -1 past each row's
+    count; count i32[R]), the drafts ``ngram_propose(history[r, :lengths[r]], k, min_n, max_n)``
+    returns. An earlier occurrence of the last n tokens is named by its end e (the position of
+    the first token that followed it): the n tokens before e equal the last n, e < length."""
+    if not 1 <= min_n <= max_n or k < 1:
+        raise ValueError(f"ngram_drafts needs 1 <= min_n <= max_n and k >= 1, got {min_n=}, {max_n=}, {k=}")
+    R, L = history.shape
+    e = jnp.arange(L)[None]  # [1, L]
+    last = lengths[:, None] - 1
+    match = jnp.ones((R, L), bool)
+    best = jnp.full(R, -1, jnp.int32)
+    for j in range(max_n):  # match: the j + 1 tokens before e equal the last j + 1
+        src = e - 1 - j
+        mine = jnp.take_along_axis(history, jnp.clip(last - j, 0, L - 1), axis=1)  # [R, 1]
+        match = match & (src >= 0) & (jnp.take_along_axis(history, jnp.clip(src, 0, L - 1), axis=1) == mine)
+        if j + 1 >= min_n:  # the longest n with an occurrence wins; within it, the latest
+            latest = jnp.max(jnp.where(match & (e <= last), e, -1), axis=1)
+            best = jnp.where(latest >= 0, latest, best)
+    count = jnp.where(best >= 0, jnp.minimum(k, lengths - best), 0).astype(jnp.int32)
+    i = jnp.arange(k)[None]
+    drafts = jnp.take_along_axis(history, jnp.clip(best[:, None] + i, 0, L - 1), axis=1)
+    return jnp.where(i < count[:, None], drafts, -1).astype(jnp.int32), count
+
+
 @dataclasses.dataclass
 class SpecStats:
     """Acceptance counters: per step, per row, by draft position."""
@@ -190,6 +222,7 @@ class SpecStats:
     accepted: int = 0
     emitted: int = 0  # tokens produced by verification steps (accepted + one per row)
     disabled_steps: int = 0  # decode steps run without speculation (batch too large, no drafts)
+    chained_steps: int = 0  # verification steps dispatched before the host read the previous one
     by_position: list[int] = dataclasses.field(default_factory=list)  # blocks whose draft j was accepted
     drafted_by_position: list[int] = dataclasses.field(default_factory=list)  # blocks with a draft j
 
@@ -210,6 +243,7 @@ class SpecStats:
     def summary(self) -> dict:
         rate = self.accepted / self.drafted if self.drafted else 0.0
         return {"spec_steps": self.steps, "spec_disabled_steps": self.disabled_steps,
+                "spec_chained_steps": self.chained_steps,
                 "spec_drafted_tokens": self.drafted, "spec_accepted_tokens": self.accepted,
                 "spec_acceptance_rate": round(rate, 4),
                 "spec_mean_accepted_length": round(self.emitted / self.rows, 4) if self.rows else 0.0,
