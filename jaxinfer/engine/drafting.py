@@ -43,6 +43,7 @@ class Drafter:
     def __init__(self, eng, spec: SpeculativeConfig, *, num_pages: int, draft=None):
         self.eng, self.spec = eng, spec
         self.stats = SpecStats(spec.num_speculative_tokens)
+        self._drafted_seen = 0  # stats.drafted when can_chain last looked (n-gram)
         self.heads = self.draft_cfg = self.draft_weights = self.eagle = None
         self.kv = None  # the draft model's or the EAGLE head's page pools (k, v), donated to each step
         if spec.method == SpecMethod.MEDUSA:
@@ -248,6 +249,13 @@ class Drafter:
         (decode,) = fl.decode
         if not fl.spec or not decode or not self.chains():
             return False
+        if self.spec.method == SpecMethod.NGRAM:
+            # a chained n-gram step verifies k + 1 queries per row whether or not its lookup
+            # finds drafts; when the last block read drafted nothing, go back to the host,
+            # which runs a plain step while no row finds a draft
+            seen, self._drafted_seen = self._drafted_seen, self.stats.drafted
+            if fl.drafted is None and self.stats.drafted == seen:
+                return False
         running = eng.sched.running()
         if len(running) != len(decode) or not self.spec.speculates(len(running)):
             return False
