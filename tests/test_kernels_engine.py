@@ -210,3 +210,69 @@ def test_packed_step_through_the_ragged_kernel_equals_reference(family, pool_dty
         tol = 2e-5 if pool_dtype == jnp.float32 else 2e-2  # bfloat16: one rounding of the key apart
         np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
 
+
+
+# ----------------------------------------------------------------------------- decode-only steps
+def _hand_decode_batch(ps):
+    """A decode-only step (``PackedBatch.decode_only``): rows A, B and C of ``_SEQS`` with one
+    query each at their first query position, then an idle row (position 0, scratch page 0)."""
+    from jaxinfer.models.packed import PackedBatch
+
+    i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
+    seqs = [_SEQS[n] for n in "ABC"]
+    pos = [list(s[1])[0] for s in seqs] + [0]
+    page = [s[2][p // ps] for s, p in zip(seqs, pos)] + [0]
+    wpage = [s[4][p // ps - s[3] // ps] for s, p in zip(seqs, pos)] + [0]
+    table = [s[2] + [0] * (2 - len(s[2])) for s in seqs] + [[0, 0], [0, 0]]
+    wtable = [s[4] + [0] * (2 - len(s[4])) for s in seqs] + [[0, 0], [0, 0]]
+    R = 4
+    return PackedBatch(
+        tokens=i32(np.random.default_rng(4).integers(0, 97, R)), positions=i32(pos), write_page=i32(page),
+        write_wpage=i32(wpage), active=jnp.asarray([True, True, True, False]), use_prev=jnp.zeros(R, bool),
+        last_q=i32([0] * R), table=i32(table), wtable=i32(wtable), wbase=i32([s[3] // ps for s in seqs] + [0, 0]),
+        seg=i32([]), hist_end=jnp.int32(0), targets=i32([]), rows=R, q=1)
+
+
+def _tiny_model(family):
+    if family == "llama":
+        return llama, ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2, n_heads=6,
+                                  n_kv_heads=2, head_dim=8, d_ff=64), (False, False)
+    L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
+    return gemma3, ModelConfig(
+        family=Family.GEMMA3, vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+        rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=1e4), layer_kinds=(L, G), sliding_window=4,
+        query_pre_attn_scalar=12.0, attn_logit_softcap=2.0), (True, False)
+
+
+@pytest.mark.parametrize("family,pool_dtype,ps", [("llama", jnp.float32, 8), ("gemma3", jnp.float32, 8),
+                                                  ("gemma3", jnp.bfloat16, 16)])
+def test_decode_only_step_through_the_paged_kernel_equals_reference(family, pool_dtype, ps):
+    """A step of decode rows of one query each and no prefill row runs every layer, windowed
+    ones included, through the paged decode kernel (not the ragged one), over NaN-poisoned
+    pools: the logits of the pure-JAX path at every active row."""
+    from jaxinfer.models.packed import PackedKV
+
+    mod, cfg, windowed = _tiny_model(family)
+    w = init_weights(mod.weight_specs(cfg), cfg, jax.random.key(0), scale=0.2)
+    batch = _hand_decode_batch(ps)
+    assert batch.decode_only
+    ks, vs = _hand_pools(cfg, windowed, ps, dtype=pool_dtype)
+
+    def make_step(kernels):
+        def step(w, ks, vs):
+            cache = PackedKV(ks, vs, batch, windowed, kernels)
+            h, cache = mod.forward(w, batch.tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
+            return mod.unembed(w, h, cfg)[0], cache.k, cache.v
+        return step
+
+    jaxpr = str(jax.make_jaxpr(make_step(dispatch.INTERPRET))(w, ks, vs))
+    assert jaxpr.count("pallas_call") == cfg.n_layers
+    assert "paged_attention_tpu" in jaxpr and "ragged" not in jaxpr
+    ref, ref_k, _ = jax.jit(make_step(dispatch.XLA))(w, ks, vs)
+    got, got_k, _ = jax.jit(make_step(dispatch.INTERPRET))(w, ks, vs)
+    active = np.asarray(batch.active)
+    assert np.isfinite(np.asarray(got)[active]).all()
+    assert_close(got[active], ref[active], pool_dtype)
+    for a, b in zip(got_k, ref_k):  # the same keys at the same slots (page 0: the idle row's scratch)
+        tol = 2e-5 if pool_dtype == jnp.float32 else 2e-2
+        np.testing.assert_allclose(np.asarray(a, np.float32)[1:], np.asarray(b, np.float32)[1:], atol=tol, rtol=tol)
