@@ -276,3 +276,45 @@ def test_decode_only_step_through_the_paged_kernel_equals_reference(family, pool
     for a, b in zip(got_k, ref_k):  # the same keys at the same slots (page 0: the idle row's scratch)
         tol = 2e-5 if pool_dtype == jnp.float32 else 2e-2
         np.testing.assert_allclose(np.asarray(a, np.float32)[1:], np.asarray(b, np.float32)[1:], atol=tol, rtol=tol)
+
+
+def _counting_paged_kernel(monkeypatch):
+    """Counts the paged decode kernel's calls as the engine's steps are traced."""
+    from jaxinfer import kernels
+
+    calls = []
+    real = kernels.paged_attention
+    monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def _same_outputs(got, want, atol=1e-4):
+    for g, r in zip(got, want):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        for lg, lr in zip(g.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert lg.keys() == lr.keys()
+            np.testing.assert_allclose([x.logprob for x in lg.values()], [x.logprob for x in lr.values()], atol=atol)
+
+
+@pytest.mark.parametrize("family,steps", [("llama", 4), pytest.param("llama", 1, marks=pytest.mark.slow),
+                                          pytest.param("gemma3", 1, marks=pytest.mark.slow),
+                                          pytest.param("gemma3", 4, marks=pytest.mark.slow)])
+def test_engine_decode_steps_through_the_paged_kernel_give_the_reference_outputs(monkeypatch, family, steps):
+    """The engine under kernels="pallas" (interpret mode) runs its decode-only steps, single or
+    chained (num_scheduler_steps), through the paged decode kernel, and gives the greedy tokens
+    and logprobs of kernels="xla"; Gemma 3's windowed layers read their window pools through it."""
+    from jaxinfer.loaders.random_weights import random_loaded
+
+    _, cfg, _ = _tiny_model(family)
+    loaded = random_loaded(dataclasses.replace(cfg, max_position=128), scale=1.0, seed=1)
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 97, 6 + 3 * i)] for i in range(2)]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    kw = {"progress": False, "max_num_seqs": 4, "max_model_len": 64, "block_size": 8, "num_scheduler_steps": steps}
+    want = LLM(loaded, kernels="xla", **kw).generate(prompts, sp, use_tqdm=False)
+    calls = _counting_paged_kernel(monkeypatch)
+    llm = LLM(loaded, kernels="pallas", **kw)
+    got = llm.generate(prompts, sp, use_tqdm=False)
+    assert len(calls) >= cfg.n_layers  # traced for every layer of a decode-only step
+    if steps > 1:
+        assert llm.engine.stats["chains"] > 0
+    _same_outputs(got, want)
