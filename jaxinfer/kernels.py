@@ -69,11 +69,14 @@ def paged_attention_fits(page_size: int, dtype) -> bool:
     return pa.kernel_fits(page_size, dtype)
 
 
-def paged_attention(q, k_pages, v_pages, page_table, lengths, *, scale, window, softcap, interpret: bool = False):
+def paged_attention(q, k_pages, v_pages, page_table, lengths, *, scale, window, softcap, interpret: bool = False,
+                    sinks=None):
     """One query per row over its pages (q [B, N, H] at position lengths[b] - 1, keys stored
     transposed as jaxinfer's paged cache keeps them) -> [B, N, H]: a decode-only packed step.
     See ``pallas_kernels.paged_attention``. Queries are cast to the pools' dtype and the output
-    back to q's, as ``ragged_paged_attention`` does."""
+    back to q's, as ``ragged_paged_attention`` does. sinks: f32[N] per-head attention sinks
+    (gpt-oss), or None."""
     out = pa.paged_attention(q.astype(k_pages.dtype), k_pages, v_pages, page_table, lengths, scale=scale,
-                             window=window, softcap=softcap, keys_transposed=True, interpret=interpret)
+                             window=window, softcap=softcap, keys_transposed=True, interpret=interpret,
+                             sinks=sinks)
     return out.astype(q.dtype)

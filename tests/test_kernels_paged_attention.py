@@ -267,3 +267,43 @@ def test_kernel_fits_asks_what_the_variants_check(monkeypatch):
     monkeypatch.setattr(pk, "kernel_target", lambda: "gpu")
     assert pa.kernel_fits(16, jnp.float32) and pa.kernel_fits(32, jnp.bfloat16)
     assert not pa.kernel_fits(8, jnp.float32) and not pa.kernel_fits(24, jnp.float32)
+
+
+# ----------------------------------------------------------------------------- attention sinks
+def test_reference_hand_sinks():
+    """A sink of logit ln 4 beside the three keys (weights 1 : 1 : 2) adds 4 to the
+    denominator and no value: (2 + 4 + 16) / (4 + 4). A row of length 0 still gives 0."""
+    k, v, table = _hand_pool()
+    q = jnp.ones((2, 1, 1), jnp.float32)
+    sinks = jnp.array([math.log(4.0)], jnp.float32)
+    out = pa.paged_attention_reference(q, k, v, jnp.concatenate([table, table]), jnp.array([3, 0]), scale=1.0,
+                                       sinks=sinks)
+    np.testing.assert_allclose(np.asarray(out).ravel(), [22 / 8, 0.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("dtype,window", [(jnp.float32, 20), (jnp.bfloat16, None)])
+def test_kernel_with_sinks_matches_both_references(variant, dtype, window):
+    """Per-head sinks (some far above the scores, some far below) over NaN-poisoned pools:
+    the kernel gives its reference's output and the ragged reference's on the same rows, and
+    the sinks change it."""
+    skip_unless_runs_here(variant)
+    N, K = 8, 2
+    rng = np.random.default_rng(7)
+    lengths = [1, 40, 0, 17, 64]
+    kp, vp, table, _, _ = paged_pool(rng, lengths, K=K, H=16, page_size=16, pages_per_seq=4, dtype=dtype,
+                                     keys_transposed=True)
+    B = len(lengths)
+    q = jnp.asarray(rng.normal(size=(B, N, 16)), dtype)
+    n = jnp.asarray(lengths, jnp.int32)
+    sinks = jnp.asarray(rng.normal(size=N) * 2 + np.where(np.arange(N) % 2, 3.0, -3.0), jnp.float32)
+    opts = dict(window=window, keys_transposed=True)
+    ref = jax.jit(lambda *a: pa.paged_attention_reference(*a[:-1], sinks=a[-1], **opts))(q, kp, vp, table, n, sinks)
+    ragged = jax.jit(lambda *a: rpa.ragged_paged_attention_reference(*a[:-1], sinks=a[-1], **opts))(
+        q, kp, vp, table, jnp.arange(B, dtype=jnp.int32), (n > 0).astype(jnp.int32), n, sinks)
+    plain = jax.jit(lambda *a: pa.paged_attention_reference(*a, **opts))(q, kp, vp, table, n)
+    assert not np.allclose(np.asarray(ref, np.float32), np.asarray(plain, np.float32), atol=1e-2)
+    assert_close(ref, ragged)
+    out = run_interpreted(lambda *a: VARIANTS[variant](*a[:-1], interpret=INTERPRET, sinks=a[-1], **opts),
+                          q, kp, vp, table, n, sinks)
+    assert_close(out, ref)

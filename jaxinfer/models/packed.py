@@ -42,10 +42,11 @@ so it is fixed for each executable:
   plain decoding, and every step of a chain of decode steps) runs the paged decode kernel,
   one [G, H] tile per row and kv head (``decode_kernel_attention``); on an H100 it read 32
   rows x 4096 positions at 0.82 of the copy bandwidth where the ragged kernel read at 0.35
-  (``benchmarks/RESULTS.md``, "GPU kernels"). A layer with attention sinks does not: the
-  paged kernel has none;
-* every other step (verification rows of q > 1 queries, a prefill row, sinks) runs the
-  ragged kernel over every decode row and prefill segment (``ragged_kernel_attention``).
+  (``benchmarks/RESULTS.md``, "GPU kernels");
+* every other step (verification rows of q > 1 queries, a prefill row) runs the ragged
+  kernel over every decode row and prefill segment (``ragged_kernel_attention``).
+
+Both take attention sinks.
 
 Latent pools (multi-head latent attention: ``cache`` module doc) have no keys pool (None): the
 XLA readers here take the keys as the values pool's transpose, block by block as they gather
@@ -163,9 +164,9 @@ class PackedKV:
         opts = {"scale": scale, "window": window, "softcap": softcap, "sinks": sinks}
         path = dispatch.paged_path(self.kernels, ks[layer], vs[layer], defer_writes=self.defer_writes,
                                    sinks=sinks is not None, decode_only=b.decode_only)
-        if path == dispatch.PagedPath.DECODE:  # (never with sinks: dispatch.paged_path)
-            return decode_kernel_attention(q, ks[layer], vs[layer], b, table, base, scale=scale, window=window,
-                                           softcap=softcap, interpret=self.kernels.interpret), cache
+        if path == dispatch.PagedPath.DECODE:
+            return decode_kernel_attention(q, ks[layer], vs[layer], b, table, base,
+                                           interpret=self.kernels.interpret, **opts), cache
         if path == dispatch.PagedPath.RAGGED:
             return ragged_kernel_attention(q, ks[layer], vs[layer], b, table, base, page,
                                            interpret=self.kernels.interpret, **opts), cache
@@ -476,17 +477,18 @@ def _logical_table(table, base, width: int):
 
 
 def decode_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, *, scale, window=None, softcap=None,
-                            interpret: bool = False):
+                            sinks=None, interpret: bool = False):
     """A decode-only step's attention (``PackedBatch.decode_only``: R rows of one query, no
     prefill row) in one paged decode kernel call (TPU/GPU, or Pallas interpret mode):
     q [1, R, N_heads, H] -> [1, R, N_heads, H]. Row r's query sits at positions[r] and reads
     the pages of its table row, which already hold this step's key; windowed tables are laid
     out by logical page as for the ragged kernel, so the window mask alone decides what is
-    read (an idle row reads its scratch page and nothing reads its output)."""
+    read (an idle row reads its scratch page and nothing reads its output). sinks: f32[N_heads]
+    per-head attention sinks, or None."""
     R = b.rows
     logical = _logical_table(table[:R], None if base is None else base[:R], b.table.shape[1])
     out = kernels.paged_attention(q[0], kpool, vpool, logical, b.positions[:R] + 1, scale=scale, window=window,
-                                  softcap=softcap, interpret=interpret)
+                                  softcap=softcap, interpret=interpret, sinks=sinks)
     return out[None]
 
 
@@ -494,9 +496,9 @@ def ragged_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, page, 
                             softcap=None, sinks=None, interpret: bool = False):
     """The whole packed step's attention in one ragged paged-attention call (TPU/GPU, or
     Pallas interpret mode): q [1, N, N_heads, H] -> [1, N, N_heads, H]. A decode-only step
-    without sinks runs ``decode_kernel_attention`` instead (module docstring: the rule is
+    runs ``decode_kernel_attention`` instead (module docstring: the rule is
     ``dispatch.paged_path``'s, from the batch's shapes and the ``Kernels`` value); this one
-    takes verification rows of q > 1 queries, the prefill row, and attention sinks.
+    takes verification rows of q > 1 queries and the prefill row.
 
     Segments: each decode row (its real queries: positions p0 .. p_max; the padding queries
     that repeat p_max are left out, their output is 0 and nothing reads it), then each

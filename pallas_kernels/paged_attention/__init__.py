@@ -6,6 +6,8 @@ keys_transposed=True (jaxinfer's paged cache stores keys so, for XLA CPU); page_
 i32[B, pages_per_seq] lists each sequence's pages in order; lengths i32[B] counts its
 cached tokens, the new one included (its query sits at position lengths[b] - 1). Query head
 n uses kv head n // (N // K). Page-table entries past a sequence's last page are ignored.
+Optional ``sinks`` f32[N]: head n's softmax has one more logit, sinks[n], that weighs no
+value (gpt-oss).
 
 What ``ragged_paged_attention`` does for segments of one query, with one [G, H] tile per
 (sequence, kv head) instead of a query block of many tokens: the packed engine step's
@@ -50,6 +52,7 @@ def paged_attention(
     keys_transposed: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    sinks: jax.Array | None = None,  # f32[N] per-head attention sinks (an extra softmax logit)
 ) -> jax.Array:  # [B, N, H]
     """Dispatch: the Pallas kernel on TPU/GPU or with interpret=True, else the reference."""
     fn = paged_attention_kernel if use_kernel(interpret) else paged_attention_reference
@@ -65,4 +68,5 @@ def paged_attention(
         keys_transposed=keys_transposed,
         block_sizes=block_sizes,
         interpret=interpret,
+        sinks=sinks,
     )

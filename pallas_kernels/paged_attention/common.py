@@ -21,7 +21,7 @@ class BlockSizes:
         check(self.pages_per_block > 0, f"pages_per_block={self.pages_per_block} must be positive")
 
 
-def validate(q, k_pages, v_pages, page_table, lengths, *, scale, window, softcap, keys_transposed):
+def validate(q, k_pages, v_pages, page_table, lengths, *, scale, window, softcap, keys_transposed, sinks=None):
     """Checks shapes and options; returns the scale to use."""
     check_pages(q, k_pages, v_pages, keys_transposed=keys_transposed, rows="B")
     B, _, H = q.shape
@@ -37,6 +37,8 @@ def validate(q, k_pages, v_pages, page_table, lengths, *, scale, window, softcap
         f"{window=} must be None or a positive int",
     )
     check(softcap is None or softcap > 0, f"{softcap=} must be None or positive")
+    check(sinks is None or sinks.shape == (q.shape[1],),
+          f"sinks must be None or [N]={q.shape[1]} (one per query head); got {getattr(sinks, 'shape', sinks)}")
     return H**-0.5 if scale is None else float(scale)
 
 

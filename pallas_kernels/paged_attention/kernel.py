@@ -2,7 +2,9 @@
 
 The G query heads that share a kv head are packed into the rows of one [G, H] tile, so a
 page is read once per kv head, not once per query head. Each sequence visits only its own
-pages (through its page table) up to its length, and only those inside the window.
+pages (through its page table) up to its length, and only those inside the window. With
+``sinks`` (one logit per query head) each row gets its head's logit as one more term of the
+softmax denominator when the sequence is finished (``_common.with_sink``); it weighs no value.
 
 The pools are page-major, [P, K, page_size, H] (one page holds every kv head: what the
 allocator hands out), and the kernel reads one [page_size, H] tile (or [H, page_size] with
@@ -37,6 +39,7 @@ from pallas_kernels._common import (
     pad_axis,
     pick_variant,
     sublane,
+    with_sink,
 )
 from pallas_kernels.paged_attention.common import BlockSizes, page_range, validate, visible
 
@@ -67,16 +70,22 @@ def _update(q, k, v, start, length, carry, *, scale, window, softcap, keys_trans
     return m_new, alpha * l_prev + p.sum(axis=1, keepdims=True), alpha * acc_prev + pv
 
 
+def _pad_edge(x, size: int):
+    """x [K, G] padded along its last axis to size by repeating the last column."""
+    return jnp.pad(x, ((0, 0), (0, size - x.shape[1])), mode="edge")
+
+
 def _finish(l, acc):
     return acc / jnp.where(l == 0.0, 1.0, l)
 
 
 # ----------------------------------------------------------------------------- TPU (Mosaic)
 def _tpu_kernel(
-    len_ref, pt_ref, q_ref, *refs, ppb, page_size, pps, scale, window, softcap, keys_transposed
+    len_ref, pt_ref, q_ref, *refs, ppb, page_size, pps, scale, window, softcap, keys_transposed, has_sinks
 ):
     k_refs, v_refs = refs[:ppb], refs[ppb : 2 * ppb]
-    o_ref, m_ref, l_ref, acc_ref = refs[2 * ppb :]
+    sink_ref = refs[2 * ppb] if has_sinks else None
+    o_ref, m_ref, l_ref, acc_ref = refs[2 * ppb + has_sinks :]
     b, i = pl.program_id(0), pl.program_id(2)
     length = len_ref[b]
     first, last, any_visible = page_range(length, page_size, pps, window)
@@ -111,7 +120,10 @@ def _tpu_kernel(
 
     @pl.when(i == pl.num_programs(2) - 1)
     def _write():
-        o_ref[...] = _finish(l_ref[...], acc_ref[...]).astype(o_ref.dtype)
+        m, l, acc = m_ref[...], l_ref[...], acc_ref[...]
+        if has_sinks:
+            m, l, acc = with_sink(m, l, acc, sink_ref[...])
+        o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
 
 
 def paged_attention_tpu(
@@ -127,6 +139,7 @@ def paged_attention_tpu(
     keys_transposed=False,
     block_sizes=None,
     interpret=False,
+    sinks=None,
 ):
     """The Mosaic variant (also what interpret mode runs on CPU); see paged_attention_kernel."""
     from jax.experimental.pallas import tpu as pltpu
@@ -141,6 +154,7 @@ def paged_attention_tpu(
         window=window,
         softcap=softcap,
         keys_transposed=keys_transposed,
+        sinks=sinks,
     )
     B, N, H = q.shape
     _, K, page_size, _ = v_pages.shape
@@ -168,7 +182,12 @@ def paged_attention_tpu(
         window=window,
         softcap=softcap,
         keys_transposed=keys_transposed,
+        has_sinks=sinks is not None,
     )
+    sink_in, sink_specs = [], []
+    if sinks is not None:  # each kv head's G logits as a column [G, 1]
+        sink_in = [sinks.astype(jnp.float32).reshape(K, G, 1)]
+        sink_specs = [pl.BlockSpec((None, G, 1), lambda b, h, i, *_: (h, 0, 0))]
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((B, K, G, H), q.dtype),
@@ -179,6 +198,7 @@ def paged_attention_tpu(
                 q_spec,
                 *[page_spec(jj, k_tile) for jj in range(ppb)],
                 *[page_spec(jj, (page_size, H)) for jj in range(ppb)],
+                *sink_specs,
             ],
             out_specs=q_spec,
             scratch_shapes=[
@@ -198,6 +218,7 @@ def paged_attention_tpu(
         q.reshape(B, K, G, H),
         *[k_pages] * ppb,
         *[v_pages] * ppb,
+        *sink_in,
     )
     return out.reshape(B, N, H)
 
@@ -209,8 +230,7 @@ def _gpu_kernel(
     q_ref,
     k_ref,
     v_ref,
-    o_ref,
-    *,
+    *refs,
     ppb,
     page_size,
     pps,
@@ -218,7 +238,9 @@ def _gpu_kernel(
     window,
     softcap,
     keys_transposed,
+    has_sinks,
 ):
+    sink_ref, o_ref = refs if has_sinks else (None, *refs)
     length = len_ref[0]
     first, last, any_visible = page_range(length, page_size, pps, window)
     q = q_ref[...]  # [Gp, Hp]
@@ -251,7 +273,9 @@ def _gpu_kernel(
         jnp.zeros((Gp, H), jnp.float32),
     )
     stop = jnp.where(any_visible, last // ppb + 1, first // ppb)
-    _, l, acc = lax.fori_loop(first // ppb, stop, body, init)
+    m, l, acc = lax.fori_loop(first // ppb, stop, body, init)
+    if has_sinks:
+        m, l, acc = with_sink(m, l, acc, sink_ref[...][:, None])
     o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
 
 
@@ -268,6 +292,7 @@ def paged_attention_gpu(
     keys_transposed=False,
     block_sizes=None,
     interpret=False,
+    sinks=None,
 ):
     """The Triton variant; see paged_attention_kernel."""
     from jax.experimental.pallas import triton as plgpu
@@ -282,6 +307,7 @@ def paged_attention_gpu(
         window=window,
         softcap=softcap,
         keys_transposed=keys_transposed,
+        sinks=sinks,
     )
     B, N, H = q.shape
     P, K, page_size, _ = v_pages.shape
@@ -307,8 +333,13 @@ def paged_attention_gpu(
         window=window,
         softcap=softcap,
         keys_transposed=keys_transposed,
+        has_sinks=sinks is not None,
     )
     q_spec = pl.BlockSpec((None, None, Gp, Hp), lambda b, h: (b, h, 0, 0))
+    sink_in, sink_specs = [], []
+    if sinks is not None:  # each kv head's logits [Gp] (padding rows repeat the last)
+        sink_in = [_pad_edge(sinks.astype(jnp.float32).reshape(K, G), Gp)]
+        sink_specs = [pl.BlockSpec((None, Gp), lambda b, h: (h, 0))]
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
@@ -319,12 +350,13 @@ def paged_attention_gpu(
             q_spec,
             pl.BlockSpec((P, None, *k_tile), lambda b, h: (0, h, 0, 0)),
             pl.BlockSpec((P, None, page_size, Hp), lambda b, h: (0, h, 0, 0)),
+            *sink_specs,
         ],
         out_specs=q_spec,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="paged_attention_gpu",
-    )(lengths.astype(jnp.int32), table, qp, kp, vp)
+    )(lengths.astype(jnp.int32), table, qp, kp, vp, *sink_in)
     return out[:, :, :G, :H].reshape(B, N, H)
 
 
@@ -353,6 +385,7 @@ def paged_attention_kernel(
     keys_transposed: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    sinks: jax.Array | None = None,  # f32[N]
 ) -> jax.Array:  # [B, N, H]
     """Pallas paged decode attention; same contract as paged_attention_reference. The
     variant is the platform's (Mosaic on TPU, Triton on GPU); on CPU pass interpret=True."""
@@ -369,4 +402,5 @@ def paged_attention_kernel(
         keys_transposed=keys_transposed,
         block_sizes=block_sizes,
         interpret=interpret,
+        sinks=sinks,
     )

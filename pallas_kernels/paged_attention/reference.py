@@ -26,12 +26,14 @@ def paged_attention_reference(
     keys_transposed: bool = False,  # k_pages is [P, K, H, page_size]
     block_sizes: BlockSizes | None = None,  # unused: same signature as the kernel
     interpret: bool = False,  # unused
+    sinks: jax.Array | None = None,  # f32[N] one more logit per head in each softmax denominator
 ) -> jax.Array:  # [B, N, H], q.dtype
     """Decode attention over the first lengths[b] tokens of each sequence's pages.
 
     Token s of sequence b lives in page page_table[b, s // page_size] at slot
     s % page_size. Softmax in float32; a row with length 0 is zero. Slots at or past the
-    length are never used, even if they hold NaN.
+    length are never used, even if they hold NaN. With ``sinks`` (gpt-oss's attention sinks)
+    head n's softmax has the extra logit sinks[n], which weighs no value.
     """
     del block_sizes, interpret
     scale = validate(
@@ -44,6 +46,7 @@ def paged_attention_reference(
         window=window,
         softcap=softcap,
         keys_transposed=keys_transposed,
+        sinks=sinks,
     )
     B, N, H = q.shape
     _, K, page_size, _ = v_pages.shape
@@ -62,8 +65,14 @@ def paged_attention_reference(
             s = softcap * jnp.tanh(s / softcap)
         ok = visible(jnp.arange(S, dtype=jnp.int32)[None, :], lengths[:, None], window)  # [B, S]
         s = jnp.where(ok[:, None, None], s, MASK_VALUE)
-        p = jnp.where(ok[:, None, None], jnp.exp(s - s.max(axis=-1, keepdims=True)), 0.0)
+        m = s.max(axis=-1, keepdims=True)
+        if sinks is not None:
+            sink = sinks.astype(jnp.float32).reshape(1, K, G, 1)
+            m = jnp.maximum(m, sink)
+        p = jnp.where(ok[:, None, None], jnp.exp(s - m), 0.0)
         l = p.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            l = l + jnp.exp(sink - m)
         vg = jnp.where(ok[:, None, :, None], vg, 0.0)
         o = jnp.einsum("BKGS,BKSH->BKGH", p / jnp.where(l == 0, 1.0, l), vg)
         return o.reshape(B, N, H).astype(q.dtype)
