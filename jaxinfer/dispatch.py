@@ -302,9 +302,9 @@ def paged_path(k: Kernels, kpool, vpool, *, defer_writes: bool, sinks: bool = Fa
 
     The Pallas kernels read this step's keys from the pages, so not with deferred writes, and
     take float pools of the page sizes they tile, with or without attention sinks. A decode-only
-    step goes to the paged decode kernel (one [G, H] tile per row and kv head: on an H100 it
-    read a 32-row decode step's pages at about twice the ragged kernel's bandwidth); every other
-    step (verification rows of q > 1, a prefill row) to the ragged kernel. The native kernels
+    step goes to the paged decode kernel (one [G, H] tile per row and kv head, no query blocks
+    of one real query: ``benchmarks/RESULTS.md``, "GPU kernels"); every other step
+    (verification rows of q > 1, a prefill row) to the ragged kernel. The native kernels
     take float32 or int8 pools of pages up to ``cpu_kernels.ROWS_MAX_PAGE`` positions, and no
     sinks. None reads a latent pool."""
     from jaxinfer.cache import QuantKV

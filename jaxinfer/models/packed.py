@@ -40,9 +40,9 @@ so it is fixed for each executable:
 
 * a step of decode rows of one query each and no prefill row (``PackedBatch.decode_only``:
   plain decoding, and every step of a chain of decode steps) runs the paged decode kernel,
-  one [G, H] tile per row and kv head (``decode_kernel_attention``); on an H100 it read 32
-  rows x 4096 positions at 0.82 of the copy bandwidth where the ragged kernel read at 0.35
-  (``benchmarks/RESULTS.md``, "GPU kernels");
+  one [G, H] tile per row and kv head (``decode_kernel_attention``), which reads a decode
+  step's pages closer to the copy bandwidth than the ragged kernel, whose query blocks
+  hold one real query per row there (``benchmarks/RESULTS.md``, "GPU kernels");
 * every other step (verification rows of q > 1 queries, a prefill row) runs the ragged
   kernel over every decode row and prefill segment (``ragged_kernel_attention``).
 
