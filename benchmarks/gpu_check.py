@@ -30,7 +30,9 @@ whole run ends within it):
   tests        the kernel-grid tests compiled for the GPU (JAXINFER_TEST_COMPILED=1, -k gpu),
                spec_verify's among them
   kernels      each kernel against its pure-JAX reference (XLA on the same GPU) at serving
-               shapes: time, bytes it must move, MBU = bytes / time / copy bandwidth
+               shapes: time, bytes it must move, MBU = bytes / time / copy bandwidth; and
+               the paged decode kernel against the ragged kernel on the same decode rows
+               (what a decode-only engine step runs under each), both inside the jitted loop
   engine       LLM.generate on a SmolLM2-shaped model (random weights, SmolLM2's real
                tokenizer), bfloat16: batch 1 and 64, Pallas kernels on and off (same tokens?)
   wide         the slow (wide) kernel grids, with what time is left
@@ -153,10 +155,11 @@ def loop_calls(call_s: float) -> int:
     return size(int(min(400, max(20, 0.02 / max(call_s, 1e-6)))), 2)
 
 
-def bench(name, kern, ref, args, *, bw, compare=None, bytes_moved=None, flops=None, calls=20):
+def bench(name, kern, ref, args, *, bw, compare=None, bytes_moved=None, flops=None, calls=20, loop=False):
     """One row: kernel vs reference (compare(out, want) -> dict; default the relative error,
     reference at highest matmul precision), each timed by the jitted loop (*_us, below
-    LOOP_BELOW_US per call; always in --dry) and the Python call loop (*_call_us)."""
+    LOOP_BELOW_US per call, or always with loop=True or in --dry) and the Python call loop
+    (*_call_us)."""
     import jax
 
     r = {"name": name}
@@ -172,7 +175,7 @@ def bench(name, kern, ref, args, *, bw, compare=None, bytes_moved=None, flops=No
             t_call = timed(f, *args, calls=size(calls, 2), repeats=size(7, 1))
             r[f"{key}_call_us"] = t_call * 1e6
             t = t_call
-            if DRY or t_call * 1e6 < LOOP_BELOW_US:
+            if DRY or loop or t_call * 1e6 < LOOP_BELOW_US:
                 n = loop_calls(t_call)
                 t = loop_timed(f, args, n, repeats=size(5, 1))
                 r[f"{key}_loop_n"] = n
@@ -248,7 +251,8 @@ def pytest_kernels(extra: list[str], timeout: float, log: Path):
     # One file failing to import (a module the device image lacks) must not stop the others.
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "gpu", "-rfE",
            "--continue-on-collection-errors",
-           "tests/test_kernels_ragged_paged_attention.py", "tests/test_kernels_quant_matmul.py",
+           "tests/test_kernels_ragged_paged_attention.py", "tests/test_kernels_paged_attention.py",
+           "tests/test_kernels_quant_matmul.py",
            "tests/test_spec_verify.py", *extra]
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -342,16 +346,18 @@ def kernels_bench(bw: float, budget_end: float):
     import jax
     import jax.numpy as jnp
 
+    from pallas_kernels import paged_attention as pa
     from pallas_kernels import quant_matmul as qm
     from pallas_kernels import ragged_paged_attention as rpa
 
     rows = []
 
-    def add(name, kern, ref, args, bytes_moved=None, flops=None, calls=20):
+    def add(name, kern, ref, args, bytes_moved=None, flops=None, calls=20, loop=False):
         if elapsed() > budget_end:
             rows.append({"name": name, "skipped": "out of time"})
             return
-        rows.append(bench(name, kern, ref, args, bw=bw, bytes_moved=bytes_moved, flops=flops, calls=calls))
+        rows.append(bench(name, kern, ref, args, bw=bw, bytes_moved=bytes_moved, flops=flops, calls=calls,
+                          loop=loop))
 
     bf16 = jnp.bfloat16
     key = jax.random.key(0)
@@ -369,6 +375,14 @@ def kernels_bench(bw: float, budget_end: float):
             jax.jit(lambda *a: rpa.ragged_paged_attention_kernel(*a, **opts, **I_)),
             jax.jit(lambda *a: rpa.ragged_paged_attention_reference(*a, **opts)),
             (q, kp, vp, table, S, jnp.ones((B,), jnp.int32), lengths), bytes_moved=kv_bytes)
+        # The same rows through the paged decode kernel (a decode-only engine step's choice),
+        # with the ragged kernel as its "reference": both timed inside one jitted loop, so MBU
+        # and ref_MBU set the two kernels side by side against the measured copy bandwidth.
+        ones = jnp.ones((B,), jnp.int32)
+        add(f"paged_decode vs ragged B={B} ctx={ctx} N/K/H={N}/{K}/{H} bf16",
+            jax.jit(lambda q, kp, vp, t, n: pa.paged_attention_kernel(q, kp, vp, t, n, **opts, **I_)),
+            jax.jit(lambda q, kp, vp, t, n: rpa.ragged_paged_attention_kernel(q, kp, vp, t, S, ones, n, **opts, **I_)),
+            (q, kp, vp, table, lengths), bytes_moved=kv_bytes, loop=True)
     # A packed step: one 512-token prompt chunk (history 512) beside 63 decode rows of ctx 1024.
     N, K, H = size((9, 3, 64), (4, 2, 16))
     B, ctx, chunk = size((64, 1024, 512), (3, 48, 16))
@@ -504,10 +518,11 @@ def main():
     if args.dry:
         global DRY
         from pallas_kernels import _common
+        from pallas_kernels.paged_attention import kernel as pk
         from pallas_kernels.ragged_paged_attention import kernel as rk
 
         DRY = True
-        _common.kernel_target = rk.kernel_target = lambda: "gpu"
+        _common.kernel_target = rk.kernel_target = pk.kernel_target = lambda: "gpu"
         args.skip += ["tests", "wide"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,7 @@ from pallas_kernels import grouped_matmul as gm
 
 
 class Attention(str, enum.Enum):
-    PALLAS = "pallas"  # ragged paged attention over the page pools
+    PALLAS = "pallas"  # paged decode / ragged paged attention over the page pools
     NATIVE = "native"  # cpu_kernels.paged_rows / prefill_row over float32 or int8 pages
     XLA = "xla"  # the blockwise pure-JAX readers in models.packed
 
@@ -287,18 +287,26 @@ def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, group_offset=0) -
 class PagedPath(enum.Enum):
     """How a packed step's layer reads its page pools (``models.packed.PackedKV.attend``)."""
 
+    DECODE = "decode"  # the paged decode Pallas kernel: a step of decode rows of one query each
     RAGGED = "ragged"  # one ragged paged-attention Pallas call for every row and segment
     NATIVE = "native"  # cpu_kernels.paged_rows for the decode rows, prefill_row for the prefill row
     XLA = "xla"  # the blockwise readers of models.packed
 
 
-def paged_path(k: Kernels, kpool, vpool, *, defer_writes: bool, sinks: bool = False) -> PagedPath:
+def paged_path(k: Kernels, kpool, vpool, *, defer_writes: bool, sinks: bool = False,
+               decode_only: bool = False) -> PagedPath:
     """The path of a packed step's layer over pools kpool [P, K, H, ps] / vpool (float, or
-    ``cache.QuantKV``; kpool None: a latent pool, whose keys are its values). The ragged kernel
-    reads this step's keys from the pages, so not with deferred writes, and takes float pools of
-    the page sizes it tiles, with or without attention sinks; the native kernels take float32 or
-    int8 pools of pages up to ``cpu_kernels.ROWS_MAX_PAGE`` positions, and no sinks. Neither
-    reads a latent pool."""
+    ``cache.QuantKV``; kpool None: a latent pool, whose keys are its values). decode_only: the
+    step's batch has decode rows of one query each and no prefill row (``PackedBatch.decode_only``,
+    a static property of its shapes).
+
+    The Pallas kernels read this step's keys from the pages, so not with deferred writes, and
+    take float pools of the page sizes they tile, with or without attention sinks. A decode-only
+    step goes to the paged decode kernel (one [G, H] tile per row and kv head, no query blocks
+    of one real query: ``benchmarks/RESULTS.md``, "GPU kernels"); every other step
+    (verification rows of q > 1, a prefill row) to the ragged kernel. The native kernels
+    take float32 or int8 pools of pages up to ``cpu_kernels.ROWS_MAX_PAGE`` positions, and no
+    sinks. None reads a latent pool."""
     from jaxinfer.cache import QuantKV
 
     if kpool is None:
@@ -306,7 +314,11 @@ def paged_path(k: Kernels, kpool, vpool, *, defer_writes: bool, sinks: bool = Fa
     ps = vpool.shape[2]
     quantized = isinstance(kpool, QuantKV)
     if k.attention == Attention.PALLAS:
-        if not defer_writes and not quantized and kernels.ragged_paged_attention_fits(ps, kpool.dtype):
+        if defer_writes or quantized:
+            return PagedPath.XLA
+        if decode_only and kernels.paged_attention_fits(ps, kpool.dtype):
+            return PagedPath.DECODE
+        if kernels.ragged_paged_attention_fits(ps, kpool.dtype):
             return PagedPath.RAGGED
         return PagedPath.XLA
     if (k.attention == Attention.NATIVE and not sinks and ps <= cpu_kernels.ROWS_MAX_PAGE

@@ -8,6 +8,8 @@ which its reference is decided by ``jaxinfer.dispatch``, from the engine's ``Ker
   decode row (1..q queries) and every prompt chunk of the prefill row in one call that reads
   each sequence's pages in place (``pallas_kernels.ragged_paged_attention``), windowed layers
   included; int8 KV pools keep the pure-JAX blockwise path.
+* ``paged_attention``: the same step's attention when it holds only decode rows of one query
+  each (``pallas_kernels.paged_attention``: one tile per row and kv head, no query blocks).
 * ``quant_matmul``: quantized matmuls as the int8 / weight-only kernels
   (``pallas_kernels.quant_matmul``).
 * the experts' grouped matmul: ``pallas_kernels.grouped_matmul``, called by
@@ -19,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import paged_attention as pa
 from pallas_kernels import quant_matmul as qm
 from pallas_kernels import ragged_paged_attention as rpa
 
@@ -59,3 +62,21 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, q_start, q_len, kv_l
                                      interpret=interpret, sinks=sinks)
     return out.astype(q.dtype)
 
+
+
+def paged_attention_fits(page_size: int, dtype) -> bool:
+    """Whether the paged decode kernel takes pools of this page size and dtype here."""
+    return pa.kernel_fits(page_size, dtype)
+
+
+def paged_attention(q, k_pages, v_pages, page_table, lengths, *, scale, window, softcap, interpret: bool = False,
+                    sinks=None):
+    """One query per row over its pages (q [B, N, H] at position lengths[b] - 1, keys stored
+    transposed as jaxinfer's paged cache keeps them) -> [B, N, H]: a decode-only packed step.
+    See ``pallas_kernels.paged_attention``. Queries are cast to the pools' dtype and the output
+    back to q's, as ``ragged_paged_attention`` does. sinks: f32[N] per-head attention sinks
+    (gpt-oss), or None."""
+    out = pa.paged_attention(q.astype(k_pages.dtype), k_pages, v_pages, page_table, lengths, scale=scale,
+                             window=window, softcap=softcap, keys_transposed=True, interpret=interpret,
+                             sinks=sinks)
+    return out.astype(q.dtype)

@@ -7,6 +7,9 @@ One small package per op:
                     chunks with or without cached history) in one call, each reading its
                     sequence's pages in place; causal, GQA/MQA, sliding window, soft-cap.
                     The packed engine step's attention on TPU/GPU.
+  paged_attention   paged decode attention: one query token per sequence over its pages,
+                    the G query heads of a kv head in one tile. The packed engine step's
+                    attention on TPU/GPU when every row decodes one token.
   quant_matmul      int8 x int8 -> int32 matmul with per-token and per-channel scales, and
                     weight-only int8 / packed-int4 matmuls that dequantize inside the kernel.
   grouped_matmul    rows sorted by group, each group's rows times its own weight (float,

@@ -100,3 +100,11 @@ def check_pages(q, k_pages, v_pages, *, keys_transposed: bool, rows: str) -> Non
         f"dtypes differ: {q.dtype=} {k_pages.dtype=} {v_pages.dtype=}",
     )
     check(jnp.issubdtype(q.dtype, jnp.floating), f"{q.dtype=} must be floating point")
+
+
+def with_sink(m, l, acc, sink):
+    """Online-softmax state (max m, sum l, values acc; [M, 1], [M, 1], [M, H]) with one more
+    logit per row, sink [M, 1], that weighs no value (attention sinks)."""
+    m_new = jnp.maximum(m, sink)
+    alpha = jnp.exp(m - m_new)
+    return m_new, alpha * l + jnp.exp(sink - m_new), alpha * acc

@@ -161,20 +161,22 @@ def test_mxfp4_dequantize_hand_block():
 
 
 # ----------------------------------------------------------------------------- the kernel path
-def test_packed_attention_with_sinks_through_the_ragged_kernel_equals_reference():
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_packed_attention_with_sinks_through_the_kernels_equals_reference(decode_only):
     """A packed step's attention (``PackedKV.attend``, as gpt-oss's layers call it) over decode
-    rows of 1 and 3 queries and a prefill row of two chunks, NaN-poisoned pools, a sliding
-    layer over its own windowed pool and a full one, with sinks far from 0: the ragged kernel
-    (interpret mode) gives what the pure-JAX readers give, and the sinks matter."""
+    rows of 1 and 3 queries and a prefill row of two chunks (the ragged kernel), or over decode
+    rows of one query only (the paged decode kernel), NaN-poisoned pools, a sliding layer over
+    its own windowed pool and a full one, with sinks far from 0: the kernel (interpret mode)
+    gives what the pure-JAX readers give, and the sinks matter."""
     from jaxinfer import dispatch
     from jaxinfer.config import AttentionKind, Family, ModelConfig
     from jaxinfer.models.packed import PackedKV
     from tests.kernel_testing import assert_close, run_interpreted
-    from tests.test_kernels_engine import _hand_packed_batch, _hand_pools
+    from tests.test_kernels_engine import _hand_decode_batch, _hand_packed_batch, _hand_pools
 
     cfg = ModelConfig(family=Family.GPT_OSS, vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2,
                       head_dim=8, d_ff=16, layer_kinds=(AttentionKind.LOCAL, AttentionKind.GLOBAL), sliding_window=4)
-    batch = _hand_packed_batch(8)
+    batch = _hand_decode_batch(8) if decode_only else _hand_packed_batch(8)
     windowed = (True, False)
     ks, vs = _hand_pools(cfg, windowed, 8)
     rng = np.random.default_rng(5)
@@ -191,9 +193,14 @@ def test_packed_attention_with_sinks_through_the_ragged_kernel_equals_reference(
 
     ref = jax.jit(make(dispatch.XLA))(q, k, v, sinks)
     plain = jax.jit(make(dispatch.XLA))(q, k, v, jnp.full((4,), -1e4))  # a sink that weighs nothing
-    assert str(jax.make_jaxpr(make(dispatch.INTERPRET))(q, k, v, sinks)).count("pallas_call") == cfg.n_layers
+    jaxpr = str(jax.make_jaxpr(make(dispatch.INTERPRET))(q, k, v, sinks))
+    assert jaxpr.count("pallas_call") == cfg.n_layers
+    assert ("ragged_paged_attention" in jaxpr) != decode_only  # decode-only: the paged decode kernel
     got = run_interpreted(make(dispatch.INTERPRET), q, k, v, sinks)
-    real = np.concatenate([[True] * 3 + [True, False, False], np.asarray(batch.seg) >= 0])  # B's padding: scratch
+    if decode_only:
+        real = np.asarray(batch.active)  # the idle row: scratch
+    else:
+        real = np.concatenate([[True] * 3 + [True, False, False], np.asarray(batch.seg) >= 0])  # B's padding
     for g, r, p in zip(got, ref, plain):
         assert np.isfinite(np.asarray(g)[real]).all()
         assert_close(g[real], r[real])

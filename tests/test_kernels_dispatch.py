@@ -98,7 +98,8 @@ def test_a_bound_float_weight_takes_the_native_dot_and_a_plain_one_xla():
 
 def test_each_pool_takes_the_reader_its_choice_allows():
     """``dispatch.paged_path``: float pools go to the ragged kernel under Pallas (attention
-    sinks included: the kernel takes them) unless writes are deferred; the native kernels take
+    sinks included: the kernel takes them) unless writes are deferred, and a decode-only step
+    to the paged decode kernel (sinks included too); the native kernels take
     float32 or int8 pools and no sinks; a latent pool (no keys pool) and int8 pools under Pallas
     keep the XLA readers."""
     from jaxinfer.cache import init_paged_cache
@@ -111,6 +112,12 @@ def test_each_pool_takes_the_reader_its_choice_allows():
     assert path(dispatch.INTERPRET, k, v, defer_writes=False) == dispatch.PagedPath.RAGGED
     assert path(dispatch.INTERPRET, k, v, defer_writes=False, sinks=True) == dispatch.PagedPath.RAGGED
     assert path(dispatch.INTERPRET, k, v, defer_writes=True) == dispatch.PagedPath.XLA
+    assert path(dispatch.INTERPRET, k, v, defer_writes=False, decode_only=True) == dispatch.PagedPath.DECODE
+    assert path(dispatch.INTERPRET, k, v, defer_writes=False, decode_only=True, sinks=True) == dispatch.PagedPath.DECODE
+    assert path(dispatch.INTERPRET, k, v, defer_writes=True, decode_only=True) == dispatch.PagedPath.XLA
+    assert path(dispatch.INTERPRET, qk, qv, defer_writes=False, decode_only=True) == dispatch.PagedPath.XLA
+    for kernels in (dispatch.XLA, native):  # the choice, not the batch, picks the family of readers
+        assert path(kernels, k, v, defer_writes=False, decode_only=True) != dispatch.PagedPath.DECODE
     assert path(dispatch.INTERPRET, qk, qv, defer_writes=False) == dispatch.PagedPath.XLA
     for kernels in (dispatch.INTERPRET, native, dispatch.XLA):  # latent pools: XLA's readers only
         assert path(kernels, None, v, defer_writes=False) == dispatch.PagedPath.XLA

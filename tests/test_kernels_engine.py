@@ -210,3 +210,111 @@ def test_packed_step_through_the_ragged_kernel_equals_reference(family, pool_dty
         tol = 2e-5 if pool_dtype == jnp.float32 else 2e-2  # bfloat16: one rounding of the key apart
         np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
 
+
+
+# ----------------------------------------------------------------------------- decode-only steps
+def _hand_decode_batch(ps):
+    """A decode-only step (``PackedBatch.decode_only``): rows A, B and C of ``_SEQS`` with one
+    query each at their first query position, then an idle row (position 0, scratch page 0)."""
+    from jaxinfer.models.packed import PackedBatch
+
+    i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
+    seqs = [_SEQS[n] for n in "ABC"]
+    pos = [list(s[1])[0] for s in seqs] + [0]
+    page = [s[2][p // ps] for s, p in zip(seqs, pos)] + [0]
+    wpage = [s[4][p // ps - s[3] // ps] for s, p in zip(seqs, pos)] + [0]
+    table = [s[2] + [0] * (2 - len(s[2])) for s in seqs] + [[0, 0], [0, 0]]
+    wtable = [s[4] + [0] * (2 - len(s[4])) for s in seqs] + [[0, 0], [0, 0]]
+    R = 4
+    return PackedBatch(
+        tokens=i32(np.random.default_rng(4).integers(0, 97, R)), positions=i32(pos), write_page=i32(page),
+        write_wpage=i32(wpage), active=jnp.asarray([True, True, True, False]), use_prev=jnp.zeros(R, bool),
+        last_q=i32([0] * R), table=i32(table), wtable=i32(wtable), wbase=i32([s[3] // ps for s in seqs] + [0, 0]),
+        seg=i32([]), hist_end=jnp.int32(0), targets=i32([]), rows=R, q=1)
+
+
+def _tiny_model(family):
+    if family == "llama":
+        return llama, ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2, n_heads=6,
+                                  n_kv_heads=2, head_dim=8, d_ff=64), (False, False)
+    L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
+    return gemma3, ModelConfig(
+        family=Family.GEMMA3, vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+        rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=1e4), layer_kinds=(L, G), sliding_window=4,
+        query_pre_attn_scalar=12.0, attn_logit_softcap=2.0), (True, False)
+
+
+@pytest.mark.parametrize("family,pool_dtype,ps", [("llama", jnp.float32, 8), ("gemma3", jnp.float32, 8),
+                                                  ("gemma3", jnp.bfloat16, 16)])
+def test_decode_only_step_through_the_paged_kernel_equals_reference(family, pool_dtype, ps):
+    """A step of decode rows of one query each and no prefill row runs every layer, windowed
+    ones included, through the paged decode kernel (not the ragged one), over NaN-poisoned
+    pools: the logits of the pure-JAX path at every active row."""
+    from jaxinfer.models.packed import PackedKV
+
+    mod, cfg, windowed = _tiny_model(family)
+    w = init_weights(mod.weight_specs(cfg), cfg, jax.random.key(0), scale=0.2)
+    batch = _hand_decode_batch(ps)
+    assert batch.decode_only
+    ks, vs = _hand_pools(cfg, windowed, ps, dtype=pool_dtype)
+
+    def make_step(kernels):
+        def step(w, ks, vs):
+            cache = PackedKV(ks, vs, batch, windowed, kernels)
+            h, cache = mod.forward(w, batch.tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
+            return mod.unembed(w, h, cfg)[0], cache.k, cache.v
+        return step
+
+    jaxpr = str(jax.make_jaxpr(make_step(dispatch.INTERPRET))(w, ks, vs))
+    assert jaxpr.count("pallas_call") == cfg.n_layers
+    assert "paged_attention_tpu" in jaxpr and "ragged" not in jaxpr
+    ref, ref_k, _ = jax.jit(make_step(dispatch.XLA))(w, ks, vs)
+    got, got_k, _ = jax.jit(make_step(dispatch.INTERPRET))(w, ks, vs)
+    active = np.asarray(batch.active)
+    assert np.isfinite(np.asarray(got)[active]).all()
+    assert_close(got[active], ref[active], pool_dtype)
+    for a, b in zip(got_k, ref_k):  # the same keys at the same slots (page 0: the idle row's scratch)
+        tol = 2e-5 if pool_dtype == jnp.float32 else 2e-2
+        np.testing.assert_allclose(np.asarray(a, np.float32)[1:], np.asarray(b, np.float32)[1:], atol=tol, rtol=tol)
+
+
+def _counting_paged_kernel(monkeypatch):
+    """Counts the paged decode kernel's calls as the engine's steps are traced."""
+    from jaxinfer import kernels
+
+    calls = []
+    real = kernels.paged_attention
+    monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def _same_outputs(got, want, atol=1e-4):
+    for g, r in zip(got, want):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        for lg, lr in zip(g.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert lg.keys() == lr.keys()
+            np.testing.assert_allclose([x.logprob for x in lg.values()], [x.logprob for x in lr.values()], atol=atol)
+
+
+@pytest.mark.parametrize("family,steps", [("llama", 4), pytest.param("llama", 1, marks=pytest.mark.slow),
+                                          pytest.param("gemma3", 1, marks=pytest.mark.slow),
+                                          pytest.param("gemma3", 4, marks=pytest.mark.slow)])
+def test_engine_decode_steps_through_the_paged_kernel_give_the_reference_outputs(monkeypatch, family, steps):
+    """The engine under kernels="pallas" (interpret mode) runs its decode-only steps, single or
+    chained (num_scheduler_steps), through the paged decode kernel, and gives the greedy tokens
+    and logprobs of kernels="xla"; Gemma 3's windowed layers read their window pools through it."""
+    from jaxinfer.loaders.random_weights import random_loaded
+
+    _, cfg, _ = _tiny_model(family)
+    loaded = random_loaded(dataclasses.replace(cfg, max_position=128), scale=1.0, seed=1)
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 97, 6 + 3 * i)] for i in range(2)]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    kw = {"progress": False, "max_num_seqs": 4, "max_model_len": 64, "block_size": 8, "num_scheduler_steps": steps}
+    want = LLM(loaded, kernels="xla", **kw).generate(prompts, sp, use_tqdm=False)
+    calls = _counting_paged_kernel(monkeypatch)
+    llm = LLM(loaded, kernels="pallas", **kw)
+    got = llm.generate(prompts, sp, use_tqdm=False)
+    assert len(calls) >= cfg.n_layers  # traced for every layer of a decode-only step
+    if steps > 1:
+        assert llm.engine.stats["chains"] > 0
+    _same_outputs(got, want)

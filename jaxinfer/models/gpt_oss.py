@@ -15,7 +15,7 @@ experts with biases.
 
 On the native CPU attention kernels (``cpu_kernels.paged_rows``, ``prefill_row``), which take
 no sinks, every layer reads its pages through the packed step's XLA readers instead
-(``models.packed``); on TPU/GPU the ragged paged-attention kernel takes the sinks
+(``models.packed``); on TPU/GPU the ragged and the paged decode kernels take the sinks
 (``dispatch.paged_path``).
 
 weights = {"embed": [V, D], "layers": [one dict per layer: Llama's attention weights with

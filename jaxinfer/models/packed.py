@@ -33,10 +33,20 @@ CPU fuses into one pass over the keys: about twice as fast as its batched dot at
 
 Windowed layers (Gemma's LOCAL layers) read their own pool through ``wtable`` from logical
 page ``wbase`` on; int8 pools dequantize each block as it is gathered. With the Pallas choice
-(TPU/GPU, or Pallas interpret mode) a layer over float pools instead runs the whole step's
-attention, every decode row and every prefill segment, windowed layers included, as one ragged
-paged-attention kernel call that reads the pages in place (``ragged_kernel_attention``,
-``jaxinfer.kernels``); int8 pools keep the blockwise path.
+(TPU/GPU, or Pallas interpret mode) a layer over float pools instead reads the pages in place
+in one kernel call, windowed layers included (``jaxinfer.kernels``; int8 pools keep the
+blockwise path). Which kernel is decided from the batch's shapes and the ``Kernels`` value,
+so it is fixed for each executable:
+
+* a step of decode rows of one query each and no prefill row (``PackedBatch.decode_only``:
+  plain decoding, and every step of a chain of decode steps) runs the paged decode kernel,
+  one [G, H] tile per row and kv head (``decode_kernel_attention``), which reads a decode
+  step's pages closer to the copy bandwidth than the ragged kernel, whose query blocks
+  hold one real query per row there (``benchmarks/RESULTS.md``, "GPU kernels");
+* every other step (verification rows of q > 1 queries, a prefill row) runs the ragged
+  kernel over every decode row and prefill segment (``ragged_kernel_attention``).
+
+Both take attention sinks.
 
 Latent pools (multi-head latent attention: ``cache`` module doc) have no keys pool (None): the
 XLA readers here take the keys as the values pool's transpose, block by block as they gather
@@ -96,6 +106,13 @@ class PackedBatch:
     def prefill_len(self) -> int:  # Tp
         return self.seg.shape[0]
 
+    @property
+    def decode_only(self) -> bool:
+        """Decode rows of one query each and no prefill row (from shapes alone, so static):
+        plain decoding and chained decode steps, which the Pallas choice runs through the
+        paged decode kernel."""
+        return self.rows > 0 and self.q == 1 and self.prefill_len == 0
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -146,7 +163,10 @@ class PackedKV:
         table, base = (b.wtable, b.wbase) if self._is_windowed(layer) else (b.table, None)
         opts = {"scale": scale, "window": window, "softcap": softcap, "sinks": sinks}
         path = dispatch.paged_path(self.kernels, ks[layer], vs[layer], defer_writes=self.defer_writes,
-                                   sinks=sinks is not None)
+                                   sinks=sinks is not None, decode_only=b.decode_only)
+        if path == dispatch.PagedPath.DECODE:
+            return decode_kernel_attention(q, ks[layer], vs[layer], b, table, base,
+                                           interpret=self.kernels.interpret, **opts), cache
         if path == dispatch.PagedPath.RAGGED:
             return ragged_kernel_attention(q, ks[layer], vs[layer], b, table, base, page,
                                            interpret=self.kernels.interpret, **opts), cache
@@ -456,10 +476,29 @@ def _logical_table(table, base, width: int):
     return jnp.zeros((S, width), jnp.int32).at[rows, cols].set(table, mode="drop")
 
 
+def decode_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, *, scale, window=None, softcap=None,
+                            sinks=None, interpret: bool = False):
+    """A decode-only step's attention (``PackedBatch.decode_only``: R rows of one query, no
+    prefill row) in one paged decode kernel call (TPU/GPU, or Pallas interpret mode):
+    q [1, R, N_heads, H] -> [1, R, N_heads, H]. Row r's query sits at positions[r] and reads
+    the pages of its table row, which already hold this step's key; windowed tables are laid
+    out by logical page as for the ragged kernel, so the window mask alone decides what is
+    read (an idle row reads its scratch page and nothing reads its output). sinks: f32[N_heads]
+    per-head attention sinks, or None."""
+    R = b.rows
+    logical = _logical_table(table[:R], None if base is None else base[:R], b.table.shape[1])
+    out = kernels.paged_attention(q[0], kpool, vpool, logical, b.positions[:R] + 1, scale=scale, window=window,
+                                  softcap=softcap, interpret=interpret, sinks=sinks)
+    return out[None]
+
+
 def ragged_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, page, *, scale, window=None,
                             softcap=None, sinks=None, interpret: bool = False):
     """The whole packed step's attention in one ragged paged-attention call (TPU/GPU, or
-    Pallas interpret mode): q [1, N, N_heads, H] -> [1, N, N_heads, H].
+    Pallas interpret mode): q [1, N, N_heads, H] -> [1, N, N_heads, H]. A decode-only step
+    runs ``decode_kernel_attention`` instead (module docstring: the rule is
+    ``dispatch.paged_path``'s, from the batch's shapes and the ``Kernels`` value); this one
+    takes verification rows of q > 1 queries and the prefill row.
 
     Segments: each decode row (its real queries: positions p0 .. p_max; the padding queries
     that repeat p_max are left out, their output is 0 and nothing reads it), then each

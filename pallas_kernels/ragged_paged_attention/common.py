@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import check_pages, cdiv, check
+from pallas_kernels._common import cdiv, check, check_pages, with_sink  # noqa: F401 (with_sink: the kernels' import)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,14 +118,6 @@ def sink_tiles(sinks, K: int, bq: int, rows: int):
     G = sinks.shape[0] // K
     tile = jnp.tile(sinks.astype(jnp.float32).reshape(K, G), (1, bq))
     return jnp.pad(tile, ((0, 0), (0, rows - bq * G)), mode="edge")
-
-
-def with_sink(m, l, acc, sink):
-    """Online-softmax state (max m, sum l, values acc; [M, 1], [M, 1], [M, H]) with one more
-    logit per row, sink [M, 1], that weighs no value."""
-    m_new = jnp.maximum(m, sink)
-    alpha = jnp.exp(m - m_new)
-    return m_new, alpha * l + jnp.exp(sink - m_new), alpha * acc
 
 
 def live(kpos, qpos0, nq, window: int | None):
