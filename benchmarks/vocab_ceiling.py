@@ -19,7 +19,8 @@ vocabulary). Rows, per batch size B, in ms per iteration:
   ``engine_overhead.py``).
 
 The machine rows: a [2048, 2048] x [2048, 2048] f32 matmul (GFLOP/s) and an f32 copy of 128 MB
-(``x * 2``: GB/s read plus written). Medians of --repeats interleaved rounds.
+(``x * 2``: GB/s read plus written). Medians of --repeats interleaved rounds. Freed memory
+stays in glibc's heap unless ``--malloc default`` (``engine_overhead.py``'s docstring says why).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from engine_overhead import bare_batch, tiny_llm
+from engine_overhead import add_malloc_arg, bare_batch, tiny_llm, use_malloc
 
 
 def timed(fn, *args, **kw) -> float:
@@ -128,7 +129,9 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--iters", type=int, default=64, help="loop iterations per timing")
     ap.add_argument("--repeats", type=int, default=5)
+    add_malloc_arg(ap)
     a = ap.parse_args()
+    use_malloc(a.malloc)
     rows = {"machine": machine_rows()}
     for B in a.batch:
         rows[B] = batch_rows(B, a.iters)

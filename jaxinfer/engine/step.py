@@ -99,12 +99,14 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
         new = lp = row_logits = plp = None
         if R:
             with jax.named_scope("sample"):
-                hd = h[0, : R * Q].reshape(R, Q, -1)
                 if Q > 1:
-                    row_logits = mod.unembed(weights, hd, cfg)  # f32[R, Q, V]
+                    row_logits = mod.unembed(weights, h[0, : R * Q].reshape(R, Q, -1), cfg)  # f32[R, Q, V]
                     logits = jnp.take_along_axis(row_logits, batch.last_q[:, None, None], axis=1)[:, 0]
                 else:
-                    logits = mod.unembed(weights, hd, cfg)[:, 0]
+                    # the rows as one sequence (h [1, R, D]): unembedded as R sequences of one
+                    # token, XLA CPU lays the logits out so that the greedy argmax first copies
+                    # all of them (12.6 MB a step at R = 64 over a 49,152-token vocabulary)
+                    logits = mod.unembed(weights, h[:, :R], cfg)[0]  # f32[R, V]
                 sub = jax.tree.map(lambda a: a[:R], slots)
                 new, lp, sampling = sample_step(logits, sub.sampling, sub.generated, sub.stop_ids,
                                                 sub.min_tokens, num_logprobs, guide)
