@@ -11,8 +11,9 @@ weigh on the real model while the layers cost almost nothing.
 
 The bare loop calls the engine's own jitted paged decode step back to back with fixed inputs
 (no scheduling, no host work) at the same batch size and context; the engine number is the
-decode-phase throughput of LLM.generate on ``batch`` requests of ``prompt`` tokens (tokens
-after each row's first / time from first to last token). Medians of --repeats, interleaved.
+steady decode phase of LLM.generate on ``batch`` requests of ``prompt`` tokens: from the
+moment the last row got its first token (every prompt prefilled, every row decoding, as in
+the bare step) to the last token, per step. Medians of --repeats, interleaved.
 Each generate gets prompts of its own (same lengths), so a warm one runs the shapes the first
 ran; the executables each builds are counted (``Engine.num_compilations``, and every
 lowering in the process), and once more for the first prompts again, whose prefix-cache hits
@@ -221,7 +222,8 @@ def run_one(a, B: int) -> dict:
         walls[S].append(time.perf_counter() - t0)
         built[S].append(e.num_compilations() - c0)
         lowered[S].append(_lowerings[0] - l0)
-        first = min(o.metrics.first_token_time for o in outs)
+        # every row decodes from the last first token on: the last admitted row's new - 1 steps
+        first = max(o.metrics.first_token_time for o in outs)
         last = max(o.metrics.last_token_time for o in outs)
         return (last - first) / (a.new - 1)  # seconds per decode step
 
