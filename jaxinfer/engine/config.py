@@ -23,7 +23,9 @@ __all__ = ["CPU_KV_CACHE_BYTES", "DEFAULT_SCHEDULER_STEPS", "EngineConfig", "Sch
 
 CPU_KV_CACHE_BYTES = 2 << 30  # the page pools' budget on CPU when kv_cache_memory_bytes is not given
 # decode steps chained on device when num_scheduler_steps is not given, by platform
-# (benchmarks/RESULTS.md, "Chained decode steps")
+# (benchmarks/RESULTS.md, "Chained decode steps"): on a CPU a real model's step is bound by the
+# device, and building the chains' executables costs a short job more than they save; an
+# accelerator keeps 1 until the engine has been measured there with chains
 DEFAULT_SCHEDULER_STEPS = {"cpu": 1, "accelerator": 1}
 
 
