@@ -225,7 +225,8 @@ def run_one(a, B: int) -> dict:
         # every row decodes from the last first token on: the last admitted row's new - 1 steps
         first = max(o.metrics.first_token_time for o in outs)
         last = max(o.metrics.last_token_time for o in outs)
-        return (last - first) / (a.new - 1)  # seconds per decode step
+        # nan when every decode token came back in one read (a chain as long as the run)
+        return (last - first) / (a.new - 1) if last > first else float("nan")  # seconds per decode step
 
     batch = bare_batch(eng, B, a.prompt, a.new)
 
