@@ -108,3 +108,18 @@ def with_sink(m, l, acc, sink):
     m_new = jnp.maximum(m, sink)
     alpha = jnp.exp(m - m_new)
     return m_new, alpha * l + jnp.exp(sink - m_new), alpha * acc
+
+
+def finish_softmax(l, acc):
+    """The attention output of online-softmax state (sum l, values acc); rows that saw no
+    visible key (l == 0) give zeros."""
+    return acc / jnp.where(l == 0.0, 1.0, l)
+
+
+def page_kernel_fits(page_size: int, dtype) -> bool:
+    """Whether this platform's paged-attention variants take pages of page_size for pools of
+    dtype (the checks they make, asked before calling): TPU tiles need a multiple of the
+    dtype's sublane count, Triton dot tiles a power of two >= 16."""
+    if kernel_target() == "gpu":
+        return is_pow2(page_size) and page_size >= 16
+    return page_size % sublane(dtype) == 0

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels._common import page_kernel_fits as kernel_fits
 from pallas_kernels._common import use_kernel
 from pallas_kernels.paged_attention.common import BlockSizes
 from pallas_kernels.paged_attention.kernel import (
-    kernel_fits,
     paged_attention_gpu,
     paged_attention_kernel,
     paged_attention_tpu,

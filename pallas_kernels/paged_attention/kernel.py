@@ -33,8 +33,8 @@ from pallas_kernels._common import (
     MASK_VALUE,
     cdiv,
     check,
+    finish_softmax,
     is_pow2,
-    kernel_target,
     next_pow2,
     pad_axis,
     pick_variant,
@@ -73,10 +73,6 @@ def _update(q, k, v, start, length, carry, *, scale, window, softcap, keys_trans
 def _pad_edge(x, size: int):
     """x [K, G] padded along its last axis to size by repeating the last column."""
     return jnp.pad(x, ((0, 0), (0, size - x.shape[1])), mode="edge")
-
-
-def _finish(l, acc):
-    return acc / jnp.where(l == 0.0, 1.0, l)
 
 
 # ----------------------------------------------------------------------------- TPU (Mosaic)
@@ -123,7 +119,7 @@ def _tpu_kernel(
         m, l, acc = m_ref[...], l_ref[...], acc_ref[...]
         if has_sinks:
             m, l, acc = with_sink(m, l, acc, sink_ref[...])
-        o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
+        o_ref[...] = finish_softmax(l, acc).astype(o_ref.dtype)
 
 
 def paged_attention_tpu(
@@ -276,7 +272,7 @@ def _gpu_kernel(
     m, l, acc = lax.fori_loop(first // ppb, stop, body, init)
     if has_sinks:
         m, l, acc = with_sink(m, l, acc, sink_ref[...][:, None])
-    o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
+    o_ref[...] = finish_softmax(l, acc).astype(o_ref.dtype)
 
 
 def paged_attention_gpu(
@@ -361,15 +357,6 @@ def paged_attention_gpu(
 
 
 VARIANTS = {"tpu": paged_attention_tpu, "gpu": paged_attention_gpu}
-
-
-def kernel_fits(page_size: int, dtype) -> bool:
-    """Whether this platform's variant takes pages of page_size for pools of dtype (the
-    checks the variants make, asked before calling): TPU tiles need a multiple of the
-    dtype's sublane count, Triton dot tiles a power of two >= 16."""
-    if kernel_target() == "gpu":
-        return is_pow2(page_size) and page_size >= 16
-    return page_size % sublane(dtype) == 0
 
 
 def paged_attention_kernel(

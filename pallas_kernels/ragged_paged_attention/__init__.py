@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels._common import page_kernel_fits as kernel_fits
 from pallas_kernels._common import use_kernel
 from pallas_kernels.ragged_paged_attention.common import BlockSizes
 from pallas_kernels.ragged_paged_attention.kernel import (
-    kernel_fits,
     ragged_paged_attention_gpu,
     ragged_paged_attention_kernel,
     ragged_paged_attention_tpu,

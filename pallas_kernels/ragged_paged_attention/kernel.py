@@ -41,8 +41,8 @@ from pallas_kernels._common import (
     MASK_VALUE,
     cdiv,
     check,
+    finish_softmax,
     is_pow2,
-    kernel_target,
     next_pow2,
     pad_axis,
     pick_variant,
@@ -87,10 +87,6 @@ def _update(q, k, v, start, qpos0, nq, carry, *, G, scale, window, softcap, keys
         p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
     )
     return m_new, alpha * l_prev + p.sum(axis=1, keepdims=True), alpha * acc_prev + pv
-
-
-def _finish(l, acc):
-    return acc / jnp.where(l == 0.0, 1.0, l)
 
 
 def _prepare(q, page_table, q_start, q_len, kv_len, *, K, block_sizes):
@@ -149,7 +145,7 @@ def _tpu_kernel(seq_ref, qpos_ref, nq_ref, pt_ref, q_ref, *refs, ppb, page_size,
         m, l, acc = m_ref[...], l_ref[...], acc_ref[...]
         if has_sinks:
             m, l, acc = with_sink(m, l, acc, sink_ref[...])
-        o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
+        o_ref[...] = finish_softmax(l, acc).astype(o_ref.dtype)
 
 
 def ragged_paged_attention_tpu(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, *,
@@ -254,7 +250,7 @@ def _gpu_kernel(qpos_ref, nq_ref, pt_ref, q_ref, k_ref, v_ref, *refs, ppb, page_
     m, l, acc = lax.fori_loop(first // ppb, stop, body, init)
     if has_sinks:
         m, l, acc = with_sink(m, l, acc, sink_ref[...][:, None])
-    o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
+    o_ref[...] = finish_softmax(l, acc).astype(o_ref.dtype)
 
 
 def ragged_paged_attention_gpu(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, *,
@@ -312,15 +308,6 @@ def ragged_paged_attention_gpu(q, k_pages, v_pages, page_table, q_start, q_len, 
 
 
 VARIANTS = {"tpu": ragged_paged_attention_tpu, "gpu": ragged_paged_attention_gpu}
-
-
-def kernel_fits(page_size: int, dtype) -> bool:
-    """Whether this platform's variant takes pages of page_size for pools of dtype (the
-    checks the variants make, asked before calling): TPU tiles need a multiple of the
-    dtype's sublane count, Triton dot tiles a power of two >= 16."""
-    if kernel_target() == "gpu":
-        return is_pow2(page_size) and page_size >= 16
-    return page_size % sublane(dtype) == 0
 
 
 def ragged_paged_attention_kernel(
