@@ -259,16 +259,6 @@ def test_kernel_matches_the_ragged_reference(variant, dtype, heads, ps, opts):
     assert_close(out, ref)
 
 
-def test_kernel_fits_asks_what_the_variants_check(monkeypatch):
-    from pallas_kernels.paged_attention import kernel as pk
-
-    assert pa.kernel_fits(8, jnp.float32) and pa.kernel_fits(16, jnp.bfloat16)  # CPU: the TPU variant
-    assert not pa.kernel_fits(8, jnp.bfloat16) and not pa.kernel_fits(12, jnp.float32)
-    monkeypatch.setattr(pk, "kernel_target", lambda: "gpu")
-    assert pa.kernel_fits(16, jnp.float32) and pa.kernel_fits(32, jnp.bfloat16)
-    assert not pa.kernel_fits(8, jnp.float32) and not pa.kernel_fits(24, jnp.float32)
-
-
 # ----------------------------------------------------------------------------- attention sinks
 def test_reference_hand_sinks():
     """A sink of logit ln 4 beside the three keys (weights 1 : 1 : 2) adds 4 to the

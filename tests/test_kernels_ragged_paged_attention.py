@@ -236,11 +236,14 @@ def test_kernel_page_size_messages():
 
 
 def test_kernel_fits_asks_what_the_variants_check(monkeypatch):
-    from pallas_kernels.ragged_paged_attention import kernel as rk
+    """One check for both paged-attention kernels (their page tiles are made alike)."""
+    from pallas_kernels import _common
+    from pallas_kernels import paged_attention as pa
 
+    assert pa.kernel_fits is rpa.kernel_fits
     assert rpa.kernel_fits(8, jnp.float32) and rpa.kernel_fits(16, jnp.bfloat16)  # CPU: the TPU variant
     assert not rpa.kernel_fits(8, jnp.bfloat16) and not rpa.kernel_fits(12, jnp.float32)
-    monkeypatch.setattr(rk, "kernel_target", lambda: "gpu")
+    monkeypatch.setattr(_common, "kernel_target", lambda: "gpu")
     assert rpa.kernel_fits(16, jnp.float32) and rpa.kernel_fits(32, jnp.bfloat16)
     assert not rpa.kernel_fits(8, jnp.float32) and not rpa.kernel_fits(24, jnp.float32)
 
