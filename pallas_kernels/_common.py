@@ -102,6 +102,37 @@ def check_pages(q, k_pages, v_pages, *, keys_transposed: bool, rows: str) -> Non
     check(jnp.issubdtype(q.dtype, jnp.floating), f"{q.dtype=} must be floating point")
 
 
+def check_options(q, *, scale, window, softcap, sinks) -> float:
+    """Checks the attention options every paged kernel takes; returns the scale to use."""
+    check(
+        window is None or (isinstance(window, int) and window >= 1),
+        f"{window=} must be None or a positive int",
+    )
+    check(softcap is None or softcap > 0, f"{softcap=} must be None or positive")
+    check(sinks is None or sinks.shape == (q.shape[1],),
+          f"sinks must be None or [N]={q.shape[1]} (one per query head); got {getattr(sinks, 'shape', sinks)}")
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+def masked_attention(s, ok, v, sinks=None):
+    """The references' attention in one pass: scores s f32[X, K, G, L] of X query rows, their
+    visible keys ok bool[X, L], values v f32[X, K, L, H] -> f32[X, K, G, H]. Invisible keys
+    weigh nothing even when their values are NaN; a row with none gives zeros. sinks: f32[K * G]
+    one more logit per head in each denominator (weighing no value), or None."""
+    K, G = s.shape[1], s.shape[2]
+    s = jnp.where(ok[:, None, None], s, MASK_VALUE)
+    m = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, K, G, 1)
+        m = jnp.maximum(m, sink)
+    p = jnp.where(ok[:, None, None], jnp.exp(s - m), 0.0)
+    l = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        l = l + jnp.exp(sink - m)
+    v = jnp.where(ok[:, None, :, None], v, 0.0)
+    return jnp.einsum("XKGL,XKLH->XKGH", p / jnp.where(l == 0, 1.0, l), v)
+
+
 def with_sink(m, l, acc, sink):
     """Online-softmax state (max m, sum l, values acc; [M, 1], [M, 1], [M, H]) with one more
     logit per row, sink [M, 1], that weighs no value (attention sinks)."""

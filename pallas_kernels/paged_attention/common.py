@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_kernels._common import check_pages, check
+from pallas_kernels._common import check, check_options, check_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +24,7 @@ class BlockSizes:
 def validate(q, k_pages, v_pages, page_table, lengths, *, scale, window, softcap, keys_transposed, sinks=None):
     """Checks shapes and options; returns the scale to use."""
     check_pages(q, k_pages, v_pages, keys_transposed=keys_transposed, rows="B")
-    B, _, H = q.shape
+    B = q.shape[0]
     check(
         page_table.ndim == 2 and page_table.shape[0] == B,
         f"page_table must be [B={B}, pages_per_seq]; got {page_table.shape}",
@@ -32,14 +32,7 @@ def validate(q, k_pages, v_pages, page_table, lengths, *, scale, window, softcap
     check(lengths.shape == (B,), f"lengths must be [B]={B}; got {lengths.shape}")
     for name, a in (("page_table", page_table), ("lengths", lengths)):
         check(jnp.issubdtype(a.dtype, jnp.integer), f"{name} must be integer; got {a.dtype}")
-    check(
-        window is None or (isinstance(window, int) and window >= 1),
-        f"{window=} must be None or a positive int",
-    )
-    check(softcap is None or softcap > 0, f"{softcap=} must be None or positive")
-    check(sinks is None or sinks.shape == (q.shape[1],),
-          f"sinks must be None or [N]={q.shape[1]} (one per query head); got {getattr(sinks, 'shape', sinks)}")
-    return H**-0.5 if scale is None else float(scale)
+    return check_options(q, scale=scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def page_range(length, page_size: int, pages_per_seq: int, window: int | None):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import MASK_VALUE
+from pallas_kernels._common import masked_attention
 from pallas_kernels.paged_attention.common import BlockSizes, validate, visible
 
 
@@ -64,15 +64,4 @@ def paged_attention_reference(
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
         ok = visible(jnp.arange(S, dtype=jnp.int32)[None, :], lengths[:, None], window)  # [B, S]
-        s = jnp.where(ok[:, None, None], s, MASK_VALUE)
-        m = s.max(axis=-1, keepdims=True)
-        if sinks is not None:
-            sink = sinks.astype(jnp.float32).reshape(1, K, G, 1)
-            m = jnp.maximum(m, sink)
-        p = jnp.where(ok[:, None, None], jnp.exp(s - m), 0.0)
-        l = p.sum(axis=-1, keepdims=True)
-        if sinks is not None:
-            l = l + jnp.exp(sink - m)
-        vg = jnp.where(ok[:, None, :, None], vg, 0.0)
-        o = jnp.einsum("BKGS,BKSH->BKGH", p / jnp.where(l == 0, 1.0, l), vg)
-        return o.reshape(B, N, H).astype(q.dtype)
+        return masked_attention(s, ok, vg, sinks).reshape(B, N, H).astype(q.dtype)

@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import cdiv, check, check_pages, with_sink  # noqa: F401 (with_sink: the kernels' import)
+from pallas_kernels._common import cdiv, check, check_options, check_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,6 @@ def validate(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, *, scale, 
              keys_transposed, sinks=None):
     """Checks shapes and options; returns the scale to use."""
     check_pages(q, k_pages, v_pages, keys_transposed=keys_transposed, rows="T")
-    H = q.shape[2]
     check(page_table.ndim == 2, f"page_table must be [S, pages_per_seq]; got {page_table.shape}")
     S = page_table.shape[0]
     for name, a in (("q_start", q_start), ("q_len", q_len), ("kv_len", kv_len)):
@@ -44,14 +43,7 @@ def validate(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, *, scale, 
     for name, a in (("page_table", page_table), ("q_start", q_start), ("q_len", q_len),
                     ("kv_len", kv_len)):
         check(jnp.issubdtype(a.dtype, jnp.integer), f"{name} must be integer; got {a.dtype}")
-    check(
-        window is None or (isinstance(window, int) and window >= 1),
-        f"{window=} must be None or a positive int",
-    )
-    check(softcap is None or softcap > 0, f"{softcap=} must be None or positive")
-    check(sinks is None or sinks.shape == (q.shape[1],),
-          f"sinks must be None or [N]={q.shape[1]} (one per query head); got {getattr(sinks, 'shape', sinks)}")
-    return H**-0.5 if scale is None else float(scale)
+    return check_options(q, scale=scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def max_items(T: int, S: int, queries_per_block: int) -> int:

@@ -11,7 +11,7 @@ pages an item reads).
 
 With ``sinks`` (gpt-oss's attention sinks, one logit per query head) each kv head's tile
 rows get their head's logit as one more term of the softmax denominator when the item is
-finished (``common.with_sink``); it weighs no value.
+finished (``_common.with_sink``); it weighs no value.
 
 Each item reads only the pages of its segment that hold keys some of its queries see: from
 the page of its first query's window start (page 0 without a window) to the page of its
@@ -47,6 +47,7 @@ from pallas_kernels._common import (
     pad_axis,
     pick_variant,
     sublane,
+    with_sink,
 )
 from pallas_kernels.ragged_paged_attention.common import (
     BlockSizes,
@@ -56,7 +57,6 @@ from pallas_kernels.ragged_paged_attention.common import (
     sink_tiles,
     validate,
     visible,
-    with_sink,
     work_items,
 )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import MASK_VALUE
+from pallas_kernels._common import masked_attention
 from pallas_kernels.ragged_paged_attention.common import BlockSizes, validate
 
 
@@ -68,15 +68,4 @@ def ragged_paged_attention_reference(
         ok = (kpos <= qpos[:, None]) & (seg < S)[:, None]  # [T, L]
         if window is not None:
             ok &= kpos > qpos[:, None] - window
-        s = jnp.where(ok[:, None, None], s, MASK_VALUE)
-        m = s.max(axis=-1, keepdims=True)
-        if sinks is not None:
-            sink = sinks.astype(jnp.float32).reshape(1, K, G, 1)
-            m = jnp.maximum(m, sink)
-        p = jnp.where(ok[:, None, None], jnp.exp(s - m), 0.0)
-        l = p.sum(axis=-1, keepdims=True)
-        if sinks is not None:
-            l = l + jnp.exp(sink - m)
-        vg = jnp.where(ok[:, None, :, None], vg, 0.0)
-        o = jnp.einsum("TKGL,TKLH->TKGH", p / jnp.where(l == 0, 1.0, l), vg)
-        return o.reshape(T, N, H).astype(q.dtype)
+        return masked_attention(s, ok, vg, sinks).reshape(T, N, H).astype(q.dtype)
