@@ -8,6 +8,7 @@ what the reference paths give."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -166,6 +167,29 @@ def _hand_pools(cfg, windowed, ps, P=12, seed=2, dtype=jnp.float32):
     return ks, vs
 
 
+def _tiny_model(family):
+    if family == "llama":
+        return llama, ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2, n_heads=6,
+                                  n_kv_heads=2, head_dim=8, d_ff=64), (False, False)
+    L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
+    return gemma3, ModelConfig(
+        family=Family.GEMMA3, vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+        rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=1e4), layer_kinds=(L, G), sliding_window=4,
+        query_pre_attn_scalar=12.0, attn_logit_softcap=2.0), (True, False)
+
+
+def _packed_logits_step(mod, cfg, batch, windowed, kernels):
+    """(weights, k pools, v pools) -> (logits, k pools, v pools) of one packed step of batch
+    through the tiny model, its attention on the given kernels."""
+    from jaxinfer.models.packed import PackedKV
+
+    def step(w, ks, vs):
+        cache = PackedKV(ks, vs, batch, windowed, kernels)
+        h, cache = mod.forward(w, batch.tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
+        return mod.unembed(w, h, cfg)[0], cache.k, cache.v
+    return step
+
+
 @pytest.mark.parametrize("family,pool_dtype,ps", [("llama", jnp.float32, 8), ("gemma3", jnp.float32, 8),
                                                   ("gemma3", jnp.bfloat16, 16)])
 def test_packed_step_through_the_ragged_kernel_equals_reference(family, pool_dtype, ps):
@@ -173,30 +197,11 @@ def test_packed_step_through_the_ragged_kernel_equals_reference(family, pool_dty
     (one continuing cached pages) in one packed step over NaN-poisoned pools: the ragged
     kernel (interpret mode) gives the logits of the pure-JAX path at every real position.
     Over bfloat16 pools of a float32 model the kernel multiplies in bfloat16."""
-    from jaxinfer.models.packed import PackedKV
-
-    if family == "llama":
-        mod, cfg = llama, ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2,
-                                      n_heads=6, n_kv_heads=2, head_dim=8, d_ff=64)
-        windowed = (False, False)
-    else:  # a LOCAL layer over its own windowed pool (tables from a base page), soft-capped logits
-        L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
-        mod, cfg = gemma3, ModelConfig(
-            family=Family.GEMMA3, vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2,
-            head_dim=8, d_ff=64, rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=1e4),
-            layer_kinds=(L, G), sliding_window=4, query_pre_attn_scalar=12.0, attn_logit_softcap=2.0)
-        windowed = (True, False)
+    mod, cfg, windowed = _tiny_model(family)
     w = init_weights(mod.weight_specs(cfg), cfg, jax.random.key(0), scale=0.2)
     batch = _hand_packed_batch(ps)
     ks, vs = _hand_pools(cfg, windowed, ps, dtype=pool_dtype)
-
-    def make_step(kernels):
-        def step(w, ks, vs):
-            cache = PackedKV(ks, vs, batch, windowed, kernels)
-            h, cache = mod.forward(w, batch.tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
-            return mod.unembed(w, h, cfg)[0], cache.k, cache.v
-        return step
-
+    make_step = functools.partial(_packed_logits_step, mod, cfg, batch, windowed)
     ref, ref_k, _ = jax.jit(make_step(dispatch.XLA))(w, ks, vs)
     assert _pallas_calls(make_step(dispatch.XLA), w, ks, vs) == 0
     assert _pallas_calls(make_step(dispatch.INTERPRET), w, ks, vs) == cfg.n_layers
@@ -233,38 +238,18 @@ def _hand_decode_batch(ps):
         seg=i32([]), hist_end=jnp.int32(0), targets=i32([]), rows=R, q=1)
 
 
-def _tiny_model(family):
-    if family == "llama":
-        return llama, ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2, n_heads=6,
-                                  n_kv_heads=2, head_dim=8, d_ff=64), (False, False)
-    L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
-    return gemma3, ModelConfig(
-        family=Family.GEMMA3, vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
-        rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=1e4), layer_kinds=(L, G), sliding_window=4,
-        query_pre_attn_scalar=12.0, attn_logit_softcap=2.0), (True, False)
-
-
 @pytest.mark.parametrize("family,pool_dtype,ps", [("llama", jnp.float32, 8), ("gemma3", jnp.float32, 8),
                                                   ("gemma3", jnp.bfloat16, 16)])
 def test_decode_only_step_through_the_paged_kernel_equals_reference(family, pool_dtype, ps):
     """A step of decode rows of one query each and no prefill row runs every layer, windowed
     ones included, through the paged decode kernel (not the ragged one), over NaN-poisoned
     pools: the logits of the pure-JAX path at every active row."""
-    from jaxinfer.models.packed import PackedKV
-
     mod, cfg, windowed = _tiny_model(family)
     w = init_weights(mod.weight_specs(cfg), cfg, jax.random.key(0), scale=0.2)
     batch = _hand_decode_batch(ps)
     assert batch.decode_only
     ks, vs = _hand_pools(cfg, windowed, ps, dtype=pool_dtype)
-
-    def make_step(kernels):
-        def step(w, ks, vs):
-            cache = PackedKV(ks, vs, batch, windowed, kernels)
-            h, cache = mod.forward(w, batch.tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
-            return mod.unembed(w, h, cfg)[0], cache.k, cache.v
-        return step
-
+    make_step = functools.partial(_packed_logits_step, mod, cfg, batch, windowed)
     jaxpr = str(jax.make_jaxpr(make_step(dispatch.INTERPRET))(w, ks, vs))
     assert jaxpr.count("pallas_call") == cfg.n_layers
     assert "paged_attention_tpu" in jaxpr and "ragged" not in jaxpr
