@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check, is_pow2, next_pow2, pick_variant
-from pallas_kernels.spec_verify.common import BlockSizes, pick, validate
+from pallas_kernels.spec_verify.common import BlockSizes, validate
 
 _BIG = 2**30
 
@@ -97,7 +97,8 @@ def _kernel(z_ref, thr_ref, x_ref, nd_ref, u_ref, g_ref, *rest, C: int, nC: int,
     px = jnp.where(zx >= thr, jnp.exp(zx - m), 0.0) / s
     if not has_q:
         qx = jnp.ones_like(px)
-    ok = jnp.where(g, x == bi, u[:, 0:1] * qx < px) & (jcol < nd)  # bool[J, 1]
+    # (a select between booleans has no Mosaic lowering: and/or instead)
+    ok = ((g & (x == bi)) | (~g & (u[:, 0:1] * qx < px))) & (jcol < nd)  # bool[J, 1]
 
     a = jnp.zeros((1, 1), jnp.int32)
     alive = jnp.ones((1, 1), jnp.bool_)
@@ -109,11 +110,16 @@ def _kernel(z_ref, thr_ref, x_ref, nd_ref, u_ref, g_ref, *rest, C: int, nC: int,
     rejected = a < nd
     u_a = pick_at(u)  # f32[1, 3]
 
-    def residual(c):  # f32[1, C] the residual's unnormalised mass in chunk c, at position a
-        zc, idx = chunk(c)
+    def residual_at(off, width: int):  # f32[1, width] the residual's unnormalised mass from entry off, at position a
+        zc = z_ref[0, :, pl.ds(off, width)]
+        idx = lax.broadcasted_iota(jnp.int32, (J, width), 1) + off
+        qc = q_ref[0, :, pl.ds(off, width)] if has_q else (idx == x).astype(jnp.float32)
         p = jnp.where(zc >= thr, jnp.exp(zc - m), 0.0) / s
-        r = jnp.where(rejected, jnp.maximum(p - qchunk(c, idx), 0.0), p)
+        r = jnp.where(rejected, jnp.maximum(p - qc, 0.0), p)
         return pick_at(r)
+
+    def residual(c):  # f32[1, C] the residual's mass in chunk c
+        return residual_at(pl.multiple_of(c * C, C), C)
 
     total = lax.fori_loop(0, nC, lambda c, t: t + jnp.sum(residual(c), axis=1, keepdims=True),
                           jnp.zeros((1, 1), jnp.float32))
@@ -127,10 +133,44 @@ def _kernel(z_ref, thr_ref, x_ref, nd_ref, u_ref, g_ref, *rest, C: int, nC: int,
 
     _, count, last = lax.fori_loop(0, nC, walk, (jnp.zeros((1, 1), jnp.float32),) + (jnp.zeros((1, 1), jnp.int32),) * 2)
     chosen = jnp.minimum(count, last)  # i32[1, 1]
-    inside = residual(chosen[0, 0])  # f32[1, C]
-    tok = chosen * C + pick(inside, u_a[:, 2])[:, None]
+    tok = chosen * C + _pick_in_chunk(lambda sub: residual_at(pl.multiple_of(chosen[0, 0] * C + sub * _SUB, _SUB),
+                                                              _SUB), C // _SUB, u_a[:, 2:3])
     acc_ref[0] = a
     next_ref[0] = jnp.where(g, pick_at(bi), tok)
+
+
+_SUB = 128  # lanes of one TPU vector register row: the last level of the inverse-CDF pick
+
+
+def _pick_in_chunk(mass_of, n_sub: int, r):
+    """common.pick inside one chunk, in two more levels (Mosaic lowers no scan): walk the
+    chunk's n_sub blocks of _SUB entries (mass_of(i) -> f32[1, _SUB]) to the one where r * total
+    falls, then the entry inside it from masked prefix sums. i32[1, 1]."""
+    total = lax.fori_loop(0, n_sub, lambda i, t: t + jnp.sum(mass_of(i), axis=1, keepdims=True),
+                          jnp.zeros((1, 1), jnp.float32))
+    target = r * total
+
+    def walk(i, carry):
+        cum, count, last = carry
+        mass = jnp.sum(mass_of(i), axis=1, keepdims=True)
+        cum = cum + mass
+        return cum, count + (cum <= target).astype(jnp.int32), jnp.where(mass > 0, i, last)
+
+    zero_i = jnp.zeros((1, 1), jnp.int32)
+    _, count, last = lax.fori_loop(0, n_sub, walk, (jnp.zeros((1, 1), jnp.float32), zero_i, zero_i))
+    sub = jnp.minimum(count, last)  # i32[1, 1]
+
+    def before_sub(i, b):  # the mass of the blocks before the chosen one, summed as walk did
+        return b + jnp.where(i < sub, jnp.sum(mass_of(i), axis=1, keepdims=True), 0.0)
+
+    before = lax.fori_loop(0, n_sub, before_sub, jnp.zeros((1, 1), jnp.float32))
+    mass = mass_of(sub[0, 0])  # f32[1, _SUB]
+    tri = lax.broadcasted_iota(jnp.int32, (_SUB, _SUB), 1) <= lax.broadcasted_iota(jnp.int32, (_SUB, _SUB), 0)
+    cum = before + jnp.sum(jnp.where(tri, mass, 0.0), axis=1, keepdims=True)  # f32[_SUB, 1] inclusive
+    inside = jnp.sum((cum <= target).astype(jnp.int32), axis=0, keepdims=True)
+    lane = lax.broadcasted_iota(jnp.int32, (1, _SUB), 1)
+    last_lane = jnp.max(jnp.where(mass > 0, lane, 0), axis=1, keepdims=True)
+    return sub * _SUB + jnp.minimum(inside, last_lane)
 
 
 def _spec_verify_tpu(z, thr, drafts, num_drafts, uniforms, greedy, draft_probs, bs: BlockSizes, interpret: bool):
