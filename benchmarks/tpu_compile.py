@@ -1,0 +1,264 @@
+"""Compile the engine's steps for a TPU slice on this host (libtpu, no TPU needed) and report
+what each executable would do per chip: memory, bytes accessed against the bytes the step
+must move, collectives, whole-pool copies, and a projected step time at the chip's HBM
+bandwidth.
+
+    pip install -e '.[tpu]'
+    python benchmarks/tpu_compile.py --target v6e-1 --model llama-3-8b --out out/tpu-v6e-1
+
+writes ``OUT/report.json`` (one record per executable) and each executable's optimized HLO
+as ``OUT/<name>.hlo.txt``. Nothing of the model's size is allocated: weights and pools are
+abstract values carrying the engine's shardings (``jaxinfer.aot``).
+
+A few layers stand for many: each step is compiled at two depths (``--layers``, default one
+period of the family's layer pattern and twice that), and the per-layer difference scales the
+layer-dependent figures to the model's depth (``scaled``). Figures per chip:
+
+* ``bytes_accessed``: XLA's cost analysis (which counts nothing for a Pallas call) plus what the
+  Pallas calls move: every non-pool operand and result once, and for attention the pages the
+  step's tables name (every decode row at the full context of ``--context``), as their DMAs read them;
+* ``ideal_bytes``: the weights on the chip + the KV the rows read (the same pages) + the KV
+  they write + the logits;
+* ``projected_step_ms`` = bytes_accessed / the chip's HBM bandwidth, ``projected_mbu`` =
+  ideal_bytes / bytes_accessed. These are projections: a compile cannot tell real DMA overlap,
+  ICI contention or the host's time between steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxinfer import aot  # noqa: E402
+from jaxinfer.config import ModelConfig  # noqa: E402
+from jaxinfer.loaders.hf import family_for  # noqa: E402
+
+# config.json of each model as published on the Hugging Face Hub (the fields our families read)
+HF_CONFIGS = {
+    "llama-3-8b": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                       rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+                       max_position_embeddings=131072, tie_word_embeddings=False, hidden_act="silu",
+                       bos_token_id=128000, eos_token_id=128001),
+    "llama-3-70b": dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=8192,
+                        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                          high_freq_factor=4.0, original_max_position_embeddings=8192),
+                        max_position_embeddings=131072, tie_word_embeddings=False, hidden_act="silu",
+                        bos_token_id=128000, eos_token_id=128001),
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+                          tie_word_embeddings=False, hidden_act="silu", bos_token_id=151643, eos_token_id=151645),
+    # a toy of Llama's shape, for checking this script in seconds
+    "llama-tiny": dict(architectures=["LlamaForCausalLM"], vocab_size=2048, hidden_size=256, intermediate_size=512,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                       rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+                       tie_word_embeddings=False, hidden_act="silu"),
+}
+# the rest come from the families' own presets (Gemma 3: its 5:1 local/global pattern)
+PRESETS = {"gemma-3-27b": ("gemma3", "gemma-3-27b")}
+KINDS = {
+    "decode-1": aot.StepKind("decode-1", rows=1),
+    "decode-64": aot.StepKind("decode-64", rows=64),
+    "decode-256": aot.StepKind("decode-256", rows=256),
+    "mixed-2048": aot.StepKind("mixed-2048", rows=64, prefill=2048),
+    "chain-8": aot.StepKind("chain-8", rows=64, chain=8),
+    "verify-4": aot.StepKind("verify-4", rows=64, q=5, verify=True),
+    "decode-64-int8kv": aot.StepKind("decode-64-int8kv", rows=64, kv_dtype="int8"),
+}
+
+
+def model_config(name: str, dtype: str = "bfloat16") -> ModelConfig:
+    if name in HF_CONFIGS:
+        hf = HF_CONFIGS[name]
+        return dataclasses.replace(family_for(hf, name).config_from_hf(hf, dtype=dtype), name=name)
+    if name in PRESETS:
+        import importlib
+
+        mod, preset = PRESETS[name]
+        cfg = importlib.import_module(f"jaxinfer.models.{mod}").PRESETS[preset]
+        return dataclasses.replace(cfg, dtype=dtype, name=name)
+    raise SystemExit(f"unknown model {name!r}; known: {', '.join([*HF_CONFIGS, *PRESETS])}")
+
+
+def period(cfg: ModelConfig) -> int:
+    """Layers of one repeat of the model's layer pattern (Gemma 3: 5 local + 1 global)."""
+    kinds = [cfg.layer_window(i) for i in range(cfg.n_layers)]
+    for p in range(1, cfg.n_layers + 1):
+        if all(kinds[i] == kinds[i % p] for i in range(cfg.n_layers)):
+            return p
+    return cfg.n_layers
+
+
+def cut(cfg: ModelConfig, n: int) -> ModelConfig:
+    from jaxinfer.models import gemma3
+
+    kw = {"layer_kinds": gemma3.layer_kinds(n)} if cfg.layer_kinds else {}
+    return dataclasses.replace(cfg, n_layers=n, **kw)
+
+
+def tree_bytes(tree) -> float:
+    return float(sum(np.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+                     for a in jax.tree.leaves(tree) if hasattr(a, "sharding")))
+
+
+def ideal_bytes(cfg: ModelConfig, kind: aot.StepKind, info: dict, weights_chip: float, tp: int) -> dict:
+    """What the step must move per chip: its weights, the KV pages its rows read (every decode
+    row at the full context, windowed layers their window), the KV its tokens write, and the
+    f32 logits of its decode rows (vocabulary split over the model axis)."""
+    kvpt = aot.kv_bytes_per_token(cfg, info)
+    ps = info["page_size"]
+    read = 0.0
+    for i in range(cfg.n_layers):
+        src = cfg.kv_source(i)
+        ctx = (info["wwidth"] if info["windowed"] and info["windowed"][src] else info["width"]) * ps
+        read += kvpt[src] * (kind.rows * ctx + kind.prefill)
+    steps = max(kind.chain, 1)
+    write = sum(kvpt) * kind.tokens
+    logits = kind.rows * kind.q * cfg.vocab_size * 4 / tp
+    return dict(weights=weights_chip * steps, kv_read=read * steps, kv_write=write * steps,
+                logits=logits * steps, total=(weights_chip + read + write + logits) * steps)
+
+
+def fitting_context(cfg: ModelConfig, kind: aot.StepKind, mesh, target: aot.Target, weights_chip: float,
+                    context: int) -> int:
+    """The longest context (a multiple of 256, at most ``context``) at which every decode row of
+    ``kind`` has its pages in HBM beside the weights, within 90% of the chip (as the engine
+    sizes its pools from gpu_memory_utilization)."""
+    cut_cfg = cut(cfg, period(cfg))
+    pools = aot.abstract_pools(cut_cfg, mesh, 2, 16, kind.kv_dtype or "bfloat16")
+    info = dict(pools=[aot._leaves(p) for p in pools.k + pools.v], page_size=16)
+    per_token = sum(aot.kv_bytes_per_token(cut_cfg, info)) * cfg.n_layers / cut_cfg.n_layers
+    room = 0.9 * target.hbm_bytes - weights_chip
+    fit = int(room // (max(kind.rows, 1) * per_token + 1e-9)) // 256 * 256
+    return max(256, min(context, fit))
+
+
+def compile_one(cfg, mesh, kernels, kind, work, quantization, expert_parallel, target):
+    weights, _ = aot.abstract_weights(cfg, mesh, kernels, quantization=quantization,
+                                      expert_parallel=expert_parallel)
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        lowered, info = aot.lower_step(cfg, weights, mesh, kernels, kind, work)
+        compiled = lowered.compile()
+    rec = aot.analyse(compiled, info)
+    rec["compile_s"] = time.perf_counter() - t0
+    rec["weights_bytes"] = tree_bytes(weights)
+    return rec, info, compiled
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="v6e-1", choices=sorted(aot.TARGETS))
+    ap.add_argument("--model", default="llama-3-8b", choices=[*HF_CONFIGS, *PRESETS])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    ap.add_argument("--tp", type=int, default=None, help="tensor parallelism (default: every chip)")
+    ap.add_argument("--quantization", choices=["int8", "int4", "w8a8"], default=None)
+    ap.add_argument("--enable-expert-parallel", action="store_true")
+    ap.add_argument("--kernels", choices=["pallas", "xla"], default="pallas")
+    ap.add_argument("--context", type=int, default=4096,
+                    help="positions each decode row's table covers, at most (less where the rows' KV would not "
+                         "fit the chip's HBM beside the weights)")
+    ap.add_argument("--layers", type=int, nargs=2, default=None, metavar=("L1", "L2"),
+                    help="the two depths compiled (default: one and two periods of the layer pattern)")
+    args = ap.parse_args(argv)
+
+    target = aot.TARGETS[args.target]
+    full = model_config(args.model)
+    mesh = aot.target_mesh(args.target, model=args.tp)
+    tp = mesh.shape["model"]
+    kernels = aot.target_kernels(mesh, args.kernels)
+    p = period(full)
+    L1, L2 = args.layers or (p, 2 * p)
+    full_weights, _ = aot.abstract_weights(full, mesh, kernels, quantization=args.quantization,
+                                           expert_parallel=args.enable_expert_parallel)
+    weights_chip = tree_bytes(full_weights)
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for name in args.kinds:
+        kind = KINDS[name]
+        work = aot.Workload(context=fitting_context(full, kind, mesh, target, weights_chip, args.context))
+        depth = {}
+        for L in (L1, L2):
+            rec, info, compiled = compile_one(cut(full, L), mesh, kernels, kind, work, args.quantization,
+                                              args.enable_expert_parallel, target)
+            depth[L] = rec
+            if L == L1:
+                (args.out / f"{name}.hlo.txt").write_text(compiled.as_text())
+            print(f"{name} L={L}: {rec['compile_s']:.1f} s, {len(rec['pool_copies'])} pool copies", file=sys.stderr)
+        a, b = depth[L1], depth[L2]
+
+        def scale(x1, x2):
+            return x1 + (x2 - x1) * (full.n_layers - L1) / (L2 - L1)
+
+        rec_full = {}
+        for key in ("xla_bytes_accessed", "pallas_operand_bytes", "flops", "argument_bytes", "alias_bytes",
+                    "pool_bytes", "output_bytes"):
+            rec_full[key] = scale(a[key], b[key])
+        rec_full["pool_copies"] = scale(len(a["pool_copies"]), len(b["pool_copies"]))
+        rec_full["pallas_calls"] = scale(a["pallas_calls"], b["pallas_calls"])
+        rec_full["collectives"] = {k: {f: scale(a["collectives"].get(k, {}).get(f, 0), v[f]) for f in ("count", "bytes")}
+                                   for k, v in b["collectives"].items()}
+        rec_full["temp_bytes"] = max(a["temp_bytes"], b["temp_bytes"])
+        # the full model's pools: the cut's (whole periods of the layer pattern) repeated
+        ideal_full = ideal_bytes(full, kind, _full_info(full, info, L2), weights_chip, tp)
+        # KV pages read by Pallas attention, which XLA's cost analysis leaves out
+        pallas_kv = ideal_full["kv_read"] if a["pallas_attention_calls"] else 0.0
+        bytes_accessed = rec_full["xla_bytes_accessed"] + rec_full["pallas_operand_bytes"] + pallas_kv
+        steps = max(kind.chain, 1)
+        if kind.chain:  # XLA counts a while loop's body once
+            bytes_accessed = (bytes_accessed - pallas_kv) * steps + pallas_kv
+        rec = dict(name=name, target=args.target, model=args.model, tp=tp, quantization=args.quantization,
+                   kernels=args.kernels, kv_dtype=kind.kv_dtype or work.kv_dtype, rows=kind.rows, q=kind.q,
+                   prefill=kind.prefill, chain=kind.chain, context=work.context,
+                   compile_s=a["compile_s"], compile_s_l2=b["compile_s"], layers_compiled=[L1, L2],
+                   n_layers=full.n_layers, hbm_bytes=target.hbm_bytes,
+                   argument_bytes=rec_full["argument_bytes"], temp_bytes=rec_full["temp_bytes"],
+                   output_bytes=rec_full["output_bytes"], alias_bytes=rec_full["alias_bytes"],
+                   pool_bytes=rec_full["pool_bytes"], weights_bytes=weights_chip,
+                   fits_hbm=rec_full["argument_bytes"] + rec_full["temp_bytes"] <= target.hbm_bytes,
+                   bytes_accessed=bytes_accessed, bytes_accessed_count="xla cost analysis + pallas operands once "
+                   "+ attention pages the tables name", ideal_bytes=ideal_full["total"], ideal=ideal_full,
+                   accessed_over_ideal=bytes_accessed / ideal_full["total"], flops=rec_full["flops"],
+                   collectives=rec_full["collectives"], pool_copies=rec_full["pool_copies"],
+                   pool_copy_ops=a["pool_copies"][:4], pallas_calls=rec_full["pallas_calls"],
+                   projected_step_ms=bytes_accessed / target.hbm_bw * 1e3,
+                   projected_mbu=ideal_full["total"] / bytes_accessed,
+                   per_depth={str(L): {k: v for k, v in r.items() if k != "pool_copies"} for L, r in depth.items()})
+        records.append(rec)
+        print(json.dumps({k: rec[k] for k in ("name", "compile_s", "accessed_over_ideal", "pool_copies",
+                                              "temp_bytes", "alias_bytes", "pool_bytes", "projected_step_ms")}),
+              file=sys.stderr)
+        (args.out / "report.json").write_text(json.dumps(records, indent=1))
+    return records
+
+
+def _full_info(full: ModelConfig, info: dict, L: int) -> dict:
+    """``info`` of a cut of L layers extended to the full model's layers (layer i's pools are
+    those of layer i % L of the cut: the cut holds whole periods of the pattern)."""
+    pools_k, pools_v = info["pools"][:L], info["pools"][L:]
+    n = full.n_layers
+    windowed = info["windowed"]
+    return dict(info, pools=[pools_k[i % L] for i in range(n)] + [pools_v[i % L] for i in range(n)],
+                windowed=tuple(windowed[i % L] for i in range(n)) if windowed else windowed)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Compiled for a TPU from this host (libtpu's topologies; nothing runs): every Pallas kernel
+lowers through Mosaic at the shapes the engine gives it, and the engine's packed step compiles
+with its kernels into a program that reads and writes the page pools in place.
+
+interpret mode checks none of Mosaic's rules (tiling, VMEM, layouts); these tests do. Under
+CI=true a missing libtpu fails them instead of skipping (the ``tpu`` extra installs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxinfer import aot
+from jaxinfer.config import Family, ModelConfig, RopeConfig, RopeKind
+
+ROOT = Path(__file__).resolve().parents[1]
+
+if not aot.libtpu_available():
+    if os.environ.get("CI") == "true":
+        pytest.fail("libtpu is missing: .ci/run installs the tpu extra (pip install -e '.[tpu]')",
+                    pytrace=False)
+    pytest.skip("libtpu is not installed (pip install -e '.[tpu]')", allow_module_level=True)
+
+TINY = ModelConfig(family=Family.LLAMA, vocab_size=2048, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
+                   head_dim=128, d_ff=512, norm_eps=1e-5, rope=RopeConfig(theta=10000.0, kind=RopeKind.DEFAULT),
+                   max_position=4096, tie_embeddings=False, dtype="bfloat16", name="llama-tiny")
+
+
+def _on(mesh, shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+
+def _kernel_cases():
+    """(name, the kernel's TPU variant, its abstract arguments) at the engine's shapes:
+    bf16 pools of 16-token pages and heads of 128, int8 weights of the quantized matmuls."""
+    from pallas_kernels.grouped_matmul.kernel import grouped_matmul_tpu
+    from pallas_kernels.paged_attention.kernel import paged_attention_tpu
+    from pallas_kernels.quant_matmul.kernel import int8_matmul_tpu, weight_only_matmul_tpu
+    from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_tpu
+    from pallas_kernels.spec_verify.common import BlockSizes as VerifyBlocks
+    from pallas_kernels.spec_verify.kernel import _VARIANTS as VERIFY
+
+    bf, i32 = jnp.bfloat16, jnp.int32
+    B, N, K, H, P, ps, W = 8, 8, 2, 128, 64, 16, 4
+    pool = ((P, K, ps, H), bf)
+    attn = dict(scale=None, window=None, softcap=None, keys_transposed=False, block_sizes=None, interpret=False,
+                sinks=None)
+    return {
+        "paged_attention": (lambda *a: paged_attention_tpu(*a, **attn),
+                            [((B, N, H), bf), pool, pool, ((B, W), i32), ((B,), i32)]),
+        "ragged_paged_attention": (lambda *a: ragged_paged_attention_tpu(*a, **attn),
+                                   [((64, N, H), bf), pool, pool, ((4, W), i32), ((4,), i32), ((4,), i32),
+                                    ((4,), i32)]),
+        "int8_matmul": (int8_matmul_tpu, [((64, 512), jnp.int8), ((64,), jnp.float32), ((512, 256), jnp.int8),
+                                          ((256,), jnp.float32)]),
+        "weight_only_matmul": (weight_only_matmul_tpu, [((64, 512), bf), ((512, 256), jnp.int8),
+                                                        ((256,), jnp.float32)]),
+        "grouped_matmul": (grouped_matmul_tpu, [((128, 512), bf), ((4, 512, 256), bf), ((4,), i32)]),
+        "spec_verify": (lambda *a: VERIFY["tpu"](*a, None, VerifyBlocks(), False),
+                        [((B, 5, 1024), jnp.float32), ((B, 5), jnp.float32), ((B, 4), i32), ((B,), i32),
+                         ((B, 5, 3), jnp.float32), ((B,), jnp.bool_)]),
+    }
+
+
+@pytest.mark.parametrize("target", ["v5e-1", "v6e-1", "v5p-8"])
+@pytest.mark.parametrize("kernel", list(_kernel_cases()))
+def test_every_kernel_compiles_for_tpu(kernel, target):
+    fn, shapes = _kernel_cases()[kernel]
+    mesh = aot.target_mesh(target, model=1)
+    args = [_on(mesh, s, d) for s, d in shapes]
+    with jax.set_mesh(mesh):  # Mosaic reads the chip it lowers for from the mesh's devices
+        compiled = jax.jit(fn).lower(*args).compile()
+    assert "tpu_custom_call" in compiled.as_text()
+
+
+def _step(kind: aot.StepKind, cfg=TINY, target="v5e-1", kv_dtype="bfloat16"):
+    mesh = aot.target_mesh(target, model=1)
+    kernels = aot.target_kernels(mesh, "pallas")
+    weights, _ = aot.abstract_weights(cfg, mesh, kernels)
+    with jax.set_mesh(mesh):
+        lowered, info = aot.lower_step(cfg, weights, mesh, kernels, kind, aot.Workload(context=512, kv_dtype=kv_dtype))
+        compiled = lowered.compile()
+    return aot.analyse(compiled, info), compiled
+
+
+@pytest.mark.parametrize("kind", [aot.StepKind("decode", rows=8), aot.StepKind("mixed", rows=4, prefill=64)],
+                         ids=lambda k: k.name)
+def test_packed_step_compiles_for_v5e_with_the_kernels_in_place(kind):
+    """The step's attention is one Pallas call per layer; the donated pools come back aliased,
+    and nothing copies or transposes a whole pool."""
+    rec, _ = _step(kind)
+    assert rec["pallas_attention_calls"] == TINY.n_layers
+    assert rec["alias_bytes"] >= rec["pool_bytes"], rec
+    assert rec["pool_copies"] == []
+    assert rec["temp_bytes"] < rec["pool_bytes"], rec
+
+
+def test_analyse_counts_a_pool_copy():
+    """The report's copy detector sees a program that relayouts a pool (an independent case:
+    a transpose of a pool-shaped array, written by hand)."""
+    mesh = aot.target_mesh("v5e-1", model=1)
+    pool = _on(mesh, (64, 2, 16, 128), jnp.bfloat16)
+    compiled = jax.jit(lambda p: jnp.swapaxes(p, -1, -2) * 2).lower(pool).compile()
+    rec = aot.analyse(compiled, {"pools": [[((64, 2, 16, 128), jnp.dtype(jnp.bfloat16))]]})
+    assert len(rec["pool_copies"]) >= 1
+
+
+def test_tpu_compile_script_writes_a_report(tmp_path):
+    """benchmarks/tpu_compile.py at a toy size: a record per executable with the figures the
+    page documents, and the HLO beside it."""
+    out = tmp_path / "tpu"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tpu_compile.py"), "--target", "v5e-1",
+                           "--model", "llama-tiny", "--kinds", "decode-1", "verify-4", "--context", "256",
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    assert [r["name"] for r in report] == ["decode-1", "verify-4"]
+    for r in report:
+        assert (out / f"{r['name']}.hlo.txt").is_file()
+        for key in ("compile_s", "argument_bytes", "temp_bytes", "alias_bytes", "bytes_accessed", "ideal_bytes",
+                    "flops", "collectives", "pool_copies", "projected_step_ms", "projected_mbu"):
+            assert key in r, key
+        assert r["ideal_bytes"] > r["weights_bytes"] > 0
+        assert r["pool_copies"] == 0
