@@ -5,7 +5,8 @@ a circle.
 Floors, top to bottom (a module belongs to the floor of its longest matching prefix):
 
     6 cli                 argument parsing and printing
-    5 batch, bench, evaluate, server, train_medusa, train_eagle   jobs built on the public API
+    5 batch, bench, evaluate, server, train_medusa, train_eagle   jobs built on the public API;
+                          aot (the engine's steps compiled for a target it need not run on)
     4 llm                 the public API (the ``jaxinfer`` package re-exports it)
     3 engine
     2.5 loaders           (not at the bottom: they read each family's CHECKPOINT_NAMES,
@@ -31,7 +32,7 @@ FLOORS = {
     "jaxinfer.cli": 6, "jaxinfer.__main__": 6,
     "jaxinfer.batch": 5, "jaxinfer.bench": 5, "jaxinfer.evaluate": 5, "jaxinfer.server": 5,
     "jaxinfer.train_medusa": 5,
-    "jaxinfer.train_eagle": 5,
+    "jaxinfer.train_eagle": 5, "jaxinfer.aot": 5,
     "jaxinfer.llm": 4, "jaxinfer": 4,
     "jaxinfer.engine": 3,
     "jaxinfer.loaders": 2.5, "jaxinfer.loaders.gguf": 0,
