@@ -177,7 +177,7 @@ def bind(weights, specs, k: Kernels):
                     w.in_size, w.out_size):
                 w = dataclasses.replace(w, values=_amx_pack(w.values), layout="amx")
             return dataclasses.replace(w, kernels=k, mesh_axes=_model_axes(w.values) if k.mesh else (None, None))
-        if not isinstance(w, jax.Array) or not spec.contract_axes or w.shape != tuple(spec.shape):
+        if not isinstance(w, (jax.Array, jax.ShapeDtypeStruct)) or not spec.contract_axes or w.shape != tuple(spec.shape):
             return w
         if k.matmul == Matmul.PALLAS:  # float dense dots stay XLA's; the experts' grouped matmul is a kernel
             return quant.Dense(w, k) if expert else w

@@ -174,18 +174,21 @@ def kv_heads_axis(mesh, n_kv_heads: int) -> str | None:
 
 
 def per_model_shard(fn, mesh, in_specs, out_specs):
-    """``fn`` run per shard of the "model" axis (``jax.shard_map`` manual over "model" only):
-    how a Pallas call, which XLA cannot partition, runs on a mesh. The mesh is the one in
-    context when there is one (inside the data-parallel engine's ``shard_map``, manual over
-    "data", or a pipeline's, over "stage", a nested one must name it, and the axes manual there
-    stay so), else ``mesh``. Already manual over "model" (inside a mixture-of-experts block's
-    own ``shard_map``), ``fn`` is per shard as it is. Over a mesh of TPU devices the shard_map
-    also tells Mosaic the device kind it compiles for (from the mesh, not the default backend)."""
+    """``fn`` run per shard of the "model" axis: how a Pallas call, which XLA cannot partition,
+    runs on a mesh. ``jax.shard_map`` over every axis of the mesh not already manual (Mosaic
+    takes a call only where all of them are; the specs name "model" alone, so the data and
+    stage axes, of one device wherever a step runs a kernel, keep the arrays whole). The mesh
+    is the one in context when there is one (inside the data-parallel engine's ``shard_map``,
+    manual over "data", or a pipeline's, over "stage", a nested one must name it), else
+    ``mesh``. Where every axis is manual already (inside a mixture-of-experts block's own
+    ``shard_map``) ``fn`` is per shard as it is. Over a mesh of TPU devices the shard_map also
+    tells Mosaic the device kind it compiles for (from the mesh, not the default backend)."""
     context = jax.sharding.get_abstract_mesh()
-    if not context.empty and "model" in context.manual_axes:
+    if not context.empty and set(context.manual_axes) == set(context.axis_names):
         return fn
-    return jax.shard_map(fn, mesh=mesh if context.empty else context, in_specs=in_specs, out_specs=out_specs,
-                         axis_names={"model"}, check_vma=False)
+    on = mesh if context.empty else context
+    free = set(on.axis_names) - set(() if context.empty else context.manual_axes)
+    return jax.shard_map(fn, mesh=on, in_specs=in_specs, out_specs=out_specs, axis_names=free, check_vma=False)
 
 
 def kv_pool_sharding(mesh: Mesh, n_kv_heads: int, *, stacked: bool = False):
