@@ -66,7 +66,7 @@ _SCRIPT = textwrap.dedent("""
                         for t, pos in enumerate(o.prompt_logprobs[1:])] for o in outs]}
         e = llm.engine
         info = {"calls": dict(calls), "kernels_mesh": e.kernels.mesh is not None,
-                "kv_spec": [str(a) for a in jax.tree.leaves(e.k_pages[0])[0].sharding.spec]}
+                "kv_spec": [str(a) for a in getattr(jax.tree.leaves(e.k_pages[0])[0].sharding, "spec", ())]}
         if dp == 1:  # the traced decode step: its Pallas calls, and the shard_maps they sit in
             jaxpr = str(e._step.trace(e.weights, e.idle_batch(4, 8, 0), e.k_pages, e.v_pages, e.slots, cfg=e.cfg,
                                       num_logprobs=-1, prompt_logprobs=-1, kernels=e.kernels).jaxpr)
@@ -105,15 +105,15 @@ def test_pallas_on_tensor_parallel_meshes_equals_one_device(tiny_gguf, quantizat
     int8 runs every projection through the quantized matmul kernel, per weight shard (wq/wk/wv
     and w_gate/w_up by columns, wo and w_down by rows, summed over "model")."""
     float_model = quantization is None
-    runs = [_run("xla", 1), _run("xla", 2), _run("pallas", 2)]
-    runs += [_run("pallas", 4), _run("pallas", 2, dp=2)] if float_model else []
+    runs = [_run("xla", 1), _run("pallas", 2)]
+    runs += [_run("xla", 2), _run("pallas", 4), _run("pallas", 2, dp=2)] if float_model else []
     out = _runs(tiny_gguf, runs, prompts=TEXT, llm={"quantization": quantization})
     ref = out[0]["out"]
     for r in out[1:]:
         _assert_same(r["out"], ref, atol=2e-4 if float_model else 2e-3)
         info, run = r["info"], r["run"]
         assert info["kernels_mesh"]
-        assert info["kv_spec"][1:2] == (["model"] if run["tp"] == 2 else ["None"]), info
+        assert ("model" in info["kv_spec"]) == (run["tp"] == 2), info  # split over 2 devices, kept whole on 4
         if run["kernels"] == "xla":
             assert not info["calls"] and info.get("pallas_calls", 0) == 0
             continue
@@ -127,6 +127,7 @@ def test_pallas_on_tensor_parallel_meshes_equals_one_device(tiny_gguf, quantizat
 
 
 @pytest.mark.reference
+@pytest.mark.slow  # about 5 minutes: the grouped matmul interpreted, on three meshes
 def test_pallas_experts_on_tensor_parallel_meshes_equal_one_device(tmp_path):
     """A tiny Mixtral (8 experts, 4 query heads over 2 KV heads): its experts' grouped matmul
     runs per "model" shard inside the block's shard_map (each device its columns of every
