@@ -10,11 +10,16 @@ code:
   the library of each op built for this CPU;
 * ``xla``: the pure-JAX references, on any backend.
 
-``choose(option)`` turns the user's ``kernels=`` option ("auto", "pallas", "native", "xla";
-``LLM(kernels=...)``, ``--kernels``) into a frozen ``Kernels`` once, from the platform and the
-device count. Nothing reads it from a global: it travels with the step's inputs as static data,
-so it is part of every executable's cache key (an executable traced with one choice is never
-reused under another):
+``choose(option, mesh=..., devices=...)`` turns the user's ``kernels=`` option ("auto",
+"pallas", "native", "xla"; ``LLM(kernels=...)``, ``--kernels``) into a frozen ``Kernels`` once,
+from the devices the engine runs on: their platform and count, and the engine's mesh. The
+kernels follow those devices, not ``jax.default_backend()``, so an engine's step compiles for a
+TPU topology (``jax.experimental.topologies``) from a CPU host. On a mesh every Pallas call runs
+inside ``shard_map`` over the "model" axis (``sharding.per_model_shard``), each device on its
+shard: attention on its KV heads, a quantized matmul on its part of the weight, the experts'
+grouped matmul inside the mixture-of-experts block's own ``shard_map``. Nothing reads the
+choice from a global: it travels with the step's inputs as static data, so it is part of every
+executable's cache key (an executable traced with one choice is never reused under another):
 
 * the matmuls' choice rides on the weights: ``bind`` gives every quantized weight the choice as
   a static field and, where a kernel is chosen for float weights, wraps them (``quant.Dense``,
@@ -37,9 +42,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxinfer import cpu_kernels, kernels, quant
 from jaxinfer.errors import InvalidRequest
+from jaxinfer.sharding import per_model_shard
 from pallas_kernels import _common
 from pallas_kernels import grouped_matmul as gm
 
@@ -58,17 +65,28 @@ class Matmul(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """The kernel choice of an engine (hashable: a jit static argument and a static pytree field)."""
+    """The kernel choice of an engine and where it runs (hashable: a jit static argument and a
+    static pytree field; a ``Mesh`` hashes by its devices and axes)."""
 
     attention: Attention = Attention.XLA
     matmul: Matmul = Matmul.XLA
     interpret: bool = False  # Pallas kernels in interpret mode (CPU tests of the TPU/GPU path)
+    # "cpu", "gpu" or "tpu": the engine's devices' (``choose``); None: the default backend's
+    # (a Kernels made by hand, run where JAX runs by default)
+    platform: str | None = None
+    # the engine's (data, stage, model) mesh, or None on one device: the Pallas calls then run
+    # inside shard_map over its "model" axis
+    mesh: Mesh | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "attention", Attention(self.attention))
         object.__setattr__(self, "matmul", Matmul(self.matmul))
         if self.interpret and Attention.PALLAS not in (self.attention, self.matmul):
             raise ValueError(f"interpret=True needs a Pallas choice, got {self}")
+        if self.platform is not None and self.platform not in PLATFORMS:
+            raise ValueError(f"platform must be one of {PLATFORMS} or None, got {self.platform!r}")
+        if self.mesh is not None and "model" not in self.mesh.axis_names:
+            raise ValueError(f"the kernels' mesh needs a 'model' axis, got axes {self.mesh.axis_names}")
 
     @property
     def pallas(self) -> bool:
@@ -76,14 +94,23 @@ class Kernels:
         return self.attention == Attention.PALLAS
 
 
+PLATFORMS = _common.PLATFORMS
 XLA = Kernels()
 INTERPRET = Kernels(Attention.PALLAS, Matmul.PALLAS, interpret=True)
 CHOICES = ("auto", "pallas", "native", "xla")
 
 
-def choose(option: str | Kernels = "auto", *, platform: str | None = None, devices: int | None = None) -> Kernels:
-    """The ``Kernels`` of the user's ``kernels=`` option on this platform ("cpu", "gpu",
-    "tpu"; default the default backend's) with this many devices (default all):
+def device_platform(device) -> str:
+    """A device's platform as the kernels name it: "cpu", "gpu" (CUDA or ROCm) or "tpu"."""
+    p = device.platform
+    return "gpu" if p in ("cuda", "rocm", "gpu") else p
+
+
+def choose(option: str | Kernels = "auto", *, mesh: Mesh | None = None, devices=None) -> Kernels:
+    """The ``Kernels`` of the user's ``kernels=`` option for an engine on ``mesh`` (its
+    (data, stage, model) mesh: the Pallas calls then run per "model" shard), or, without one, on
+    ``devices`` (a device or a list of them: the weights' device; default every device of the
+    default backend). The platform ("cpu", "gpu", "tpu") is the devices', and it decides:
 
     * "auto": Pallas on TPU/GPU; on one CPU device the native kernels for each op whose library
       built here (``cpu_kernels.library_status`` says why one did not), XLA for the others; XLA
@@ -92,26 +119,36 @@ def choose(option: str | Kernels = "auto", *, platform: str | None = None, devic
     * "native": as "auto" on one CPU device; refused elsewhere;
     * "xla": the pure-JAX references everywhere.
 
-    A ``Kernels`` is returned as it is, unless it names a native kernel off one CPU device."""
-    platform = platform or _common.platform()
-    devices = jax.device_count() if devices is None else devices
+    A ``Kernels`` given keeps its choice and gains the platform and mesh, unless it names a
+    native kernel off one CPU device, or another platform or mesh than these devices'."""
+    if mesh is not None:
+        found = list(mesh.devices.flat)
+    elif devices is None:
+        found = jax.devices()
+    else:
+        found = list(devices) if isinstance(devices, (list, tuple)) else [devices]
+    platform, count = device_platform(found[0]), len(found)
+    where = {"platform": platform, "mesh": mesh}
     if isinstance(option, Kernels):
-        if (option.attention == Attention.NATIVE or option.matmul == Matmul.NATIVE) and (platform != "cpu" or devices != 1):
-            raise InvalidRequest(f"the native CPU kernels need one CPU device; this is {devices} {platform} device(s)")
-        return option
+        if (option.attention == Attention.NATIVE or option.matmul == Matmul.NATIVE) and (platform != "cpu" or count != 1):
+            raise InvalidRequest(f"the native CPU kernels need one CPU device; this is {count} {platform} device(s)")
+        for name, value in where.items():
+            if getattr(option, name) not in (None, value):
+                raise InvalidRequest(f"kernels {name}={getattr(option, name)} differs from the engine's {value}")
+        return option if (option.platform, option.mesh) == (platform, mesh) else dataclasses.replace(option, **where)
     if option not in CHOICES:
         raise InvalidRequest(f"kernels must be one of {', '.join(CHOICES)}, got {option!r}")
     if option == "xla":
-        return XLA
+        return Kernels(**where)
     if option == "pallas" or (option == "auto" and platform in _common.KERNEL_PLATFORMS):
-        return Kernels(Attention.PALLAS, Matmul.PALLAS, interpret=platform not in _common.KERNEL_PLATFORMS)
-    if platform != "cpu" or devices != 1:
+        return Kernels(Attention.PALLAS, Matmul.PALLAS, interpret=platform not in _common.KERNEL_PLATFORMS, **where)
+    if platform != "cpu" or count != 1:
         if option == "native":
-            raise InvalidRequest(f"kernels='native' needs one CPU device; this is {devices} {platform} device(s)")
-        return XLA
+            raise InvalidRequest(f"kernels='native' needs one CPU device; this is {count} {platform} device(s)")
+        return Kernels(**where)
     attention = Attention.NATIVE if cpu_kernels.attention_available() else Attention.XLA
     matmul = Matmul.NATIVE if cpu_kernels.f32_available() or cpu_kernels.available() else Matmul.XLA
-    return Kernels(attention, matmul)
+    return Kernels(attention, matmul, **where)
 
 
 # ----------------------------------------------------------------------------- weights
@@ -139,8 +176,8 @@ def bind(weights, specs, k: Kernels):
             if amx and w.scheme == quant.QuantScheme.W8A8 and w.layout == "io" and cpu_kernels.amx_fits(
                     w.in_size, w.out_size):
                 w = dataclasses.replace(w, values=_amx_pack(w.values), layout="amx")
-            return dataclasses.replace(w, kernels=k)
-        if not isinstance(w, jax.Array) or not spec.contract_axes or w.shape != tuple(spec.shape):
+            return dataclasses.replace(w, kernels=k, mesh_axes=_model_axes(w.values) if k.mesh else (None, None))
+        if not isinstance(w, (jax.Array, jax.ShapeDtypeStruct)) or not spec.contract_axes or w.shape != tuple(spec.shape):
             return w
         if k.matmul == Matmul.PALLAS:  # float dense dots stay XLA's; the experts' grouped matmul is a kernel
             return quant.Dense(w, k) if expert else w
@@ -154,6 +191,14 @@ def bind(weights, specs, k: Kernels):
         return quant.Dense(w, k)
 
     return jax.tree.map(one, specs, weights, is_leaf=is_spec)
+
+
+def _model_axes(values) -> tuple:
+    """Whether "model" splits the rows (I) and the columns (O) of a quantized weight's values
+    (a jax.Array, or a ShapeDtypeStruct with a sharding when a step is lowered abstractly)."""
+    sharding = getattr(values, "sharding", None)
+    spec = tuple(getattr(sharding, "spec", ())) + (None, None)
+    return tuple("model" if a == "model" or (isinstance(a, tuple) and "model" in a) else None for a in spec[:2])
 
 
 _amx_pack = jax.jit(cpu_kernels.amx_pack)
@@ -228,7 +273,7 @@ def matmul(w, x: jax.Array) -> jax.Array:
     k = w.kernels or XLA
     if k.matmul == Matmul.PALLAS and not (w.scheme == quant.QuantScheme.INT4 and w.group % 64):
         # (the kernel unpacks int4 in tiles of 64 rows; XLA serves smaller groups)
-        return kernels.quant_matmul(w, x, interpret=k.interpret)
+        return kernels.quant_matmul(w, x, interpret=k.interpret, platform=k.platform, mesh=k.mesh)
     if w.scheme == quant.QuantScheme.W8A8:
         return w.matmul_rows(*w.quantize_input(x), x.dtype, dot=s8_dot)
     if (k.matmul == Matmul.NATIVE and w.scheme == quant.QuantScheme.INT8 and x.dtype == jnp.float32
@@ -279,7 +324,21 @@ def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, group_offset=0) -
         kw = {"w_scale": w.scale, "out_size": w.shape[-1]}
         w = w.values_io()
     if k.matmul == Matmul.PALLAS and gm.kernel_fits(w, x.shape[1]):
-        return gm.grouped_matmul_kernel(x, w, group_sizes, group_offset=group_offset, interpret=k.interpret, **kw)
+        out_size = kw.get("out_size")
+
+        def run(x, w, group_sizes, group_offset, w_scale):
+            return gm.grouped_matmul_kernel(x, w, group_sizes, group_offset=group_offset, w_scale=w_scale,
+                                            out_size=out_size, interpret=k.interpret, platform=k.platform)
+
+        args = (x, w, group_sizes, group_offset, kw.get("w_scale"))
+        if k.mesh is None:
+            return run(*args)
+        # on a mesh the experts run inside the mixture-of-experts block's shard_map, per
+        # "model" shard, and this is that shard's call; a block not under one (its weights not
+        # placed by ``sharding.place_experts``) runs it whole on every device
+        rep = jax.sharding.PartitionSpec()
+        args = (*args[:3], jnp.asarray(group_offset, jnp.int32), args[4])
+        return per_model_shard(run, k.mesh, jax.tree.map(lambda _: rep, args), rep)(*args)
     return gm.grouped_matmul_xla(x, w, group_sizes, group_offset=group_offset, **kw)
 
 
@@ -316,9 +375,9 @@ def paged_path(k: Kernels, kpool, vpool, *, defer_writes: bool, sinks: bool = Fa
     if k.attention == Attention.PALLAS:
         if defer_writes or quantized:
             return PagedPath.XLA
-        if decode_only and kernels.paged_attention_fits(ps, kpool.dtype):
+        if decode_only and kernels.paged_attention_fits(ps, kpool.dtype, platform=k.platform):
             return PagedPath.DECODE
-        if kernels.ragged_paged_attention_fits(ps, kpool.dtype):
+        if kernels.ragged_paged_attention_fits(ps, kpool.dtype, platform=k.platform):
             return PagedPath.RAGGED
         return PagedPath.XLA
     if (k.attention == Attention.NATIVE and not sinks and ps <= cpu_kernels.ROWS_MAX_PAGE

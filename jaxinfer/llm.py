@@ -103,7 +103,10 @@ class LLM:
         spec = SpeculativeConfig.parse(speculative_config)  # likewise (layer count checked once loaded)
         mesh = _parallel_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, mesh)
         # which kernel runs each attention and matmul: chosen once, carried by the weights and the steps
-        self.kernels = dispatch.choose(kernels, devices=1 if mesh is None else mesh.size)
+        # (for the devices it runs on: the mesh, or the default device the weights are read to)
+        import jax
+
+        self.kernels = dispatch.choose(kernels, mesh=mesh, devices=None if mesh is not None else jax.local_devices()[:1])
         if mesh is not None and mesh.shape["data"] > 1 and spec is not None:
             raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")
         try:

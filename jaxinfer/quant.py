@@ -179,6 +179,10 @@ class QuantArray(_Matrix):
     layout: str = dataclasses.field(default="io", metadata={"static": True})
     # the dispatch.Kernels whose matmul multiplies it (``dispatch.bind``); None: XLA's dots
     kernels: object = dataclasses.field(default=None, metadata={"static": True})
+    # the mesh axis ("model") splitting I and the one splitting O, or None, as
+    # ``sharding.quant_shardings`` placed the values (``dispatch.bind`` reads it for a kernel
+    # that runs per shard on a mesh)
+    mesh_axes: tuple = dataclasses.field(default=(None, None), metadata={"static": True})
 
     def values_io(self) -> jax.Array:
         """``values`` in the "io" layout, unpacked where they are packed for AMX."""

@@ -167,13 +167,36 @@ def stage_mesh(mesh: Mesh, stage: int) -> Mesh:
     return Mesh(mesh.devices[:, stage, :], ("data", "model"))
 
 
+def kv_heads_axis(mesh, n_kv_heads: int) -> str | None:
+    """The mesh axis a page pool's KV heads are split over: "model" when it divides them,
+    else None (every device keeps every KV head). ``mesh``: a Mesh or an AbstractMesh."""
+    return "model" if n_kv_heads % dict(mesh.shape).get("model", 1) == 0 else None
+
+
+def per_model_shard(fn, mesh, in_specs, out_specs):
+    """``fn`` run per shard of the "model" axis: how a Pallas call, which XLA cannot partition,
+    runs on a mesh. ``jax.shard_map`` over every axis of the mesh not already manual (Mosaic
+    takes a call only where all of them are; the specs name "model" alone, so the data and
+    stage axes, of one device wherever a step runs a kernel, keep the arrays whole). The mesh
+    is the one in context when there is one (inside the data-parallel engine's ``shard_map``,
+    manual over "data", or a pipeline's, over "stage", a nested one must name it), else
+    ``mesh``. Where every axis is manual already (inside a mixture-of-experts block's own
+    ``shard_map``) ``fn`` is per shard as it is. Over a mesh of TPU devices the shard_map also
+    tells Mosaic the device kind it compiles for (from the mesh, not the default backend)."""
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and set(context.manual_axes) == set(context.axis_names):
+        return fn
+    on = mesh if context.empty else context
+    free = set(on.axis_names) - set(() if context.empty else context.manual_axes)
+    return jax.shard_map(fn, mesh=on, in_specs=in_specs, out_specs=out_specs, axis_names=free, check_vma=False)
+
+
 def kv_pool_sharding(mesh: Mesh, n_kv_heads: int, *, stacked: bool = False):
     """NamedSharding of a page pool ([P, K, ...], int8 values and scales alike): split over KV
     heads when the model axis divides them, else replicated (each device then keeps every KV
     head and only the query heads are split). stacked: a pipeline's pool slot [stages, P, K,
     ...], whose leading "layers" axis goes where the rules table sends it (the stage axis)."""
-    m = mesh.shape.get("model", 1)
-    heads = "model" if n_kv_heads % m == 0 else None
+    heads = kv_heads_axis(mesh, n_kv_heads)
     if stacked:
         return NamedSharding(mesh, PartitionSpec(ShardingRules().mesh_axis("layers"), None, heads))
     return NamedSharding(mesh, PartitionSpec(None, heads))

@@ -23,10 +23,16 @@ One small package per op:
 
 Each package exports, for its op ``op``:
   ``op``            dispatch: the Pallas kernel on TPU/GPU (or anywhere with
-                    ``interpret=True``), the reference elsewhere; decided at call time.
-  ``op_kernel``     the Pallas kernel (Mosaic on TPU, Triton on GPU; on CPU it needs
-                    ``interpret=True`` and runs the TPU variant).
-  ``op_reference``  the pure-JAX reference, same signature (static options are ignored).
+                    ``interpret=True``), the reference elsewhere; decided at call time
+                    from the keyword ``platform`` ("cpu", "gpu", "tpu": where the
+                    caller's devices are; None: the default backend's), so that a
+                    program for a TPU compiles on a CPU host.
+  ``op_kernel``     the Pallas kernel (Mosaic on TPU, Triton on GPU, by ``platform``;
+                    on CPU it needs ``interpret=True`` and runs the TPU variant). On a
+                    mesh the caller runs it inside ``shard_map``: XLA cannot partition
+                    a Mosaic or Triton call.
+  ``op_reference``  the pure-JAX reference, same signature (static options, the
+                    platform among them, are ignored).
   ``BlockSizes``    frozen dataclass of the kernel's tile sizes.
 
 This package imports nothing from ``jaxinfer``. Shape letters: B batch, T query tokens,

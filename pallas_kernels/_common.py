@@ -1,4 +1,4 @@
-"""What every kernel package shares: platform choice at call time, and small shape helpers."""
+"""What every kernel package shares: the variant for the caller's platform, and small shape helpers."""
 
 from __future__ import annotations
 
@@ -17,26 +17,36 @@ MASK_VALUE = -1e30
 KERNEL_PLATFORMS = ("tpu", "gpu")
 
 
-def platform() -> str:
-    """The default backend now ("cpu", "gpu" or "tpu"); read at call (trace) time."""
-    p = jax.default_backend()
-    return "gpu" if p in ("cuda", "rocm") else p
+PLATFORMS = ("cpu", "gpu", "tpu")
 
 
-def kernel_target() -> str:
-    """Which kernel variant to build: the platform's own, or "tpu" for interpret mode on CPU."""
-    p = platform()
+def resolve_platform(p: str | None = None) -> str:
+    """The platform a kernel is built for: ``p`` ("cpu", "gpu" or "tpu": where the caller's
+    devices are), or, when None, the default backend's (read at call, i.e. trace, time: for
+    standalone callers only; an engine passes the platform of the devices it runs on, so that
+    it compiles for a TPU topology from a CPU host)."""
+    if p is None:
+        p = jax.default_backend()
+        return "gpu" if p in ("cuda", "rocm") else p
+    check(p in PLATFORMS, f"platform={p!r} must be one of {PLATFORMS} (or None: the default backend's)")
+    return p
+
+
+def kernel_target(platform: str | None = None) -> str:
+    """Which kernel variant to build on this platform: its own, or "tpu" for interpret mode
+    on CPU."""
+    p = resolve_platform(platform)
     return p if p in KERNEL_PLATFORMS else "tpu"
 
 
-def use_kernel(interpret: bool) -> bool:
+def use_kernel(interpret: bool, platform: str | None = None) -> bool:
     """Dispatch rule shared by every op: the kernel where it compiles or when interpreting."""
-    return interpret or platform() in KERNEL_PLATFORMS
+    return interpret or resolve_platform(platform) in KERNEL_PLATFORMS
 
 
-def pick_variant(variants: Mapping[str, Callable], name: str) -> Callable:
+def pick_variant(variants: Mapping[str, Callable], name: str, platform: str | None = None) -> Callable:
     """The kernel variant for this platform (``variants`` maps target -> builder)."""
-    target = kernel_target()
+    target = kernel_target(platform)
     if target not in variants:
         raise NotImplementedError(
             f"{name} has no Pallas lowering for {target=}; it has {sorted(variants)}"
@@ -147,10 +157,10 @@ def finish_softmax(l, acc):
     return acc / jnp.where(l == 0.0, 1.0, l)
 
 
-def page_kernel_fits(page_size: int, dtype) -> bool:
+def page_kernel_fits(page_size: int, dtype, *, platform: str | None = None) -> bool:
     """Whether this platform's paged-attention variants take pages of page_size for pools of
     dtype (the checks they make, asked before calling): TPU tiles need a multiple of the
     dtype's sublane count, Triton dot tiles a power of two >= 16."""
-    if kernel_target() == "gpu":
+    if kernel_target(platform) == "gpu":
         return is_pow2(page_size) and page_size >= 16
     return page_size % sublane(dtype) == 0

@@ -41,8 +41,8 @@ def skip_unless_runs_here(variant: str) -> None:
 
         from pallas_kernels import _common
 
-        if variant != _common.platform():
-            pytest.skip(f"the {variant} variant does not compile on {_common.platform()}")
+        if variant != _common.resolve_platform():
+            pytest.skip(f"the {variant} variant does not compile on {_common.resolve_platform()}")
 
 
 def assert_close(out, ref, dtype=None):

@@ -3,6 +3,9 @@ refusals, and how the weights carry the matmul choice."""
 
 from __future__ import annotations
 
+import dataclasses
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,23 +17,50 @@ from jaxinfer.dispatch import Attention, Kernels, Matmul
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models import llama
 from jaxinfer.models.layers import dot
+from jaxinfer.sharding import make_mesh
 from jaxinfer.specs import init_weights
 
 CFG = ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2,
                   head_dim=16, d_ff=128)
 
 
+def on(platform: str, n: int = 1) -> list:
+    """n stand-ins for devices of a platform (what ``choose`` reads of a device: its platform),
+    so each platform's choice is checked on any host; the TPU compile tests use real ones."""
+    return [types.SimpleNamespace(platform=platform)] * n
+
+
 def test_each_option_on_each_platform():
-    assert dispatch.choose("xla", platform="tpu", devices=8) == dispatch.XLA
-    assert dispatch.choose("auto", platform="tpu", devices=8) == Kernels(Attention.PALLAS, Matmul.PALLAS)
-    assert dispatch.choose("pallas", platform="gpu", devices=1) == Kernels(Attention.PALLAS, Matmul.PALLAS)
-    assert dispatch.choose("pallas", platform="cpu", devices=1) == dispatch.INTERPRET
-    assert dispatch.choose("auto", platform="cpu", devices=8) == dispatch.XLA  # a custom call has no sharding rule
-    auto = dispatch.choose("auto", platform="cpu", devices=1)
+    assert dispatch.choose("xla", devices=on("tpu", 8)) == Kernels(platform="tpu")
+    assert dispatch.choose("auto", devices=on("tpu", 8)) == Kernels(Attention.PALLAS, Matmul.PALLAS, platform="tpu")
+    assert dispatch.choose("pallas", devices=on("cuda")) == Kernels(Attention.PALLAS, Matmul.PALLAS, platform="gpu")
+    interpret = dispatch.choose("pallas", devices=on("cpu"))
+    assert interpret == dataclasses.replace(dispatch.INTERPRET, platform="cpu")
+    assert dispatch.choose("auto", devices=on("cpu", 8)) == Kernels(platform="cpu")  # a custom call has no sharding rule
+    auto = dispatch.choose("auto", devices=on("cpu"))
     assert auto.attention == (Attention.NATIVE if cpu_kernels.attention_available() else Attention.XLA)
     assert auto.matmul == (Matmul.NATIVE if cpu_kernels.f32_available() or cpu_kernels.available() else Matmul.XLA)
-    assert dispatch.choose("native", platform="cpu", devices=1) == auto
-    assert dispatch.choose(auto) is auto
+    assert dispatch.choose("native", devices=on("cpu")) == auto
+    assert dispatch.choose(auto, devices=on("cpu")) is auto
+    # the default: every device of the default backend
+    assert dispatch.choose("xla").platform == dispatch.device_platform(jax.devices()[0])
+
+
+def test_the_choice_follows_the_mesh():
+    """On a mesh the choice takes the mesh's devices' platform and the mesh itself (so the
+    Pallas calls run per "model" shard); a Kernels given gains both, and one naming another
+    platform or mesh is refused."""
+    mesh = make_mesh(model=1, devices=jax.devices()[:1])
+    k = dispatch.choose("pallas", mesh=mesh)
+    assert (k.platform, k.mesh, k.interpret) == ("cpu", mesh, True)
+    mine = Kernels(Attention.PALLAS, Matmul.XLA)
+    assert dispatch.choose(mine, mesh=mesh) == dataclasses.replace(mine, platform="cpu", mesh=mesh)
+    assert dispatch.choose(k, mesh=mesh) is k  # the engine chooses again what LLM chose: the same
+    with pytest.raises(InvalidRequest, match="kernels platform=tpu differs from the engine's cpu"):
+        dispatch.choose(Kernels(platform="tpu"), mesh=mesh)
+    with pytest.raises(ValueError, match="platform must be one of"):
+        Kernels(platform="cuda")
+    hash(k)  # a jit static argument
 
 
 @pytest.mark.parametrize("option,platform,devices,match", [
@@ -40,16 +70,16 @@ def test_each_option_on_each_platform():
 ])
 def test_bad_options_are_refused(option, platform, devices, match):
     with pytest.raises(InvalidRequest, match=match):
-        dispatch.choose(option, platform=platform, devices=devices)
+        dispatch.choose(option, devices=on(platform, devices))
 
 
 def test_a_native_choice_off_one_cpu_device_is_refused():
-    native = Kernels(Attention.XLA, Matmul.NATIVE)
-    assert dispatch.choose(native, platform="cpu", devices=1) is native
+    native = Kernels(Attention.XLA, Matmul.NATIVE, platform="cpu")
+    assert dispatch.choose(native, devices=on("cpu")) is native
     with pytest.raises(InvalidRequest, match="native CPU kernels need one CPU device; this is 8 cpu"):
-        dispatch.choose(native, platform="cpu", devices=8)
+        dispatch.choose(native, devices=on("cpu", 8))
     with pytest.raises(InvalidRequest, match="this is 1 gpu"):
-        dispatch.choose(Kernels(Attention.NATIVE), platform="gpu", devices=1)
+        dispatch.choose(Kernels(Attention.NATIVE), devices=on("gpu"))
 
 
 def test_llm_refuses_a_bad_option_before_loading(tmp_path):

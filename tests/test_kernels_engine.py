@@ -51,7 +51,7 @@ def test_engine_with_kernels_gives_the_reference_tokens(tiny_gguf):
     want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, sp, use_tqdm=False)]
     kw = {"progress": False, "max_num_seqs": 4, "max_model_len": 64, "block_size": 8, "kernels": "pallas"}
     llm = LLM(str(tiny_gguf), quantization="w8a8", **kw)
-    assert llm.kernels == dispatch.INTERPRET
+    assert llm.kernels == dataclasses.replace(dispatch.INTERPRET, platform="cpu")  # from the device, no mesh
     got = [o.outputs[0].token_ids for o in LLM(str(tiny_gguf), **kw).generate(PROMPTS, sp, use_tqdm=False)]
     got8 = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
     assert got == want
@@ -107,7 +107,7 @@ def test_kernel_choice_is_part_of_the_step_key(tiny_gguf):
     assert eng._step._cache_size() == before + 1  # same shape, other choice: its own executable
     q8 = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, quantization="int8", kernels="pallas")
     leaves = jax.tree.leaves(q8.weights, is_leaf=lambda x: hasattr(x, "scheme"))
-    assert {x.kernels for x in leaves if hasattr(x, "scheme")} == {dispatch.INTERPRET}
+    assert {x.kernels for x in leaves if hasattr(x, "scheme")} == {dataclasses.replace(dispatch.INTERPRET, platform="cpu")}
 
 
 # ----------------------------------------------------------------------------- packed step

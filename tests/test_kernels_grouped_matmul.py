@@ -228,5 +228,7 @@ def test_dispatch_picks_reference_on_cpu_and_kernel_when_interpreting(monkeypatc
     x, w, gs = jnp.zeros((4, 8)), jnp.zeros((2, 8, 8)), jnp.array([2, 2])
     gm.grouped_matmul(x, w, gs)
     gm.grouped_matmul(x, w, gs, interpret=True)
+    gm.grouped_matmul(x, w, gs, platform="cpu")
+    gm.grouped_matmul(x, w, gs, platform="tpu")  # the platform is the caller's, not the host's
     expect = "ref" if jax.default_backend() == "cpu" else "kernel"
-    assert calls == [expect, "kernel"]
+    assert calls == [expect, "kernel", "ref", "kernel"]

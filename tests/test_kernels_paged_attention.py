@@ -190,9 +190,10 @@ def test_dispatch_picks_reference_on_cpu_and_kernel_when_interpreting(monkeypatc
         jnp.zeros((1, 2), jnp.int32),
         jnp.ones((1,), jnp.int32),
     )
-    pa.paged_attention(*args)
-    pa.paged_attention(*args, interpret=True)
-    assert calls == ["ref", "kernel"]
+    pa.paged_attention(*args, platform="cpu")
+    pa.paged_attention(*args, interpret=True, platform="cpu")
+    pa.paged_attention(*args, platform="tpu")  # the platform is the caller's, not the host's
+    assert calls == ["ref", "kernel", "kernel"]
 
 
 # ----------------------------------------------------------------------------- validation

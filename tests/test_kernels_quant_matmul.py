@@ -198,11 +198,12 @@ def test_dispatch_picks_reference_on_cpu_and_kernel_when_interpreting(monkeypatc
     monkeypatch.setattr(qm, "weight_only_matmul_kernel", lambda *a, **k: calls.append("kernel"))
     x, s = jnp.zeros((1, 128), jnp.int8), jnp.ones((1,))
     w, ws = jnp.zeros((128, 128), jnp.int8), jnp.ones((128,))
-    qm.int8_matmul(x, s, w, ws)
-    qm.int8_matmul(x, s, w, ws, interpret=True)
-    qm.weight_only_matmul(x.astype(jnp.float32), w, ws)
-    qm.weight_only_matmul(x.astype(jnp.float32), w, ws, interpret=True)
-    assert calls == ["ref", "kernel", "ref", "kernel"]
+    qm.int8_matmul(x, s, w, ws, platform="cpu")
+    qm.int8_matmul(x, s, w, ws, interpret=True, platform="cpu")
+    qm.weight_only_matmul(x.astype(jnp.float32), w, ws, platform="cpu")
+    qm.weight_only_matmul(x.astype(jnp.float32), w, ws, interpret=True, platform="cpu")
+    qm.int8_matmul(x, s, w, ws, platform="tpu")  # the platform is the caller's, not the host's
+    assert calls == ["ref", "kernel", "ref", "kernel", "kernel"]
 
 
 def test_tolerance_table_has_every_output_dtype():

@@ -198,9 +198,10 @@ def test_dispatch_picks_reference_on_cpu_and_kernel_when_interpreting(monkeypatc
     one = jnp.ones((1,), jnp.int32)
     args = (jnp.zeros((1, 1, 8)), jnp.zeros((2, 1, 8, 8)), jnp.zeros((2, 1, 8, 8)),
             jnp.zeros((1, 2), jnp.int32), one * 0, one, one)
-    rpa.ragged_paged_attention(*args)
-    rpa.ragged_paged_attention(*args, interpret=True)
-    assert calls == ["ref", "kernel"]
+    rpa.ragged_paged_attention(*args, platform="cpu")
+    rpa.ragged_paged_attention(*args, interpret=True, platform="cpu")
+    rpa.ragged_paged_attention(*args, platform="gpu")  # the platform is the caller's, not the host's
+    assert calls == ["ref", "kernel", "kernel"]
 
 
 # ----------------------------------------------------------------------------- validation
@@ -235,17 +236,20 @@ def test_kernel_page_size_messages():
         rpa.ragged_paged_attention_gpu(q, pool, pool, table, one * 0, one, one, interpret=True)
 
 
-def test_kernel_fits_asks_what_the_variants_check(monkeypatch):
-    """One check for both paged-attention kernels (their page tiles are made alike)."""
-    from pallas_kernels import _common
+def test_kernel_fits_asks_what_the_variants_check():
+    """One check for both paged-attention kernels (their page tiles are made alike), asked of
+    the platform the caller names."""
     from pallas_kernels import paged_attention as pa
 
     assert pa.kernel_fits is rpa.kernel_fits
-    assert rpa.kernel_fits(8, jnp.float32) and rpa.kernel_fits(16, jnp.bfloat16)  # CPU: the TPU variant
-    assert not rpa.kernel_fits(8, jnp.bfloat16) and not rpa.kernel_fits(12, jnp.float32)
-    monkeypatch.setattr(_common, "kernel_target", lambda: "gpu")
-    assert rpa.kernel_fits(16, jnp.float32) and rpa.kernel_fits(32, jnp.bfloat16)
-    assert not rpa.kernel_fits(8, jnp.float32) and not rpa.kernel_fits(24, jnp.float32)
+    for plat in ("cpu", "tpu"):  # CPU interprets the TPU variant
+        assert rpa.kernel_fits(8, jnp.float32, platform=plat) and rpa.kernel_fits(16, jnp.bfloat16, platform=plat)
+        assert not rpa.kernel_fits(8, jnp.bfloat16, platform=plat) and not rpa.kernel_fits(12, jnp.float32,
+                                                                                              platform=plat)
+    assert rpa.kernel_fits(16, jnp.float32, platform="gpu") and rpa.kernel_fits(32, jnp.bfloat16, platform="gpu")
+    assert not rpa.kernel_fits(8, jnp.float32, platform="gpu") and not rpa.kernel_fits(24, jnp.float32, platform="gpu")
+    with pytest.raises(ValueError, match="platform='cuda' must be one of"):
+        rpa.kernel_fits(16, jnp.float32, platform="cuda")
 
 
 # ----------------------------------------------------------------------------- attention sinks

@@ -286,11 +286,10 @@ def test_dispatch_picks_the_kernel_where_it_is_faster(monkeypatch):
     monkeypatch.setattr(sv, "spec_verify_reference", lambda *a, **k: calls.append("ref"))
     monkeypatch.setattr(sv, "spec_verify_kernel", lambda *a, **k: calls.append("kernel"))
     for plat, interpret in [("cpu", False), ("cpu", True), ("gpu", False), ("tpu", False)]:
-        monkeypatch.setattr(sv, "platform", lambda p=plat: p)
-        sv.spec_verify(*[None] * 6, interpret=interpret)
+        sv.spec_verify(*[None] * 6, interpret=interpret, platform=plat)
     assert calls == ["ref", "kernel", "ref", "kernel"]
-    monkeypatch.setattr(_common, "kernel_target", lambda: "gpu")
-    assert _common.pick_variant(_VARIANTS, "spec_verify") is _VARIANTS["gpu"]
+    assert _common.pick_variant(_VARIANTS, "spec_verify", "gpu") is _VARIANTS["gpu"]
+    assert _common.pick_variant(_VARIANTS, "spec_verify", "cpu") is _VARIANTS["tpu"]  # what interpret mode runs
 
 
 def test_kernel_input_errors_name_the_problem():

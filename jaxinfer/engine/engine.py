@@ -87,7 +87,8 @@ class Engine:
         self.max_num_seqs = config.max_num_seqs
         self.D = D = mesh.shape["data"] if mesh is not None else 1
         # which kernels run attention (the weights carry the matmuls' choice, ``dispatch.bind``)
-        self.kernels = dispatch.choose(config.kernels, devices=1 if mesh is None else mesh.size)
+        # (they follow the engine's devices: its mesh, or the weights' one device)
+        self.kernels = dispatch.choose(config.kernels, mesh=mesh, devices=None if mesh is not None else _devices(weights))
         self.spec = SpeculativeConfig.parse(speculative, cfg.n_layers)
         if D > 1 and self.spec is not None:
             raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")

@@ -319,7 +319,7 @@ def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, n
                                                  jnp.repeat(has, Q)).reshape(R * W, Q, V)
             ver = smp.verify_block(shaped, drafts, vb.last_q, vsub.sampling, vsub.generated, vsub.stop_ids,
                                    vsub.min_tokens, draft_probs=q_draft, use_kernel=kernels.pallas,
-                                   interpret=kernels.interpret)
+                                   interpret=kernels.interpret, platform=kernels.platform, mesh=kernels.mesh)
             if W > 1:  # each row keeps one branch: its pages, features, logits and verdict
                 free = sub.sampling.temperature <= 0.0
                 if guide is not None:

@@ -21,7 +21,8 @@ On a mesh (``sharding.place_experts``) the expert weights arrive as ``sharding.P
 the expert compute runs inside ``shard_map`` over the model axis: every device sorts the same
 (replicated) routing, multiplies the rows by the experts it holds (expert parallelism) or by
 its columns of every expert (tensor parallelism), and one all-reduce sums the parts. No
-device gathers another's expert weights.
+device gathers another's expert weights. The grouped matmul's Pallas kernel, which XLA cannot
+partition, thus runs per shard as it is.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from jax.sharding import PartitionSpec
 from jaxinfer import dispatch
 from jaxinfer.models.layers import dot, silu
 from jaxinfer.quant import QuantArray, QuantScheme
-from jaxinfer.sharding import Placed
+from jaxinfer.sharding import Placed, per_model_shard
 from jaxinfer.specs import WeightSpec
 
 Route = Callable[[jax.Array, dict], tuple[jax.Array, jax.Array]]
@@ -109,10 +110,6 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: dict
     placed = [v for v in w.values() if isinstance(v, Placed)]
     if not placed:
         return _expert_rows(x, weights, experts, w, glu=glu, n_experts=n_experts, axis=None)
-    # inside another shard_map (the data-parallel engine's, manual over "data") the nested one
-    # must name the context's mesh; at the top level, the one the weights were placed on
-    context = jax.sharding.get_abstract_mesh()
-    mesh = context if not context.empty else placed[0].mesh
     names = tuple(w)
     values = [w[n].value if isinstance(w[n], Placed) else w[n] for n in names]
     specs = [w[n].in_specs if isinstance(w[n], Placed) else PartitionSpec() for n in names]
@@ -123,8 +120,8 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: dict
                             axis="model" if split else None)
 
     rep = PartitionSpec()
-    return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, *specs), out_specs=rep,
-                         axis_names={"model"}, check_vma=False)(x, weights, experts, *values)
+    # (inside the data-parallel engine's shard_map, manual over "data", on that context's mesh)
+    return per_model_shard(local, placed[0].mesh, (rep, rep, rep, *specs), rep)(x, weights, experts, *values)
 
 
 def _groups_held(w) -> int:

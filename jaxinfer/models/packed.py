@@ -63,7 +63,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import cpu_kernels, dispatch, kernels
+from jaxinfer import cpu_kernels, dispatch
+from jaxinfer import kernels as ops
 from jaxinfer.cache import QuantKV, _load, _store
 from jaxinfer.models.layers import sink_rows
 from jaxinfer.quant import dequantize_kv, quantize_kv
@@ -165,11 +166,11 @@ class PackedKV:
         path = dispatch.paged_path(self.kernels, ks[layer], vs[layer], defer_writes=self.defer_writes,
                                    sinks=sinks is not None, decode_only=b.decode_only)
         if path == dispatch.PagedPath.DECODE:
-            return decode_kernel_attention(q, ks[layer], vs[layer], b, table, base,
-                                           interpret=self.kernels.interpret, **opts), cache
+            return decode_kernel_attention(q, ks[layer], vs[layer], b, table, base, kernels=self.kernels,
+                                           **opts), cache
         if path == dispatch.PagedPath.RAGGED:
-            return ragged_kernel_attention(q, ks[layer], vs[layer], b, table, base, page,
-                                           interpret=self.kernels.interpret, **opts), cache
+            return ragged_kernel_attention(q, ks[layer], vs[layer], b, table, base, page, kernels=self.kernels,
+                                           **opts), cache
         native = path == dispatch.PagedPath.NATIVE
         outs = []
         if R:
@@ -477,23 +478,24 @@ def _logical_table(table, base, width: int):
 
 
 def decode_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, *, scale, window=None, softcap=None,
-                            sinks=None, interpret: bool = False):
+                            sinks=None, kernels: dispatch.Kernels):
     """A decode-only step's attention (``PackedBatch.decode_only``: R rows of one query, no
     prefill row) in one paged decode kernel call (TPU/GPU, or Pallas interpret mode):
     q [1, R, N_heads, H] -> [1, R, N_heads, H]. Row r's query sits at positions[r] and reads
     the pages of its table row, which already hold this step's key; windowed tables are laid
     out by logical page as for the ragged kernel, so the window mask alone decides what is
     read (an idle row reads its scratch page and nothing reads its output). sinks: f32[N_heads]
-    per-head attention sinks, or None."""
+    per-head attention sinks, or None. kernels: where it runs (platform, interpret mode, and
+    the mesh, on which the call runs per shard of the pools' KV heads)."""
     R = b.rows
     logical = _logical_table(table[:R], None if base is None else base[:R], b.table.shape[1])
-    out = kernels.paged_attention(q[0], kpool, vpool, logical, b.positions[:R] + 1, scale=scale, window=window,
-                                  softcap=softcap, interpret=interpret, sinks=sinks)
+    out = ops.paged_attention(q[0], kpool, vpool, logical, b.positions[:R] + 1, scale=scale, window=window,
+                              softcap=softcap, sinks=sinks, **_where(kernels))
     return out[None]
 
 
 def ragged_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, page, *, scale, window=None,
-                            softcap=None, sinks=None, interpret: bool = False):
+                            softcap=None, sinks=None, kernels: dispatch.Kernels):
     """The whole packed step's attention in one ragged paged-attention call (TPU/GPU, or
     Pallas interpret mode): q [1, N, N_heads, H] -> [1, N, N_heads, H]. A decode-only step
     runs ``decode_kernel_attention`` instead (module docstring: the rule is
@@ -508,7 +510,8 @@ def ragged_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, page, 
     Windowed layers' tables start at logical page ``base``; they are laid out by logical page
     here, so the kernel's window mask alone decides what is read. The laid-out tables are as
     wide as the full-length table, which covers every logical page of every row (a windowed
-    table's own width does not: its pages start at ``base``)."""
+    table's own width does not: its pages start at ``base``). kernels: as for
+    ``decode_kernel_attention``."""
     R, Q, Tp = b.rows, b.q, b.prefill_len
     ps = vpool.shape[2]
     T = R * Q + Tp
@@ -533,7 +536,11 @@ def ragged_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, page, 
         lens.append(jnp.zeros(S, jnp.int32).at[seg].add(1, mode="drop"))
         kv_lens.append(jnp.zeros(S, jnp.int32).at[seg].max(ppos + 1, mode="drop"))
     cat = lambda xs: jnp.concatenate(xs, axis=0)
-    out = kernels.ragged_paged_attention(q[0], kpool, vpool, cat(tables), cat(starts), cat(lens), cat(kv_lens),
-                                         scale=scale, window=window, softcap=softcap, sinks=sinks,
-                                         interpret=interpret)
+    out = ops.ragged_paged_attention(q[0], kpool, vpool, cat(tables), cat(starts), cat(lens), cat(kv_lens),
+                                     scale=scale, window=window, softcap=softcap, sinks=sinks, **_where(kernels))
     return out[None]
+
+
+def _where(k: dispatch.Kernels) -> dict:
+    """The kernel adapters' arguments saying where they run, from the step's choice."""
+    return {"interpret": k.interpret, "platform": k.platform, "mesh": k.mesh}

@@ -24,6 +24,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxinfer.sampling.device import (
     _BLOCK,
@@ -37,6 +38,7 @@ from jaxinfer.sampling.device import (
     mask_tokens_before_min,
     sample,
 )
+from jaxinfer.sharding import per_model_shard
 from pallas_kernels import spec_verify as sv
 from pallas_kernels.spec_verify.common import leading
 
@@ -165,13 +167,17 @@ def draft_sample(logits, drafts, state: SamplingState, step, stop_ids, min_token
 
 
 def verify_block(logits, drafts, num_drafts, state: SamplingState, step, stop_ids, min_tokens, *,
-                 draft_probs=None, use_kernel: bool = False, interpret: bool = False) -> Verified:
+                 draft_probs=None, use_kernel: bool = False, interpret: bool = False, platform: str | None = None,
+                 mesh=None) -> Verified:
     """Verify a block of drafts. logits f32[B, k+1, V] (the target's raw logits at the block's
     positions), drafts i32[B, k], num_drafts i32[B] (rows may carry fewer, even 0), step i32[B]
     tokens the row has generated before the block, stop_ids i32[B, W] / min_tokens i32[B] as in
     ``mask_tokens_before_min``, draft_probs f32[B, k, V] or None (point-mass drafts).
     use_kernel / interpret: let ``spec_verify`` dispatch (the Pallas kernel on TPU, or
-    interpreted anywhere; the reference elsewhere) instead of always the reference."""
+    interpreted anywhere; the reference elsewhere) instead of always the reference; platform:
+    where it runs ("cpu", "gpu", "tpu"; None: the default backend's); mesh: the engine's mesh,
+    or None. On a mesh the kernel runs inside ``shard_map`` over "model" with the logits whole
+    on every device (it streams the whole vocabulary of a row: XLA cannot partition it)."""
     B, J, V = logits.shape
     drafts = jnp.clip(drafts, 0, V - 1).astype(jnp.int32)
     xp, bmax, flat_state = _penalised_block(logits, drafts, state, step, stop_ids, min_tokens)
@@ -191,8 +197,16 @@ def verify_block(logits, drafts, num_drafts, state: SamplingState, step, stop_id
         if draft_probs is not None:
             q = jnp.pad(draft_probs.astype(jnp.float32), ((0, 0), (0, 0), (0, Vp - V))) if Vp > V else draft_probs
         u = _uniforms(state.key, step, J)
-        fn = sv.spec_verify if use_kernel else sv.spec_verify_reference
-        a, nxt = fn(z, thr, drafts, num_drafts, u, greedy, q, block_sizes=_block_size(Vp), interpret=interpret)
+        opts = {"block_sizes": _block_size(Vp), "interpret": interpret, "platform": platform}
+        if not use_kernel:
+            a, nxt = sv.spec_verify_reference(z, thr, drafts, num_drafts, u, greedy, q, **opts)
+        else:
+            args = (z, thr, drafts, num_drafts, u, greedy, q)
+            run = lambda *a: sv.spec_verify(*a, **opts)  # noqa: E731
+            if mesh is not None:
+                whole = jax.tree.map(lambda _: PartitionSpec(), args)
+                run = per_model_shard(run, mesh, whole, (PartitionSpec(), PartitionSpec()))
+            a, nxt = run(*args)
         # greedy rows take the sampler's own argmax (identical to the kernel's first maximum)
         nxt = jnp.where(greedy, jnp.take_along_axis(amax, a[:, None], axis=1)[:, 0], nxt)
         # a row without drafts draws exactly the token a plain step would (the sampler's own

@@ -55,12 +55,13 @@ def grouped_matmul(
     group_offset=0,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    platform: str | None = None,  # where it runs: "cpu", "gpu", "tpu" (None: the default backend)
 ) -> jax.Array:  # x.dtype[M, O]
     """Dispatch: the Pallas kernel on TPU/GPU or with interpret=True (packed int4 there: the
-    XLA loop), else the reference."""
-    if use_kernel(interpret):
+    XLA loop), else the reference; the platform is the caller's (``platform``)."""
+    if use_kernel(interpret, platform):
         fn = grouped_matmul_kernel if kernel_fits(w, x.shape[1]) else grouped_matmul_xla
     else:
         fn = grouped_matmul_reference
     return fn(x, w, group_sizes, w_scale=w_scale, out_size=out_size, group_offset=group_offset,
-              block_sizes=block_sizes, interpret=interpret)
+              block_sizes=block_sizes, interpret=interpret, platform=platform)

@@ -236,8 +236,9 @@ def grouped_matmul_kernel(
     group_offset=0,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    platform: str | None = None,  # where it runs (None: the default backend)
 ) -> jax.Array:  # x.dtype[M, O]
     """Pallas grouped matmul; same contract as grouped_matmul_reference."""
-    fn = pick_variant(VARIANTS, "grouped_matmul")
+    fn = pick_variant(VARIANTS, "grouped_matmul", platform)
     return fn(x, w, group_sizes, w_scale=w_scale, out_size=out_size, group_offset=group_offset,
               block_sizes=block_sizes, interpret=interpret)

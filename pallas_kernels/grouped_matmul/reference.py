@@ -40,9 +40,10 @@ def grouped_matmul_reference(
     group_offset=0,  # i32[]: the weight's group 0 is group group_offset of group_sizes
     block_sizes: BlockSizes | None = None,  # unused: same signature as the kernel
     interpret: bool = False,  # unused
+    platform: str | None = None,  # unused
 ) -> jax.Array:  # x.dtype[M, O]; rows of groups the weight does not hold are 0
     """y[r] = x[r] @ w[g - group_offset] for row r of group g, in float32, cast to x.dtype."""
-    del block_sizes, interpret
+    del block_sizes, interpret, platform
     layout = validate(x, w, group_sizes, w_scale, out_size)
     G, I, O = layout.groups, layout.in_size, layout.out_size
     if layout.quant == "int8":  # the per-channel scale commutes with the sum: applied after it

@@ -47,9 +47,10 @@ def grouped_matmul_xla(
     group_offset=0,
     block_sizes: BlockSizes | None = None,  # block_m only (the dots take whole weights)
     interpret: bool = False,  # unused: same signature as the kernel
+    platform: str | None = None,  # unused
 ) -> jax.Array:  # x.dtype[M, O]
     """Same contract as ``grouped_matmul_reference``."""
-    del interpret
+    del interpret, platform
     layout = validate(x, w, group_sizes, w_scale, out_size)
     M, G, O = x.shape[0], layout.groups, layout.out_size
     bm = block_sizes.block_m if block_sizes is not None else default_block_m(M, G)

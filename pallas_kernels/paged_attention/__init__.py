@@ -52,10 +52,11 @@ def paged_attention(
     keys_transposed: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    platform: str | None = None,  # where it runs: "cpu", "gpu", "tpu" (None: the default backend)
     sinks: jax.Array | None = None,  # f32[N] per-head attention sinks (an extra softmax logit)
 ) -> jax.Array:  # [B, N, H]
     """Dispatch: the Pallas kernel on TPU/GPU or with interpret=True, else the reference."""
-    fn = paged_attention_kernel if use_kernel(interpret) else paged_attention_reference
+    fn = paged_attention_kernel if use_kernel(interpret, platform) else paged_attention_reference
     return fn(
         q,
         k_pages,
@@ -68,5 +69,6 @@ def paged_attention(
         keys_transposed=keys_transposed,
         block_sizes=block_sizes,
         interpret=interpret,
+        platform=platform,
         sinks=sinks,
     )

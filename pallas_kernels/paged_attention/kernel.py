@@ -372,11 +372,12 @@ def paged_attention_kernel(
     keys_transposed: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    platform: str | None = None,  # where it runs (None: the default backend)
     sinks: jax.Array | None = None,  # f32[N]
 ) -> jax.Array:  # [B, N, H]
     """Pallas paged decode attention; same contract as paged_attention_reference. The
     variant is the platform's (Mosaic on TPU, Triton on GPU); on CPU pass interpret=True."""
-    fn = pick_variant(VARIANTS, "paged_attention")
+    fn = pick_variant(VARIANTS, "paged_attention", platform)
     return fn(
         q,
         k_pages,

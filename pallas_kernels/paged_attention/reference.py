@@ -26,6 +26,7 @@ def paged_attention_reference(
     keys_transposed: bool = False,  # k_pages is [P, K, H, page_size]
     block_sizes: BlockSizes | None = None,  # unused: same signature as the kernel
     interpret: bool = False,  # unused
+    platform: str | None = None,  # unused
     sinks: jax.Array | None = None,  # f32[N] one more logit per head in each softmax denominator
 ) -> jax.Array:  # [B, N, H], q.dtype
     """Decode attention over the first lengths[b] tokens of each sequence's pages.
@@ -35,7 +36,7 @@ def paged_attention_reference(
     length are never used, even if they hold NaN. With ``sinks`` (gpt-oss's attention sinks)
     head n's softmax has the extra logit sinks[n], which weighs no value.
     """
-    del block_sizes, interpret
+    del block_sizes, interpret, platform
     scale = validate(
         q,
         k_pages,

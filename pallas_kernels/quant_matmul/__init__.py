@@ -53,12 +53,14 @@ def int8_matmul(
     out_dtype=jnp.float32,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    platform: str | None = None,  # where it runs: "cpu", "gpu", "tpu" (None: the default backend)
 ) -> jax.Array:  # out_dtype[M, O]
     """Dispatch: the Pallas kernel on TPU/GPU or with interpret=True, else the reference
     (XLA's native s8 x s8 -> s32 dot)."""
-    fn = int8_matmul_kernel if use_kernel(interpret) else int8_matmul_reference
+    fn = int8_matmul_kernel if use_kernel(interpret, platform) else int8_matmul_reference
     return fn(
-        x, x_scale, w, w_scale, out_dtype=out_dtype, block_sizes=block_sizes, interpret=interpret
+        x, x_scale, w, w_scale, out_dtype=out_dtype, block_sizes=block_sizes, interpret=interpret,
+        platform=platform,
     )
 
 
@@ -69,7 +71,8 @@ def weight_only_matmul(
     *,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    platform: str | None = None,  # where it runs: "cpu", "gpu", "tpu" (None: the default backend)
 ) -> jax.Array:  # x.dtype[M, O]
     """Dispatch: the Pallas kernel on TPU/GPU or with interpret=True, else the reference."""
-    fn = weight_only_matmul_kernel if use_kernel(interpret) else weight_only_matmul_reference
-    return fn(x, w, w_scale, block_sizes=block_sizes, interpret=interpret)
+    fn = weight_only_matmul_kernel if use_kernel(interpret, platform) else weight_only_matmul_reference
+    return fn(x, w, w_scale, block_sizes=block_sizes, interpret=interpret, platform=platform)

@@ -333,9 +333,10 @@ def int8_matmul_kernel(
     out_dtype=jnp.float32,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    platform: str | None = None,  # where it runs (None: the default backend)
 ) -> jax.Array:  # out_dtype[M, O]
     """Pallas int8 x int8 -> int32 matmul; same contract as int8_matmul_reference."""
-    fn = pick_variant(INT8_VARIANTS, "int8_matmul")
+    fn = pick_variant(INT8_VARIANTS, "int8_matmul", platform)
     return fn(
         x, x_scale, w, w_scale, out_dtype=out_dtype, block_sizes=block_sizes, interpret=interpret
     )
@@ -348,7 +349,8 @@ def weight_only_matmul_kernel(
     *,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    platform: str | None = None,  # where it runs (None: the default backend)
 ) -> jax.Array:  # x.dtype[M, O]
     """Pallas weight-only matmul; same contract as weight_only_matmul_reference."""
-    fn = pick_variant(WEIGHT_ONLY_VARIANTS, "weight_only_matmul")
+    fn = pick_variant(WEIGHT_ONLY_VARIANTS, "weight_only_matmul", platform)
     return fn(x, w, w_scale, block_sizes=block_sizes, interpret=interpret)

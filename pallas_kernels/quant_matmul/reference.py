@@ -24,9 +24,10 @@ def int8_matmul_reference(
     out_dtype=jnp.float32,
     block_sizes: BlockSizes | None = None,  # unused: same signature as the kernel
     interpret: bool = False,  # unused
+    platform: str | None = None,  # unused
 ) -> jax.Array:  # out_dtype[M, O]
     """(x @ w) accumulated exactly in int32, then scaled: x_scale[m] * w_scale[o]."""
-    del block_sizes, interpret
+    del block_sizes, interpret, platform
     validate_int8(x, x_scale, w, w_scale)
     acc = jax.lax.dot_general(x, w, _MATMUL, preferred_element_type=jnp.int32)
     out = (
@@ -49,10 +50,11 @@ def weight_only_matmul_reference(
     *,
     block_sizes: BlockSizes | None = None,  # unused: same signature as the kernel
     interpret: bool = False,  # unused
+    platform: str | None = None,  # unused
 ) -> jax.Array:  # x.dtype[M, O]
     """x @ dequantized(w), accumulated in float32. int8: (x @ w) * w_scale (the per-channel
     scale commutes with the sum); int4: every group dequantized with its own scale first."""
-    del block_sizes, interpret
+    del block_sizes, interpret, platform
     group = validate_weight_only(x, w, w_scale)
     if group:
         acc = jax.lax.dot_general(

@@ -55,10 +55,11 @@ def ragged_paged_attention(
     keys_transposed: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    platform: str | None = None,  # where it runs: "cpu", "gpu", "tpu" (None: the default backend)
     sinks: jax.Array | None = None,  # f32[N] per-head attention sinks (an extra softmax logit)
 ) -> jax.Array:  # [T, N, H]
     """Dispatch: the Pallas kernel on TPU/GPU or with interpret=True, else the reference."""
-    fn = ragged_paged_attention_kernel if use_kernel(interpret) else ragged_paged_attention_reference
+    fn = ragged_paged_attention_kernel if use_kernel(interpret, platform) else ragged_paged_attention_reference
     return fn(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, scale=scale, window=window,
               softcap=softcap, keys_transposed=keys_transposed, block_sizes=block_sizes,
-              interpret=interpret, sinks=sinks)
+              interpret=interpret, platform=platform, sinks=sinks)

@@ -325,11 +325,12 @@ def ragged_paged_attention_kernel(
     keys_transposed: bool = False,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    platform: str | None = None,  # where it runs (None: the default backend)
     sinks: jax.Array | None = None,  # f32[N]
 ) -> jax.Array:  # [T, N, H]
     """Pallas ragged paged attention; same contract as ragged_paged_attention_reference. The
     variant is the platform's (Mosaic on TPU, Triton on GPU); on CPU pass interpret=True."""
-    fn = pick_variant(VARIANTS, "ragged_paged_attention")
+    fn = pick_variant(VARIANTS, "ragged_paged_attention", platform)
     return fn(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, scale=scale, window=window,
               softcap=softcap, keys_transposed=keys_transposed, block_sizes=block_sizes,
               interpret=interpret, sinks=sinks)

@@ -28,6 +28,7 @@ def ragged_paged_attention_reference(
     keys_transposed: bool = False,  # k_pages is [P, K, H, page_size]
     block_sizes: BlockSizes | None = None,  # unused: same signature as the kernel
     interpret: bool = False,  # unused
+    platform: str | None = None,  # unused
 ) -> jax.Array:  # [T, N, H], q.dtype
     """Attention of a ragged set of query segments over their sequences' pages.
 
@@ -39,7 +40,7 @@ def ragged_paged_attention_reference(
     even if they hold NaN. With ``sinks`` (gpt-oss's attention sinks) head n's softmax has the
     extra logit sinks[n], which weighs no value.
     """
-    del block_sizes, interpret
+    del block_sizes, interpret, platform
     scale = validate(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, scale=scale,
                      window=window, softcap=softcap, keys_transposed=keys_transposed, sinks=sinks)
     T, N, H = q.shape

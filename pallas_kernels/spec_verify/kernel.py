@@ -413,8 +413,9 @@ def spec_verify_kernel(
     *,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    platform: str | None = None,  # where it runs (None: the default backend)
 ) -> tuple[jax.Array, jax.Array]:  # (accepted i32[B], next token i32[B])
     bs = block_sizes or BlockSizes()
     validate(z, thr, drafts, num_drafts, uniforms, greedy, draft_probs, bs)
-    fn = pick_variant(_VARIANTS, "spec_verify")
+    fn = pick_variant(_VARIANTS, "spec_verify", platform)
     return fn(z, thr, drafts, num_drafts, uniforms, greedy, draft_probs, bs, interpret)

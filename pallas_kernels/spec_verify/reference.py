@@ -20,8 +20,9 @@ def spec_verify_reference(
     *,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    platform: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # (accepted i32[B], next token i32[B])
-    del interpret
+    del interpret, platform
     bs = block_sizes or BlockSizes()
     validate(z, thr, drafts, num_drafts, uniforms, greedy, draft_probs, bs)
     B, J, V = z.shape
