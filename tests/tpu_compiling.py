@@ -4,6 +4,7 @@ the page pools."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -23,6 +24,10 @@ from jaxinfer.specs import init_weights
 def tpu_device(topology: str):
     """The first device of a one-chip TPU topology ("v5e:1x1", "v6e:1x1")."""
     from jax.experimental import topologies
+
+    # nothing runs on a TPU here: let several processes (test workers) load libtpu at once
+    # instead of the second failing on its lockfile
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
     topo = topologies.get_topology_desc(platform="tpu", topology_name=topology, chips_per_host_bounds=(1, 1, 1))
     return topo.devices[0]
