@@ -20,6 +20,13 @@ one latent per token, [c_kv | k_rope], in its values buffer (one head of width C
 has no keys buffer (None): the latent is both the key and, its first C entries, the value,
 so it is stored once. Its reader hands back the keys as the values' transpose.
 
+Key layout of the page pools (``PagedKVCache.keys_transposed``, chosen once per engine by
+``dispatch.keys_transposed``): transposed, [P, K, H, page_size], where the CPU readers want it
+(the native kernels and the XLA readers on CPU score a block of keys in one pass over H rows);
+[P, K, page_size, H], as the values, everywhere else. A TPU tiles the two minor dimensions in
+(8, 128) blocks, and a 16-token page as the minor one made XLA relay out (copy) the whole key
+pool after every layer's write.
+
 int8 KV (``dtype="int8"``): every buffer is a ``QuantKV`` pytree, int8 keys/values with one
 float32 scale per (token, head) beside them (``quant.quantize_kv``), written quantized and
 read back dequantized to float32, in both caches and both layer kinds.
@@ -57,7 +64,7 @@ class QuantKV:
 
     values: jax.Array  # int8, e.g. keys [B, K, H, S] or values [P, K, ps, H]
     scale: jax.Array  # f32, e.g. [B, K, S] or [P, K, ps]
-    axis: int = dataclasses.field(metadata={"static": True})  # head-dim axis of values: -2 keys, -1 values
+    axis: int = dataclasses.field(metadata={"static": True})  # head-dim axis of values: -2 transposed keys, else -1
 
     @property
     def shape(self):
@@ -211,10 +218,11 @@ class PagedKVCache:
     Windowed layers (``windowed[layer]``) draw on a pool of their own that holds only each
     sequence's current window, the pages before it having gone back to the allocator."""
 
-    k: list[jax.Array]  # L x [P_l, K_l, H_l, page_size]  keys transposed, as in KVCache
+    k: list[jax.Array]  # L x [P_l, K_l, H_l, page_size] if keys_transposed, else [P_l, K_l, page_size, H_l]
     v: list[jax.Array]  # L x [P_l, K_l, page_size, H_l]  P_l: pages of the layer's pool
     # (None for a layer that attends over another's pool: ModelConfig.kv_source)
     windowed: tuple[bool, ...] = dataclasses.field(default=(), metadata={"static": True})
+    keys_transposed: bool = dataclasses.field(default=True, metadata={"static": True})  # module doc
 
     @property
     def page_size(self) -> int:
@@ -232,19 +240,34 @@ class PagedKVCache:
 
 
 def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None, *,
-                     num_window_pages: int | None = None) -> PagedKVCache:
+                     num_window_pages: int | None = None, keys_transposed: bool = True) -> PagedKVCache:
     """Zeroed page pools: ``num_pages`` per full-length layer and, with ``num_window_pages``,
     a pool of that many per windowed (LOCAL) layer, which then keep only their window. Layer
-    i's pools are [P, K_i, H_i, ...] (``layer_kv_heads``, ``layer_head_dim``); a layer that
-    attends over another's keys/values (``kv_source``) has no pool (None), and a latent layer
-    no keys pool (module doc)."""
+    i's pools are [P, K_i, ...] (``layer_kv_heads``, ``layer_head_dim``), keys [P, K, H, ps]
+    when ``keys_transposed`` else [P, K, ps, H] (``dispatch.keys_transposed`` decides); a layer
+    that attends over another's keys/values (``kv_source``) has no pool (None), and a latent
+    layer no keys pool (module doc)."""
     dt = jnp.dtype(dtype or cfg.dtype)
     windowed = tuple(num_window_pages is not None and cfg.layer_window(i) is not None for i in range(cfg.n_layers))
     pools = [(num_window_pages if w else num_pages, cfg.layer_kv_heads(i), cfg.layer_head_dim(i))
              if cfg.kv_source(i) == i else None for i, w in enumerate(windowed)]
     keys = not cfg.latent_attention
     return PagedKVCache(
-        [None if p is None or not keys else _zeros((p[0], p[1], p[2], page_size), dt, -2) for p in pools],
+        [None if p is None or not keys else _zeros(key_pool_shape(*p, page_size, keys_transposed), dt,
+                                                   -2 if keys_transposed else -1) for p in pools],
         [None if p is None else _zeros((p[0], p[1], page_size, p[2]), dt, -1) for p in pools],
-        windowed=windowed,
+        windowed=windowed, keys_transposed=keys_transposed,
     )
+
+
+def key_pool_shape(P: int, K: int, H: int, page_size: int, transposed: bool) -> tuple[int, ...]:
+    """A keys pool's shape: [P, K, H, page_size] transposed, else [P, K, page_size, H]."""
+    return (P, K, H, page_size) if transposed else (P, K, page_size, H)
+
+
+def write_pages(pool, page: jax.Array, off: jax.Array, new: jax.Array, *, keys_transposed: bool = False):
+    """``pool`` (float, or ``QuantKV``) with tokens new [1, N, K, H] written at slot off i32[N]
+    of page i32[N]: a values pool, or a keys pool of either layout ([P, K, H, ps] when
+    keys_transposed)."""
+    s = slice(None)
+    return _store(pool, (page[None], s, s, off[None]) if keys_transposed else (page[None], s, off[None]), new)

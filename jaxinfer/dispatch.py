@@ -352,20 +352,30 @@ class PagedPath(enum.Enum):
     XLA = "xla"  # the blockwise readers of models.packed
 
 
+def keys_transposed(k: Kernels, platform: str) -> bool:
+    """Whether an engine's page pools store keys transposed, [P, K, H, ps] (``cache`` module
+    doc), on this platform ("cpu", "gpu", "tpu") under kernel choice ``k``: only for the CPU
+    readers, the native kernels and the XLA ones, which score a block of keys one head-dim row
+    at a time. The Pallas kernels (interpret mode on CPU included) and every reader on TPU/GPU
+    take keys [P, K, ps, H], as the values: a TPU tiles the two minor dimensions (8, 128), and
+    a page of 16 positions as the minor one made XLA copy the whole key pool after each write."""
+    return platform == "cpu" and k.attention != Attention.PALLAS
+
+
 def paged_path(k: Kernels, kpool, vpool, *, defer_writes: bool, sinks: bool = False,
-               decode_only: bool = False) -> PagedPath:
-    """The path of a packed step's layer over pools kpool [P, K, H, ps] / vpool (float, or
-    ``cache.QuantKV``; kpool None: a latent pool, whose keys are its values). decode_only: the
-    step's batch has decode rows of one query each and no prefill row (``PackedBatch.decode_only``,
-    a static property of its shapes).
+               decode_only: bool = False, keys_transposed: bool = True) -> PagedPath:
+    """The path of a packed step's layer over pools kpool [P, K, H, ps] (keys_transposed) or
+    [P, K, ps, H] / vpool (float, or ``cache.QuantKV``; kpool None: a latent pool, whose keys
+    are its values). decode_only: the step's batch has decode rows of one query each and no
+    prefill row (``PackedBatch.decode_only``, a static property of its shapes).
 
     The Pallas kernels read this step's keys from the pages, so not with deferred writes, and
     take float pools of the page sizes they tile, with or without attention sinks. A decode-only
     step goes to the paged decode kernel (one [G, H] tile per row and kv head, no query blocks
     of one real query: ``benchmarks/RESULTS.md``, "GPU kernels"); every other step
     (verification rows of q > 1, a prefill row) to the ragged kernel. The native kernels
-    take float32 or int8 pools of pages up to ``cpu_kernels.ROWS_MAX_PAGE`` positions, and no
-    sinks. None reads a latent pool."""
+    take float32 or int8 pools of pages up to ``cpu_kernels.ROWS_MAX_PAGE`` positions with the
+    keys transposed, and no sinks. None reads a latent pool."""
     from jaxinfer.cache import QuantKV
 
     if kpool is None:
@@ -380,7 +390,7 @@ def paged_path(k: Kernels, kpool, vpool, *, defer_writes: bool, sinks: bool = Fa
         if kernels.ragged_paged_attention_fits(ps, kpool.dtype, platform=k.platform):
             return PagedPath.RAGGED
         return PagedPath.XLA
-    if (k.attention == Attention.NATIVE and not sinks and ps <= cpu_kernels.ROWS_MAX_PAGE
+    if (k.attention == Attention.NATIVE and keys_transposed and not sinks and ps <= cpu_kernels.ROWS_MAX_PAGE
             and cpu_kernels.attention_available()):
         if quantized:
             return PagedPath.NATIVE if kpool.axis == -2 and vpool.axis == -1 else PagedPath.XLA

@@ -86,9 +86,9 @@ def ragged_paged_attention_fits(page_size: int, dtype, *, platform: str | None =
 
 def ragged_paged_attention(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, *, scale, window, softcap,
                            interpret: bool = False, platform: str | None = None, mesh: Mesh | None = None,
-                           sinks=None):
+                           sinks=None, keys_transposed: bool = False):
     """Query segments of any length over their sequences' pages (q [T, N, H] packed, keys
-    stored transposed as jaxinfer's paged cache keeps them) -> [T, N, H]: the packed step's
+    k_pages [P, K, ps, H], or [P, K, H, ps] when keys_transposed) -> [T, N, H]: the packed step's
     decode rows and prefill segments in one call. See ``pallas_kernels.ragged_paged_attention``.
     Queries are cast to the pools' dtype (a float32 model over bfloat16 pools multiplies in
     bfloat16, accumulating in float32) and the output back to q's. sinks: f32[N] per-head
@@ -96,7 +96,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, q_start, q_len, kv_l
 
     def local(q, k_pages, v_pages, page_table, q_start, q_len, kv_len, sinks):
         out = rpa.ragged_paged_attention(q.astype(k_pages.dtype), k_pages, v_pages, page_table, q_start, q_len,
-                                         kv_len, scale=scale, window=window, softcap=softcap, keys_transposed=True,
+                                         kv_len, scale=scale, window=window, softcap=softcap, keys_transposed=keys_transposed,
                                          interpret=interpret, platform=platform, sinks=sinks)
         return out.astype(q.dtype)
 
@@ -109,16 +109,16 @@ def paged_attention_fits(page_size: int, dtype, *, platform: str | None = None) 
 
 
 def paged_attention(q, k_pages, v_pages, page_table, lengths, *, scale, window, softcap, interpret: bool = False,
-                    platform: str | None = None, mesh: Mesh | None = None, sinks=None):
-    """One query per row over its pages (q [B, N, H] at position lengths[b] - 1, keys stored
-    transposed as jaxinfer's paged cache keeps them) -> [B, N, H]: a decode-only packed step.
+                    platform: str | None = None, mesh: Mesh | None = None, sinks=None, keys_transposed: bool = False):
+    """One query per row over its pages (q [B, N, H] at position lengths[b] - 1, keys k_pages
+    [P, K, ps, H], or [P, K, H, ps] when keys_transposed) -> [B, N, H]: a decode-only packed step.
     See ``pallas_kernels.paged_attention``. Queries are cast to the pools' dtype and the output
     back to q's, as ``ragged_paged_attention`` does. sinks: f32[N] per-head attention sinks
     (gpt-oss), or None. platform, mesh: where it runs (``per_kv_heads``)."""
 
     def local(q, k_pages, v_pages, page_table, lengths, sinks):
         out = pa.paged_attention(q.astype(k_pages.dtype), k_pages, v_pages, page_table, lengths, scale=scale,
-                                 window=window, softcap=softcap, keys_transposed=True, interpret=interpret,
+                                 window=window, softcap=softcap, keys_transposed=keys_transposed, interpret=interpret,
                                  platform=platform, sinks=sinks)
         return out.astype(q.dtype)
 

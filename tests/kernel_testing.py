@@ -160,20 +160,20 @@ def covering_grid(full: list[list], cycled: list[list]) -> list[tuple]:
 
 
 def packed_decode_logits(mod, cfg, w, seqs, lens, T: int, *, page_size: int, num_pages: int, kv_dtype=None,
-                         kernels=None, seed: int = 0, prefill_row: bool = True):
+                         kernels=None, seed: int = 0, prefill_row: bool = True, keys_transposed: bool = True):
     """The engine's packed steps by hand over NaN-poisoned pools (``models.packed``): one step
     writes every sequence's first lens[b] tokens to scattered pages, in its prefill row (a
     segment each; prefill_row False: as decode rows of max(lens) queries, which read back
     what they wrote, as a dense cache's prefill does); a second step of decode rows of T
     queries each (tokens lens[b] .. lens[b] + T - 1 of seqs[b]) reads them back -> logits
-    f32[B, T, V]."""
+    f32[B, T, V]. keys_transposed: the keys pools' layout (``cache.PagedKVCache``)."""
     from jaxinfer import cache as kv
     from jaxinfer import dispatch
     from jaxinfer.models.packed import PackedBatch, PackedKV
 
     kernels = kernels or dispatch.XLA
     ps, B = page_size, len(lens)
-    pools = kv.init_paged_cache(cfg, num_pages, ps, kv_dtype)
+    pools = kv.init_paged_cache(cfg, num_pages, ps, kv_dtype, keys_transposed=keys_transposed)
 
     def poison(a):
         if isinstance(a, kv.QuantKV):  # int8 values cannot be NaN: their scales can
@@ -191,7 +191,7 @@ def packed_decode_logits(mod, cfg, w, seqs, lens, T: int, *, page_size: int, num
     i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
 
     def run(batch, ks, vs):
-        cache = PackedKV(ks, vs, batch, (), kernels)
+        cache = PackedKV(ks, vs, batch, (), kernels, keys_transposed=keys_transposed)
         h, cache = mod.forward(w, batch.tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
         return mod.unembed(w, h, cfg)[0], cache.k, cache.v
 

@@ -26,3 +26,14 @@ FAMILIES = {
 def test_family_equals_transformers(model_type, tmp_path):
     path = ft.write_tiny(tmp_path / model_type, model_type, FAMILIES[model_type])
     ft.check_family(path)
+
+
+@pytest.mark.slow  # Pallas interpret mode: minutes
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_family_with_keys_pools_as_a_tpu_keeps_them_equals_transformers(model_type, tmp_path):
+    """kernels="pallas" (interpret mode on CPU): the pools keep keys [P, K, ps, H], as on a TPU
+    (``dispatch.keys_transposed``), read by the Pallas kernels (decode rows, n-gram verification
+    rows, a prefill row over cached pages; Gemma 3's window pools) and, under the int8 KV cache,
+    by the pure-JAX readers."""
+    path = ft.write_tiny(tmp_path / model_type, model_type, FAMILIES[model_type])
+    ft.check_family(path, tp=False, kernels="pallas")

@@ -156,3 +156,21 @@ def test_each_pool_takes_the_reader_its_choice_allows():
         assert path(native, k, v, defer_writes=False) == dispatch.PagedPath.NATIVE
         assert path(native, qk, qv, defer_writes=False) == dispatch.PagedPath.NATIVE
         assert path(native, k, v, defer_writes=False, sinks=True) == dispatch.PagedPath.XLA
+    # keys pools [P, K, ps, H]: the native kernels read transposed keys only
+    u8 = init_paged_cache(CFG, 4, 16, "int8", keys_transposed=False)
+    assert path(native, u8.k[0], u8.v[0], defer_writes=False, keys_transposed=False) == dispatch.PagedPath.XLA
+    assert path(native, k.swapaxes(-1, -2), v, defer_writes=False, keys_transposed=False) == dispatch.PagedPath.XLA
+
+
+def test_keys_are_transposed_only_for_the_cpu_readers():
+    """``dispatch.keys_transposed``: the native kernels and XLA's readers on CPU get keys
+    [P, K, H, ps]; the Pallas kernels (interpret mode on CPU too) and every reader on TPU/GPU
+    [P, K, ps, H], where a page-sized minor dimension would be relaid out."""
+    native = Kernels(Attention.NATIVE, Matmul.NATIVE)
+    pallas = Kernels(Attention.PALLAS, Matmul.PALLAS)
+    assert dispatch.keys_transposed(dispatch.XLA, "cpu") and dispatch.keys_transposed(native, "cpu")
+    assert dispatch.keys_transposed(Kernels(Attention.XLA, Matmul.NATIVE), "cpu")
+    assert not dispatch.keys_transposed(dispatch.INTERPRET, "cpu")
+    assert not dispatch.keys_transposed(Kernels(Attention.PALLAS, Matmul.XLA, interpret=True), "cpu")
+    for platform in ("tpu", "gpu"):
+        assert not dispatch.keys_transposed(pallas, platform) and not dispatch.keys_transposed(dispatch.XLA, platform)

@@ -52,6 +52,8 @@ def test_engine_with_kernels_gives_the_reference_tokens(tiny_gguf):
     kw = {"progress": False, "max_num_seqs": 4, "max_model_len": 64, "block_size": 8, "kernels": "pallas"}
     llm = LLM(str(tiny_gguf), quantization="w8a8", **kw)
     assert llm.kernels == dataclasses.replace(dispatch.INTERPRET, platform="cpu")  # from the device, no mesh
+    # the kernels read keys [P, K, ps, H], as they would on a TPU (dispatch.keys_transposed)
+    assert not llm.engine.keys_transposed and llm.engine.k_pages[0].shape[2] == 8
     got = [o.outputs[0].token_ids for o in LLM(str(tiny_gguf), **kw).generate(PROMPTS, sp, use_tqdm=False)]
     got8 = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
     assert got == want
@@ -147,9 +149,10 @@ def _hand_packed_batch(ps):
         targets=i32([-1] * Tp), rows=R, q=Q, max_segments=3)
 
 
-def _hand_pools(cfg, windowed, ps, P=12, seed=2, dtype=jnp.float32):
+def _hand_pools(cfg, windowed, ps, P=12, seed=2, dtype=jnp.float32, keys_transposed=True):
     """NaN everywhere but the cached positions of each sequence, which hold random keys and
-    values (what earlier steps wrote; attention does not care where they came from)."""
+    values (what earlier steps wrote; attention does not care where they came from). Keys
+    [P, K, H, ps] (keys_transposed) or [P, K, ps, H], holding the same keys."""
     rng = np.random.default_rng(seed)
     K, H = cfg.n_kv_heads, cfg.head_dim
     ks, vs = [], []
@@ -162,9 +165,15 @@ def _hand_pools(cfg, windowed, ps, P=12, seed=2, dtype=jnp.float32):
                 pg = wpages[p // ps - base] if w else pages[p // ps]
                 k[pg, :, :, p % ps] = rng.normal(size=(K, H))
                 v[pg, :, p % ps] = rng.normal(size=(K, H))
-        ks.append(jnp.asarray(k, dtype))
+        ks.append(jnp.asarray(k if keys_transposed else k.swapaxes(-1, -2), dtype))
         vs.append(jnp.asarray(v, dtype))
     return ks, vs
+
+
+def _as_transposed(pools, keys_transposed):
+    """Keys pools as f32 [P, K, H, ps] numpy arrays, whatever their layout."""
+    return [np.asarray(a, np.float32) if keys_transposed else np.asarray(a, np.float32).swapaxes(-1, -2)
+            for a in pools]
 
 
 def _tiny_model(family):
@@ -178,25 +187,29 @@ def _tiny_model(family):
         query_pre_attn_scalar=12.0, attn_logit_softcap=2.0), (True, False)
 
 
-def _packed_logits_step(mod, cfg, batch, windowed, kernels):
+def _packed_logits_step(mod, cfg, batch, windowed, kernels, keys_transposed=True):
     """(weights, k pools, v pools) -> (logits, k pools, v pools) of one packed step of batch
-    through the tiny model, its attention on the given kernels."""
+    through the tiny model, its attention on the given kernels, over keys pools of the given
+    layout."""
     from jaxinfer.models.packed import PackedKV
 
     def step(w, ks, vs):
-        cache = PackedKV(ks, vs, batch, windowed, kernels)
+        cache = PackedKV(ks, vs, batch, windowed, kernels, keys_transposed=keys_transposed)
         h, cache = mod.forward(w, batch.tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
         return mod.unembed(w, h, cfg)[0], cache.k, cache.v
     return step
 
 
-@pytest.mark.parametrize("family,pool_dtype,ps", [("llama", jnp.float32, 8), ("gemma3", jnp.float32, 8),
-                                                  ("gemma3", jnp.bfloat16, 16)])
-def test_packed_step_through_the_ragged_kernel_equals_reference(family, pool_dtype, ps):
+@pytest.mark.parametrize("family,pool_dtype,ps,keys_transposed", [
+    ("llama", jnp.float32, 8, False), ("gemma3", jnp.float32, 8, False), ("gemma3", jnp.bfloat16, 16, False),
+    ("llama", jnp.float32, 8, True)])
+def test_packed_step_through_the_ragged_kernel_equals_reference(family, pool_dtype, ps, keys_transposed):
     """Decode rows of 1 and 3 queries (teacher-forced) and a prefill row of two prompt chunks
     (one continuing cached pages) in one packed step over NaN-poisoned pools: the ragged
-    kernel (interpret mode) gives the logits of the pure-JAX path at every real position.
-    Over bfloat16 pools of a float32 model the kernel multiplies in bfloat16."""
+    kernel (interpret mode) gives the logits of the pure-JAX path (over the CPU's transposed
+    keys) at every real position, over keys pools [P, K, ps, H] (the layout the engine gives
+    the kernels) or transposed; so do the pure-JAX readers over [P, K, ps, H] keys. Over
+    bfloat16 pools of a float32 model the kernel multiplies in bfloat16."""
     mod, cfg, windowed = _tiny_model(family)
     w = init_weights(mod.weight_specs(cfg), cfg, jax.random.key(0), scale=0.2)
     batch = _hand_packed_batch(ps)
@@ -204,14 +217,20 @@ def test_packed_step_through_the_ragged_kernel_equals_reference(family, pool_dty
     make_step = functools.partial(_packed_logits_step, mod, cfg, batch, windowed)
     ref, ref_k, _ = jax.jit(make_step(dispatch.XLA))(w, ks, vs)
     assert _pallas_calls(make_step(dispatch.XLA), w, ks, vs) == 0
-    assert _pallas_calls(make_step(dispatch.INTERPRET), w, ks, vs) == cfg.n_layers
-    got, got_k, _ = jax.jit(make_step(dispatch.INTERPRET))(w, ks, vs)
+    kt_ks, kt_vs = _hand_pools(cfg, windowed, ps, dtype=pool_dtype, keys_transposed=keys_transposed)
+    kernel_step = make_step(dispatch.INTERPRET, keys_transposed)
+    assert _pallas_calls(kernel_step, w, kt_ks, kt_vs) == cfg.n_layers
+    got, got_k, _ = jax.jit(kernel_step)(w, kt_ks, kt_vs)
     real = np.asarray(batch.seg) >= 0
     real = np.concatenate([[True] * 3 + [True, False, False], real])  # B's padding queries are scratch
     assert np.isfinite(np.asarray(got)[real]).all()
     assert_close(got[real], ref[real], pool_dtype)  # the kernel tests' one table (float32: 5e-6)
-    for a, b in zip(got_k, ref_k):  # the same keys at the same slots (page 0: the padding tokens' scratch)
-        a, b = np.asarray(a, np.float32)[1:], np.asarray(b, np.float32)[1:]
+    if not keys_transposed:
+        xla, xla_k, _ = jax.jit(make_step(dispatch.XLA, False))(w, kt_ks, kt_vs)
+        assert_close(xla[real], ref[real], pool_dtype)
+        np.testing.assert_array_equal(_as_transposed(xla_k, False)[0][1:], np.asarray(ref_k[0], np.float32)[1:])
+    for a, b in zip(_as_transposed(got_k, keys_transposed), ref_k):  # the same keys at the same slots
+        a, b = a[1:], np.asarray(b, np.float32)[1:]  # (page 0: the padding tokens' scratch)
         tol = 2e-5 if pool_dtype == jnp.float32 else 2e-2  # bfloat16: one rounding of the key apart
         np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
 
@@ -238,29 +257,33 @@ def _hand_decode_batch(ps):
         seg=i32([]), hist_end=jnp.int32(0), targets=i32([]), rows=R, q=1)
 
 
-@pytest.mark.parametrize("family,pool_dtype,ps", [("llama", jnp.float32, 8), ("gemma3", jnp.float32, 8),
-                                                  ("gemma3", jnp.bfloat16, 16)])
-def test_decode_only_step_through_the_paged_kernel_equals_reference(family, pool_dtype, ps):
+@pytest.mark.parametrize("family,pool_dtype,ps,keys_transposed", [
+    ("llama", jnp.float32, 8, False), ("gemma3", jnp.float32, 8, False), ("gemma3", jnp.bfloat16, 16, False),
+    ("gemma3", jnp.float32, 8, True)])
+def test_decode_only_step_through_the_paged_kernel_equals_reference(family, pool_dtype, ps, keys_transposed):
     """A step of decode rows of one query each and no prefill row runs every layer, windowed
     ones included, through the paged decode kernel (not the ragged one), over NaN-poisoned
-    pools: the logits of the pure-JAX path at every active row."""
+    pools with keys [P, K, ps, H] (the engine's layout for the kernels) or transposed: the
+    logits of the pure-JAX path at every active row."""
     mod, cfg, windowed = _tiny_model(family)
     w = init_weights(mod.weight_specs(cfg), cfg, jax.random.key(0), scale=0.2)
     batch = _hand_decode_batch(ps)
     assert batch.decode_only
     ks, vs = _hand_pools(cfg, windowed, ps, dtype=pool_dtype)
+    kt_ks, kt_vs = _hand_pools(cfg, windowed, ps, dtype=pool_dtype, keys_transposed=keys_transposed)
     make_step = functools.partial(_packed_logits_step, mod, cfg, batch, windowed)
-    jaxpr = str(jax.make_jaxpr(make_step(dispatch.INTERPRET))(w, ks, vs))
+    kernel_step = make_step(dispatch.INTERPRET, keys_transposed)
+    jaxpr = str(jax.make_jaxpr(kernel_step)(w, kt_ks, kt_vs))
     assert jaxpr.count("pallas_call") == cfg.n_layers
     assert "paged_attention_tpu" in jaxpr and "ragged" not in jaxpr
     ref, ref_k, _ = jax.jit(make_step(dispatch.XLA))(w, ks, vs)
-    got, got_k, _ = jax.jit(make_step(dispatch.INTERPRET))(w, ks, vs)
+    got, got_k, _ = jax.jit(kernel_step)(w, kt_ks, kt_vs)
     active = np.asarray(batch.active)
     assert np.isfinite(np.asarray(got)[active]).all()
     assert_close(got[active], ref[active], pool_dtype)
-    for a, b in zip(got_k, ref_k):  # the same keys at the same slots (page 0: the idle row's scratch)
-        tol = 2e-5 if pool_dtype == jnp.float32 else 2e-2
-        np.testing.assert_allclose(np.asarray(a, np.float32)[1:], np.asarray(b, np.float32)[1:], atol=tol, rtol=tol)
+    for a, b in zip(_as_transposed(got_k, keys_transposed), ref_k):  # the same keys at the same slots
+        tol = 2e-5 if pool_dtype == jnp.float32 else 2e-2  # (page 0: the idle row's scratch)
+        np.testing.assert_allclose(a[1:], np.asarray(b, np.float32)[1:], atol=tol, rtol=tol)
 
 
 def _counting_paged_kernel(monkeypatch):

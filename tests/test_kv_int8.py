@@ -66,12 +66,13 @@ def test_int8_dense_cache_logits_close_to_float():
     assert (got.argmax(-1) == ref.argmax(-1)).mean() > 0.95
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_int8_paged_cache_equals_int8_dense(native):
+@pytest.mark.parametrize("native,keys_transposed", [(False, True), (True, True), (False, False)])
+def test_int8_paged_cache_equals_int8_dense(native, keys_transposed):
     """Same quantization per (token, head) in both layouts: decode rows over int8 pages (the
     engine's packed steps, XLA's readers or the native kernels) = decode over the dense int8 cache.
     The prefixes go in as decode rows, which read back their own quantized keys as the dense
-    cache's prefill does (the prefill row attends to its own tokens unquantized)."""
+    cache's prefill does (the prefill row attends to its own tokens unquantized). Keys pools
+    of either layout: [P, K, ps, H] ones keep their scales over the last axis, as values do."""
     from jaxinfer import cpu_kernels, dispatch
     from tests.kernel_testing import packed_decode_logits
 
@@ -82,8 +83,20 @@ def test_int8_paged_cache_equals_int8_dense(native):
     dense, _ = _decode_logits(w, tokens, kv.init_cache(CFG, 2, 16, "int8"))
     kernels = dispatch.Kernels(dispatch.Attention.NATIVE) if native else dispatch.XLA
     paged = packed_decode_logits(llama, CFG, w, np.asarray(tokens), [5, 5], 8, page_size=4, num_pages=12,
-                                 kv_dtype="int8", kernels=kernels, prefill_row=False)
+                                 kv_dtype="int8", kernels=kernels, prefill_row=False,
+                                 keys_transposed=keys_transposed)
     np.testing.assert_allclose(paged, dense[:, 5:], rtol=1e-5, atol=1e-5)
+
+
+def test_paged_int8_pools_of_both_keys_layouts():
+    """int8 page pools: transposed keys [P, K, H, ps] scale over axis -2, [P, K, ps, H] keys over
+    the last axis as values do; scales [P, K, ps] either way."""
+    H = CFG.head_dim
+    for transposed, shape, axis in ((True, (5, 2, H, 4), -2), (False, (5, 2, 4, H), -1)):
+        pools = kv.init_paged_cache(CFG, 5, 4, "int8", keys_transposed=transposed)
+        k = pools.k[0]
+        assert (k.values.shape, k.axis, k.scale.shape) == (shape, axis, (5, 2, 4))
+        assert pools.keys_transposed == transposed
 
 
 def test_kv_bytes_per_token_int8():

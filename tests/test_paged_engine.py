@@ -23,11 +23,12 @@ CFG = ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2, n_
 
 
 # ----------------------------------------------------------------------------- paged attention
-@pytest.mark.parametrize("native", [False, True])
-def test_packed_steps_over_poisoned_pages_equal_the_full_forward(native):
+@pytest.mark.parametrize("native,keys_transposed", [(False, True), (True, True), (False, False)])
+def test_packed_steps_over_poisoned_pages_equal_the_full_forward(native, keys_transposed):
     """Prompts written to scattered NaN-poisoned pages by one packed step, then decode rows of
     three queries each reading them back: every query's logits equal the full forward pass's
-    (no cache) at its position, through XLA's readers and the native CPU kernels."""
+    (no cache) at its position, through XLA's readers and the native CPU kernels, over keys
+    pools of either layout (transposed: the CPU's; [P, K, ps, H]: a TPU's, read by XLA)."""
     from jaxinfer import cpu_kernels, dispatch
     from tests.kernel_testing import packed_decode_logits
 
@@ -38,7 +39,8 @@ def test_packed_steps_over_poisoned_pages_equal_the_full_forward(native):
     lens, T = [5, 11, 2], 3
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, CFG.vocab_size, n + T) for n in lens]
-    got = packed_decode_logits(llama, CFG, w, seqs, lens, T, page_size=4, num_pages=24, kernels=kernels)
+    got = packed_decode_logits(llama, CFG, w, seqs, lens, T, page_size=4, num_pages=24, kernels=kernels,
+                               keys_transposed=keys_transposed)
     fwd = jax.jit(llama.forward, static_argnames=("cfg", "read_cache"))
     for b, (s, n) in enumerate(zip(seqs, lens)):
         hd, _ = fwd(w, jnp.asarray(s[None]), jnp.zeros(1, jnp.int32), None, cfg=CFG)

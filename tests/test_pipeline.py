@@ -29,6 +29,9 @@ _COMMON = textwrap.dedent("""
     path, layouts, atol = sys.argv[1], sys.argv[2].split(","), float(sys.argv[3])
     check_hlo = "hlo" in sys.argv[4:]
     kv_dtype = "int8" if "int8" in sys.argv[4:] else "auto"
+    # "pallas": the pipelines under kernels="pallas", whose pools keep keys [P, K, ps, H] as on a
+    # TPU (the stages' deferred writes and XLA readers take them); one device stays the CPU's
+    kernels = "pallas" if "pallas" in sys.argv[4:] else "auto"
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time there was", "1, 2, 3, 4,"]
     ref = None
@@ -39,7 +42,8 @@ _COMMON = textwrap.dedent("""
     for layout in layouts:
         pp, tp = (int(x) for x in layout.split("x"))
         llm = LLM(path, progress=False, max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=64 << 20,
-                  kv_cache_dtype=kv_dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+                  kv_cache_dtype=kv_dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                  kernels=kernels if pp > 1 else "auto")
         outs = llm.generate(prompts, sp, use_tqdm=False)
         toks = [o.outputs[0].token_ids for o in outs]
         lps = [first_lp(o.outputs[0].logprobs) for o in outs]
@@ -54,6 +58,10 @@ _COMMON = textwrap.dedent("""
             np.testing.assert_allclose(got, want, atol=atol)
         rep = llm.memory_report()["parallel"]
         e = llm.engine
+        ps = e.config.block_size
+        assert e.keys_transposed == (kernels != "pallas")
+        assert jax.tree.leaves(e.k_pages)[0].shape[2:4] == ((e.cfg.head_dim, ps) if e.keys_transposed
+                                                             else (ps, e.cfg.head_dim))
         L = e.cfg.n_layers
         bounds = [b for b, _ in rep["stage_layers"]] + [L]
         assert rep["pipeline_parallel_size"] == pp and rep["tensor_parallel_size"] == tp, rep
@@ -127,6 +135,12 @@ def test_tiny_tp2_x_pp2_uneven_equals_one_device(tiny_deep):
 def test_tiny_pipeline_4_uneven_equal_one_device(tiny_deep):
     out = _run(tiny_deep[7], "1x1,4x1", "hlo")
     assert "[[0, 2], [2, 4], [4, 6], [6, 7]]" in out
+
+
+def test_tiny_pipeline_2_over_untransposed_keys_equals_one_device(tiny_deep):
+    """Pools whose keys are [P, K, ps, H] (a TPU's layout, here under kernels="pallas"): the
+    stages write and read them as one device reads the CPU's transposed keys."""
+    _run(tiny_deep[5], "1x1,2x1", "pallas")
 
 
 def test_tiny_pipeline_2_with_int8_kv_equals_one_device_int8(tiny_deep):
@@ -221,11 +235,12 @@ def test_stage_bounds_and_pool_slots():
     assert lay.report()["padding_layer_slots"] == [0, 0]
 
 
-@pytest.mark.parametrize("window", [None, 3])
-def test_rows_attention_with_own_new_keys_equals_dense_reference(window):
+@pytest.mark.parametrize("window,keys_transposed", [(None, True), (3, True), (3, False)])
+def test_rows_attention_with_own_new_keys_equals_dense_reference(window, keys_transposed):
     """The pipeline's decode attention (pages hold each row's positions before its query; the
     query's own key and value come beside them) against the dense reference attention. The
-    pages the rows do not own, and the query's own slot in its page, hold NaN."""
+    pages the rows do not own, and the query's own slot in its page, hold NaN. Keys pools of
+    either layout ([P, K, H, ps] transposed, or [P, K, ps, H])."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -249,8 +264,10 @@ def test_rows_attention_with_own_new_keys_equals_dense_reference(window):
             vpool[table[b, t // ps], :, t % ps, :] = vals[b, t]
     pos = jnp.asarray(lengths - 1)[:, None]
     own = (keys[jnp.arange(B), lengths - 1][:, None], vals[jnp.arange(B), lengths - 1][:, None])
+    if not keys_transposed:
+        kpool = kpool.swapaxes(-1, -2)
     got = paged_rows_attention(q, jnp.asarray(kpool), jnp.asarray(vpool), jnp.asarray(table), None, pos, pos[:, 0],
-                               scale=H**-0.5, window=window, own=own)
+                               scale=H**-0.5, window=window, own=own, keys_transposed=keys_transposed)
     seen = np.arange(S)[None] < lengths[:, None]
     kpos = np.where(seen, np.arange(S)[None], 1 << 30)
     dense_k = jnp.where(seen[:, :, None, None], keys, 0.0).transpose(0, 2, 3, 1)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import sampling as smp
-from jaxinfer.cache import _store
+from jaxinfer.cache import write_pages
 from jaxinfer.models import eagle as eagle_mod
 from jaxinfer.models.packed import PackedBatch, PackedKV
 
@@ -96,7 +96,6 @@ def store_chosen(cache: PackedKV, batch: PackedBatch, chosen: jax.Array, W: int)
     row's chosen branch at the real batch's pages and positions, and the prefill row's."""
     R, Q = batch.rows, batch.q
     ks, vs = list(cache.k), list(cache.v)
-    s = slice(None)
     for layer, kv in enumerate(cache.written):
         if kv is None:  # a layer that shares another's keys/values wrote none
             continue
@@ -106,13 +105,13 @@ def store_chosen(cache: PackedKV, batch: PackedBatch, chosen: jax.Array, W: int)
         off = batch.positions % vs[layer].shape[2]
         k, v = (pick(a[0], chosen, R, W, Q)[None] for a in (k, v))
         if ks[layer] is not None:  # (a latent pool stores the latent once, as its values)
-            ks[layer] = _store(ks[layer], (page[None], s, s, off[None]), k)
-        vs[layer] = _store(vs[layer], (page[None], s, off[None]), v)
-    return PackedKV(ks, vs, batch, cache.windowed, cache.kernels)
+            ks[layer] = write_pages(ks[layer], page, off, k, keys_transposed=cache.keys_transposed)
+        vs[layer] = write_pages(vs[layer], page, off, v)
+    return PackedKV(ks, vs, batch, cache.windowed, cache.kernels, keys_transposed=cache.keys_transposed)
 
 
 def eagle_drafts(eagle: dict, weights: dict, g0: jax.Array, start: jax.Array, batch: PackedBatch, eagle_kv,
-                 k: int, W: int, *, cfg, kernels) -> jax.Array:
+                 k: int, W: int, *, cfg, kernels, keys_transposed: bool = True) -> jax.Array:
     """i32[R, W, k]: per decode row, the head's W most likely first drafts out of g0 f32[R, D]
     (its estimate at the accepted position ``start`` i32[R]), each continued greedily to k
     drafts. Draft j >= 2 of a branch comes from the head's layer over that branch's entries at
@@ -135,7 +134,7 @@ def eagle_drafts(eagle: dict, weights: dict, g0: jax.Array, start: jax.Array, ba
                           use_prev=jnp.zeros(R * W, bool), last_q=jnp.zeros(R * W, jnp.int32), table=table,
                           wtable=table, wbase=jnp.zeros(R * W + 1, jnp.int32), seg=none, hist_end=jnp.int32(0),
                           targets=none, rows=R * W, q=j)
-        cache = PackedKV(*eagle_kv, sub, (), kernels, defer_writes=True)
+        cache = PackedKV(*eagle_kv, sub, (), kernels, defer_writes=True, keys_transposed=keys_transposed)
         out, _ = eagle_mod.run_layer(eagle["head"], jnp.stack(xs, axis=1).reshape(1, R * W * j, D),
                                      pos.reshape(1, -1), cache, cfg)
         g = out[0].reshape(R * W, j, D)[:, -1]

@@ -47,7 +47,7 @@ class ChainOutput:
 
 def chained_decode(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, remaining, n, exit_on_finish,
                    *, cfg, windowed, num_logprobs: int, kernels: Kernels, steps: int,
-                   page_size: int):
+                   page_size: int, keys_transposed: bool = True):
     """Up to n (i32[], at most the static ``steps``) decode steps in one ``lax.while_loop``
     -> (ChainOutput, k_pages, v_pages, slots), pools and slots donated.
 
@@ -85,7 +85,8 @@ def chained_decode(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotSta
             use_prev=jnp.where(i == 0, batch.use_prev, batch.active))
         gen, mins, stop_ids = sl.generated[:R], sl.min_tokens[:R], sl.stop_ids[:R]
         out, k, v, sl = packed_step(weights, step_batch, k, v, sl, cfg=cfg, windowed=windowed,
-                                    num_logprobs=num_logprobs, prompt_logprobs=-1, kernels=kernels)
+                                    num_logprobs=num_logprobs, prompt_logprobs=-1, kernels=kernels,
+                                    keys_transposed=keys_transposed)
         tok = out.tokens
         stop = (gen + 1 > mins) & jnp.any(tok[:, None] == stop_ids, axis=1)
         fin = live & (stop | (taken + 1 >= remaining))
@@ -112,7 +113,8 @@ class Chainer:
         self.stats = {"chains": 0, "chained_steps": 0, **{f"chain_refused_{r}": 0 for r in CHAIN_REFUSALS},
                       "chain_cut_pages": 0, "chain_cut_arrivals": 0}
         self._fn = eng._compiles.counted(jax.jit(
-            functools.partial(chained_decode, windowed=eng.windowed, steps=steps, page_size=eng.config.block_size),
+            functools.partial(chained_decode, windowed=eng.windowed, steps=steps, page_size=eng.config.block_size,
+                              keys_transposed=eng.keys_transposed),
             static_argnames=("cfg", "num_logprobs", "kernels"), donate_argnames=("k_pages", "v_pages", "slots")))
 
     @property

@@ -127,11 +127,16 @@ def pool_sizes(cfg: ModelConfig, config: EngineConfig, kv_dtype, pages_per_seq: 
 
 
 def _make_pools(cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> kv.PagedKVCache:
-    """The zeroed page pools of an engine on one device."""
+    """The zeroed page pools of an engine on one device (the default one), in the keys layout
+    that engine chooses there (``dispatch.keys_transposed``)."""
     pages_per_seq = -(-max_model_len // config.block_size)
     kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
     _, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, pages_per_seq, kv_budget(config))
-    return kv.init_paged_cache(cfg, num_pages, config.block_size, kv_dtype, num_window_pages=num_window_pages)
+    device = jax.local_devices()[0]
+    transposed = dispatch.keys_transposed(dispatch.choose(config.kernels, devices=device),
+                                          dispatch.device_platform(device))
+    return kv.init_paged_cache(cfg, num_pages, config.block_size, kv_dtype, num_window_pages=num_window_pages,
+                               keys_transposed=transposed)
 
 
 def start_pools(cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> concurrent.futures.Future:

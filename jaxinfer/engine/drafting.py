@@ -59,11 +59,12 @@ class Drafter:
             self._init_eagle(num_pages)
         counted = eng._compiles.counted
         self._spec_step = counted(jax.jit(
-            functools.partial(spec_step, windowed=eng.windowed),
+            functools.partial(spec_step, windowed=eng.windowed, keys_transposed=eng.keys_transposed),
             static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernels", "draft_layers", "draft_cfg",
                              "lookup"),
             donate_argnames=("state",)))
-        self._draft_step = counted(jax.jit(functools.partial(draft_kv_step), static_argnames=("draft_cfg", "kernels"),
+        self._draft_step = counted(jax.jit(functools.partial(draft_kv_step, keys_transposed=eng.keys_transposed),
+                                           static_argnames=("draft_cfg", "kernels"),
                                            donate_argnames=("draft_kv",)))
 
     def _init_draft(self, draft, num_pages: int) -> None:
@@ -84,7 +85,8 @@ class Drafter:
         if eng.mesh is not None:
             raise InvalidRequest("speculative_config method draft_model does not run with tensor parallelism yet")
         pools = kv.init_paged_cache(dcfg, num_pages, eng.config.block_size,
-                                    kv.kv_storage_dtype(eng.config.kv_cache_dtype, dcfg))
+                                    kv.kv_storage_dtype(eng.config.kv_cache_dtype, dcfg),
+                                    keys_transposed=eng.keys_transposed)
         self.draft_cfg, self.draft_weights = dcfg, dweights
         self.kv = eng.committed((pools.k, pools.v))
 
@@ -109,7 +111,8 @@ class Drafter:
                                 eagle.head_specs(eagle.layer_cfg(eng.cfg)), head, is_leaf=is_spec)
             rows = quantize_int8(rows, (1,))  # [Vd, D], one scale per draft token
         self.eagle = {"head": head, "rows": rows, "vocab": vocab}
-        pools = kv.init_paged_cache(eagle.layer_cfg(eng.cfg), num_pages, eng.config.block_size, jnp.float32)
+        pools = kv.init_paged_cache(eagle.layer_cfg(eng.cfg), num_pages, eng.config.block_size, jnp.float32,
+                                    keys_transposed=eng.keys_transposed)
         self.kv = eng.committed((pools.k, pools.v))
 
     # ------------------------------------------------------------------ plain steps

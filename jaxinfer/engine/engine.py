@@ -89,6 +89,8 @@ class Engine:
         # which kernels run attention (the weights carry the matmuls' choice, ``dispatch.bind``)
         # (they follow the engine's devices: its mesh, or the weights' one device)
         self.kernels = dispatch.choose(config.kernels, mesh=mesh, devices=None if mesh is not None else _devices(weights))
+        # the keys pools' layout, for the engine's and its drafter's pools alike (cache module doc)
+        self.keys_transposed = dispatch.keys_transposed(self.kernels, self.kernels.platform)
         self.spec = SpeculativeConfig.parse(speculative, cfg.n_layers)
         if D > 1 and self.spec is not None:
             raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")
@@ -112,10 +114,12 @@ class Engine:
         statics = ("cfg", "num_logprobs", "prompt_logprobs", "kernels")
         donate = ("k_pages", "v_pages", "slots")
         if D > 1:
-            fn = functools.partial(replicas.replicas_step, mesh=mesh, windowed=self.windowed)
+            fn = functools.partial(replicas.replicas_step, mesh=mesh, windowed=self.windowed,
+                                   keys_transposed=self.keys_transposed)
             insert = replicas.insert_replica
         else:
-            fn = functools.partial(packed_step, windowed=self.windowed, pipeline=self.pipeline)
+            fn = functools.partial(packed_step, windowed=self.windowed, pipeline=self.pipeline,
+                                   keys_transposed=self.keys_transposed)
             insert, donate = insert_step, (*donate, "eagle_kv")
         self._step = self._compiles.counted(jax.jit(fn, static_argnames=statics, donate_argnames=donate))
         self._insert = self._compiles.counted(jax.jit(functools.partial(insert), donate_argnames=("slots",)))
@@ -146,12 +150,16 @@ class Engine:
                                   for i in range(cfg.n_layers))
             self.pipeline = pp.PipelineLayout.make(mesh, cfg.n_layers, self.windowed)
             self.weights = pp.stack_weights(self.weights, self.pipeline)
-            self.k_pages, self.v_pages = pp.init_pools(cfg, self.pipeline, num_pages, ps, self.kv_dtype, num_window_pages)
+            self.k_pages, self.v_pages = pp.init_pools(cfg, self.pipeline, num_pages, ps, self.kv_dtype, num_window_pages,
+                                                       self.keys_transposed)
             return
         if pools is not None and pools.made_for != (cfg, self.config, self.max_model_len):
             raise ValueError("the page pools were started for another model or engine configuration")
         cache = (pools.result() if pools is not None else
-                 kv.init_paged_cache(cfg, num_pages, ps, self.kv_dtype, num_window_pages=num_window_pages))
+                 kv.init_paged_cache(cfg, num_pages, ps, self.kv_dtype, num_window_pages=num_window_pages,
+                                     keys_transposed=self.keys_transposed))
+        if cache.keys_transposed != self.keys_transposed:
+            raise ValueError("the page pools were started with another keys layout than this engine's")
         self.k_pages, self.v_pages, self.windowed = cache.k, cache.v, cache.windowed
         if mesh is None:
             self.k_pages, self.v_pages = self.committed((self.k_pages, self.v_pages))

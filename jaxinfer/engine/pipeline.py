@@ -144,9 +144,11 @@ def stack_weights(weights: dict, layout: PipelineLayout, rules: ShardingRules = 
     return dict(weights, layers=slots)
 
 
-def init_pools(cfg, layout: PipelineLayout, num_pages: int, page_size: int, dtype, num_window_pages: int | None):
+def init_pools(cfg, layout: PipelineLayout, num_pages: int, page_size: int, dtype, num_window_pages: int | None,
+               keys_transposed: bool = True):
     """Zeroed stacked page pools (keys list, values list), each slot [stages, P, K, ...] made in
-    place on its devices: the full-length slots first, then the windowed ones."""
+    place on its devices: the full-length slots first, then the windowed ones. Keys [stages, P,
+    K, H, ps] when keys_transposed, else [stages, P, K, ps, H] (``cache.init_paged_cache``)."""
     K, H, ps = cfg.n_kv_heads, cfg.head_dim, page_size
     dt = jnp.dtype(dtype)
     sharding = kv_pool_sharding(layout.mesh, K, stacked=True)
@@ -156,7 +158,8 @@ def init_pools(cfg, layout: PipelineLayout, num_pages: int, page_size: int, dtyp
     def zeros(shape, axis):
         return jax.jit(lambda: kv._zeros(shape, dt, axis), out_shardings=sharding)()
 
-    return [zeros((S, P, K, H, ps), -2) for P in pages], [zeros((S, P, K, ps, H), -1) for P in pages]
+    return ([zeros((S, *kv.key_pool_shape(P, K, H, ps, keys_transposed)), -2 if keys_transposed else -1)
+             for P in pages], [zeros((S, P, K, ps, H), -1) for P in pages])
 
 
 # ----------------------------------------------------------------------------- the schedule
@@ -189,7 +192,7 @@ def micro_batches(batch: PackedBatch, stages: int) -> list[tuple[int, int, Packe
     return out
 
 
-def _tick(s: int, m: int | None, layout: PipelineLayout, cfg, kernels, width: int,
+def _tick(s: int, m: int | None, layout: PipelineLayout, cfg, kernels, keys_transposed: bool, width: int,
           recv, ks, vs, layers, x, batch):
     """Stage s's work in one tick: micro-batch m through its layers (None: idle) -> (the
     activations it hands on [width, D], and for every pool slot the new keys and values
@@ -213,7 +216,7 @@ def _tick(s: int, m: int | None, layout: PipelineLayout, cfg, kernels, width: in
     xin = x[:, start : start + n] if s == 0 else recv[None, :n]
     slot = [layout.pool_slot(i) for i in span]
     cache = PackedKV([ks[p] for p in slot], [vs[p] for p in slot], sub, tuple(layout.windowed[i] for i in span),
-                     kernels, defer_writes=True)
+                     kernels, defer_writes=True, keys_transposed=keys_transposed)
     mod = family_module(cfg.family)
     y, cache = mod.decoder_layers(layers[: len(span)], xin, sub.positions[None], None, cache, cfg=cfg,
                                   first=span.start)
@@ -227,9 +230,9 @@ def _tick(s: int, m: int | None, layout: PipelineLayout, cfg, kernels, width: in
 
 
 def pipeline_forward(layout: PipelineLayout, weights: dict, tokens, batch: PackedBatch, k_pages, v_pages, *,
-                     cfg, kernels):
+                     cfg, kernels, keys_transposed: bool = True):
     """The decoder over a packed step's tokens i32[N], pipelined -> (hidden [1, N, D] on every
-    device, k_pages, v_pages)."""
+    device, k_pages, v_pages); keys pools transposed or not (``init_pools``)."""
     mod = family_module(cfg.family)
     S = layout.stages
     x = mod.embed(weights, tokens[None], cfg)  # [1, N, D], replicated over stages
@@ -237,7 +240,6 @@ def pipeline_forward(layout: PipelineLayout, weights: dict, tokens, batch: Packe
     M = len(mbs)
     width = max(n for _, n, _ in mbs)
     right = [(s, s + 1) for s in range(S - 1)]
-    every = slice(None)
 
     def body(layers, x, batch, ks, vs):
         first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731  this stage's block of each slot
@@ -248,12 +250,11 @@ def pipeline_forward(layout: PipelineLayout, weights: dict, tokens, batch: Packe
         for t in range(M + S - 1):
             with jax.named_scope(f"pipeline_tick{t}"):
                 branches = [functools.partial(_tick, s, t - s if 0 <= t - s < M else None, layout, cfg,
-                                              kernels, width) for s in range(S)]
+                                              kernels, keys_transposed, width) for s in range(S)]
                 out, knew, vnew, pages, offs = jax.lax.switch(stage, branches, recv, ks, vs, layers, x, batch)
-                ks = [kv._store(a, (pg[None], every, every, of[None]), kn[None])
+                ks = [kv.write_pages(a, pg, of, kn[None], keys_transposed=keys_transposed)
                       for a, kn, pg, of in zip(ks, knew, pages, offs)]
-                vs = [kv._store(a, (pg[None], every, of[None]), vn[None])
-                      for a, vn, pg, of in zip(vs, vnew, pages, offs)]
+                vs = [kv.write_pages(a, pg, of, vn[None]) for a, vn, pg, of in zip(vs, vnew, pages, offs)]
                 m = t - (S - 1)  # the micro-batch the last stage finished
                 if 0 <= m < M:
                     start, n, _ = mbs[m]

@@ -20,7 +20,7 @@ from jaxinfer.models.packed import PackedBatch
 
 
 def replicas_step(weights, batch: PackedBatch, k_pages, v_pages, slots, guide=None, *, mesh, cfg, windowed,
-                  num_logprobs: int, prompt_logprobs: int, kernels: Kernels):
+                  num_logprobs: int, prompt_logprobs: int, kernels: Kernels, keys_transposed: bool = True):
     """``step.packed_step`` of every replica at once: batch, pools and slots carry a leading
     replica axis [D, ...] split over "data"; the weights are shared -> (StepOutput [D, ...],
     pools, slots). A ``shard_map`` manual over "data" only (the "model" axis stays with the
@@ -32,7 +32,7 @@ def replicas_step(weights, batch: PackedBatch, k_pages, v_pages, slots, guide=No
     def one(w, b, k, v, s):
         b, k, v, s = jax.tree.map(lambda a: a[0], (b, k, v, s))
         out, k, v, s = packed_step(w, b, k, v, s, None, cfg=cfg, windowed=windowed, num_logprobs=num_logprobs,
-                                   prompt_logprobs=prompt_logprobs, kernels=kernels)
+                                   prompt_logprobs=prompt_logprobs, kernels=kernels, keys_transposed=keys_transposed)
         return jax.tree.map(lambda a: a[None], (out, k, v, s))
 
     rep, split = PartitionSpec(), PartitionSpec("data")

@@ -65,7 +65,7 @@ def token_logprobs(logits, targets, num_top: int):
 
 def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, guide=None, eagle=None,
                 eagle_kv=None, *, cfg, windowed, num_logprobs: int, prompt_logprobs: int,
-                kernels: Kernels, pipeline=None):
+                kernels: Kernels, pipeline=None, keys_transposed: bool = True):
     """One scheduler iteration on device -> (StepOutput, k_pages, v_pages, slots[, eagle_kv]).
 
     eagle: None, or an EAGLE draft head (speculative ``eagle``: {"head", "rows", "vocab"}) whose
@@ -74,6 +74,9 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
 
     pipeline: None, or an ``engine.pipeline.PipelineLayout`` (static): the layers then run as
     pipeline stages over micro-batches, with weights and pools stacked by stage.
+
+    keys_transposed: the keys pools' layout, the engine's and its drafter's alike
+    (``cache.PagedKVCache.keys_transposed``, static).
 
     guide: None, or (bitmask i32[R, V/32], has_mask bool[R]) for the decode rows when any is
     constrained (structured output). None and arrays are different pytrees, so a batch with
@@ -90,12 +93,12 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
             first = jnp.where(batch.use_prev, slots.last_tokens[:R], tokens[0 : R * Q : Q])
             tokens = tokens.at[0 : R * Q : Q].set(first)
         if pipeline is None:
-            cache = PackedKV(k_pages, v_pages, batch, windowed, kernels)
+            cache = PackedKV(k_pages, v_pages, batch, windowed, kernels, keys_transposed=keys_transposed)
             h, cache = mod.forward(weights, tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
             k_pages, v_pages = cache.k, cache.v
         else:
             h, k_pages, v_pages = pipeline_forward(pipeline, weights, tokens, batch, k_pages, v_pages, cfg=cfg,
-                                                   kernels=kernels)
+                                                   kernels=kernels, keys_transposed=keys_transposed)
         new = lp = row_logits = plp = None
         if R:
             with jax.named_scope("sample"):
@@ -129,16 +132,17 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
                     at_last = jnp.arange(Q)[None] == batch.last_q[:, None]
                     nxt = jnp.concatenate([jnp.where(at_last, new[:, None], shifted).reshape(-1), nxt])
                 _, eagle_kv = _eagle_entry_pass(eagle, weights, h, batch, nxt, eagle_kv, cfg=cfg,
-                                                kernels=kernels)
+                                                kernels=kernels, keys_transposed=keys_transposed)
             return StepOutput(new, lp, row_logits, plp), k_pages, v_pages, slots, eagle_kv
     return StepOutput(new, lp, row_logits, plp), k_pages, v_pages, slots
 
 
-def _eagle_entry_pass(eagle, weights, h, batch: PackedBatch, next_tokens, eagle_kv, *, cfg, kernels):
+def _eagle_entry_pass(eagle, weights, h, batch: PackedBatch, next_tokens, eagle_kv, *, cfg, kernels,
+                      keys_transposed: bool = True):
     """EAGLE entry p = (f_p, t_{p+1}) of every token the target just computed (features h
     [1, N, D], next_tokens i32[N], -1 read as 0: their entries are rewritten before anything
     reads them), written to the draft's pools at p -> (g f32[N, D], eagle_kv)."""
     x = eagle_mod.entries(eagle["head"], weights, h[0], jnp.maximum(next_tokens, 0), cfg)
-    cache = PackedKV(*eagle_kv, batch, (), kernels)
+    cache = PackedKV(*eagle_kv, batch, (), kernels, keys_transposed=keys_transposed)
     g, cache = eagle_mod.run_layer(eagle["head"], x[None], batch.positions[None], cache, cfg)
     return g[0], (cache.k, cache.v)

@@ -29,7 +29,8 @@ from jaxinfer.models.packed import PackedBatch, PackedKV
 from jaxinfer.models.registry import family_module
 
 
-def _eagle_drafts(eagle, weights, g0, start, batch: PackedBatch, eagle_kv, k: int, *, cfg, kernels):
+def _eagle_drafts(eagle, weights, g0, start, batch: PackedBatch, eagle_kv, k: int, *, cfg, kernels,
+                  keys_transposed: bool = True):
     """k drafts per decode row: the first read out of g0 f32[R, D] (the draft layer's estimate at
     each row's accepted position, ``start`` i32[R]), each further one from an entry of the
     previous estimate and draft written at start + j. Positions past the row's pages go to the
@@ -54,7 +55,7 @@ def _eagle_drafts(eagle, weights, g0, start, batch: PackedBatch, eagle_kv, k: in
                           wtable=batch.wtable, wbase=batch.wbase, seg=none, hist_end=jnp.int32(0), targets=none,
                           rows=R, q=1)
         x = eagle_mod.entries(eagle["head"], weights, g, tok, cfg)
-        cache = PackedKV(*eagle_kv, sub, (), kernels)
+        cache = PackedKV(*eagle_kv, sub, (), kernels, keys_transposed=keys_transposed)
         g, cache = eagle_mod.run_layer(eagle["head"], x[None], pos[None], cache, cfg)
         g, eagle_kv = g[0], (cache.k, cache.v)
         tok = read(g)
@@ -79,7 +80,8 @@ def _decode_row_batch(batch: PackedBatch, j: int | jax.Array, tokens, *, with_pr
                        targets=batch.targets if with_prefill else none, rows=R, q=1)
 
 
-def draft_kv_step(draft_weights, batch: PackedBatch, draft_kv, last_tokens, *, draft_cfg, kernels: Kernels):
+def draft_kv_step(draft_weights, batch: PackedBatch, draft_kv, last_tokens, *, draft_cfg, kernels: Kernels,
+                  keys_transposed: bool = True):
     """A plain step's draft pass: the draft model runs over every token of ``batch`` (decode
     rows and prefill row alike, the first query of a use_prev row being last_tokens i32[S]'s)
     only to write its keys and values to its own pools draft_kv = (k, v), which it returns
@@ -91,12 +93,13 @@ def draft_kv_step(draft_weights, batch: PackedBatch, draft_kv, last_tokens, *, d
         if R:
             first = jnp.where(batch.use_prev, last_tokens[:R], tokens[0 : R * Q : Q])
             tokens = tokens.at[0 : R * Q : Q].set(first)
-        cache = PackedKV(*draft_kv, batch, (), kernels)
+        cache = PackedKV(*draft_kv, batch, (), kernels, keys_transposed=keys_transposed)
         _, cache = mod.forward(draft_weights, tokens[None], None, cache, cfg=draft_cfg, positions=batch.positions[None])
     return cache.k, cache.v
 
 
-def _draft_model_drafts(draft_weights, batch: PackedBatch, draft_kv, sub: SlotState, *, draft_cfg, kernels):
+def _draft_model_drafts(draft_weights, batch: PackedBatch, draft_kv, sub: SlotState, *, draft_cfg, kernels,
+                        keys_transposed: bool = True):
     """Each decode row's k drafts from the draft model -> (drafts i32[R, k], q f32[R, k, V],
     draft pools).
 
@@ -112,7 +115,7 @@ def _draft_model_drafts(draft_weights, batch: PackedBatch, draft_kv, sub: SlotSt
     last = batch.tokens[0 : R * Q : Q]
 
     def run(b, kv_, toks):
-        cache = PackedKV(*kv_, b, (), kernels)
+        cache = PackedKV(*kv_, b, (), kernels, keys_transposed=keys_transposed)
         h, cache = mod.forward(draft_weights, toks[None], None, cache, cfg=draft_cfg, positions=b.positions[None])
         return h[0, :R], (cache.k, cache.v)
 
@@ -149,7 +152,7 @@ class SpecOutput:
 
 
 def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cfg, windowed, kernels,
-                       num_layers: int):
+                       num_layers: int, keys_transposed: bool = True):
     """Fill each decode row's draft columns with the greedy tokens of the model's first
     num_layers layers (plus final norm and head), one position at a time; their keys and
     values go to the same pages the verification pass then rewrites -> (tokens i32[N], pools)."""
@@ -166,7 +169,7 @@ def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cf
                           active=batch.active, use_prev=jnp.zeros(R, bool), last_q=jnp.zeros(R, jnp.int32),
                           table=batch.table, wtable=batch.wtable, wbase=batch.wbase, seg=none,
                           hist_end=jnp.int32(0), targets=none, rows=R, q=1)
-        cache = PackedKV(k_pages, v_pages, sub, windowed, kernels)
+        cache = PackedKV(k_pages, v_pages, sub, windowed, kernels, keys_transposed=keys_transposed)
         h, cache = mod.forward(head, cur[None], None, cache, cfg=cfg, positions=pos[None, :, j])
         k_pages, v_pages = cache.k, cache.v
         cur = smp.argmax_first(mod.unembed(weights, h[0][:, None], cfg)[:, 0])
@@ -237,7 +240,7 @@ class SpecState:
 
 def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, num_logprobs: int,
               prompt_logprobs: int, kernels: Kernels, draft_layers: int = 0, draft_cfg=None,
-              lookup: tuple[int, int] | None = None):
+              lookup: tuple[int, int] | None = None, keys_transposed: bool = True):
     """One speculative scheduler iteration -> (SpecOutput, SpecState).
 
     Decode row r (slot r) carries q = k + 1 queries: its last token, then its drafts
@@ -260,7 +263,8 @@ def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, n
     step, still unread by the host, the decode rows are first moved on by it (``chain_block``;
     with n-gram ``history`` the next drafts are looked up here first, ``ngram_chain_drafts``
     with lookup = (prompt_lookup_min, prompt_lookup_max), and SpecOutput.drafted says how many;
-    no window pools)."""
+    no window pools). keys_transposed: the layout of every keys pool here, the target's and
+    the drafter's (``cache.PagedKVCache.keys_transposed``)."""
     batch, k_pages, v_pages, slots = inputs.batch, state.k_pages, state.v_pages, state.slots
     heads, guide, draft_weights, eagle = inputs.heads, inputs.guide, inputs.draft_weights, inputs.eagle
     branch_drafts, chain = inputs.branch_drafts, inputs.chain
@@ -283,20 +287,20 @@ def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, n
             with jax.named_scope("early_exit_draft"):
                 tokens, k_pages, v_pages = _early_exit_drafts(mod, weights, batch, k_pages, v_pages, cfg=cfg,
                                                               windowed=windowed, kernels=kernels,
-                                                              num_layers=draft_layers)
+                                                              num_layers=draft_layers, keys_transposed=keys_transposed)
             batch = dataclasses.replace(batch, tokens=tokens)
         q_draft = None
         if draft_cfg is not None:
             with jax.named_scope("draft_model"):
                 sub = jax.tree.map(lambda a: a[:R], slots)
                 d, q_draft, draft_kv = _draft_model_drafts(draft_weights, batch, draft_kv, sub, draft_cfg=draft_cfg,
-                                                           kernels=kernels)
+                                                           kernels=kernels, keys_transposed=keys_transposed)
                 tokens = batch.tokens.at[: R * Q].set(
                     jnp.concatenate([batch.tokens[0 : R * Q : Q][:, None], d], axis=1).reshape(-1))
             batch = dataclasses.replace(batch, tokens=tokens)
         W = 1 if branch_drafts is None else branch_drafts.shape[1] + 1
         vb = batch if W == 1 else branches.expand(batch, branch_drafts)  # W virtual rows per row
-        cache = PackedKV(k_pages, v_pages, vb, windowed, kernels, defer_writes=W > 1)
+        cache = PackedKV(k_pages, v_pages, vb, windowed, kernels, defer_writes=W > 1, keys_transposed=keys_transposed)
         h, cache = mod.forward(weights, vb.tokens[None], None, cache, cfg=cfg, positions=vb.positions[None])
         with jax.named_scope("verify"):
             hd = h[0, : R * W * Q].reshape(R * W, Q, -1)
@@ -343,15 +347,15 @@ def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, n
             with jax.named_scope("eagle"):
                 nxt = jnp.concatenate([ver.tokens.reshape(-1), batch.targets])
                 g, eagle_kv = _eagle_entry_pass(eagle, weights, h, batch, nxt, eagle_kv, cfg=cfg,
-                                                kernels=kernels)
+                                                kernels=kernels, keys_transposed=keys_transposed)
                 g0 = jnp.take_along_axis(g[: R * Q].reshape(R, Q, -1), ver.accepted[:, None, None], axis=1)[:, 0]
                 start = batch.positions[: R * Q].reshape(R, Q)[:, 0] + ver.accepted
                 if W == 1:
                     next_drafts, eagle_kv = _eagle_drafts(eagle, weights, g0, start, batch, eagle_kv, Q - 1, cfg=cfg,
-                                                          kernels=kernels)
+                                                          kernels=kernels, keys_transposed=keys_transposed)
                 else:
                     next_drafts = branches.eagle_drafts(eagle, weights, g0, start, batch, eagle_kv, Q - 1, W, cfg=cfg,
-                                                        kernels=kernels)
+                                                        kernels=kernels, keys_transposed=keys_transposed)
             draft_kv = eagle_kv
         lp = plp = None
         if num_logprobs >= 0:

@@ -48,6 +48,11 @@ so it is fixed for each executable:
 
 Both take attention sinks.
 
+Keys pools come in the layout the engine chose (``PackedKV.keys_transposed``, see the ``cache``
+module doc): transposed, [P, K, H, ps], for the native kernels and the XLA readers on CPU;
+[P, K, ps, H], as the values, for the Pallas kernels and on TPU/GPU. Every reader here takes
+both; the native kernels are never handed the second.
+
 Latent pools (multi-head latent attention: ``cache`` module doc) have no keys pool (None): the
 XLA readers here take the keys as the values pool's transpose, block by block as they gather
 it. The native CPU kernels and the Pallas kernels read separate key and value pools, so a
@@ -65,7 +70,7 @@ import jax.numpy as jnp
 
 from jaxinfer import cpu_kernels, dispatch
 from jaxinfer import kernels as ops
-from jaxinfer.cache import QuantKV, _load, _store
+from jaxinfer.cache import QuantKV, _load, write_pages
 from jaxinfer.models.layers import sink_rows
 from jaxinfer.quant import dequantize_kv, quantize_kv
 
@@ -120,7 +125,7 @@ class PackedBatch:
 class PackedKV:
     """Page pools plus the batch that reads and writes them in this step."""
 
-    k: list  # L x [P_l, K_l, H_l, ps]  keys transposed, as in cache.PagedKVCache (None: a layer with no pool)
+    k: list  # L x [P_l, K_l, H_l, ps] if keys_transposed, else [P_l, K_l, ps, H_l] (None: a layer with no pool)
     v: list  # L x [P_l, K_l, ps, H_l]
     batch: PackedBatch
     windowed: tuple[bool, ...] = dataclasses.field(default=(), metadata={"static": True})
@@ -132,6 +137,8 @@ class PackedKV:
     # whole pool.
     defer_writes: bool = dataclasses.field(default=False, metadata={"static": True})
     written: tuple = ()
+    # the keys pools' layout (cache.PagedKVCache.keys_transposed, dispatch.keys_transposed)
+    keys_transposed: bool = dataclasses.field(default=True, metadata={"static": True})
 
     packed = True  # attend_layer hands the whole layer to ``attend``
 
@@ -155,16 +162,17 @@ class PackedKV:
             cache = self
         else:
             off = b.positions % ps
-            s = slice(None)
             if ks[layer] is not None:  # (a latent pool: the latent is stored once, as the values)
-                ks[layer] = _store(ks[layer], (page[None], s, s, off[None]), k)
-            vs[layer] = _store(vs[layer], (page[None], s, off[None]), v)
-            cache = PackedKV(ks, vs, b, self.windowed, self.kernels)
+                ks[layer] = write_pages(ks[layer], page, off, k, keys_transposed=self.keys_transposed)
+            vs[layer] = write_pages(vs[layer], page, off, v)
+            cache = PackedKV(ks, vs, b, self.windowed, self.kernels, keys_transposed=self.keys_transposed)
         R, Q, Tp = b.rows, b.q, b.prefill_len
         table, base = (b.wtable, b.wbase) if self._is_windowed(layer) else (b.table, None)
-        opts = {"scale": scale, "window": window, "softcap": softcap, "sinks": sinks}
+        opts = {"scale": scale, "window": window, "softcap": softcap, "sinks": sinks,
+                "keys_transposed": self.keys_transposed}
         path = dispatch.paged_path(self.kernels, ks[layer], vs[layer], defer_writes=self.defer_writes,
-                                   sinks=sinks is not None, decode_only=b.decode_only)
+                                   sinks=sinks is not None, decode_only=b.decode_only,
+                                   keys_transposed=self.keys_transposed)
         if path == dispatch.PagedPath.DECODE:
             return decode_kernel_attention(q, ks[layer], vs[layer], b, table, base, kernels=self.kernels,
                                            **opts), cache
@@ -257,11 +265,13 @@ class _RunningSoftmax:
         return self.o * a / (self.l * a + jnp.exp(sink - m))
 
 
-def _scores(qm, keys, softcap):
-    """qm f32[B, K, M, H], keys [B, K, H, S] -> f32[B, K, M, S]."""
+def _scores(qm, keys, softcap, keys_transposed: bool = True):
+    """qm f32[B, K, M, H], keys [B, K, H, S] (keys_transposed) or [B, K, S, H] -> f32[B, K, M, S]."""
     keys = keys.astype(jnp.float32)
     M, H = qm.shape[2], qm.shape[3]
-    if M <= UNROLL_QUERIES and H <= UNROLL_HEAD_DIM:
+    if not keys_transposed:  # (the unrolled form wants rows of keys along S: the CPU layout)
+        s = jnp.einsum("BKMH,BKSH->BKMS", qm, keys)
+    elif M <= UNROLL_QUERIES and H <= UNROLL_HEAD_DIM:
         # one fused pass over the keys (XLA CPU's batched dot at M = 3 is 2x slower)
         s = qm[:, :, :, 0, None] * keys[:, :, None, 0, :]
         for h in range(1, H):
@@ -278,18 +288,20 @@ def _page_blocks(table, ps: int, positions: int):
     return [(c, min(per, n - c)) for c in range(0, n, per)]
 
 
-def _gather_block(kpool, vpool, cols):
-    """Pages cols i32[B, c] of both pools as keys f32[B, K, H, c*ps] and values
-    f32[B, K, c*ps, H] (one copy of just this block; int8 pages dequantized on the way).
-    kpool None: a latent pool, whose keys are its values transposed."""
+def _gather_block(kpool, vpool, cols, keys_transposed: bool = True):
+    """Pages cols i32[B, c] of both pools as keys f32[B, K, H, c*ps] (keys_transposed: the
+    pool's layout) or f32[B, K, c*ps, H], and values f32[B, K, c*ps, H] (one copy of just this
+    block; int8 pages dequantized on the way). kpool None: a latent pool, whose keys are its
+    values (transposed, where keys_transposed asks for it)."""
     vp = _load(vpool, cols)  # [B, c, K, ps, H]
     B, c, K, ps, H = vp.shape
     values = vp.transpose(0, 2, 1, 3, 4).reshape(B, K, c * ps, H)
     if kpool is None:
-        return values.swapaxes(-1, -2), values
-    kp = _load(kpool, cols)  # [B, c, K, H, ps]
-    keys = kp.transpose(0, 2, 3, 1, 4).reshape(B, K, H, c * ps)
-    return keys, values
+        return (values.swapaxes(-1, -2) if keys_transposed else values), values
+    kp = _load(kpool, cols)  # [B, c, K, H, ps] or [B, c, K, ps, H]
+    if keys_transposed:
+        return kp.transpose(0, 2, 3, 1, 4).reshape(B, K, H, c * ps), values
+    return kp.transpose(0, 2, 1, 3, 4).reshape(B, K, c * ps, H), values
 
 
 def _visible(qpos, kpos, window):
@@ -305,15 +317,17 @@ def _visible(qpos, kpos, window):
 # 30 times over, their blocks made up most of a step's trace, and of start-up.
 # ``native`` (static, so that the per-shape trace cache cannot hand back the other reader) picks
 # the native kernel where the caller's dispatch found it applies (``dispatch.paged_path``).
-_reader = functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "native"))
+_reader = functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "native", "keys_transposed"))
 
 
 @_reader
 def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window=None, softcap=None, own=None,
-                         native=False, sinks=None):
+                         native=False, sinks=None, keys_transposed=True):
     """Reference paged attention for rows of T queries: q [B, T, N, H] at positions
     qpos i32[B, T] over the pages table i32[B, n] (logical page base[b] + column, or the
     column itself when base is None) whose positions < end[b] are written -> [B, T, N, H].
+    Pools kpool [P, K, H, ps] (keys_transposed; the native kernel's only layout) or
+    [P, K, ps, H], vpool [P, K, ps, H].
 
     Takes the rows ROW_GROUP at a time, and each group's table one block of columns at a
     time into a running softmax; values at positions >= end are zeroed as they are
@@ -324,11 +338,12 @@ def paged_rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, wind
     as the pool would store them)."""
     B = q.shape[0]
     if native and own is None and sinks is None:
+        assert keys_transposed, "the native kernel reads transposed keys only"
         (k, v), scales = _kernel_pools(kpool, vpool)
         return cpu_kernels.paged_rows(q, k, v, table, base, qpos, end, scale=scale, window=window, softcap=softcap,
                                       **scales).astype(q.dtype)
     g = math.gcd(B, ROW_GROUP)
-    opts = {"scale": scale, "window": window, "softcap": softcap}
+    opts = {"scale": scale, "window": window, "softcap": softcap, "keys_transposed": keys_transposed}
     if g == B:
         return _rows_attention(q, kpool, vpool, table, base, qpos, end, own=own, sinks=sinks, **opts)
     split = lambda a: None if a is None else a.reshape(B // g, g, *a.shape[1:])  # noqa: E731
@@ -346,7 +361,8 @@ def _kernel_pools(kpool, vpool):
     return (kpool, vpool), {}
 
 
-def _rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window, softcap, own, sinks=None):
+def _rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window, softcap, own, sinks=None,
+                    keys_transposed=True):
     """paged_rows_attention for one group of rows."""
     B, T, N, _ = q.shape
     K, ps = vpool.shape[1], vpool.shape[2]
@@ -355,7 +371,7 @@ def _rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window, s
     qpos_m = jnp.repeat(qpos, G, axis=1)  # i32[B, T*G]
     acc = _RunningSoftmax()
     for c0, c in _page_blocks(table, ps, ROW_BLOCK_POSITIONS):
-        keys, values = _gather_block(kpool, vpool, table[:, c0 : c0 + c])
+        keys, values = _gather_block(kpool, vpool, table[:, c0 : c0 + c], keys_transposed)
         kpos = (c0 * ps + jnp.arange(c * ps, dtype=jnp.int32))[None, :]  # i32[1 or B, S]
         if base is not None:
             kpos = kpos + base[:, None] * ps
@@ -365,7 +381,7 @@ def _rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window, s
         ok = _visible(qpos_m, kpos, window)
         if own is not None:
             ok = ok & written[:, None, :]
-        acc.add(_scores(qm, keys, softcap), ok[:, None], values)
+        acc.add(_scores(qm, keys, softcap, keys_transposed), ok[:, None], values)
     if own is not None:
         keys, values = (_as_stored(a, pool) for a, pool in zip(own, (vpool if kpool is None else kpool, vpool)))
         acc.add(_scores(qm, keys.transpose(0, 2, 3, 1), softcap), _visible(qpos_m, qpos, window)[:, None],
@@ -384,7 +400,7 @@ def _as_stored(a, pool):
 
 @_reader
 def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end, *, scale, window=None,
-                          softcap=None, native=False, sinks=None):
+                          softcap=None, native=False, sinks=None, keys_transposed=True):
     """The packed prefill row: q [1, T, N, H], its own keys/values k, v [1, T, K, H] at
     positions pos i32[T] in segments seg i32[T] (-1: padding). A token sees the earlier
     tokens of its segment, and segment 0 also the positions < hist_end of the pages in
@@ -394,9 +410,11 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
     another along the row and padding comes last, so a query block needs only the key blocks
     up to its own that still hold its first token's segment, and the pages only when that
     token is in segment 0; the rest is skipped at run time (``lax.cond``). sinks: f32[N]
-    per-head attention sinks (not taken by the native kernel), or None."""
+    per-head attention sinks (not taken by the native kernel), or None. Pools as for
+    ``paged_rows_attention``."""
     _, T, N, H = q.shape
     if native and sinks is None and cpu_kernels.prefill_row_fits(T, H, vpool.shape[2]):
+        assert keys_transposed, "the native kernel reads transposed keys only"
         pools, scales = _kernel_pools(kpool, vpool)
         out = cpu_kernels.prefill_row(q[0], k[0], v[0], pos, seg, *pools, table, None if base is None else base[0],
                                       hist_end, scale=scale, window=window, softcap=softcap, **scales)
@@ -423,12 +441,12 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
         for c0, c in _page_blocks(table, ps, BLOCK_POSITIONS):
 
             def history(c0=c0, c=c):
-                kb, vb = _gather_block(kpool, vpool, table[:, c0 : c0 + c])
+                kb, vb = _gather_block(kpool, vpool, table[:, c0 : c0 + c], keys_transposed)
                 kpos = (c0 + base0) * ps + jnp.arange(c * ps, dtype=jnp.int32)
                 seen = kpos < hist_end
                 ok = _visible(qpos, kpos[None], window)[0] & seen[None, :] & (qseg == 0)[:, None]
                 vb = jnp.where(seen[None, None, :, None], vb, 0.0)
-                return _scores(qc, kb, softcap), ok[None, None], vb
+                return _scores(qc, kb, softcap, keys_transposed), ok[None, None], vb
 
             acc.maybe_add((first == 0) & ((c0 + base0) * ps < hist_end), history)
         def local_block(j, state):  # the row's own tokens, causal within a segment: key block j
@@ -478,7 +496,7 @@ def _logical_table(table, base, width: int):
 
 
 def decode_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, *, scale, window=None, softcap=None,
-                            sinks=None, kernels: dispatch.Kernels):
+                            sinks=None, kernels: dispatch.Kernels, keys_transposed: bool = True):
     """A decode-only step's attention (``PackedBatch.decode_only``: R rows of one query, no
     prefill row) in one paged decode kernel call (TPU/GPU, or Pallas interpret mode):
     q [1, R, N_heads, H] -> [1, R, N_heads, H]. Row r's query sits at positions[r] and reads
@@ -490,12 +508,12 @@ def decode_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, *, sca
     R = b.rows
     logical = _logical_table(table[:R], None if base is None else base[:R], b.table.shape[1])
     out = ops.paged_attention(q[0], kpool, vpool, logical, b.positions[:R] + 1, scale=scale, window=window,
-                              softcap=softcap, sinks=sinks, **_where(kernels))
+                              softcap=softcap, sinks=sinks, keys_transposed=keys_transposed, **_where(kernels))
     return out[None]
 
 
 def ragged_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, page, *, scale, window=None,
-                            softcap=None, sinks=None, kernels: dispatch.Kernels):
+                            softcap=None, sinks=None, kernels: dispatch.Kernels, keys_transposed: bool = True):
     """The whole packed step's attention in one ragged paged-attention call (TPU/GPU, or
     Pallas interpret mode): q [1, N, N_heads, H] -> [1, N, N_heads, H]. A decode-only step
     runs ``decode_kernel_attention`` instead (module docstring: the rule is
@@ -537,7 +555,8 @@ def ragged_kernel_attention(q, kpool, vpool, b: PackedBatch, table, base, page, 
         kv_lens.append(jnp.zeros(S, jnp.int32).at[seg].max(ppos + 1, mode="drop"))
     cat = lambda xs: jnp.concatenate(xs, axis=0)
     out = ops.ragged_paged_attention(q[0], kpool, vpool, cat(tables), cat(starts), cat(lens), cat(kv_lens),
-                                     scale=scale, window=window, softcap=softcap, sinks=sinks, **_where(kernels))
+                                     scale=scale, window=window, softcap=softcap, sinks=sinks,
+                                     keys_transposed=keys_transposed, **_where(kernels))
     return out[None]
 
 
