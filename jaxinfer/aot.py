@@ -101,10 +101,13 @@ def target_mesh(name: str, *, model: int | None = None, data: int = 1) -> Mesh:
 
 
 def target_kernels(mesh: Mesh, option: str = "pallas") -> dispatch.Kernels:
-    """The engine's kernel choice for the platform of ``mesh``'s devices."""
-    platform = mesh.devices.flat[0].platform
-    return dispatch.choose(option, platform="gpu" if platform in ("cuda", "rocm") else platform,
-                           devices=mesh.size)
+    """The engine's kernel choice on ``mesh`` (its devices' platform; Pallas calls per shard)."""
+    return dispatch.choose(option, mesh=mesh)
+
+
+def keys_transposed(kernels: dispatch.Kernels) -> bool:
+    """The keys layout the engine's pools take under ``kernels`` (``dispatch.keys_transposed``)."""
+    return dispatch.keys_transposed(kernels, kernels.platform)
 
 
 # ----------------------------------------------------------------------------- abstract state
@@ -147,12 +150,13 @@ def abstract_weights(cfg: ModelConfig, mesh: Mesh, kernels: dispatch.Kernels, *,
 
 
 def abstract_pools(cfg: ModelConfig, mesh: Mesh, num_pages: int, page_size: int, kv_dtype: str,
-                   num_window_pages: int | None = None) -> kv.PagedKVCache:
+                   num_window_pages: int | None = None, *, keys_transposed: bool = False) -> kv.PagedKVCache:
     """The engine's page pools on ``mesh`` (split over KV heads where they divide), abstract."""
     from jaxinfer.sharding import kv_pool_shardings
 
     cache = jax.eval_shape(lambda: kv.init_paged_cache(cfg, num_pages, page_size, kv_dtype,
-                                                       num_window_pages=num_window_pages))
+                                                       num_window_pages=num_window_pages,
+                                                       keys_transposed=keys_transposed))
     shard = kv_pool_shardings(mesh, cfg)
 
     def place(pools):
@@ -222,11 +226,12 @@ def lower_step(cfg: ModelConfig, weights, mesh: Mesh, kernels: dispatch.Kernels,
         wwidth = min(width, -(-window // ps) + work.window_ahead)
         num_window_pages = rows_total * wwidth + 1 + (-(-kind.prefill // ps))
     kv_dtype = kind.kv_dtype or work.kv_dtype
-    pools = abstract_pools(cfg, mesh, num_pages, ps, kv_dtype, num_window_pages)
+    transposed = keys_transposed(kernels)
+    pools = abstract_pools(cfg, mesh, num_pages, ps, kv_dtype, num_window_pages, keys_transposed=transposed)
     slots = abstract_slots(cfg, mesh, max(kind.rows, 1))
     batch = batch_for(mesh, rows=kind.rows, width=width, wwidth=wwidth, q=kind.q, prefill=kind.prefill,
                       max_segments=min(kind.prefill, 8))
-    statics = dict(cfg=cfg, windowed=pools.windowed, num_logprobs=-1, kernels=kernels)
+    statics = dict(cfg=cfg, windowed=pools.windowed, num_logprobs=-1, kernels=kernels, keys_transposed=transposed)
     if kind.verify:
         fn = jax.jit(functools.partial(spec_step, prompt_logprobs=-1, **statics), donate_argnames=("state",))
         lowered = fn.lower(weights, SpecInputs(batch), SpecState(pools.k, pools.v, slots))

@@ -8,6 +8,7 @@ CI=true a missing libtpu fails them instead of skipping (the ``tpu`` extra insta
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -82,12 +83,17 @@ def test_every_kernel_compiles_for_tpu(kernel, target):
     assert "tpu_custom_call" in compiled.as_text()
 
 
-def _step(kind: aot.StepKind, cfg=TINY, target="v5e-1", kv_dtype="bfloat16"):
+# 8 KV heads and rows of 16k positions: each pool (128-256 MB) is larger than a chip's VMEM, as
+# an engine's pools are, so XLA cannot stage a whole one there and every pool-sized copy is a relayout
+WIDE = dataclasses.replace(TINY, n_heads=8, n_kv_heads=8)
+
+
+def _step(kind: aot.StepKind, cfg=WIDE, target="v5e-1", kv_dtype="bfloat16"):
     mesh = aot.target_mesh(target, model=1)
     kernels = aot.target_kernels(mesh, "pallas")
     weights, _ = aot.abstract_weights(cfg, mesh, kernels)
     with jax.set_mesh(mesh):
-        lowered, info = aot.lower_step(cfg, weights, mesh, kernels, kind, aot.Workload(context=512, kv_dtype=kv_dtype))
+        lowered, info = aot.lower_step(cfg, weights, mesh, kernels, kind, aot.Workload(context=16384, kv_dtype=kv_dtype))
         compiled = lowered.compile()
     return aot.analyse(compiled, info), compiled
 
