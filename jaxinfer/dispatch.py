@@ -31,6 +31,16 @@ executable's cache key (an executable traced with one choice is never reused und
 Each op below then picks kernel or reference from that choice and the shapes it is given. A
 pass outside the engine (perplexity over a dense ``cache.KVCache``, calibration) runs the
 reference attention.
+
+Compiling an engine step for a TPU slice from any host (libtpu installed, no TPU needed):
+``devices = jax.experimental.topologies.get_topology_desc(platform="tpu",
+topology_name="v5e:2x2", chips_per_host_bounds=(2, 2, 1)).devices``, ``mesh =
+sharding.make_mesh(model=4, devices=devices)``, ``k = choose("pallas", mesh=mesh)`` (platform
+"tpu", not interpreted), weights and pools as ``jax.ShapeDtypeStruct``s carrying their
+shardings on that mesh (``sharding.weight_shardings`` / ``quant_shardings`` /
+``kv_pool_sharding``; experts through ``sharding.place_experts``), ``bind(weights, specs, k)``,
+then ``jax.jit(step.packed_step, ...).lower(...)`` with ``kernels=k`` and ``.compile()``
+(``tests/test_kernels_mesh.py`` does this for toy models; a one-chip target is a mesh of one).
 """
 
 from __future__ import annotations

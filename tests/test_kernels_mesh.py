@@ -39,6 +39,7 @@ _SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
     import pallas_kernels.grouped_matmul as gm
+    import pallas_kernels.spec_verify as sv
     from jaxinfer import LLM, SamplingParams, kernels
     assert len(jax.devices()) == 8
     path, opt = sys.argv[1], json.loads(sys.argv[2])
@@ -51,6 +52,7 @@ _SCRIPT = textwrap.dedent("""
     for name in ("paged_attention", "ragged_paged_attention", "quant_matmul"):
         spy(kernels, name)
     spy(gm, "grouped_matmul_kernel")
+    spy(sv, "spec_verify")
     prompts = opt["prompts"]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=1, logprobs=0)
     ref = None
@@ -58,7 +60,7 @@ _SCRIPT = textwrap.dedent("""
         dp, tp = run["dp"], run["tp"]
         calls.clear()
         llm = LLM(path, progress=False, max_model_len=128, max_num_seqs=4, block_size=8, tensor_parallel_size=tp,
-                  data_parallel_size=dp, kernels=run["kernels"], **opt["llm"])
+                  data_parallel_size=dp, kernels=run["kernels"], **opt["llm"], **run["llm"])
         outs = llm.generate(prompts, sp, use_tqdm=False)
         got = {"tokens": [o.outputs[0].token_ids for o in outs],
                "lp": [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs],
@@ -85,8 +87,8 @@ def _runs(path, runs: list[dict], *, prompts, llm=None, timeout=1200) -> list[di
     return [json.loads(ln[len("RUN "):]) for ln in p.stdout.splitlines() if ln.startswith("RUN ")]
 
 
-def _run(kernels: str, tp: int, dp: int = 1) -> dict:
-    return {"kernels": kernels, "tp": tp, "dp": dp}
+def _run(kernels: str, tp: int, dp: int = 1, **llm) -> dict:
+    return {"kernels": kernels, "tp": tp, "dp": dp, "llm": llm}
 
 
 def _assert_same(got: dict, ref: dict, atol: float):
@@ -124,6 +126,21 @@ def test_pallas_on_tensor_parallel_meshes_equals_one_device(tiny_gguf, quantizat
             # 2 layers' decode attention, and 7 projections each plus the LM head in int8
             assert info["pallas_calls"] == (2 if float_model else 2 + 2 * 7 + 1), info
             assert info["shard_maps"] >= info["pallas_calls"], info
+
+
+@pytest.mark.slow  # 2 minutes of interpret-mode compiles
+def test_pallas_under_pipeline_stages_and_speculation(tiny_gguf):
+    """Nested shard_maps: in a pipeline (manual over "stage") the int8 matmul kernels run per
+    "model" shard of each stage; verification rows of n-gram drafts run the ragged kernel per
+    KV-head shard and the verifier kernel with the logits whole on every device."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 16}
+    runs = [_run("xla", 1), _run("pallas", 2, pipeline_parallel_size=2), _run("pallas", 2, speculative_config=ngram)]
+    prompts = ["a b c a b c a b c a b c a b", "1 2 3 4 1 2 3 4 1 2 3 4 1 2"]
+    out = _runs(tiny_gguf, runs, prompts=prompts, llm={"quantization": "int8"})
+    for r in out[1:]:
+        _assert_same(r["out"], out[0]["out"], atol=2e-3)
+        assert r["info"]["calls"]["quant_matmul"] >= 2 * 7, r["info"]
+    assert out[2]["info"]["calls"]["spec_verify"] >= 1 and out[2]["info"]["calls"]["ragged_paged_attention"] >= 2
 
 
 @pytest.mark.reference
