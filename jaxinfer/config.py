@@ -14,22 +14,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.errors import CheckpointError
-from jaxinfer.specs import is_spec
-
-
-class Family(str, enum.Enum):
-    LLAMA = "llama"  # Llama 1/2/3, SmolLM, Mistral (no SWA), Qwen2 (q/k/v bias)
-    GEMMA3 = "gemma3"
-    QWEN3 = "qwen3"
-    GEMMA2 = "gemma2"
-    GEMMA4 = "gemma4"
-    PHI3 = "phi3"
-    OLMO2 = "olmo2"
-    SMOLLM3 = "smollm3"
-    MIXTRAL = "mixtral"
-    QWEN3_MOE = "qwen3_moe"
-    DEEPSEEK_V3 = "deepseek_v3"
-    GPT_OSS = "gpt_oss"
 
 
 class RopeKind(str, enum.Enum):
@@ -100,7 +84,11 @@ class AttentionKind(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    family: Family
+    """What the engine and the shared layers read of a model. ``family`` names the family
+    (``models.registry``); ``family_config`` holds that family's own knobs (its config class,
+    ``ModelFamily.config_class``; None when it has none)."""
+
+    family: str
     vocab_size: int  # V
     d_model: int  # D
     n_layers: int  # L
@@ -164,6 +152,8 @@ class ModelConfig:
     topk_expert_groups: int = 1
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
+    # the family's own knobs: an instance of its ModelFamily.config_class (frozen, hashable)
+    family_config: object = None
 
     def __post_init__(self):
         if self.n_experts and not 0 < self.n_experts_per_tok <= self.n_experts:
@@ -242,12 +232,6 @@ class ModelConfig:
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
 
-    def num_params(self) -> int:
-        from jaxinfer.models.registry import family_module
-
-        specs = family_module(self.family).weight_specs(self)
-        return sum(_prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec))
-
     def kv_bytes_per_token(self, kv_dtype: str | None = None, *, kind: AttentionKind | None = None) -> int:
         """KV bytes one token adds to a cache that keeps every position of every layer (or,
         with ``kind``, of the layers of that kind only); a layer that shares another's keys
@@ -306,11 +290,3 @@ class ModelConfig:
 def default_dtype() -> str:
     """float32 on CPU (XLA CPU runs bf16 ~5x slower), bfloat16 on TPU/GPU."""
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-
-
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
-

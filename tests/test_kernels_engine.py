@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams, dispatch
-from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig
+from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig
 from jaxinfer.models import gemma3, llama
 from jaxinfer.models.layers import dot
 from jaxinfer.quant import quantize
@@ -169,11 +169,11 @@ def _hand_pools(cfg, windowed, ps, P=12, seed=2, dtype=jnp.float32):
 
 def _tiny_model(family):
     if family == "llama":
-        return llama, ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2, n_heads=6,
+        return llama, ModelConfig(family="llama", vocab_size=97, d_model=48, n_layers=2, n_heads=6,
                                   n_kv_heads=2, head_dim=8, d_ff=64), (False, False)
     L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
     return gemma3, ModelConfig(
-        family=Family.GEMMA3, vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+        family="gemma3", vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
         rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=1e4), layer_kinds=(L, G), sliding_window=4,
         query_pre_attn_scalar=12.0, attn_logit_softcap=2.0), (True, False)
 

@@ -11,12 +11,12 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer import cache as kv
-from jaxinfer.config import Family, ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models import llama
 from jaxinfer.specs import init_weights
 
-CFG = ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
+CFG = ModelConfig(family="llama", vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
                   head_dim=16, d_ff=64)
 # int8 with a per-(token, head) scale: each key/value element is off by at most scale / 2
 # (0.4% of the head's largest |x|). This random model (weights N(0, 0.2), |logits| up to 5.6)

@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.config import Family, ModelConfig, RopeConfig, RopeKind
+from jaxinfer.config import ModelConfig, RopeConfig, RopeKind
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders import checkpoint, convert, orbax_io
 from jaxinfer.models import llama
 from jaxinfer.specs import init_weights
 
-TINY = ModelConfig(family=Family.LLAMA, vocab_size=128, d_model=64, n_layers=2, n_heads=8,
+TINY = ModelConfig(family="llama", vocab_size=128, d_model=64, n_layers=2, n_heads=8,
                    n_kv_heads=2, head_dim=8, d_ff=96, norm_eps=1e-6, name="tiny")
 CONFIGS = {
     "tied": TINY,

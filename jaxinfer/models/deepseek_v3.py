@@ -26,9 +26,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import Family, ModelConfig, RopeKind, yarn_mscale, yarn_or_default_rope
+from jaxinfer.config import ModelConfig, RopeKind, yarn_mscale, yarn_or_default_rope
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import moe
+from jaxinfer.models.family import ModelFamily, decoder
 from jaxinfer.models.layers import (
     apply_rope,
     attend_latent,
@@ -39,7 +40,6 @@ from jaxinfer.models.layers import (
     rope_table,
     silu,
 )
-from jaxinfer.models import llama
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (the family's embed / unembed)
 from jaxinfer.specs import WeightSpec
 
@@ -135,7 +135,7 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
     return x, cache
 
 
-forward = llama.decoder(embed, decoder_layers)
+forward = decoder(embed, decoder_layers)
 
 
 def attention_block(w: dict, x: jax.Array, cache, j: int, positions, start, rope, *, cfg: ModelConfig,
@@ -243,7 +243,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         raise CheckpointError(f"n_group={G} must divide n_routed_experts={E}")
     n_heads = int(hf["num_attention_heads"])
     return ModelConfig(
-        family=Family.DEEPSEEK_V3,
+        family="deepseek_v3",
         vocab_size=int(hf["vocab_size"]),
         d_model=int(hf["hidden_size"]),
         n_layers=int(hf["num_hidden_layers"]),
@@ -273,3 +273,10 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         routed_scaling_factor=float(hf["routed_scaling_factor"]),
         n_shared_experts=int(hf["n_shared_experts"] or 0),
     )
+
+FAMILY = ModelFamily(
+    name="deepseek_v3", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, hf_skipped_prefixes=hf_skipped_prefixes,
+    gguf_architectures=GGUF_ARCHITECTURES,
+)

@@ -22,9 +22,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig
+from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig
 from jaxinfer.errors import CheckpointError
-from jaxinfer.models import gemma3, llama
+from jaxinfer.models import gemma3
+from jaxinfer.models.family import ModelFamily, decoder
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
@@ -89,7 +90,7 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
     return x, cache
 
 
-forward = llama.decoder(embed, decoder_layers)
+forward = decoder(embed, decoder_layers)
 
 
 # Where each weight lives in the two external formats: Gemma 3's names, less its head norms.
@@ -124,7 +125,7 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
         raise CheckpointError(f"unsupported GGUF {arch}.rope.scaling.type {g('rope.scaling.type')!r} for Gemma 2")
     window = int(g("attention.sliding_window", 0) or 0)
     return ModelConfig(
-        family=Family.GEMMA2,
+        family="gemma2",
         vocab_size=len(meta["tokenizer.ggml.tokens"]),
         d_model=d_model,
         n_layers=n_layers,
@@ -166,7 +167,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     if AttentionKind.LOCAL not in kinds or not window:
         kinds, window = (), None
     return ModelConfig(
-        family=Family.GEMMA2,
+        family="gemma2",
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
         n_layers=n_layers,
@@ -186,3 +187,11 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         attn_logit_softcap=hf.get("attn_logit_softcapping", ATTN_SOFTCAP),
         final_logit_softcap=hf.get("final_logit_softcapping", FINAL_SOFTCAP),
     )
+
+FAMILY = ModelFamily(
+    name="gemma2", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, hf_activations=HF_ACTIVATIONS,
+    gguf_architectures=GGUF_ARCHITECTURES, config_from_gguf=config_from_gguf, gguf_tensor=gguf_tensor,
+    norm_offset=1.0,
+)

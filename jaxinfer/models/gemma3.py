@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig, RopeKind
-from jaxinfer.models import llama
+from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig, RopeKind
+from jaxinfer.models.family import ModelFamily, decoder
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
@@ -112,7 +112,7 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
     return x, cache
 
 
-forward = llama.decoder(embed, decoder_layers)
+forward = decoder(embed, decoder_layers)
 
 
 # Where each weight lives in the two external formats: our path -> (HF name, GGUF name,
@@ -164,7 +164,7 @@ def _preset(name, *, d_model, n_layers, n_heads, n_kv_heads, d_ff, window, head_
     if global_rope_factor:
         rope = RopeConfig(theta=GLOBAL_THETA, kind=RopeKind.LINEAR, factor=global_rope_factor)
     return ModelConfig(
-        family=Family.GEMMA3, vocab_size=262144, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+        family="gemma3", vocab_size=262144, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=n_kv_heads, head_dim=head_dim, d_ff=d_ff, norm_eps=1e-6, rope=rope,
         max_position=max_position, tie_embeddings=True, layer_kinds=layer_kinds(n_layers),
         sliding_window=window, rope_local=LOCAL_ROPE, query_pre_attn_scalar=query_pre_attn_scalar,
@@ -209,7 +209,7 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
         raise CheckpointError(f"unsupported GGUF {arch}.rope.scaling.type {kind!r} for Gemma 3 (supported: none, linear)")
     window = int(g("attention.sliding_window", 0) or 0)
     return ModelConfig(
-        family=Family.GEMMA3,
+        family="gemma3",
         vocab_size=len(meta["tokenizer.ggml.tokens"]),
         d_model=d_model,
         n_layers=n_layers,
@@ -266,7 +266,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         rope_local = RopeConfig(theta=float(hf.get("rope_local_base_freq", LOCAL_ROPE.theta)))
     head_dim = hf.get("head_dim") or 256
     return ModelConfig(
-        family=Family.GEMMA3,
+        family="gemma3",
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
         n_layers=n_layers,
@@ -290,3 +290,11 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         attn_logit_softcap=None,
         final_logit_softcap=hf.get("final_logit_softcapping"),
     )
+
+FAMILY = ModelFamily(
+    name="gemma3", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, hf_activations=HF_ACTIVATIONS,
+    gguf_architectures=GGUF_ARCHITECTURES, config_from_gguf=config_from_gguf, gguf_tensor=gguf_tensor,
+    norm_offset=1.0,
+)

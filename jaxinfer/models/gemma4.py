@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig, RopeKind
+from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.errors import CheckpointError
+from jaxinfer.models.family import ModelFamily
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
@@ -322,7 +323,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
                               "model (a draft model for another); not supported")
     d_ff = hf["intermediate_size"]
     return ModelConfig(
-        family=Family.GEMMA4,
+        family="gemma4",
         vocab_size=hf.get("vocab_size", 262144),
         d_model=hf["hidden_size"],
         n_layers=n_layers,
@@ -392,7 +393,7 @@ def config_from_gguf(meta: dict, tensors, *, dtype: str, load_tensor=None) -> Mo
     E = int(g("embedding_length_per_layer_input", 0))
     window = int(g("attention.sliding_window", 0) or 0)
     return ModelConfig(
-        family=Family.GEMMA4,
+        family="gemma4",
         vocab_size=len(meta["tokenizer.ggml.tokens"]),
         d_model=int(g("embedding_length")),
         n_layers=n_layers,
@@ -419,3 +420,11 @@ def config_from_gguf(meta: dict, tensors, *, dtype: str, load_tensor=None) -> Mo
         values_from_keys=glob is not None and f"blk.{glob}.attn_v.weight" not in tensors,
         shared_kv_d_ff=ff[-1] if n_shared and ff[-1] != ff[0] else None,
     )
+
+FAMILY = ModelFamily(
+    name="gemma4", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, hf_activations=HF_ACTIVATIONS,
+    hf_text_towers=HF_TEXT_TOWERS, gguf_architectures=GGUF_ARCHITECTURES, config_from_gguf=config_from_gguf,
+    gguf_config_tensors=GGUF_CONFIG_TENSORS, pipeline_stages=PIPELINE_STAGES, w8a8_calibration=W8A8_CALIBRATION,
+)

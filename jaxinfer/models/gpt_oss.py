@@ -32,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import mxfp4
-from jaxinfer.config import Family, ModelConfig, RopeConfig, yarn_or_default_rope
+from jaxinfer.config import ModelConfig, RopeConfig, yarn_or_default_rope
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import llama, moe
+from jaxinfer.models.family import ModelFamily, decoder
 from jaxinfer.models.layers import attend_layer, dot, dot_many, rms_norm, rope_inv_freq, rope_table
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (the family's embed / unembed)
 from jaxinfer.specs import WeightSpec
@@ -69,7 +70,7 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
     return x, cache
 
 
-forward = llama.decoder(embed, decoder_layers)
+forward = decoder(embed, decoder_layers)
 
 
 def attention_block(w: dict, x: jax.Array, cache, j: int, positions, start, rope, *, cfg: ModelConfig, layer: int,
@@ -180,7 +181,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     if not hf.get("attention_bias", True):
         raise CheckpointError("gpt-oss with attention_bias=false is not supported")
     return ModelConfig(
-        family=Family.GPT_OSS,
+        family="gpt_oss",
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
         n_layers=n_layers,
@@ -203,3 +204,9 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
     )
+
+FAMILY = ModelFamily(
+    name="gpt_oss", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, hf_sources=hf_sources, hf_read=hf_read,
+)

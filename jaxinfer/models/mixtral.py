@@ -17,8 +17,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import AttentionKind, Family, ModelConfig
+from jaxinfer.config import AttentionKind, ModelConfig
 from jaxinfer.models import llama, moe
+from jaxinfer.models.family import ModelFamily, decoder
 from jaxinfer.models.layers import gated_mlp, rms_norm, rope_inv_freq, rope_table, silu
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (the family's embed / unembed)
 
@@ -53,7 +54,7 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
     return x, cache
 
 
-forward = llama.decoder(embed, decoder_layers)
+forward = decoder(embed, decoder_layers)
 
 
 # Where each weight lives: our path -> (HF name, GGUF name, transpose: torch's [out, in] on
@@ -87,7 +88,7 @@ def gguf_claims(meta: dict) -> bool:
 def _moe(cfg: ModelConfig, *, n_experts: int, k: int, d_ff: int, sliding_window: int | None) -> ModelConfig:
     window = dict(layer_kinds=(AttentionKind.LOCAL,) * cfg.n_layers, sliding_window=sliding_window) \
         if sliding_window else {}
-    return dataclasses.replace(cfg, family=Family.MIXTRAL, n_experts=n_experts, n_experts_per_tok=k,
+    return dataclasses.replace(cfg, family="mixtral", n_experts=n_experts, n_experts_per_tok=k,
                                moe_d_ff=d_ff, norm_topk_prob=True, **window)
 
 
@@ -102,3 +103,11 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
     arch = meta["general.architecture"]
     return _moe(cfg, n_experts=int(meta[f"{arch}.expert_count"]), k=int(meta[f"{arch}.expert_used_count"]),
                 d_ff=int(meta[f"{arch}.feed_forward_length"]), sliding_window=None)
+
+FAMILY = ModelFamily(
+    name="mixtral", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, gguf_architectures=GGUF_ARCHITECTURES,
+    config_from_gguf=config_from_gguf, gguf_permuted_qk=GGUF_PERMUTED_QK, gguf_config_tensors=GGUF_CONFIG_TENSORS,
+    gguf_claims=gguf_claims,
+)

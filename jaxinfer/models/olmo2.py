@@ -21,9 +21,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import Family, ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import llama
+from jaxinfer.models.family import ModelFamily, decoder
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
@@ -83,7 +84,7 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
     return x, cache
 
 
-forward = llama.decoder(embed, decoder_layers)
+forward = decoder(embed, decoder_layers)
 
 
 # Where each weight lives in the two external formats: our path -> (HF name, GGUF name, transpose).
@@ -111,7 +112,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     hf = HF_DEFAULTS | hf
     if hf.get("sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
         raise CheckpointError("unsupported OLMo 2 variant: sliding-window layers (OLMo 3)")
-    return dataclasses.replace(llama.config_from_hf(hf, dtype=dtype), family=Family.OLMO2,
+    return dataclasses.replace(llama.config_from_hf(hf, dtype=dtype), family="olmo2",
                                qkv_bias=bool(hf.get("attention_bias", False)))
 
 
@@ -122,4 +123,11 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
     if meta.get(f"{arch}.attention.sliding_window"):
         raise CheckpointError(f"unsupported {arch} GGUF with {arch}.attention.sliding_window (OLMo 3)")
     cfg = llama.config_from_gguf(meta, tensor_names, dtype=dtype, load_tensor=load_tensor)
-    return dataclasses.replace(cfg, family=Family.OLMO2)
+    return dataclasses.replace(cfg, family="olmo2")
+
+FAMILY = ModelFamily(
+    name="olmo2", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, gguf_architectures=GGUF_ARCHITECTURES,
+    config_from_gguf=config_from_gguf,
+)

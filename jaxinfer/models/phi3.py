@@ -27,9 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig
+from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import llama
+from jaxinfer.models.family import ModelFamily, decoder
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
@@ -67,7 +68,7 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
     return x, cache
 
 
-forward = llama.decoder(embed, decoder_layers)
+forward = decoder(embed, decoder_layers)
 
 
 # Where each weight lives in the two external formats: our path -> (HF name, GGUF name,
@@ -147,7 +148,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     elif kind != "default":
         raise CheckpointError(f"unsupported rope type {kind!r} for Phi-3 (supported: default, longrope)")
     return ModelConfig(
-        family=Family.PHI3,
+        family="phi3",
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"],
@@ -198,7 +199,7 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
                               else longrope_attention_factor(context / original, original)),
             freq_factors=_factors(load_tensor(which), rotary_dim, f"GGUF {which}"))
     return ModelConfig(
-        family=Family.PHI3,
+        family="phi3",
         vocab_size=len(meta["tokenizer.ggml.tokens"]),
         d_model=d_model,
         n_layers=n_layers,
@@ -214,3 +215,10 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
         name=str(meta.get("general.name", arch)),
         **_window_kinds(g("attention.sliding_window"), n_layers, context),
     )
+
+FAMILY = ModelFamily(
+    name="phi3", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, gguf_architectures=GGUF_ARCHITECTURES,
+    config_from_gguf=config_from_gguf, gguf_config_tensors=GGUF_CONFIG_TENSORS,
+)

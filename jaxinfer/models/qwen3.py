@@ -22,8 +22,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import Family, ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.models import llama
+from jaxinfer.models.family import ModelFamily, decoder
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
@@ -69,7 +70,7 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
 
 
 
-forward = llama.decoder(embed, decoder_layers)
+forward = decoder(embed, decoder_layers)
 
 
 def attention_block(w: dict, x: jax.Array, cache, j: int, positions, start, rope, *, cfg: ModelConfig, layer: int,
@@ -108,7 +109,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     """A Qwen3ForCausalLM config.json. The window counts only with ``use_sliding_window`` (as
     Qwen3Config drops it otherwise)."""
     hf = HF_DEFAULTS | hf
-    return dataclasses.replace(llama.config_from_hf(hf, dtype=dtype), family=Family.QWEN3,
+    return dataclasses.replace(llama.config_from_hf(hf, dtype=dtype), family="qwen3",
                                qkv_bias=bool(hf.get("attention_bias", False)))
 
 
@@ -116,4 +117,11 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
     """llama.cpp's reading of a qwen3 GGUF: Llama's keys; every layer global (llama.cpp has no
     sliding window for qwen3)."""
     cfg = llama.config_from_gguf(meta, tensor_names, dtype=dtype, load_tensor=load_tensor)
-    return dataclasses.replace(cfg, family=Family.QWEN3)
+    return dataclasses.replace(cfg, family="qwen3")
+
+FAMILY = ModelFamily(
+    name="qwen3", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, gguf_architectures=GGUF_ARCHITECTURES,
+    config_from_gguf=config_from_gguf, gguf_config_tensors=GGUF_CONFIG_TENSORS,
+)
