@@ -26,6 +26,8 @@ FAMILIES = (
     "qwen3_moe",
     "deepseek_v3",
     "gpt_oss",
+    "glm4",
+    "granite",
 )
 
 
