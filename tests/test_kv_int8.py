@@ -15,6 +15,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models import llama
 from jaxinfer.specs import init_weights
+from tests.conftest import require_native
 
 CFG = ModelConfig(family="llama", vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
                   head_dim=16, d_ff=64)
@@ -72,11 +73,11 @@ def test_int8_paged_cache_equals_int8_dense(native):
     engine's packed steps, XLA's readers or the native kernels) = decode over the dense int8 cache.
     The prefixes go in as decode rows, which read back their own quantized keys as the dense
     cache's prefill does (the prefill row attends to its own tokens unquantized)."""
-    from jaxinfer import cpu_kernels, dispatch
+    from jaxinfer import dispatch
     from tests.kernel_testing import packed_decode_logits
 
-    if native and not cpu_kernels.attention_available():
-        pytest.skip(cpu_kernels.library_status("paged_attention").reason)
+    if native:
+        require_native("paged_attention")
     w = init_weights(llama.weight_specs(CFG), CFG, jax.random.key(3), scale=0.2)
     tokens = jax.random.randint(jax.random.key(4), (2, 13), 0, CFG.vocab_size)
     dense, _ = _decode_logits(w, tokens, kv.init_cache(CFG, 2, 16, "int8"))

@@ -19,6 +19,7 @@ from jaxinfer.errors import InvalidRequest
 from jaxinfer.models import llama
 from jaxinfer.specs import init_weights
 from jaxinfer.models.registry import num_params
+from tests.conftest import require_native
 
 CFG = ModelConfig(family="llama", vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8, d_ff=64)
 
@@ -29,11 +30,11 @@ def test_packed_steps_over_poisoned_pages_equal_the_full_forward(native):
     """Prompts written to scattered NaN-poisoned pages by one packed step, then decode rows of
     three queries each reading them back: every query's logits equal the full forward pass's
     (no cache) at its position, through XLA's readers and the native CPU kernels."""
-    from jaxinfer import cpu_kernels, dispatch
+    from jaxinfer import dispatch
     from tests.kernel_testing import packed_decode_logits
 
-    if native and not cpu_kernels.attention_available():
-        pytest.skip(cpu_kernels.library_status("paged_attention").reason)
+    if native:
+        require_native("paged_attention")
     kernels = dispatch.Kernels(dispatch.Attention.NATIVE) if native else dispatch.XLA
     w = init_weights(llama.weight_specs(CFG), CFG, jax.random.key(0), scale=0.2)
     lens, T = [5, 11, 2], 3
