@@ -132,7 +132,7 @@ def test_mxfp4_checkpoint_equals_transformers_on_its_dequantized_weights(tiny, t
     quant, dequant = _mxfp4_pair(tiny, tmp_path)
     ref = ft.reference(dequant, prompts=ft.PROMPTS[:1], max_tokens=4)
     llm = LLM(str(quant), **LLM_KW)
-    assert llm.cfg.family.value == "gpt_oss" and llm.cfg.sliding_window == 8
+    assert llm.cfg.family == "gpt_oss" and llm.cfg.sliding_window == 8
     assert [k.value for k in llm.cfg.layer_kinds] == ["local", "global"] * 2
     assert llm.engine.windowed == (True, False) * 2  # the sliding layers keep their window in pools of their own
     ft.assert_matches(ft.generate(llm, ft.PROMPTS[:1], max_tokens=4), ref, what="mxfp4")

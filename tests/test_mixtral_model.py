@@ -147,7 +147,7 @@ def test_mixtral_gguf_equals_transformers(tiny, tiny_ref, tmp_path):
 
     path = write_gguf(tmp_path / "mixtral.gguf", tiny)
     llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_memory_bytes=16 << 20, max_num_seqs=4)
-    assert llm.cfg.family.value == "mixtral" and llm.cfg.n_experts == 8 and llm.cfg.n_experts_per_tok == 2
+    assert llm.cfg.family == "mixtral" and llm.cfg.n_experts == 8 and llm.cfg.n_experts_per_tok == 2
     ft.assert_matches(ft.generate(llm), tiny_ref, what="gguf")
 
 
