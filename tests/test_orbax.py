@@ -55,6 +55,23 @@ def test_config_dict_round_trip(name):
     assert orbax_io.config_from_dict(json.loads(json.dumps(d))) == cfg
 
 
+def test_a_family_config_round_trips_and_older_flat_configs_still_read():
+    """A family's own knobs (``family_config``) come back as that family's config class; a
+    config written when they were fields of ModelConfig itself reads into the same place."""
+    from jaxinfer.models.gpt_oss import GptOssConfig
+    from jaxinfer.models.granite import GraniteConfig
+
+    cfg = dataclasses.replace(TINY, family="granite", family_config=GraniteConfig(embedding_multiplier=12.0,
+                                                                                  logits_scaling=8.0))
+    d = json.loads(json.dumps(orbax_io.config_to_dict(cfg)))
+    assert d["family_config"]["embedding_multiplier"] == 12.0
+    assert orbax_io.config_from_dict(d) == cfg
+    flat = orbax_io.config_to_dict(dataclasses.replace(TINY, family="gpt_oss"))
+    flat = {k: v for k, v in flat.items() if k != "family_config"} | {"swiglu_alpha": 1.5, "swiglu_limit": 6.0}
+    got = orbax_io.config_from_dict(flat)
+    assert got.family_config == GptOssConfig(swiglu_alpha=1.5, swiglu_limit=6.0)
+
+
 def test_config_from_dict_refuses_unknown_fields():
     d = orbax_io.config_to_dict(TINY) | {"no_such_field": 4096}
     with pytest.raises(CheckpointError, match="no_such_field"):

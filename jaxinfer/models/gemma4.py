@@ -25,6 +25,8 @@ weights = {"embed": [V, D], "layers": [one dict per layer], "final_norm": [D],
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import math
 
@@ -55,18 +57,30 @@ PIPELINE_STAGES = False
 W8A8_CALIBRATION = False
 
 
+@dataclasses.dataclass(frozen=True)
+class Gemma4Config:
+    """Gemma 4's own knobs (its per-layer attention shapes and KV sharing stay in ModelConfig,
+    which the engine reads to lay out the cache)."""
+
+    per_layer_input_dim: int = 0  # E: each layer adds a gated projection of its own E-wide input (0: none)
+    per_layer_vocab_size: int = 0  # rows of the per-layer input table (0: vocab_size)
+    values_from_keys: bool = False  # GLOBAL layers' values are their keys' projection (no value weights)
+    shared_kv_d_ff: int | None = None  # F of the layers that share keys/values (None: d_ff)
+
+
 def _has_values(cfg: ModelConfig, layer: int) -> bool:
     """Whether layer ``layer`` projects values of its own (not with values_from_keys on GLOBAL layers)."""
-    return not (cfg.values_from_keys and cfg.layer_kind(layer) == AttentionKind.GLOBAL)
+    return not (cfg.family_config.values_from_keys and cfg.layer_kind(layer) == AttentionKind.GLOBAL)
 
 
 def _d_ff(cfg: ModelConfig, layer: int) -> int:
-    return cfg.shared_kv_d_ff if cfg.shared_kv_d_ff and cfg.kv_source(layer) != layer else cfg.d_ff
+    wide = cfg.family_config.shared_kv_d_ff
+    return wide if wide and cfg.kv_source(layer) != layer else cfg.d_ff
 
 
 def weight_specs(cfg: ModelConfig) -> dict:
     """The one declaration of every weight. Norm weights start at one (a scale of w)."""
-    D, N, V, E, L = cfg.d_model, cfg.n_heads, cfg.vocab_size, cfg.per_layer_input_dim, cfg.n_layers
+    D, N, V, E, L = cfg.d_model, cfg.n_heads, cfg.vocab_size, cfg.family_config.per_layer_input_dim, cfg.n_layers
     norm = WeightSpec((D,), ("embed",), "ones")
     layers = []
     for i in range(L):
@@ -97,7 +111,7 @@ def weight_specs(cfg: ModelConfig) -> dict:
              "final_norm": norm}
     if E:
         specs |= {
-            "ple_embed": WeightSpec((cfg.per_layer_vocab_size or V, L * E), ("vocab", "per_layer"),
+            "ple_embed": WeightSpec((cfg.family_config.per_layer_vocab_size or V, L * E), ("vocab", "per_layer"),
                                     contract=("per_layer",)),
             "ple_model_proj": WeightSpec((D, L, E), ("embed", "per_layer_slot", "per_layer"), contract=("embed",)),
             "ple_model_norm": WeightSpec((E,), ("per_layer",), "ones"),
@@ -122,7 +136,7 @@ def per_layer_inputs(weights, tokens: jax.Array, x: jax.Array, cfg: ModelConfig)
     """Every layer's own input [B, T, L, E]: a projection of the embedded tokens x [B, T, D]
     (normed per layer) plus the tokens' rows of the per-layer table, over sqrt(2)."""
     B, T = tokens.shape
-    L, E, dt = cfg.n_layers, cfg.per_layer_input_dim, cfg.jnp_dtype
+    L, E, dt = cfg.n_layers, cfg.family_config.per_layer_input_dim, cfg.jnp_dtype
     with jax.named_scope("per_layer_inputs"):
         ids = take(weights["ple_embed"], tokens).astype(dt) * _scale(math.sqrt(E), dt)
         proj = dot("BTD,DLE->BTLE", x, weights["ple_model_proj"]) * cfg.d_model ** -0.5
@@ -157,7 +171,7 @@ def forward(
     if positions is None:
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # i32[B, T]
     x = embed(weights, tokens, cfg)
-    pl = per_layer_inputs(weights, tokens, x, cfg) if cfg.per_layer_input_dim else None
+    pl = per_layer_inputs(weights, tokens, x, cfg) if cfg.family_config.per_layer_input_dim else None
     return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache,
                           per_layer=pl)
 
@@ -345,10 +359,10 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         global_head_dim=glob[0],
         global_kv_heads=glob[1],
         kv_shared_layers=n_shared,
-        per_layer_input_dim=int(hf.get("hidden_size_per_layer_input", 256) or 0),
-        per_layer_vocab_size=int(hf.get("vocab_size_per_layer_input", 262144)),
-        values_from_keys=k_eq_v,
-        shared_kv_d_ff=2 * d_ff if hf.get("use_double_wide_mlp") and n_shared else None,
+        family_config=Gemma4Config(
+            per_layer_input_dim=int(hf.get("hidden_size_per_layer_input", 256) or 0),
+            per_layer_vocab_size=int(hf.get("vocab_size_per_layer_input", 262144)), values_from_keys=k_eq_v,
+            shared_kv_d_ff=2 * d_ff if hf.get("use_double_wide_mlp") and n_shared else None),
     )
 
 
@@ -415,10 +429,10 @@ def config_from_gguf(meta: dict, tensors, *, dtype: str, load_tensor=None) -> Mo
         global_head_dim=glob_hd,
         global_kv_heads=kv[AttentionKind.GLOBAL],
         kv_shared_layers=n_shared,
-        per_layer_input_dim=E,
-        per_layer_vocab_size=tensors["per_layer_token_embd.weight"].shape[0] if E else 0,
-        values_from_keys=glob is not None and f"blk.{glob}.attn_v.weight" not in tensors,
-        shared_kv_d_ff=ff[-1] if n_shared and ff[-1] != ff[0] else None,
+        family_config=Gemma4Config(
+            per_layer_input_dim=E, per_layer_vocab_size=tensors["per_layer_token_embd.weight"].shape[0] if E else 0,
+            values_from_keys=glob is not None and f"blk.{glob}.attn_v.weight" not in tensors,
+            shared_kv_d_ff=ff[-1] if n_shared and ff[-1] != ff[0] else None),
     )
 
 FAMILY = ModelFamily(
@@ -427,4 +441,5 @@ FAMILY = ModelFamily(
     hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, hf_activations=HF_ACTIVATIONS,
     hf_text_towers=HF_TEXT_TOWERS, gguf_architectures=GGUF_ARCHITECTURES, config_from_gguf=config_from_gguf,
     gguf_config_tensors=GGUF_CONFIG_TENSORS, pipeline_stages=PIPELINE_STAGES, w8a8_calibration=W8A8_CALIBRATION,
+    config_class=Gemma4Config,
 )

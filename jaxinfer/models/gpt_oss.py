@@ -43,6 +43,15 @@ from jaxinfer.specs import WeightSpec
 _DENSE_MLP = ("w_gate", "w_up", "w_down")
 
 
+@dataclasses.dataclass(frozen=True)
+class GptOssConfig:
+    """The clamped SwiGLU experts: gate clamped above at swiglu_limit, up to +-swiglu_limit,
+    (up + 1) * gate * sigmoid(swiglu_alpha * gate)."""
+
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+
 def weight_specs(cfg: ModelConfig) -> dict:
     """Llama's declarations (with q/k/v biases) plus the output bias and the sinks, and the MoE
     block with router and expert biases in place of the dense MLP."""
@@ -60,7 +69,7 @@ def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cach
     """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] -> (x, cache)."""
     rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)), cfg.rope.attention_factor)
     route = topk_softmax(cfg.n_experts_per_tok)
-    glu = clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit)
+    glu = clamped_swiglu(cfg.family_config.swiglu_alpha, cfg.family_config.swiglu_limit)
     for j, w in enumerate(layers):
         i = first + j
         with jax.named_scope(f"layer{i}/attention"):
@@ -201,12 +210,14 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         n_experts=int(hf["num_local_experts"]),
         n_experts_per_tok=int(hf["num_experts_per_tok"]),
         moe_d_ff=int(hf["intermediate_size"]),
-        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
-        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+        family_config=GptOssConfig(swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                                   swiglu_limit=float(hf.get("swiglu_limit", 7.0))),
     )
+
 
 FAMILY = ModelFamily(
     name="gpt_oss", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
     unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
     hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, hf_sources=hf_sources, hf_read=hf_read,
+    config_class=GptOssConfig,
 )
