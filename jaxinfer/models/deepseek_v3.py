@@ -31,15 +31,13 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig, RopeKind, yarn_mscale, yarn_or_default_rope
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import moe
-from jaxinfer.models.family import ModelFamily, decoder
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
 from jaxinfer.models.layers import (
     apply_rope,
     attend_latent,
     dot,
     gated_mlp,
     rms_norm,
-    rope_inv_freq,
-    rope_table,
     silu,
 )
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (the family's embed / unembed)
@@ -132,28 +130,27 @@ def grouped_sigmoid_topk(cfg: ModelConfig) -> moe.Route:
 
 
 # ----------------------------------------------------------------------------- forward
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] -> (x, cache)."""
-    R = cfg.qk_rope_head_dim
-    rope = rope_table(positions, jnp.asarray(rope_inv_freq(R, cfg.rope)), cfg.rope.attention_factor)
-    route = grouped_sigmoid_topk(cfg)
-    for j, w in enumerate(layers):
-        i = first + j
-        with jax.named_scope(f"layer{i}/latent_attention"):
-            x, cache = attention_block(w, x, cache, j, positions, start, rope, cfg=cfg, read_cache=read_cache)
-        with jax.named_scope(f"layer{i}/mlp"):
-            h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-            if "moe" in w:
-                y = moe.moe_mlp(h, w["moe"], route=route)
-                if "shared" in w:
-                    y = y + gated_mlp(h, w["shared"]["w_gate"], w["shared"]["w_up"], w["shared"]["w_down"], silu)
-            else:
-                y = gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
-            x = x + y
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache): latent attention (rotary over the
+    qk_rope_head_dim roped dims), then the routed experts beside the shared ones, or a dense
+    SwiGLU MLP on the first layers."""
+    cfg, i = at.cfg, at.i
+    with jax.named_scope(f"layer{i}/latent_attention"):
+        rope = at.rope(cfg.rope, cfg.qk_rope_head_dim)
+        x, cache = attention_block(w, x, cache, at.j, at.positions, at.start, rope, cfg=cfg, read_cache=at.read_cache)
+    with jax.named_scope(f"layer{i}/mlp"):
+        h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
+        if "moe" in w:
+            y = moe.moe_mlp(h, w["moe"], route=grouped_sigmoid_topk(cfg))
+            if "shared" in w:
+                y = y + gated_mlp(h, w["shared"]["w_gate"], w["shared"]["w_up"], w["shared"]["w_down"], silu)
+        else:
+            y = gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
+        x = x + y
     return x, cache
 
 
+decoder_layers = layer_loop(layer)
 forward = decoder(embed, decoder_layers)
 
 

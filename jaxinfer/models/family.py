@@ -18,7 +18,8 @@ from types import MappingProxyType
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, RopeConfig
+from jaxinfer.models.layers import rope_inv_freq, rope_table
 
 # our weight path -> (HF tensor name, GGUF tensor name, transpose); "{i}" is the layer index
 CheckpointNames = Mapping[tuple[str, ...], tuple[str, str, bool]]
@@ -94,6 +95,52 @@ class ModelFamily:
                 n *= d
             total += n
         return total
+
+
+@dataclasses.dataclass
+class LayerAt:
+    """Where one layer runs inside ``layer_loop``: what a family's layer function sees besides
+    its weights, the hidden state and the cache."""
+
+    cfg: ModelConfig
+    i: int  # the model layer
+    j: int  # its cache layer (a pipeline stage's pools hold its own layers from 0)
+    positions: jax.Array  # i32[B, T]
+    start: jax.Array | None  # i32[B]: position of each row's first new token
+    read_cache: bool
+    first: int  # the model layer of cache layer 0
+    tables: dict  # rotary tables made so far in this pass, by (rotary config, dims)
+    carry: dict  # what layers hand on to later ones in this pass (Gemma 4's shared keys/values)
+
+    def rope(self, rope: RopeConfig | None = None, dim: int | None = None):
+        """The (cos, sin) table of ``rope`` (default: this layer's) over ``dim`` head dims
+        (default: head_dim) at this pass's positions, made once per pass."""
+        rope = self.cfg.layer_rope(self.i) if rope is None else rope
+        dim = self.cfg.head_dim if dim is None else dim
+        if (rope, dim) not in self.tables:
+            inv_freq = jnp.asarray(rope_inv_freq(dim, rope))
+            self.tables[rope, dim] = rope_table(self.positions, inv_freq, rope.attention_factor)
+        return self.tables[rope, dim]
+
+
+def layer_loop(layer: Callable) -> Callable:
+    """A family's ``decoder_layers`` from its one layer, ``layer(w, x [B, T, D], cache, at:
+    LayerAt) -> (x, cache)``: the loop every family shares.
+
+    decoder_layers(layers, x, positions i32[B, T], start, cache, *, cfg, first=0,
+    read_cache=True, **carry) runs model layers first .. first + len(layers) - 1 (cache layer j
+    holds model layer first + j) -> (x, cache); ``carry`` starts ``LayerAt.carry`` (Gemma 4's
+    per-layer inputs)."""
+
+    def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
+                       first: int = 0, read_cache: bool = True, **carry):
+        tables: dict = {}
+        for j, w in enumerate(layers):
+            at = LayerAt(cfg, first + j, j, positions, start, read_cache, first, tables, carry)
+            x, cache = layer(w, x, cache, at)
+        return x, cache
+
+    return decoder_layers
 
 
 def decoder(embed, decoder_layers):

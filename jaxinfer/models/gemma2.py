@@ -20,12 +20,11 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import gemma3
-from jaxinfer.models.family import ModelFamily, decoder
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
@@ -33,8 +32,6 @@ from jaxinfer.models.layers import (
     gated_mlp,
     gelu_tanh,
     rms_norm,
-    rope_inv_freq,
-    rope_table,
 )
 from jaxinfer.specs import WeightSpec
 
@@ -68,28 +65,26 @@ def weight_specs(cfg: ModelConfig) -> dict:
     return specs
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
-    -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools);
-    each layer's window is the model layer's."""
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache) (the module docstring's); its window is
+    the model layer's."""
+    cfg, i = at.cfg, at.i
     norm = functools.partial(rms_norm, eps=cfg.norm_eps, plus_one=True)
-    rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)))
-    for j, w in enumerate(layers):
-        i = first + j
-        window = cfg.layer_window(i)
-        with jax.named_scope(f"layer{i}/{'local' if window else 'global'}_attention"):
-            h = norm(x, w["attn_norm"])
-            q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
-            o, cache = attend_layer(cache, j, q, k, v, positions, start, rope, read_cache=read_cache,
-                                    scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
-            x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
-        with jax.named_scope(f"layer{i}/mlp"):
-            h = norm(x, w["mlp_norm"])
-            x = x + norm(gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], gelu_tanh), w["post_mlp_norm"])
+    window = cfg.layer_window(i)
+    with jax.named_scope(f"layer{i}/{'local' if window else 'global'}_attention"):
+        h = norm(x, w["attn_norm"])
+        q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
+        o, cache = attend_layer(cache, at.j, q, k, v, at.positions, at.start, at.rope(cfg.rope),
+                                read_cache=at.read_cache, scale=cfg.attn_scale, window=window,
+                                softcap=cfg.attn_logit_softcap)
+        x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
+    with jax.named_scope(f"layer{i}/mlp"):
+        h = norm(x, w["mlp_norm"])
+        x = x + norm(gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], gelu_tanh), w["post_mlp_norm"])
     return x, cache
 
 
+decoder_layers = layer_loop(layer)
 forward = decoder(embed, decoder_layers)
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig, RopeKind
-from jaxinfer.models.family import ModelFamily, decoder
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
@@ -33,8 +33,6 @@ from jaxinfer.models.layers import (
     gated_mlp,
     gelu_tanh,
     rms_norm,
-    rope_inv_freq,
-    rope_table,
     take,
 )
 from jaxinfer.specs import WeightSpec
@@ -86,32 +84,26 @@ def unembed(weights, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return logits
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
-    -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools);
-    each layer's kind (local or global rotary and window) is the model layer's."""
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache) (the module docstring's), with its
+    kind's window and rotary."""
+    cfg, i = at.cfg, at.i
     norm = functools.partial(rms_norm, eps=cfg.norm_eps, plus_one=True)
-    tables = {}  # one rotary table per distinct rotary config (local / global)
-    for j, w in enumerate(layers):
-        i = first + j
-        rope, window = cfg.layer_rope(i), cfg.layer_window(i)
-        if rope not in tables:
-            tables[rope] = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, rope)))
-        kind = "local" if window else "global"
-        with jax.named_scope(f"layer{i}/{kind}_attention"):
-            h = norm(x, w["attn_norm"])
-            q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
-            q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
-            o, cache = attend_layer(cache, j, q, k, v, positions, start, tables[rope], read_cache=read_cache,
-                                    scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
-            x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
-        with jax.named_scope(f"layer{i}/mlp"):
-            h = norm(x, w["mlp_norm"])
-            x = x + norm(gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], gelu_tanh), w["post_mlp_norm"])
+    window = cfg.layer_window(i)
+    with jax.named_scope(f"layer{i}/{'local' if window else 'global'}_attention"):
+        h = norm(x, w["attn_norm"])
+        q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
+        q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
+        o, cache = attend_layer(cache, at.j, q, k, v, at.positions, at.start, at.rope(), read_cache=at.read_cache,
+                                scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
+        x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
+    with jax.named_scope(f"layer{i}/mlp"):
+        h = norm(x, w["mlp_norm"])
+        x = x + norm(gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], gelu_tanh), w["post_mlp_norm"])
     return x, cache
 
 
+decoder_layers = layer_loop(layer)
 forward = decoder(embed, decoder_layers)
 
 

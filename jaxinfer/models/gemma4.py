@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.errors import CheckpointError
-from jaxinfer.models.family import ModelFamily
+from jaxinfer.models.family import LayerAt, ModelFamily, layer_loop
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
@@ -44,8 +44,6 @@ from jaxinfer.models.layers import (
     gated_mlp,
     gelu_tanh,
     rms_norm,
-    rope_inv_freq,
-    rope_table,
     take,
 )
 from jaxinfer.specs import WeightSpec
@@ -176,49 +174,47 @@ def forward(
                           per_layer=pl)
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True, per_layer: jax.Array | None = None):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
-    -> (x, cache); per_layer: ``per_layer_inputs`` [B, T, L, E] (None when E = 0). Each layer
-    that owns keys/values writes them to its cache layer and attends over it; a layer sharing
-    them attends over its source's cache layer (written earlier in this same pass) and writes
-    nothing."""
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache). ``at.carry``: "per_layer", the
+    ``per_layer_inputs`` [B, T, L, E] (absent when E = 0), and each earlier layer's (k, v)
+    [B, T, K, H] by layer, for the layers that share them. A layer that owns keys/values writes
+    them to its cache layer and attends over it; a layer sharing them attends over its source's
+    cache layer (written earlier in this same pass) and writes nothing."""
+    cfg, i = at.cfg, at.i
     norm = functools.partial(rms_norm, eps=cfg.norm_eps)
-    tables = {}  # one rotary table per (rotary config, head dim): local / global
-    own = {}  # layer -> its (k, v) [B, T, K, H], for the layers that share them
-    for j, w in enumerate(layers):
-        i = first + j
-        rope, H, window, src = cfg.layer_rope(i), cfg.layer_head_dim(i), cfg.layer_window(i), cfg.kv_source(i)
-        if (rope, H) not in tables:
-            tables[rope, H] = rope_table(positions, jnp.asarray(rope_inv_freq(H, rope)))
-        with jax.named_scope(f"layer{i}/{cfg.layer_kind(i).value}_attention"):
-            h = norm(x, w["attn_norm"])
-            if src == i:
-                qk = ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"])
-                if "wv" in w:
-                    q, k, v = dot_many(h, *qk, ("BTD,DKH->BTKH", w["wv"]))
-                else:  # values_from_keys: the values are the keys' projection, before k_norm
-                    q, k = dot_many(h, *qk)
-                    v = k
-                k, v = norm(k, w["k_norm"]), norm(v, None)
-                own[i] = k, v
-            else:
-                q = dot("BTD,DNH->BTNH", h, w["wq"])
-                k, v = own[src]
-            q = norm(q, w["q_norm"])
-            o, cache = attend_layer(cache, src - first, q, k, v, positions, start, tables[rope, H],
-                                    read_cache=read_cache, scale=cfg.attn_scale, window=window,
-                                    softcap=cfg.attn_logit_softcap, shared=src != i)
-            x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
-        with jax.named_scope(f"layer{i}/mlp"):
-            h = norm(x, w["mlp_norm"])
-            x = x + norm(gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], gelu_tanh), w["post_mlp_norm"])
-        if per_layer is not None:
-            with jax.named_scope(f"layer{i}/per_layer_input"):
-                g = gelu_tanh(dot("BTD,DE->BTE", x, w["ple_gate"])) * per_layer[:, :, i]
-                x = x + norm(dot("BTE,ED->BTD", g, w["ple_proj"]), w["ple_norm"])
-        x = x * w["layer_scalar"].astype(x.dtype)
-    return x, cache
+    own = at.carry.setdefault("kv", {})
+    H, window, src = cfg.layer_head_dim(i), cfg.layer_window(i), cfg.kv_source(i)
+    with jax.named_scope(f"layer{i}/{cfg.layer_kind(i).value}_attention"):
+        h = norm(x, w["attn_norm"])
+        if src == i:
+            qk = ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"])
+            if "wv" in w:
+                q, k, v = dot_many(h, *qk, ("BTD,DKH->BTKH", w["wv"]))
+            else:  # values_from_keys: the values are the keys' projection, before k_norm
+                q, k = dot_many(h, *qk)
+                v = k
+            k, v = norm(k, w["k_norm"]), norm(v, None)
+            own[i] = k, v
+        else:
+            q = dot("BTD,DNH->BTNH", h, w["wq"])
+            k, v = own[src]
+        q = norm(q, w["q_norm"])
+        o, cache = attend_layer(cache, src - at.first, q, k, v, at.positions, at.start, at.rope(dim=H),
+                                read_cache=at.read_cache, scale=cfg.attn_scale, window=window,
+                                softcap=cfg.attn_logit_softcap, shared=src != i)
+        x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
+    with jax.named_scope(f"layer{i}/mlp"):
+        h = norm(x, w["mlp_norm"])
+        x = x + norm(gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], gelu_tanh), w["post_mlp_norm"])
+    per_layer = at.carry.get("per_layer")
+    if per_layer is not None:
+        with jax.named_scope(f"layer{i}/per_layer_input"):
+            g = gelu_tanh(dot("BTD,DE->BTE", x, w["ple_gate"])) * per_layer[:, :, i]
+            x = x + norm(dot("BTE,ED->BTD", g, w["ple_proj"]), w["ple_norm"])
+    return x * w["layer_scalar"].astype(x.dtype), cache
+
+
+decoder_layers = layer_loop(layer)
 
 
 # Where each weight lives in the two external formats: our path -> (HF name, GGUF name,

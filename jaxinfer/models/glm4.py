@@ -19,14 +19,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import llama
-from jaxinfer.models.family import ModelFamily, decoder
-from jaxinfer.models.layers import attend_layer, dot, dot_many, gated_mlp, rms_norm, rope_inv_freq, rope_table, silu
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
+from jaxinfer.models.layers import attend_layer, dot, dot_many, gated_mlp, rms_norm, silu
 from jaxinfer.models.llama import embed, unembed
 from jaxinfer.specs import WeightSpec
 
@@ -47,26 +46,25 @@ def interleaved_order(head_dim: int, rotary_dim: int) -> np.ndarray:
                            np.arange(rotary_dim, head_dim)]).astype(np.int32)
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
-    -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools)."""
-    rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)))
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache) (the module docstring's)."""
+    cfg, i = at.cfg, at.i
     order = interleaved_order(cfg.head_dim, cfg.rope.rotary_dim or cfg.head_dim)
-    for j, w in enumerate(layers):
-        i = first + j
-        with jax.named_scope(f"layer{i}/attention"):
-            h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-            q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
-            if cfg.qkv_bias:
-                q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
-            o, cache = attend_layer(cache, j, q[..., order], k[..., order], v, positions, start, rope,
-                                    read_cache=read_cache, scale=cfg.head_dim**-0.5, window=cfg.layer_window(i))
-            x = x + rms_norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"], cfg.norm_eps)
-        with jax.named_scope(f"layer{i}/mlp"):
-            h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-            x = x + rms_norm(gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu), w["post_mlp_norm"], cfg.norm_eps)
+    with jax.named_scope(f"layer{i}/attention"):
+        h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
+        q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
+        if cfg.qkv_bias:
+            q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
+        o, cache = attend_layer(cache, at.j, q[..., order], k[..., order], v, at.positions, at.start, at.rope(),
+                                read_cache=at.read_cache, scale=cfg.head_dim**-0.5, window=cfg.layer_window(i))
+        x = x + rms_norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"], cfg.norm_eps)
+    with jax.named_scope(f"layer{i}/mlp"):
+        h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
+        x = x + rms_norm(gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu), w["post_mlp_norm"], cfg.norm_eps)
     return x, cache
+
+
+decoder_layers = layer_loop(layer)
 
 
 forward = decoder(embed, decoder_layers)

@@ -35,8 +35,8 @@ from jaxinfer import mxfp4
 from jaxinfer.config import ModelConfig, RopeConfig, yarn_or_default_rope
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import llama, moe
-from jaxinfer.models.family import ModelFamily, decoder
-from jaxinfer.models.layers import attend_layer, dot, dot_many, rms_norm, rope_inv_freq, rope_table
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
+from jaxinfer.models.layers import attend_layer, dot, dot_many, rms_norm
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (the family's embed / unembed)
 from jaxinfer.specs import WeightSpec
 
@@ -64,21 +64,20 @@ def weight_specs(cfg: ModelConfig) -> dict:
     return specs | {"layers": [layer] * cfg.n_layers}
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] -> (x, cache)."""
-    rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)), cfg.rope.attention_factor)
-    route = topk_softmax(cfg.n_experts_per_tok)
-    glu = clamped_swiglu(cfg.family_config.swiglu_alpha, cfg.family_config.swiglu_limit)
-    for j, w in enumerate(layers):
-        i = first + j
-        with jax.named_scope(f"layer{i}/attention"):
-            x, cache = attention_block(w, x, cache, j, positions, start, rope, cfg=cfg, layer=i, read_cache=read_cache)
-        with jax.named_scope(f"layer{i}/mlp"):
-            x = x + moe.moe_mlp(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w["moe"], route=route, glu=glu)
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache): attention with sinks, the MoE block."""
+    cfg, i, own = at.cfg, at.i, at.cfg.family_config
+    with jax.named_scope(f"layer{i}/attention"):
+        x, cache = attention_block(w, x, cache, at.j, at.positions, at.start, at.rope(), cfg=cfg, layer=i,
+                                   read_cache=at.read_cache)
+    with jax.named_scope(f"layer{i}/mlp"):
+        route = topk_softmax(cfg.n_experts_per_tok)
+        glu = clamped_swiglu(own.swiglu_alpha, own.swiglu_limit)
+        x = x + moe.moe_mlp(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w["moe"], route=route, glu=glu)
     return x, cache
 
 
+decoder_layers = layer_loop(layer)
 forward = decoder(embed, decoder_layers)
 
 

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import llama
-from jaxinfer.models.family import ModelFamily, decoder
-from jaxinfer.models.layers import attend_layer, dot, dot_many, gated_mlp, rms_norm, rope_inv_freq, rope_table, silu
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
+from jaxinfer.models.layers import attend_layer, dot, dot_many, gated_mlp, rms_norm, silu
 from jaxinfer.specs import WeightSpec
 
 
@@ -54,28 +54,26 @@ def unembed(weights, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return llama.unembed(weights, x, cfg) / cfg.family_config.logits_scaling
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
-    -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools)."""
-    own = cfg.family_config
-    rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)))
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache) (the module docstring's)."""
+    cfg, i, own = at.cfg, at.i, at.cfg.family_config
     residual = jnp.asarray(own.residual_multiplier, x.dtype)
-    for j, w in enumerate(layers):
-        i = first + j
-        with jax.named_scope(f"layer{i}/attention"):
-            h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-            q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
-            if cfg.qkv_bias:
-                q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
-            o, cache = attend_layer(cache, j, q, k, v, positions, start, rope, read_cache=read_cache,
-                                    scale=own.attention_multiplier, window=cfg.layer_window(i))
-            o = dot("BTNH,NHD->BTD", o, w["wo"])
-            x = x + residual * (o + w["bo"].astype(o.dtype) if cfg.qkv_bias else o)
-        with jax.named_scope(f"layer{i}/mlp"):
-            h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-            x = x + residual * gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
+    with jax.named_scope(f"layer{i}/attention"):
+        h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
+        q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
+        if cfg.qkv_bias:
+            q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
+        o, cache = attend_layer(cache, at.j, q, k, v, at.positions, at.start, at.rope(), read_cache=at.read_cache,
+                                scale=own.attention_multiplier, window=cfg.layer_window(i))
+        o = dot("BTNH,NHD->BTD", o, w["wo"])
+        x = x + residual * (o + w["bo"].astype(o.dtype) if cfg.qkv_bias else o)
+    with jax.named_scope(f"layer{i}/mlp"):
+        h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
+        x = x + residual * gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
     return x, cache
+
+
+decoder_layers = layer_loop(layer)
 
 
 forward = decoder(embed, decoder_layers)

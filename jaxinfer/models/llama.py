@@ -16,15 +16,13 @@ import numpy as np
 
 from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.errors import CheckpointError
-from jaxinfer.models.family import ModelFamily, decoder
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
     dot_many,
     gated_mlp,
     rms_norm,
-    rope_inv_freq,
-    rope_table,
     silu,
     take,
 )
@@ -71,23 +69,21 @@ def unembed(weights, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return dot("BTD,DV->BTV", x, weights["lm_head"]).astype(jnp.float32)
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
-    -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools)."""
-    rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)))
-    for j, w in enumerate(layers):
-        i = first + j
-        layer_rope = None if i in cfg.nope_layers else rope
-        with jax.named_scope(f"layer{i}/attention"):
-            x, cache = attention_block(w, x, cache, j, positions, start, layer_rope, cfg=cfg, layer=i,
-                                       read_cache=read_cache)
-        with jax.named_scope(f"layer{i}/mlp"):
-            h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-            x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache): attention (no rotary on the layers
+    ``cfg.nope_layers`` lists), then the SwiGLU MLP."""
+    cfg, i = at.cfg, at.i
+    rope = None if i in cfg.nope_layers else at.rope()
+    with jax.named_scope(f"layer{i}/attention"):
+        x, cache = attention_block(w, x, cache, at.j, at.positions, at.start, rope, cfg=cfg, layer=i,
+                                   read_cache=at.read_cache)
+    with jax.named_scope(f"layer{i}/mlp"):
+        h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
+        x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
     return x, cache
 
 
+decoder_layers = layer_loop(layer)
 forward = decoder(embed, decoder_layers)
 
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from jaxinfer.config import AttentionKind, ModelConfig
 from jaxinfer.models import llama, moe
-from jaxinfer.models.family import ModelFamily, decoder
-from jaxinfer.models.layers import gated_mlp, rms_norm, rope_inv_freq, rope_table, silu
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
+from jaxinfer.models.layers import gated_mlp, rms_norm, silu
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (the family's embed / unembed)
 
 _DENSE_MLP = ("w_gate", "w_up", "w_down")
@@ -34,26 +33,32 @@ def weight_specs(cfg: ModelConfig) -> dict:
     return specs | {"layers": [layer] * cfg.n_layers}
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True, attention=llama.attention_block):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] -> (x, cache): each
-    ``attention`` (a family's attention block; Llama's here, Qwen 3's for Qwen3-MoE), then the
-    MoE block, or Llama's SwiGLU MLP on a layer without experts (``cfg.dense_layers``)."""
-    rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)))
-    route = moe.softmax_topk(cfg.n_experts_per_tok, renormalize=cfg.norm_topk_prob)
-    for j, w in enumerate(layers):
-        i = first + j
+def moe_layer(attention) -> callable:
+    """A layer of ``attention`` (a family's attention block: Llama's here, Qwen 3's for
+    Qwen3-MoE), then the MoE block, or Llama's SwiGLU MLP on a layer without experts
+    (``cfg.dense_layers``)."""
+
+    def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+        cfg, i = at.cfg, at.i
         with jax.named_scope(f"layer{i}/attention"):
-            x, cache = attention(w, x, cache, j, positions, start, rope, cfg=cfg, layer=i, read_cache=read_cache)
+            x, cache = attention(w, x, cache, at.j, at.positions, at.start, at.rope(), cfg=cfg, layer=i,
+                                 read_cache=at.read_cache)
         with jax.named_scope(f"layer{i}/mlp"):
             h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
             if "moe" in w:
+                route = moe.softmax_topk(cfg.n_experts_per_tok, renormalize=cfg.norm_topk_prob)
                 x = x + moe.moe_mlp(h, w["moe"], route=route)
             else:
                 x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
-    return x, cache
+        return x, cache
+
+    return layer
 
 
+layer = moe_layer(llama.attention_block)
+
+
+decoder_layers = layer_loop(layer)
 forward = decoder(embed, decoder_layers)
 
 

@@ -24,21 +24,18 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import llama
-from jaxinfer.models.family import ModelFamily, decoder
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
     dot_many,
     gated_mlp,
     rms_norm,
-    rope_inv_freq,
-    rope_table,
     silu,
 )
 
@@ -48,26 +45,23 @@ embed = llama.embed
 unembed = llama.unembed
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
-    -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools)."""
-    rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)), cfg.rope.attention_factor)
-    scale = cfg.head_dim**-0.5
-    for j, w in enumerate(layers):
-        i = first + j
-        with jax.named_scope(f"layer{i}/attention"):
-            h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-            q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
-            o, cache = attend_layer(cache, j, q, k, v, positions, start, rope, read_cache=read_cache,
-                                    scale=scale, window=cfg.layer_window(i))
-            x = x + dot("BTNH,NHD->BTD", o, w["wo"])
-        with jax.named_scope(f"layer{i}/mlp"):
-            h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-            x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache): Llama's, with LongRoPE's scaled
+    (partial) rotary and the layer's window."""
+    cfg, i = at.cfg, at.i
+    with jax.named_scope(f"layer{i}/attention"):
+        h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
+        q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
+        o, cache = attend_layer(cache, at.j, q, k, v, at.positions, at.start, at.rope(cfg.rope),
+                                read_cache=at.read_cache, scale=cfg.head_dim**-0.5, window=cfg.layer_window(i))
+        x = x + dot("BTNH,NHD->BTD", o, w["wo"])
+    with jax.named_scope(f"layer{i}/mlp"):
+        h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
+        x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
     return x, cache
 
 
+decoder_layers = layer_loop(layer)
 forward = decoder(embed, decoder_layers)
 
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 
 from jaxinfer.config import AttentionKind, ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import llama, mixtral, moe
-from jaxinfer.models.family import ModelFamily, decoder
+from jaxinfer.models.family import ModelFamily, decoder, layer_loop
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (the family's embed / unembed)
 from jaxinfer.models.qwen3 import attention_block
 from jaxinfer.specs import WeightSpec
@@ -40,13 +39,7 @@ def weight_specs(cfg: ModelConfig) -> dict:
     return specs | {"layers": [base if i in cfg.dense_layers else sparse for i in range(cfg.n_layers)]}
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] -> (x, cache): Mixtral's
-    layers with Qwen 3's attention."""
-    return mixtral.decoder_layers(layers, x, positions, start, cache, cfg=cfg, first=first, read_cache=read_cache,
-                                  attention=attention_block)
-
+decoder_layers = layer_loop(mixtral.moe_layer(attention_block))  # Mixtral's layers, Qwen 3's attention
 
 forward = decoder(embed, decoder_layers)
 
