@@ -70,14 +70,14 @@ def use_malloc(malloc: str) -> None:
 def tiny_llm(batch: int, max_model_len: int = 1024, num_scheduler_steps: int | None = None):
     """The tiny model's LLM: SmolLM2's tokenizer and vocabulary over 2 random layers of width 64."""
     from jaxinfer import LLM, registry
-    from jaxinfer.config import Family, ModelConfig
+    from jaxinfer.config import ModelConfig
     from jaxinfer.loaders.gguf import GGUFCheckpoint
     from jaxinfer.loaders.random_weights import random_loaded
     from jaxinfer.tokenizer import tokenizer_from_gguf
 
     path = registry.resolve("smollm2-135m-instruct", progress=False)
     tok = tokenizer_from_gguf(GGUFCheckpoint(path).metadata)
-    cfg = ModelConfig(Family.LLAMA, vocab_size=49152, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+    cfg = ModelConfig("llama", vocab_size=49152, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                       d_ff=128, max_position=max_model_len, name="tiny-smollm2-vocab")
     return LLM(random_loaded(cfg, tokenizer=tok), max_model_len=max_model_len, max_num_seqs=batch, progress=False,
                num_scheduler_steps=num_scheduler_steps)
@@ -150,9 +150,9 @@ def device_split(eng, B: int, n: int) -> dict:
     import jax.numpy as jnp
 
     from jaxinfer.engine.step import sample_step
-    from jaxinfer.models.registry import family_module
+    from jaxinfer.models.registry import model_family
 
-    mod = family_module(eng.cfg.family)
+    mod = model_family(eng.cfg.family)
     h = jax.random.normal(jax.random.key(0), (B, 1, eng.cfg.d_model), jnp.float32)
     head = jax.jit(lambda w, x: mod.unembed(w, x, eng.cfg)[:, 0])
     sub = jax.tree.map(lambda a: a[:B], eng.slots)

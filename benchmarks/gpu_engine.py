@@ -45,6 +45,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxinfer.models.registry import num_params
 from timing import median_seconds
 
 # dense bf16 tensor-core rates from the vendor's data sheets (SXM parts), TFLOP/s
@@ -71,17 +72,17 @@ DRY = Sizes(batches=(2,), prompt=16, new=4, prefill_len=32, prefill_prompts=1, s
 
 def model_configs(dry: bool) -> dict:
     """(name -> (ModelConfig, quantize)) of the shapes measured; toy sizes under --dry."""
-    from jaxinfer.config import Family, ModelConfig, RopeConfig
+    from jaxinfer.config import ModelConfig, RopeConfig
 
     if dry:
-        llama = ModelConfig(Family.LLAMA, vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+        llama = ModelConfig("llama", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                             head_dim=16, d_ff=128, max_position=256, tie_embeddings=False, name="toy-llama")
         smol = dataclasses.replace(llama, vocab_size=384, tie_embeddings=True, name="toy-smollm2")
     else:
-        llama = ModelConfig(Family.LLAMA, vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+        llama = ModelConfig("llama", vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                             head_dim=128, d_ff=14336, norm_eps=1e-5, rope=RopeConfig(theta=500000.0),
                             max_position=8192, tie_embeddings=False, name="llama-8b-shape")
-        smol = ModelConfig(Family.LLAMA, vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
+        smol = ModelConfig("llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                            head_dim=64, d_ff=1536, norm_eps=1e-5, rope=RopeConfig(theta=100000.0),
                            max_position=8192, tie_embeddings=True, name="smollm2-135m-shape")
     dtype = "float32" if dry else "bfloat16"
@@ -163,7 +164,7 @@ def prefill_run(llm, sz: Sizes, flops_rate: float, nameplate: float | None, step
     outs = llm.generate(prompts, sp, use_tqdm=False)
     t = max(o.metrics.first_token_time for o in outs) - min(o.metrics.first_scheduled_time for o in outs)
     t = max(t - n * step_s, 1e-9)  # each prompt's last token goes through one decode step
-    specs_params = cfg.num_params() - cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+    specs_params = num_params(cfg) - cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
     T = n * (P - 1)  # prefill covers every prompt token but the last
     flops = 2 * specs_params * T + n * 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * (P - 1) ** 2
     out = {"prompts": n, "prompt_len": P, "prefill_s": t, "tok_s": T / t, "tflops": flops / t / 1e12,

@@ -23,7 +23,7 @@ import optax
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer import train_medusa as tm
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 
 HEADS = 3
 
@@ -58,7 +58,7 @@ def main():
     print(f"data {time.perf_counter() - t0:.0f} s: train {len(h)} positions ({ans.sum()} answer), "
           f"held out {len(hh)} ({hans.sum()} answer)", flush=True)
     cfg, W = llm.cfg, llm.weights
-    mod = family_module(cfg.family)
+    mod = model_family(cfg.family)
     D = cfg.d_model
 
     def logits(p, x, tok):  # x f32[B, D], tok i32[B] -> f32[B, K, V]

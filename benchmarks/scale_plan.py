@@ -28,13 +28,14 @@ import numpy as np
 
 from jaxinfer import cache as kv
 from jaxinfer import dispatch
-from jaxinfer.config import Family, ModelConfig, RopeConfig, RopeKind
+from jaxinfer.config import ModelConfig, RopeConfig, RopeKind
 from jaxinfer.engine.slots import make_slots
 from jaxinfer.engine.step import packed_step
 from jaxinfer.models import gemma3
 from jaxinfer.models.packed import PackedBatch
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 from jaxinfer.sharding import kv_pool_sharding, make_mesh, weight_shardings
+from jaxinfer.models.registry import num_params
 
 GiB = 1 << 30
 CTX = 8192
@@ -50,7 +51,7 @@ CHIPS = {
 SLICES = {"v5e-8": ("v5e", 8), "v5e-64": ("v5e", 64), "v5p-128": ("v5p", 64)}  # v5p-N counts TensorCores: N/2 chips
 
 LLAMA3_70B = ModelConfig(
-    family=Family.LLAMA, vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
+    family="llama", vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
     d_ff=28672, norm_eps=1e-5, rope=RopeConfig(theta=500000.0, kind=RopeKind.LLAMA3, factor=8.0),
     max_position=131072, tie_embeddings=False, dtype="bfloat16", name="llama-3-70b-shape")
 MODELS = {"gemma-3-27b": dataclasses.replace(gemma3.PRESETS["gemma-3-27b"], dtype="bfloat16"),
@@ -58,7 +59,7 @@ MODELS = {"gemma-3-27b": dataclasses.replace(gemma3.PRESETS["gemma-3-27b"], dtyp
 
 
 def weight_bytes(cfg: ModelConfig, bytes_per_param: float) -> float:
-    return cfg.num_params() * bytes_per_param
+    return num_params(cfg) * bytes_per_param
 
 
 def pick_layout(cfg: ModelConfig, slice_name: str) -> dict:
@@ -104,7 +105,7 @@ def step_collectives(cfg: ModelConfig, tp: int, n_layers: int) -> dict:
     small = dataclasses.replace(cfg, n_layers=n_layers,
                                 layer_kinds=gemma3.layer_kinds(n_layers) if cfg.layer_kinds else ())
     mesh = make_mesh(data=1, model=tp, devices=jax.devices()[:tp])
-    mod = family_module(small.family)
+    mod = model_family(small.family)
     specs = mod.weight_specs(small)
     w = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype or small.dtype)),
                      specs, is_leaf=lambda x: hasattr(x, "axes"))

@@ -55,12 +55,12 @@ def machine_rows():
 
 def batch_rows(B: int, iters: int):
     from jaxinfer.engine.step import packed_step, sample_step
-    from jaxinfer.models.registry import family_module
+    from jaxinfer.models.registry import model_family
 
     llm = tiny_llm(B)
     eng = llm.engine
     cfg, w = eng.cfg, eng.weights
-    mod = family_module(cfg.family)
+    mod = model_family(cfg.family)
     slots = eng.slots
     # every row bans its stop ids (min_tokens far off): the ban's cost is in the figure
     slots.stop_ids = slots.stop_ids.at[:, :2].set(jnp.asarray([cfg.vocab_size - 1, 0], jnp.int32))

@@ -37,10 +37,10 @@ def timed(fn, *args, reps: int) -> float:
 def steps(llm, *, prefill: int, batch: int, context: int):
     """{step name: (jitted fn, args)} for one loaded model."""
     from jaxinfer import cache as kv
-    from jaxinfer.models.registry import family_module
+    from jaxinfer.models.registry import model_family
 
     cfg, weights = llm.cfg, llm.weights
-    mod = family_module(cfg.family)
+    mod = model_family(cfg.family)
 
     def run(w, tokens, start, cache, read_cache):
         x, cache = mod.forward(w, tokens, start, cache, cfg=cfg, read_cache=read_cache)

@@ -33,7 +33,7 @@ from jaxinfer.engine.slots import make_slots
 from jaxinfer.engine.step import packed_step
 from jaxinfer.engine.verify import SpecInputs, SpecState, spec_step
 from jaxinfer.models.packed import PackedBatch
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 from jaxinfer.specs import is_spec
 
 GiB = 1 << 30
@@ -130,7 +130,7 @@ def abstract_weights(cfg: ModelConfig, mesh: Mesh, kernels: dispatch.Kernels, *,
     from jaxinfer.loaders.quantize import quantize_weight, weight_name
     from jaxinfer.sharding import place_experts, quant_shardings, rules_for, weight_shardings
 
-    specs = family_module(cfg.family).weight_specs(cfg)
+    specs = model_family(cfg.family).weight_specs(cfg)
     shardings = weight_shardings(specs, mesh, rules_for(expert_parallel))
     qcfg = quant.quant_config(quantization) if quantization else None
 

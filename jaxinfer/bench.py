@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from jaxinfer.models.registry import num_params
 
 PASSAGE = (
     "The history of the printing press is closely tied to the spread of literacy in Europe. "
@@ -96,7 +97,7 @@ def run_bench(llm, spec: WorkloadSpec, *, warmup: bool = True, ttft_slo: float |
                   for t in timings)
     mean_ctx = sum(t.prompt_tokens + t.output_tokens / 2 for t in timings) / len(timings)
     peaks = peaks or metrics.measure_peaks(home() / f"peaks-{cfg.dtype}.json", cfg.dtype)
-    fpt = metrics.model_flops_per_token(cfg.num_params(), cfg.n_layers, cfg.n_heads * cfg.head_dim, mean_ctx)
+    fpt = metrics.model_flops_per_token(num_params(cfg), cfg.n_layers, cfg.n_heads * cfg.head_dim, mean_ctx)
     out = metrics.summarize(timings, wall, ttft_slo=ttft_slo, tpot_slo=tpot_slo, model_flops_per_token=fpt,
                             decode_bytes=steps * weights_bytes + kv_read, peaks=peaks)
     out["model_flops_per_token"] = fpt

@@ -14,22 +14,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.errors import CheckpointError
-from jaxinfer.specs import is_spec
-
-
-class Family(str, enum.Enum):
-    LLAMA = "llama"  # Llama 1/2/3, SmolLM, Mistral (no SWA), Qwen2 (q/k/v bias)
-    GEMMA3 = "gemma3"
-    QWEN3 = "qwen3"
-    GEMMA2 = "gemma2"
-    GEMMA4 = "gemma4"
-    PHI3 = "phi3"
-    OLMO2 = "olmo2"
-    SMOLLM3 = "smollm3"
-    MIXTRAL = "mixtral"
-    QWEN3_MOE = "qwen3_moe"
-    DEEPSEEK_V3 = "deepseek_v3"
-    GPT_OSS = "gpt_oss"
 
 
 class RopeKind(str, enum.Enum):
@@ -100,7 +84,11 @@ class AttentionKind(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    family: Family
+    """What the engine and the shared layers read of a model. ``family`` names the family
+    (``models.registry``); ``family_config`` holds that family's own knobs (its config class,
+    ``ModelFamily.config_class``; None when it has none)."""
+
+    family: str
     vocab_size: int  # V
     d_model: int  # D
     n_layers: int  # L
@@ -131,10 +119,6 @@ class ModelConfig:
     moe_d_ff: int = 0  # F of one expert
     norm_topk_prob: bool = True  # the k routing weights rescaled to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of width d_ff instead (Qwen3-MoE)
-    # gpt-oss's clamped SwiGLU experts: gate clamped above at swiglu_limit, up to +-swiglu_limit,
-    # (up + 1) * gate * sigmoid(swiglu_alpha * gate)
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
     # Per-layer attention shapes and shared keys/values (Gemma 4); the defaults give every layer
     # n_kv_heads x head_dim and a cache of its own. The engine reads them through layer_head_dim,
     # layer_kv_heads and kv_source.
@@ -143,27 +127,16 @@ class ModelConfig:
     # the last kv_shared_layers layers compute no keys/values: each attends over those of the last
     # earlier layer of its own kind, and has no cache of its own
     kv_shared_layers: int = 0
-    # Gemma 4's other per-layer pieces (see models.gemma4)
-    per_layer_input_dim: int = 0  # E: each layer adds a gated projection of its own E-wide input (0: none)
-    per_layer_vocab_size: int = 0  # rows of the per-layer input table (0: vocab_size)
-    values_from_keys: bool = False  # GLOBAL layers' values are their keys' projection (no value weights)
-    shared_kv_d_ff: int | None = None  # F of the layers that share keys/values (None: d_ff)
     # Multi-head latent attention (DeepSeek-V3, models.deepseek_v3). kv_lora_rank C > 0: every
     # layer caches one latent per token, C normed values and the qk_rope_head_dim R roped key
     # values shared by all heads, instead of per-head keys and values (the cache's one KV "head"
     # of width C + R); heads' keys are qk_nope_head_dim + R wide, their values v_head_dim.
     kv_lora_rank: int = 0  # C
-    q_lora_rank: int = 0  # queries through a rank-q_lora_rank bottleneck (0: one projection)
     qk_rope_head_dim: int = 0  # R
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
-    # DeepSeek-V3 routing (models.deepseek_v3): experts in n_expert_groups groups, tokens pick
-    # from the topk_expert_groups best groups; routing weights times routed_scaling_factor;
-    # n_shared_experts experts' width of a dense MLP every token goes through beside them
-    n_expert_groups: int = 1
-    topk_expert_groups: int = 1
-    routed_scaling_factor: float = 1.0
-    n_shared_experts: int = 0
+    # the family's own knobs: an instance of its ModelFamily.config_class (frozen, hashable)
+    family_config: object = None
 
     def __post_init__(self):
         if self.n_experts and not 0 < self.n_experts_per_tok <= self.n_experts:
@@ -242,12 +215,6 @@ class ModelConfig:
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
 
-    def num_params(self) -> int:
-        from jaxinfer.models.registry import family_module
-
-        specs = family_module(self.family).weight_specs(self)
-        return sum(_prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec))
-
     def kv_bytes_per_token(self, kv_dtype: str | None = None, *, kind: AttentionKind | None = None) -> int:
         """KV bytes one token adds to a cache that keeps every position of every layer (or,
         with ``kind``, of the layers of that kind only); a layer that shares another's keys
@@ -306,11 +273,3 @@ class ModelConfig:
 def default_dtype() -> str:
     """float32 on CPU (XLA CPU runs bf16 ~5x slower), bfloat16 on TPU/GPU."""
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-
-
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
-

@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxinfer import cache as kv
 from jaxinfer.errors import InvalidRequest
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ def _token_nll(weights, tokens, *, cfg, kv_dtype=None):
     """tokens i32[1, T] -> f32[T - 1]: -log p(token t+1 | tokens <= t). With kv_dtype, every
     layer writes its keys/values to a cache of that dtype and attends over what it reads back
     (how the int8 KV cache's rounding reaches the scores); without, no cache at all."""
-    mod = family_module(cfg.family)
+    mod = model_family(cfg.family)
     cache = None if kv_dtype is None else kv.init_cache(cfg, 1, tokens.shape[1], kv_dtype)
     h, _ = mod.forward(weights, tokens, jnp.zeros(1, jnp.int32), cache, cfg=cfg, read_cache=kv_dtype is not None)
     logp = jax.nn.log_softmax(mod.unembed(weights, h, cfg)[0, :-1], axis=-1)

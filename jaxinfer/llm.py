@@ -23,9 +23,10 @@ from jaxinfer.engine.rows import Row
 from jaxinfer.engine.speculative import SpecMethod, SpeculativeConfig
 from jaxinfer.errors import CheckpointError, InvalidRequest
 from jaxinfer.loaders import checkpoint
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.sampling import SamplingParams, StopChecker, default_seed_for
+from jaxinfer.models.registry import num_params
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -163,11 +164,11 @@ class LLM:
             from jaxinfer.sharding import place_experts, tensor_parallel_plan
 
             # expert weights computed under shard_map, each device with the part it holds
-            self.weights = place_experts(self.weights, family_module(self.cfg.family).weight_specs(self.cfg), mesh)
+            self.weights = place_experts(self.weights, model_family(self.cfg.family).weight_specs(self.cfg), mesh)
             self.parallel = dict(tensor_parallel_plan(self.cfg, mesh.shape["model"],
                                                       expert_parallel=enable_expert_parallel),
                                  data_parallel_size=mesh.shape["data"])
-        self.weights = dispatch.bind(self.weights, family_module(self.cfg.family).weight_specs(self.cfg), self.kernels)
+        self.weights = dispatch.bind(self.weights, model_family(self.cfg.family).weight_specs(self.cfg), self.kernels)
         if max_model_len is None:
             max_model_len = self.cfg.max_position
         if not 1 < max_model_len <= self.cfg.max_position:
@@ -201,7 +202,7 @@ class LLM:
         path = registry.resolve(spec.model, revision=spec.revision, download_dir=download_dir, progress=progress,
                                 check_config=_architecture_check(spec.model))
         loaded = checkpoint.load(path, dtype=dtype, quantize=quant.quant_config(spec.quantization))
-        return loaded.cfg, dispatch.bind(loaded.weights, family_module(loaded.cfg.family).weight_specs(loaded.cfg), kernels)
+        return loaded.cfg, dispatch.bind(loaded.weights, model_family(loaded.cfg.family).weight_specs(loaded.cfg), kernels)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -453,7 +454,7 @@ class LLM:
             "kv_bytes_seq": cfg.kv_bytes(n, kvd, windowed=windowed),
             "kv_bytes_seq_dense": cfg.kv_bytes(n, kvd, windowed=False),
             "dtype": cfg.dtype,
-            "num_params": cfg.num_params(),
+            "num_params": num_params(cfg),
             # tensor parallelism: devices, heads per device, and whether KV heads are split
             # (KV pools then hold kv_cache_bytes / tensor_parallel_size per device) or replicated;
             # pipeline parallelism: the stages, their layers, padding slots of uneven splits

@@ -32,7 +32,7 @@ import numpy as np
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models import eagle
 from jaxinfer.models.layers import attention
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 
 
 def sequence_features(llm, seqs: list[list[int]], rows: int = 4, bucket: int = 32
@@ -42,7 +42,7 @@ def sequence_features(llm, seqs: list[list[int]], rows: int = 4, bucket: int = 3
     compares drafts with). Sequences go ``rows`` at a time, sorted by length and right-padded to
     a multiple of ``bucket`` (causal attention: padding after a sequence cannot change it), so
     the forward passes waste little on padding and compile a few shapes only."""
-    mod = family_module(llm.cfg.family)
+    mod = model_family(llm.cfg.family)
 
     def fwd(w, t):
         h = mod.forward(w, t, jnp.zeros(t.shape[0], jnp.int32), None, cfg=llm.cfg, read_cache=False)[0]

@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxinfer.errors import InvalidRequest, JaxinferError
 from jaxinfer.models import medusa
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 
 
 def require_optax():
@@ -77,7 +77,7 @@ def self_distill_with_lengths(llm, prompts: list[str], max_tokens: int) -> tuple
 def positions(llm, seqs: list[list[int]], num_heads: int) -> tuple[np.ndarray, np.ndarray]:
     """(hidden f32[N, D], targets i32[N, K]) over every position of every sequence that has at
     least one target (-1 where t + 2 + i runs past the end)."""
-    mod = family_module(llm.cfg.family)
+    mod = model_family(llm.cfg.family)
     fwd = jax.jit(lambda w, t: mod.forward(w, t, jnp.zeros(1, jnp.int32), None, cfg=llm.cfg)[0][0])
     hs, ts = [], []
     for ids in seqs:

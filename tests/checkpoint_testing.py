@@ -74,10 +74,10 @@ def logits(loaded, tokens=None) -> np.ndarray:
     family_testing's first prompt), through its family's forward pass without a cache."""
     import jax.numpy as jnp
 
-    from jaxinfer.models.registry import family_module
+    from jaxinfer.models.registry import model_family
     from tests.family_testing import PROMPTS
 
-    cfg, mod = loaded.cfg, family_module(loaded.cfg.family)
+    cfg, mod = loaded.cfg, model_family(loaded.cfg.family)
     tokens = jnp.asarray([PROMPTS[0] if tokens is None else tokens], jnp.int32)
     h, _ = mod.forward(loaded.weights, tokens, jnp.zeros(1, jnp.int32), None, cfg=cfg)
     return np.asarray(mod.unembed(loaded.weights, h, cfg))

@@ -8,7 +8,7 @@ import pytest
 
 from jaxinfer.beam import BeamSearchParams
 from jaxinfer.errors import InvalidRequest
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 from jaxinfer.sampling import SamplingParams
 
 PROMPTS = ["Hello world", "a b c"]
@@ -24,7 +24,7 @@ def test_width_one_is_greedy(tiny_llm):
 
 def _reference(llm, prompt_ids, width, steps, length_penalty):
     """Beam search over the whole vocabulary: every beam times every token, the best `width` kept."""
-    mod = family_module(llm.cfg.family)
+    mod = model_family(llm.cfg.family)
     fwd = jax.jit(lambda w, t: mod.unembed(w, mod.forward(w, t, jnp.zeros(1, jnp.int32), None, cfg=llm.cfg)[0],
                                            llm.cfg))
     beams = [([], 0.0)]

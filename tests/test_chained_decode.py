@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig
+from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig
 from jaxinfer.loaders.random_weights import random_loaded, word_tokenizer
 
 V = 300
-CFG = ModelConfig(Family.LLAMA, vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+CFG = ModelConfig("llama", vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                   d_ff=64, max_position=256, tie_embeddings=False, name="tiny-random")
 N = 8  # chained steps
 LP_ATOL = 1e-4
@@ -149,7 +149,7 @@ def test_sliding_window_family():
     """Gemma 3 with a 4-token window over 4-token pages: a chain's rows hold window pages
     ahead, and trimming after the chain frees them."""
     L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
-    cfg = ModelConfig(family=Family.GEMMA3, vocab_size=97, d_model=48, n_layers=4, n_heads=4, n_kv_heads=2,
+    cfg = ModelConfig(family="gemma3", vocab_size=97, d_model=48, n_layers=4, n_heads=4, n_kv_heads=2,
                       head_dim=8, d_ff=64, norm_eps=1e-6, rope=RopeConfig(theta=1e6),
                       rope_local=RopeConfig(theta=1e4), layer_kinds=(L, G, L, G), sliding_window=4,
                       query_pre_attn_scalar=12.0, max_position=256)
@@ -223,9 +223,9 @@ _TP = r"""
 import json, sys
 import numpy as np
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.config import Family, ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.loaders.random_weights import random_loaded
-cfg = ModelConfig(Family.LLAMA, vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+cfg = ModelConfig("llama", vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                   d_ff=64, max_position=256, tie_embeddings=False, name="tiny-random")
 loaded = random_loaded(cfg, scale=1.0, seed=3)
 rng = np.random.default_rng(0)

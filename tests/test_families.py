@@ -19,6 +19,10 @@ FAMILIES = {
     "gemma3_text": {"architectures": ["Gemma3ForCausalLM"], "sliding_window": 8, "query_pre_attn_scalar": 24,
                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
                     "final_logit_softcapping": 5.0, "hidden_activation": "gelu_pytorch_tanh"},
+    # post-attention and post-MLP norms, fused gate_up, interleaved rotary over half of each head
+    "glm4": {"partial_rotary_factor": 0.5, "attention_bias": True},
+    "granite": {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.05,
+                "logits_scaling": 2.5, "attention_bias": True},
 }
 
 

@@ -157,7 +157,8 @@ def test_gguf_equals_transformers(k_eq_v_path, tmp_path):
     path = write_gguf(k_eq_v_path, tmp_path / "tiny-gemma4.gguf")
     llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_memory_bytes=4 << 20, max_num_seqs=2)
     cfg = llm.cfg
-    assert cfg.values_from_keys and cfg.global_kv_heads == 1 and cfg.shared_kv_d_ff == 2 * cfg.d_ff
+    own = cfg.family_config
+    assert own.values_from_keys and cfg.global_kv_heads == 1 and own.shared_kv_d_ff == 2 * cfg.d_ff
     assert cfg.rope.freq_factors[-1] == np.float32(1e30) and cfg.tie_embeddings and cfg.kv_shared_layers == 2
     ref = ft.reference(k_eq_v_path, ft.PROMPTS[:1])
     ft.assert_matches(ft.generate(llm, ft.PROMPTS[:1]), ref, what="gguf")
@@ -178,8 +179,9 @@ def test_config_reads_every_gemma4_option(gemma4_path, tmp_path):
     assert [cfg.kv_source(i) for i in range(4)] == [0, 1, 0, 1]
     assert cfg.rope == gemma4.GLOBAL_ROPE and cfg.rope.kind == RopeKind.PROPORTIONAL
     assert cfg.rope_local.theta == 10000.0 and cfg.rope_local.kind == RopeKind.DEFAULT
-    assert (cfg.per_layer_input_dim, cfg.per_layer_vocab_size, cfg.attn_scale) == (8, ft.V, 1.0)
-    assert cfg.final_logit_softcap == 5.0 and not cfg.values_from_keys and cfg.shared_kv_d_ff is None
+    own = cfg.family_config
+    assert (own.per_layer_input_dim, own.per_layer_vocab_size, cfg.attn_scale) == (8, ft.V, 1.0)
+    assert cfg.final_logit_softcap == 5.0 and not own.values_from_keys and own.shared_kv_d_ff is None
 
     # the older form of the same config: global_head_dim and num_global_key_value_heads at the top
     flat = {k: v for k, v in hf.items() if k != "per_layer_config"} | {
@@ -188,7 +190,7 @@ def test_config_reads_every_gemma4_option(gemma4_path, tmp_path):
     cfg2 = gemma4.config_from_hf(flat, dtype="float32")
     assert [cfg2.layer_head_dim(i) for i in range(4)] == [16, 32, 16, 32]
     assert [cfg2.layer_kv_heads(i) for i in range(4)] == [2, 1, 2, 1]
-    assert cfg2.values_from_keys and cfg2.shared_kv_d_ff == 2 * cfg2.d_ff
+    assert cfg2.family_config.values_from_keys and cfg2.family_config.shared_kv_d_ff == 2 * cfg2.d_ff
     specs = gemma4.weight_specs(cfg2)["layers"]
     assert "wv" in specs[0] and "wv" not in specs[1] and "wk" not in specs[2] and "wk" not in specs[3]
     assert specs[3]["w_up"].shape == (64, 256) and specs[1]["w_up"].shape == (64, 128)

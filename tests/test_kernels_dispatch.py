@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import cpu_kernels, dispatch, quant
-from jaxinfer.config import Family, ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.dispatch import Attention, Kernels, Matmul
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models import llama
@@ -20,7 +20,7 @@ from jaxinfer.models.layers import dot
 from jaxinfer.sharding import make_mesh
 from jaxinfer.specs import init_weights
 
-CFG = ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2,
+CFG = ModelConfig(family="llama", vocab_size=97, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2,
                   head_dim=16, d_ff=128)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams, dispatch
-from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig
+from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig
 from jaxinfer.models import gemma3, llama
 from jaxinfer.models.layers import dot
 from jaxinfer.quant import quantize
@@ -45,19 +45,30 @@ def test_quantized_dot_through_the_kernel_equals_xla(scheme, group, calls):
     assert_close(got, ref)  # the kernel tests' one table (float32: 5e-6)
 
 
+def _step_pallas_calls(llm) -> int:
+    """pallas_call equations in the jaxpr of the engine's plain step, traced on an idle batch."""
+    eng = llm.engine
+    step = functools.partial(eng._step, cfg=eng.cfg, num_logprobs=-1, prompt_logprobs=-1, kernels=eng.kernels)
+    jaxpr = jax.make_jaxpr(step)(eng.weights, eng.idle_batch(4, 8, 0), eng.k_pages, eng.v_pages, eng.slots, None)
+    return str(jaxpr).count("pallas_call")
+
+
 def test_engine_with_kernels_gives_the_reference_tokens(tiny_gguf):
+    """The engine through the Pallas kernels (interpret mode) gives the XLA references' tokens,
+    float and w8a8, and its step really calls the kernels (the references' none)."""
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    ref = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, block_size=8)
+    kw = {"progress": False, "max_num_seqs": 4, "max_model_len": 64, "block_size": 8}
+    ref = LLM(str(tiny_gguf), kernels="xla", **kw)
     want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, sp, use_tqdm=False)]
-    kw = {"progress": False, "max_num_seqs": 4, "max_model_len": 64, "block_size": 8, "kernels": "pallas"}
-    llm = LLM(str(tiny_gguf), quantization="w8a8", **kw)
-    assert llm.kernels == dataclasses.replace(dispatch.INTERPRET, platform="cpu")  # from the device, no mesh
+    llm, llm8 = LLM(str(tiny_gguf), kernels="pallas", **kw), LLM(str(tiny_gguf), quantization="w8a8", kernels="pallas", **kw)
+    assert llm.kernels == llm8.kernels == dataclasses.replace(dispatch.INTERPRET, platform="cpu")  # from the device
     # the kernels read keys [P, K, ps, H], as they would on a TPU (dispatch.keys_transposed)
     assert not llm.engine.keys_transposed and llm.engine.k_pages[0].shape[2] == 8
-    got = [o.outputs[0].token_ids for o in LLM(str(tiny_gguf), **kw).generate(PROMPTS, sp, use_tqdm=False)]
-    got8 = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
-    assert got == want
-    plain8 = LLM(str(tiny_gguf), progress=False, max_num_seqs=4, max_model_len=64, block_size=8, quantization="w8a8")
+    assert _step_pallas_calls(ref) == 0 and _step_pallas_calls(llm) > 0
+    assert _step_pallas_calls(llm8) > _step_pallas_calls(llm)  # the w8a8 matmuls as well
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == want
+    got8 = [o.outputs[0].token_ids for o in llm8.generate(PROMPTS, sp, use_tqdm=False)]
+    plain8 = LLM(str(tiny_gguf), quantization="w8a8", kernels="xla", **kw)
     assert got8 == [o.outputs[0].token_ids for o in plain8.generate(PROMPTS, sp, use_tqdm=False)]
 
 
@@ -178,11 +189,11 @@ def _as_transposed(pools, keys_transposed):
 
 def _tiny_model(family):
     if family == "llama":
-        return llama, ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2, n_heads=6,
+        return llama, ModelConfig(family="llama", vocab_size=97, d_model=48, n_layers=2, n_heads=6,
                                   n_kv_heads=2, head_dim=8, d_ff=64), (False, False)
     L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
     return gemma3, ModelConfig(
-        family=Family.GEMMA3, vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+        family="gemma3", vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
         rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=1e4), layer_kinds=(L, G), sliding_window=4,
         query_pre_attn_scalar=12.0, attn_logit_softcap=2.0), (True, False)
 

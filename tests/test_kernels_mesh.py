@@ -179,12 +179,12 @@ def tpu_devices(name: str, bounds: tuple):
 
 
 def _toy(kind: str):
-    from jaxinfer.config import Family, ModelConfig
+    from jaxinfer.config import ModelConfig
 
     common = dict(vocab_size=512, d_model=256, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=128, d_ff=512)
     if kind == "moe":
-        return ModelConfig(family=Family.MIXTRAL, n_experts=4, n_experts_per_tok=2, moe_d_ff=512, **common)
-    return ModelConfig(family=Family.LLAMA, **common)
+        return ModelConfig(family="mixtral", n_experts=4, n_experts_per_tok=2, moe_d_ff=512, **common)
+    return ModelConfig(family="llama", **common)
 
 
 def _lower_step(devices, kind: str, *, decode_only: bool, quantization: str | None = None):
@@ -197,14 +197,14 @@ def _lower_step(devices, kind: str, *, decode_only: bool, quantization: str | No
     from jaxinfer.engine.step import packed_step
     from jaxinfer.loaders.quantize import quantize_weight
     from jaxinfer.models.packed import PackedBatch
-    from jaxinfer.models.registry import family_module
+    from jaxinfer.models.registry import model_family
     from jaxinfer.quant import QuantConfig, QuantScheme
     from jaxinfer.sharding import kv_pool_sharding, make_mesh, place_experts, quant_shardings, weight_shardings
     from jaxinfer.specs import is_spec
 
     cfg = _toy(kind)
     mesh = make_mesh(model=len(devices), devices=devices)
-    specs = family_module(cfg.family).weight_specs(cfg)
+    specs = model_family(cfg.family).weight_specs(cfg)
     placed = lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s)  # noqa: E731
 
     def weight(spec, sharding):

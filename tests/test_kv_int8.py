@@ -11,12 +11,13 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer import cache as kv
-from jaxinfer.config import Family, ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models import llama
 from jaxinfer.specs import init_weights
+from tests.conftest import require_native
 
-CFG = ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
+CFG = ModelConfig(family="llama", vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
                   head_dim=16, d_ff=64)
 # int8 with a per-(token, head) scale: each key/value element is off by at most scale / 2
 # (0.4% of the head's largest |x|). This random model (weights N(0, 0.2), |logits| up to 5.6)
@@ -73,11 +74,11 @@ def test_int8_paged_cache_equals_int8_dense(native, keys_transposed):
     The prefixes go in as decode rows, which read back their own quantized keys as the dense
     cache's prefill does (the prefill row attends to its own tokens unquantized). Keys pools
     of either layout: [P, K, ps, H] ones keep their scales over the last axis, as values do."""
-    from jaxinfer import cpu_kernels, dispatch
+    from jaxinfer import dispatch
     from tests.kernel_testing import packed_decode_logits
 
-    if native and not cpu_kernels.attention_available():
-        pytest.skip(cpu_kernels.library_status("paged_attention").reason)
+    if native:
+        require_native("paged_attention")
     w = init_weights(llama.weight_specs(CFG), CFG, jax.random.key(3), scale=0.2)
     tokens = jax.random.randint(jax.random.key(4), (2, 13), 0, CFG.vocab_size)
     dense, _ = _decode_logits(w, tokens, kv.init_cache(CFG, 2, 16, "int8"))

@@ -14,11 +14,11 @@ import importlib
 import pytest
 
 from jaxinfer import dispatch
-from jaxinfer.config import Family, ModelConfig
+from jaxinfer.config import ModelConfig
 from tests.conftest import on_ci
 
 # a toy Llama of TPU-sized heads: d 256, 4 query / 2 KV heads of 128, bfloat16
-CFG = ModelConfig(family=Family.LLAMA, vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
+CFG = ModelConfig(family="llama", vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
                   head_dim=128, d_ff=512, dtype="bfloat16")
 PALLAS = dispatch.Kernels(dispatch.Attention.PALLAS, dispatch.Matmul.PALLAS)
 

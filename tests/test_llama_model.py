@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from jaxinfer import cache as kv
-from jaxinfer.config import Family, ModelConfig, RopeConfig, RopeKind
+from jaxinfer.config import ModelConfig, RopeConfig, RopeKind
 from jaxinfer.models import llama
 from jaxinfer.specs import init_weights
 
 _forward = jax.jit(llama.forward, static_argnames=("cfg", "read_cache"))
 _unembed = jax.jit(llama.unembed, static_argnames=("cfg",))
 
-BASE = ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2, n_heads=6,
+BASE = ModelConfig(family="llama", vocab_size=97, d_model=48, n_layers=2, n_heads=6,
                    n_kv_heads=2, head_dim=8, d_ff=64, norm_eps=1e-5)
 
 CONFIGS = {

@@ -11,7 +11,7 @@ import pytest
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.errors import CheckpointError, InvalidRequest
 from jaxinfer.models import medusa
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 from jaxinfer import train_medusa as tm
 
 
@@ -36,7 +36,7 @@ def test_save_load_round_trip_and_refusal(tiny_llm, tmp_path):
 
 def test_zero_heads_repeat_the_models_own_prediction(tiny_llm):
     cfg, w = tiny_llm.cfg, tiny_llm.weights
-    mod = family_module(cfg.family)
+    mod = model_family(cfg.family)
     h = jax.random.normal(jax.random.PRNGKey(0), (3, cfg.d_model))
     logits = medusa.head_logits(medusa.init_heads(cfg, 2), w, h, cfg)  # f32[3, 2, V]
     own = mod.unembed(w, h[:, None], cfg)[:, 0]

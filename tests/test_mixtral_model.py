@@ -147,7 +147,7 @@ def test_mixtral_gguf_equals_transformers(tiny, tiny_ref, tmp_path):
 
     path = write_gguf(tmp_path / "mixtral.gguf", tiny)
     llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_memory_bytes=16 << 20, max_num_seqs=4)
-    assert llm.cfg.family.value == "mixtral" and llm.cfg.n_experts == 8 and llm.cfg.n_experts_per_tok == 2
+    assert llm.cfg.family == "mixtral" and llm.cfg.n_experts == 8 and llm.cfg.n_experts_per_tok == 2
     ft.assert_matches(ft.generate(llm), tiny_ref, what="gguf")
 
 
@@ -266,9 +266,9 @@ def test_moe_block_equals_token_by_token(renormalize, bias):
     k experts one by one, with and without renormalised weights and expert biases."""
     from jaxinfer.models import moe
     from jaxinfer.specs import init_weights
-    from jaxinfer.config import Family, ModelConfig
+    from jaxinfer.config import ModelConfig
 
-    cfg = ModelConfig(Family.MIXTRAL, 16, 32, 1, 2, 2, 16, 48)
+    cfg = ModelConfig("mixtral", 16, 32, 1, 2, 2, 16, 48)
     specs = moe.weight_specs(32, 6, 48, expert_bias=bias, router_bias=bias)
     w = init_weights(specs, cfg, jax.random.key(0), scale=0.3)
     w = {n: v + 0.1 * jax.random.normal(jax.random.key(i), v.shape) if n.startswith("b") or n == "router_bias"
@@ -285,9 +285,9 @@ def test_moe_block_reads_experts_through_grouped_matmuls_only():
     weight is read a group at a time (inside the grouped matmul's loop)."""
     from jaxinfer.models import moe
     from jaxinfer.specs import init_weights
-    from jaxinfer.config import Family, ModelConfig
+    from jaxinfer.config import ModelConfig
 
-    cfg = ModelConfig(Family.MIXTRAL, 16, 32, 1, 2, 2, 16, 48)
+    cfg = ModelConfig("mixtral", 16, 32, 1, 2, 2, 16, 48)
     w = init_weights(moe.weight_specs(32, 6, 48), cfg, jax.random.key(0))
     x = jnp.ones((1, 5, 32))
     jaxpr = jax.make_jaxpr(lambda x, w: moe.moe_mlp(x, w, route=moe.softmax_topk(2, renormalize=True)))(x, w)
@@ -307,12 +307,12 @@ def test_moe_block_kernel_path_equals_cpu_path():
     """Traced for TPU/GPU (the Pallas grouped matmul, in interpret mode here) the block computes
     what the CPU path (the XLA loop) does, float and int8 experts."""
     from jaxinfer import dispatch
-    from jaxinfer.config import Family, ModelConfig
+    from jaxinfer.config import ModelConfig
     from jaxinfer.models import moe
     from jaxinfer.quant import quantize_int8
     from jaxinfer.specs import init_weights
 
-    cfg = ModelConfig(Family.MIXTRAL, 16, 128, 1, 2, 2, 16, 128)
+    cfg = ModelConfig("mixtral", 16, 128, 1, 2, 2, 16, 128)
     w = init_weights(moe.weight_specs(128, 8, 128), cfg, jax.random.key(1), scale=0.1)
     x = jax.random.normal(jax.random.key(2), (3, 11, 128))
     route = moe.softmax_topk(2, renormalize=True)
@@ -335,12 +335,12 @@ def test_w8a8_refuses_experts_before_reading(tiny):
 _SHARDED_BLOCK = textwrap.dedent(r"""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding
-    from jaxinfer.config import Family, ModelConfig
+    from jaxinfer.config import ModelConfig
     from jaxinfer.models import moe
     from jaxinfer.quant import QuantArray, quantize_int8
     from jaxinfer.sharding import make_mesh, place_experts, quant_shardings, rules_for, weight_shardings
     from jaxinfer.specs import init_weights
-    cfg = ModelConfig(Family.MIXTRAL, 16, 64, 1, 2, 2, 16, 64)
+    cfg = ModelConfig("mixtral", 16, 64, 1, 2, 2, 16, 64)
     specs = moe.weight_specs(64, 8, 64, expert_bias=True, router_bias=True)
     w = init_weights(specs, cfg, jax.random.key(0), scale=0.2)
     w = {n: v + 0.1 * jax.random.normal(jax.random.key(i), v.shape) if "b" in n.split("_")[0] else v

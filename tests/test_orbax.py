@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.config import Family, ModelConfig, RopeConfig, RopeKind
+from jaxinfer.config import ModelConfig, RopeConfig, RopeKind
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders import checkpoint, convert, orbax_io
 from jaxinfer.models import llama
 from jaxinfer.specs import init_weights
 
-TINY = ModelConfig(family=Family.LLAMA, vocab_size=128, d_model=64, n_layers=2, n_heads=8,
+TINY = ModelConfig(family="llama", vocab_size=128, d_model=64, n_layers=2, n_heads=8,
                    n_kv_heads=2, head_dim=8, d_ff=96, norm_eps=1e-6, name="tiny")
 CONFIGS = {
     "tied": TINY,
@@ -53,6 +53,23 @@ def test_config_dict_round_trip(name):
     assert json.loads(json.dumps(d)) == d  # plain JSON values only
     assert d["family"] == "llama" and isinstance(d["rope"], dict)
     assert orbax_io.config_from_dict(json.loads(json.dumps(d))) == cfg
+
+
+def test_a_family_config_round_trips_and_older_flat_configs_still_read():
+    """A family's own knobs (``family_config``) come back as that family's config class; a
+    config written when they were fields of ModelConfig itself reads into the same place."""
+    from jaxinfer.models.gpt_oss import GptOssConfig
+    from jaxinfer.models.granite import GraniteConfig
+
+    cfg = dataclasses.replace(TINY, family="granite", family_config=GraniteConfig(embedding_multiplier=12.0,
+                                                                                  logits_scaling=8.0))
+    d = json.loads(json.dumps(orbax_io.config_to_dict(cfg)))
+    assert d["family_config"]["embedding_multiplier"] == 12.0
+    assert orbax_io.config_from_dict(d) == cfg
+    flat = orbax_io.config_to_dict(dataclasses.replace(TINY, family="gpt_oss"))
+    flat = {k: v for k, v in flat.items() if k != "family_config"} | {"swiglu_alpha": 1.5, "swiglu_limit": 6.0}
+    got = orbax_io.config_from_dict(flat)
+    assert got.family_config == GptOssConfig(swiglu_alpha=1.5, swiglu_limit=6.0)
 
 
 def test_config_from_dict_refuses_unknown_fields():

@@ -12,14 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.config import Family, ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.engine.pages import PageAllocator
 from jaxinfer.engine.warmup import warmup_shapes
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models import llama
 from jaxinfer.specs import init_weights
+from jaxinfer.models.registry import num_params
+from tests.conftest import require_native
 
-CFG = ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8, d_ff=64)
+CFG = ModelConfig(family="llama", vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8, d_ff=64)
 
 
 # ----------------------------------------------------------------------------- paged attention
@@ -29,11 +31,11 @@ def test_packed_steps_over_poisoned_pages_equal_the_full_forward(native, keys_tr
     three queries each reading them back: every query's logits equal the full forward pass's
     (no cache) at its position, through XLA's readers and the native CPU kernels, over keys
     pools of either layout (transposed: the CPU's; [P, K, ps, H]: a TPU's, read by XLA)."""
-    from jaxinfer import cpu_kernels, dispatch
+    from jaxinfer import dispatch
     from tests.kernel_testing import packed_decode_logits
 
-    if native and not cpu_kernels.attention_available():
-        pytest.skip(cpu_kernels.library_status("paged_attention").reason)
+    if native:
+        require_native("paged_attention")
     kernels = dispatch.Kernels(dispatch.Attention.NATIVE) if native else dispatch.XLA
     w = init_weights(llama.weight_specs(CFG), CFG, jax.random.key(0), scale=0.2)
     lens, T = [5, 11, 2], 3
@@ -273,7 +275,7 @@ def test_warmup_leaves_nothing_to_compile(tiny_gguf):
     assert s["output_tok_s"] == pytest.approx(n_out / s["wall_s"])
     cfg = llm.cfg
     ctx = sum(len(r.prompt_ids) + r.max_tokens / 2 for r in reqs) / len(reqs)  # mean attended context
-    flops_per_token = 2 * cfg.num_params() + 4 * cfg.n_layers * ctx * cfg.n_heads * cfg.head_dim
+    flops_per_token = 2 * num_params(cfg) + 4 * cfg.n_layers * ctx * cfg.n_heads * cfg.head_dim
     assert s["mfu"] == pytest.approx(flops_per_token * (n_in + n_out) / s["wall_s"] / 1e11)
     assert s["slo"]["met"] == 10 and s["goodput_requests_s"] == s["requests_s"]  # a 60 s TTFT SLO: all met
 

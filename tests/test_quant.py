@@ -246,11 +246,9 @@ def test_w8a8_lowers_to_an_s8_s8_s32_dot(B):
     assert not re.search(r"(f32|s32)\[256,384\]", hlo), "the int8 weight was widened"
 
 
-def test_w8a8_one_row_goes_to_the_native_gemv_where_built():
+def test_w8a8_one_row_goes_to_the_native_gemv_where_built(int8_kernels):
     from jaxinfer import cpu_kernels, dispatch
 
-    if not cpu_kernels.available():
-        pytest.skip("native int8 gemv not built here")
     qa = quant.quantize_w8a8(_weight((256, 384)), (0,), jnp.ones(256))
     qa = dataclasses.replace(qa, kernels=dispatch.Kernels(matmul=dispatch.Matmul.NATIVE))
     x = jnp.ones((1, 1, 256), jnp.float32)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams, quant
-from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig
+from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.evaluate import perplexity
 from jaxinfer.loaders import checkpoint, orbax_io
@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TEXT = (ROOT / "benchmarks" / "data" / "english.txt").read_text()
 GOLDEN = json.loads((ROOT / "tests" / "golden" / "smollm2-135m-instruct.json").read_text())
 
-LLAMA = ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=64, n_layers=2, n_heads=4,
+LLAMA = ModelConfig(family="llama", vocab_size=97, d_model=64, n_layers=2, n_heads=4,
                     n_kv_heads=2, head_dim=16, d_ff=128, norm_eps=1e-5, qkv_bias=True, tie_embeddings=False)
 L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
-GEMMA3 = ModelConfig(family=Family.GEMMA3, vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=1,
+GEMMA3 = ModelConfig(family="gemma3", vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=1,
                      head_dim=16, d_ff=128, norm_eps=1e-6, rope=RopeConfig(theta=1e6),
                      rope_local=RopeConfig(theta=1e4), layer_kinds=(L, G), sliding_window=4,
                      query_pre_attn_scalar=16.0)

@@ -88,5 +88,5 @@ def test_qwen3_moe_gguf_equals_transformers(tmp_path):
     hf = ft.write_tiny(tmp_path / "m", "qwen3_moe", TINY | {"norm_topk_prob": True})
     llm = LLM(str(write_gguf(tmp_path / "q.gguf", hf)), max_model_len=128, progress=False,
               kv_cache_memory_bytes=16 << 20, max_num_seqs=4)
-    assert llm.cfg.family.value == "qwen3_moe" and llm.cfg.n_experts == 8 and llm.cfg.moe_d_ff == 32
+    assert llm.cfg.family == "qwen3_moe" and llm.cfg.n_experts == 8 and llm.cfg.moe_d_ff == 32
     ft.assert_matches(ft.generate(llm), ft.reference(hf), what="gguf")

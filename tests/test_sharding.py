@@ -30,13 +30,13 @@ _SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jaxinfer import cache as kv
-    from jaxinfer.config import Family, ModelConfig
+    from jaxinfer.config import ModelConfig
     from jaxinfer.models import llama
     from jaxinfer.specs import init_weights
     from jaxinfer.sharding import make_mesh, weight_shardings
 
     assert len(jax.devices()) == 8
-    cfg = ModelConfig(family=Family.LLAMA, vocab_size=128, d_model=64, n_layers=2, n_heads=8,
+    cfg = ModelConfig(family="llama", vocab_size=128, d_model=64, n_layers=2, n_heads=8,
                       n_kv_heads=4, head_dim=8, d_ff=128)
     specs = llama.weight_specs(cfg)
     w = init_weights(specs, cfg, jax.random.key(0), scale=0.2)

@@ -23,7 +23,7 @@ import pytest
 import scipy.stats
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.config import Family, ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.engine.speculative import SpeculativeConfig
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models import llama
@@ -33,7 +33,7 @@ from tests.test_sampling import ref_probs
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2-135m-instruct.json").read_text())["prompts"]
 KV_BYTES = 256 << 20
 V = 32  # the tiny model's vocabulary
-TINY = ModelConfig(family=Family.LLAMA, vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+TINY = ModelConfig(family="llama", vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                    d_ff=64, max_position=128)
 PROMPT = [5, 7, 9, 12, 30, 2, 17, 9, 22, 14, 3, 26]  # every token once but 9: some ngram drafts, not always
 K = 3  # drafted tokens per block; max_tokens = K + 2 lets the first verification step emit tokens 2..5

@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer import aot
-from jaxinfer.config import Family, ModelConfig, RopeConfig, RopeKind
+from jaxinfer.config import ModelConfig, RopeConfig, RopeKind
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ if not aot.libtpu_available():
                     pytrace=False)
     pytest.skip("libtpu is not installed (pip install -e '.[tpu]')", allow_module_level=True)
 
-TINY = ModelConfig(family=Family.LLAMA, vocab_size=2048, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
+TINY = ModelConfig(family="llama", vocab_size=2048, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
                    head_dim=128, d_ff=512, norm_eps=1e-5, rope=RopeConfig(theta=10000.0, kind=RopeKind.DEFAULT),
                    max_position=4096, tie_embeddings=False, dtype="bfloat16", name="llama-tiny")
 

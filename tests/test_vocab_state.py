@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.config import Family, ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.loaders.random_weights import random_loaded, random_weights
 from jaxinfer.quant import quant_config
 
 V = 300
-CFG = ModelConfig(Family.LLAMA, vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+CFG = ModelConfig("llama", vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                   d_ff=64, max_position=128, tie_embeddings=False, name="tiny-random")
 
 

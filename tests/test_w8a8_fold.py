@@ -20,16 +20,16 @@ import numpy as np
 import pytest
 
 from jaxinfer import quant
-from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig
+from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig
 from jaxinfer.loaders.quantize import NORM_FEEDS, fold_smoothing, quantize_weight, smoothing_vectors
 from jaxinfer.models import gemma3, llama
 from jaxinfer.models.layers import dot, dot_many, init_weights
 from jaxinfer.quant import QuantArray, QuantConfig, QuantScheme
 
-LLAMA = ModelConfig(family=Family.LLAMA, vocab_size=97, d_model=64, n_layers=2, n_heads=4,
+LLAMA = ModelConfig(family="llama", vocab_size=97, d_model=64, n_layers=2, n_heads=4,
                     n_kv_heads=2, head_dim=16, d_ff=128, norm_eps=1e-5, qkv_bias=True, tie_embeddings=False)
 L, G = AttentionKind.LOCAL, AttentionKind.GLOBAL
-GEMMA3 = ModelConfig(family=Family.GEMMA3, vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=1,
+GEMMA3 = ModelConfig(family="gemma3", vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=1,
                      head_dim=16, d_ff=128, norm_eps=1e-6, rope=RopeConfig(theta=1e6),
                      rope_local=RopeConfig(theta=1e4), layer_kinds=(L, G), sliding_window=4,
                      query_pre_attn_scalar=16.0)

@@ -17,7 +17,7 @@ from jaxinfer import dispatch
 from jaxinfer.engine.slots import make_slots
 from jaxinfer.engine.step import packed_step
 from jaxinfer.models.packed import PackedBatch
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 from jaxinfer.specs import init_weights
 
 
@@ -57,7 +57,7 @@ def compile_packed_step(cfg, device, kernels: dispatch.Kernels, *, rows: int, nu
     def abstract(tree):
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_tpu), tree)
 
-    mod = family_module(cfg.family)
+    mod = model_family(cfg.family)
     weights = abstract(jax.eval_shape(lambda: init_weights(mod.weight_specs(cfg), cfg, jax.random.key(0))))
     pools = abstract(jax.eval_shape(lambda: kv.init_paged_cache(cfg, num_pages, page_size,
                                                                  keys_transposed=keys_transposed)))

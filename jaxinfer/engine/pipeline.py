@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer import cache as kv
 from jaxinfer.models.packed import PackedBatch, PackedKV
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 from jaxinfer.sharding import ShardingRules, kv_pool_sharding, stage_bounds
 
 STAGE = "stage"
@@ -100,15 +100,15 @@ def check_pipeline(cfg) -> None:
     """Refuse a model the stacked layout cannot hold: stage slots stack one layer of every
     stage, so every layer must have one pool shape of its own (no per-layer head dims or KV
     heads, no layers reading another's keys/values), and the family must run its layers from
-    the hidden state alone (``PIPELINE_STAGES``; Gemma 4's per-layer inputs come from the tokens)."""
+    the hidden state alone (``ModelFamily.pipeline_stages``; Gemma 4's per-layer inputs come from the tokens)."""
     from jaxinfer.errors import InvalidRequest
 
     shapes = {(cfg.layer_kv_heads(i), cfg.layer_head_dim(i)) for i in range(cfg.n_layers)}
-    if len(shapes) > 1 or cfg.kv_shared_layers or not getattr(family_module(cfg.family), "PIPELINE_STAGES", True):
-        raise InvalidRequest(f"pipeline_parallel_size > 1 is not supported for {cfg.family.value} models with "
+    if len(shapes) > 1 or cfg.kv_shared_layers or not model_family(cfg.family).pipeline_stages:
+        raise InvalidRequest(f"pipeline_parallel_size > 1 is not supported for {cfg.family} models with "
                              "per-layer inputs, per-layer attention shapes or shared keys/values")
     if cfg.latent_attention:  # the stacked pools hold keys and values, not one latent per token
-        raise InvalidRequest(f"pipeline_parallel_size > 1 is not supported for {cfg.family.value} models with "
+        raise InvalidRequest(f"pipeline_parallel_size > 1 is not supported for {cfg.family} models with "
                              "multi-head latent attention")
 
 
@@ -217,7 +217,7 @@ def _tick(s: int, m: int | None, layout: PipelineLayout, cfg, kernels, keys_tran
     slot = [layout.pool_slot(i) for i in span]
     cache = PackedKV([ks[p] for p in slot], [vs[p] for p in slot], sub, tuple(layout.windowed[i] for i in span),
                      kernels, defer_writes=True, keys_transposed=keys_transposed)
-    mod = family_module(cfg.family)
+    mod = model_family(cfg.family)
     y, cache = mod.decoder_layers(layers[: len(span)], xin, sub.positions[None], None, cache, cfg=cfg,
                                   first=span.start)
     ps = vs[0].shape[2]
@@ -233,7 +233,7 @@ def pipeline_forward(layout: PipelineLayout, weights: dict, tokens, batch: Packe
                      cfg, kernels, keys_transposed: bool = True):
     """The decoder over a packed step's tokens i32[N], pipelined -> (hidden [1, N, D] on every
     device, k_pages, v_pages); keys pools transposed or not (``init_pools``)."""
-    mod = family_module(cfg.family)
+    mod = model_family(cfg.family)
     S = layout.stages
     x = mod.embed(weights, tokens[None], cfg)  # [1, N, D], replicated over stages
     mbs = micro_batches(batch, S)

@@ -22,7 +22,7 @@ from jaxinfer.engine.pipeline import pipeline_forward
 from jaxinfer.engine.slots import SlotState
 from jaxinfer.models import eagle as eagle_mod
 from jaxinfer.models.packed import PackedBatch, PackedKV
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -86,7 +86,7 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
     token the previous step sampled for that slot (still on device: the host reads it while
     this step runs)."""
     with jax.named_scope("packed_step"):
-        mod = family_module(cfg.family)
+        mod = model_family(cfg.family)
         R, Q = batch.rows, batch.q
         tokens = batch.tokens
         if R:

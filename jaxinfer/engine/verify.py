@@ -26,7 +26,7 @@ from jaxinfer.engine.step import _eagle_entry_pass, token_logprobs
 from jaxinfer.models import eagle as eagle_mod
 from jaxinfer.models import medusa
 from jaxinfer.models.packed import PackedBatch, PackedKV
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 
 
 def _eagle_drafts(eagle, weights, g0, start, batch: PackedBatch, eagle_kv, k: int, *, cfg, kernels,
@@ -87,7 +87,7 @@ def draft_kv_step(draft_weights, batch: PackedBatch, draft_kv, last_tokens, *, d
     only to write its keys and values to its own pools draft_kv = (k, v), which it returns
     (donated). Keeps the draft's pages holding every position the target's hold."""
     with jax.named_scope("draft_kv_step"):
-        mod = family_module(draft_cfg.family)
+        mod = model_family(draft_cfg.family)
         R, Q = batch.rows, batch.q
         tokens = batch.tokens
         if R:
@@ -109,7 +109,7 @@ def _draft_model_drafts(draft_weights, batch: PackedBatch, draft_kv, sub: SlotSt
     only writes the last draft's keys and values, which the next block reads when every draft
     is accepted. Each draft is drawn by ``sampling.draft_sample`` from the row's own shaping of
     the draft's logits, which also gives the q that verification needs."""
-    mod = family_module(draft_cfg.family)
+    mod = model_family(draft_cfg.family)
     R, Q = batch.rows, batch.q
     k = Q - 1
     last = batch.tokens[0 : R * Q : Q]
@@ -280,7 +280,7 @@ def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, n
                     ahead, budget = jnp.maximum(ahead, 0), jnp.minimum(budget, prev + n)
             batch = chain_block(batch, slots.last_tokens, prev, ahead, budget, page_size=v_pages[0].shape[2])
             drafted = None if inputs.history is None else batch.last_q
-        mod = family_module(cfg.family)
+        mod = model_family(cfg.family)
         R, Q = batch.rows, batch.q
         tokens = batch.tokens
         if draft_layers:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders import hf, orbax_io
 from jaxinfer.loaders.common import (  # noqa: F401 (Loaded, read_json, assemble: re-exported)
     Loaded,
@@ -28,7 +27,7 @@ from jaxinfer.loaders.common import (  # noqa: F401 (Loaded, read_json, assemble
     read_json,
     refuse_unmapped,
 )
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import family_for_gguf
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -38,15 +37,15 @@ def load_gguf(path: Path, *, dtype: str, shardings_fn=None, quantize=None, on_co
 
     ck = GGUFCheckpoint(path)
     arch = ck.architecture
-    mod = _family_for_gguf_arch(arch, path, ck.metadata)
-    cfg = mod.config_from_gguf(ck.metadata, ck.tensors, dtype=dtype, load_tensor=ck.load)
-    specs = mod.weight_specs(cfg)
-    expected = checkpoint_names(specs, mod.CHECKPOINT_NAMES, 1) | set(getattr(mod, "GGUF_CONFIG_TENSORS", ()))
+    family = family_for_gguf(arch, path, ck.metadata)
+    cfg = family.config_from_gguf(ck.metadata, ck.tensors, dtype=dtype, load_tensor=ck.load)
+    specs = family.weight_specs(cfg)
+    expected = checkpoint_names(specs, family.checkpoint_names, 1) | set(family.gguf_config_tensors)
     refuse_unmapped(path, ck.tensors, expected, "GGUF carries")
-    permuted = arch in getattr(mod, "GGUF_PERMUTED_QK", ())
+    permuted = arch in family.gguf_permuted_qk
     # A family whose llama.cpp converter rewrote tensors says how to undo it (Gemma's norms).
-    undo = getattr(mod, "gguf_tensor", None)
-    read = block_reader(fused_blocks(specs, mod.CHECKPOINT_NAMES, 1),
+    undo = family.gguf_tensor
+    read = block_reader(fused_blocks(specs, family.checkpoint_names, 1),
                         lambda name: ck.load(name) if name in ck.tensors else None)
 
     def qk_permuted(name):
@@ -77,47 +76,9 @@ def load_gguf(path: Path, *, dtype: str, shardings_fn=None, quantize=None, on_co
         on_config(cfg)
     tok = tokenizer_from_gguf(ck.metadata)
     quantizer = make_quantizer(quantize, specs, cfg, tok)
-    weights = assemble(specs, cfg, mod.CHECKPOINT_NAMES, fetch, 1, shardings=shardings, quantizer=quantizer,
+    weights = assemble(specs, cfg, family.checkpoint_names, fetch, 1, shardings=shardings, quantizer=quantizer,
                        view=view)
     return Loaded(cfg, weights, tok, "gguf")
-
-
-def _family_for_gguf_arch(arch: str, path, meta: dict | None = None):
-    """The family module of a GGUF architecture. Where several list it (llama.cpp writes
-    Mixtral as "llama" with experts), one whose ``gguf_claims(meta)`` holds wins over the
-    others; a family with such a predicate takes no file it does not claim."""
-    from jaxinfer.config import Family
-
-    plain = None
-    for fam in Family:
-        try:
-            mod = family_module(fam)
-        except (ImportError, KeyError):
-            continue
-        if arch not in getattr(mod, "GGUF_ARCHITECTURES", ()):
-            continue
-        claims = getattr(mod, "gguf_claims", None)
-        if claims is None:
-            plain = plain or mod
-        elif meta is not None and claims(meta):
-            return mod
-    if plain is not None:
-        return plain
-    raise CheckpointError(
-        f"{path}: unsupported architecture {arch!r} (supported: {', '.join(sorted(supported_gguf_architectures()))})"
-    )
-
-
-def supported_gguf_architectures() -> set[str]:
-    from jaxinfer.config import Family
-
-    out = set()
-    for fam in Family:
-        try:
-            out |= set(getattr(family_module(fam), "GGUF_ARCHITECTURES", ()))
-        except (ImportError, KeyError):
-            pass
-    return out
 
 
 def load(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=None) -> Loaded:

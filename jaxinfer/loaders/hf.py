@@ -71,35 +71,15 @@ def saved_dtype(hf: dict) -> str:
 
 
 def family_for(hf: dict, path):
-    """The model family module whose HF_ARCHITECTURES names this checkpoint's architecture."""
-    from jaxinfer.config import Family
-    from jaxinfer.models.registry import family_module
+    """The model family whose ``hf_architectures`` names this checkpoint's architecture."""
+    from jaxinfer.models.registry import family_for_hf
 
-    archs = hf.get("architectures") or []
-    if isinstance(archs, str):
-        archs = [archs]
-    supported: set[str] = set()
-    for fam in Family:
-        try:
-            mod = family_module(fam)
-        except (ImportError, KeyError):
-            continue
-        names = set(getattr(mod, "HF_ARCHITECTURES", ()))
-        supported |= names
-        if names & set(archs):
-            return mod
-        # Configs without "architectures" still carry model_type ("llama", "qwen2", ...).
-        if not archs and hf.get("model_type") in getattr(mod, "GGUF_ARCHITECTURES", ()):
-            return mod
-    what = f"architecture {', '.join(map(str, archs))}" if archs else f"model_type {hf.get('model_type')!r}"
-    raise CheckpointError(
-        f"{path}: unsupported {what} in config.json (supported: {', '.join(sorted(supported))})"
-    )
+    return family_for_hf(hf, path)
 
 
-def _check_supported(hf: dict, path, mod) -> None:
+def _check_supported(hf: dict, path, family) -> None:
     """Features of the family's HF configs that our forward pass does not implement."""
-    acts = getattr(mod, "HF_ACTIVATIONS", ("silu",))
+    acts = family.hf_activations
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if act not in acts:
         raise CheckpointError(f"{path}: unsupported hidden_act {act!r} (supported: {', '.join(sorted(acts))})")
@@ -206,7 +186,7 @@ def _merges_to(shape: tuple[int, ...], declared: tuple[int, ...]) -> bool:
     return i == len(declared)
 
 
-# A name with this in it (``{{e}}`` in a family's CHECKPOINT_NAMES, once the layer is filled
+# A name with this in it (``{{e}}`` in a family's checkpoint_names, once the layer is filled
 # in) stands for one tensor per expert, stacked on the weight's "expert" axis when read.
 EXPERT = "{e}"
 
@@ -236,16 +216,16 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
 
     path = Path(path)
     hf = read_config(path)
-    mod = family_for(hf, path)
-    hf, names, prefix = _text_tower(hf, path, mod)
-    _check_supported(hf, path, mod)
+    family = family_for(hf, path)
+    hf, names, prefix = _text_tower(hf, path, family)
+    _check_supported(hf, path, family)
     try:
-        cfg = mod.config_from_hf(hf, dtype=dtype)
+        cfg = family.config_from_hf(hf, dtype=dtype)
     except KeyError as e:
         raise CheckpointError(f"{path / 'config.json'}: missing key {e}") from None
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
-    specs = mod.weight_specs(cfg)
+    specs = family.weight_specs(cfg)
     declared = _declared_shapes(specs, cfg, names)
     # per-expert names: the template name -> (experts, the axis they stack on)
     stacked = {}
@@ -259,14 +239,14 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
     with contextlib.ExitStack() as stack:
         shards = SafetensorsShards(path, stack)
         # tensors the family's model does not run (DeepSeek-V3's multi-token-prediction layers)
-        skipped = getattr(mod, "hf_skipped_prefixes", lambda hf: ())(hf)
+        skipped = family.hf_skipped_prefixes(hf)
         present = [n for n in shards.weight_map if not n.endswith(_DERIVED_SUFFIXES) and not n.startswith(skipped)
                    and not (cfg.tie_embeddings and n == "lm_head.weight")
                    and (prefix is None or n.startswith(prefix) or n == "lm_head.weight")]
         # a family that stores some weights otherwise (gpt-oss: fused columns, MXFP4) names the
         # tensors each of its names is read from (``hf_sources``) and reads them (``hf_read``)
-        derived = getattr(mod, "hf_read", None)
-        sources = getattr(mod, "hf_sources", lambda n: (n,))
+        derived = family.hf_read
+        sources = family.hf_sources or (lambda n: (n,))
         refuse_unmapped(path, present, {s for n in declared for s in sources(fused_block(n)[0])},
                         "the safetensors carry")
         read = block_reader(fused_blocks(specs, names, 0), shards.get)
@@ -311,22 +291,22 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
     return Loaded(cfg, weights, tok, "hf")
 
 
-def _text_tower(hf: dict, path, mod) -> tuple[dict, dict, str | None]:
+def _text_tower(hf: dict, path, family) -> tuple[dict, dict, str | None]:
     """(config, checkpoint names, tensor prefix) of the text decoder in the checkpoint. A
-    multimodal architecture the family lists in ``HF_TEXT_TOWERS`` keeps it under a prefix
+    multimodal architecture the family lists in ``hf_text_towers`` keeps it under a prefix
     ("model.language_model.") with its config in ``text_config``; the other towers' tensors
     are left unread. Otherwise: the config as it is, the family's names, no prefix."""
     archs = hf.get("architectures") or []
     archs = [archs] if isinstance(archs, str) else archs
-    towers = getattr(mod, "HF_TEXT_TOWERS", {})
+    towers = family.hf_text_towers
     arch = next((a for a in archs if a in towers), None)
     if arch is None:
-        return hf, mod.CHECKPOINT_NAMES, None
+        return hf, family.checkpoint_names, None
     prefix, text = towers[arch], hf.get("text_config")
     if not isinstance(text, dict):
         raise CheckpointError(f"{path / 'config.json'}: {arch} without a text_config")
     names = {key: (name.replace("model.", prefix, 1) if name.startswith("model.") else name, *rest)
-             for key, (name, *rest) in mod.CHECKPOINT_NAMES.items()}
+             for key, (name, *rest) in family.checkpoint_names.items()}
     # the outer config decides whether the LM head is the text tower's embedding
     tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
     return dict(text, architectures=archs, tie_word_embeddings=tie), names, prefix

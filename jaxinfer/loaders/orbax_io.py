@@ -39,7 +39,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, InvalidRequest
 from jaxinfer.loaders.common import Loaded, make_quantizer, place, read_json
 from jaxinfer.loaders.quantize import weight_name
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 from jaxinfer.sharding import quant_shardings
 from jaxinfer.specs import is_spec, spec_dtype, weight_key
 
@@ -76,7 +76,10 @@ def config_to_dict(cfg) -> dict:
 
 
 def config_from_dict(d: dict, cls=ModelConfig):
-    """Inverse of ``config_to_dict``; field types come from the dataclass annotations."""
+    """Inverse of ``config_to_dict``; field types come from the dataclass annotations (those
+    of ``family_config`` from its family's ``config_class``)."""
+    if cls is ModelConfig:
+        d = _with_family_config(d)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - names
@@ -85,6 +88,19 @@ def config_from_dict(d: dict, cls=ModelConfig):
             f"config has fields {sorted(unknown)} unknown to {cls.__name__} (written by a newer jaxinfer?)"
         )
     return cls(**{k: _typed(v, hints[k]) for k, v in d.items()})
+
+
+def _with_family_config(d: dict) -> dict:
+    """``d`` with its family's own knobs as that family's config object. A config written
+    when those knobs were fields of ModelConfig itself holds them at the top level: they move
+    into the family config."""
+    config_class = model_family(d.get("family", "")).config_class if "family" in d else None
+    if config_class is None:
+        return d
+    own = {f.name for f in dataclasses.fields(config_class)}
+    inner = dict(d.get("family_config") or {}) | {k: v for k, v in d.items() if k in own}
+    rest = {k: v for k, v in d.items() if k not in own}
+    return rest | {"family_config": config_from_dict(inner, config_class)}
 
 
 def _typed(v, tp):
@@ -102,7 +118,7 @@ def _typed(v, tp):
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return tp(v)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return config_from_dict(v, tp)
+        return v if dataclasses.is_dataclass(v) else config_from_dict(v, tp)
     if tp is float and isinstance(v, int):
         return float(v)
     return v
@@ -215,7 +231,7 @@ def load_orbax(path, *, dtype: str | None, shardings_fn=None, quantize=None, on_
     cfg = read_config(path)
     if dtype is not None and dtype != cfg.dtype:
         cfg = dataclasses.replace(cfg, dtype=dtype)
-    specs = family_module(cfg.family).weight_specs(cfg)
+    specs = model_family(cfg.family).weight_specs(cfg)
     saved_quant = meta.get("quantization")
     if saved_quant and quantize is not None and (
         quantize.scheme.value != saved_quant.get("scheme")

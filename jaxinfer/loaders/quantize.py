@@ -208,12 +208,12 @@ class _Calibration:
     def __init__(self, cfg, family, tokenizer, qcfg: QuantConfig):
         import functools
 
-        from jaxinfer.models.registry import family_module
+        from jaxinfer.models.registry import model_family
 
         self.cfg, self.qcfg = cfg, qcfg
-        self.mod = family_module(family if family is not None else cfg.family)
-        if not getattr(self.mod, "W8A8_CALIBRATION", True):
-            raise InvalidRequest(f"quantize='w8a8' is not supported for {cfg.family.value} models "
+        self.mod = model_family(family if family is not None else cfg.family)
+        if not self.mod.w8a8_calibration:
+            raise InvalidRequest(f"quantize='w8a8' is not supported for {cfg.family} models "
                                  "(its layers cannot be calibrated one at a time); use int8 or int4")
         ids: list[int] = []
         for p in CALIBRATION_PROMPTS:
@@ -299,13 +299,14 @@ def fold_smoothing(floats: dict, specs: dict, svec: dict, cfg) -> dict:
     w8a8 weights stored as diag(s) W with no run-time smoothing, 1/s in the norm feeding them
     or in the per-output-channel scale (and bias) of the matmul producing their input. Norms,
     biases and the w8a8 QuantArrays of the covered weights, by name."""
-    from jaxinfer.config import Family
+    from jaxinfer.models.registry import model_family
 
+    offset = model_family(cfg.family).norm_offset  # Gemma 2/3's norms scale by 1 + w
     out = {n: quant.quantize_w8a8(floats[n], specs[n].contract_axes, smooth_in=s) for n, s in svec.items()}
     for norm, names in NORM_FEEDS.items():
         if names[0] in svec:
             w, s = floats[norm].astype(jnp.float32), svec[names[0]]
-            folded = (1.0 + w) / s - 1.0 if cfg.family == Family.GEMMA3 else w / s  # Gemma scales by 1 + w
+            folded = (offset + w) / s - offset
             out[norm] = folded.astype(floats[norm].dtype)
     K, G, H = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     for n, (producer, bias) in PRODUCERS.items():

@@ -25,7 +25,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.loaders.common import Loaded
 from jaxinfer.loaders.quantize import quantize_weight
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 from jaxinfer.quant import QuantConfig, QuantScheme
 from jaxinfer.specs import WeightSpec, is_spec, spec_dtype
 
@@ -51,7 +51,7 @@ def random_weights(cfg: ModelConfig, *, quantize: QuantConfig | None = None, see
     declared, all on the default device. w8a8 needs activations to calibrate and is refused."""
     if quantize is not None and quantize.scheme == QuantScheme.W8A8:
         raise InvalidRequest("random weights support quantize int8 and int4, not w8a8 (it calibrates on activations)")
-    specs = family_module(cfg.family).weight_specs(cfg)
+    specs = model_family(cfg.family).weight_specs(cfg)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     out = [_maker(s, spec_dtype(s, cfg), quantize, scale)(k) for s, k in zip(leaves, keys)]

@@ -23,25 +23,40 @@ weights = {"embed": [V, D], "layers": [one dict per layer], "final_norm": [D], "
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import Family, ModelConfig, RopeKind, yarn_mscale, yarn_or_default_rope
+from jaxinfer.config import ModelConfig, RopeKind, yarn_mscale, yarn_or_default_rope
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import moe
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
 from jaxinfer.models.layers import (
     apply_rope,
     attend_latent,
     dot,
     gated_mlp,
     rms_norm,
-    rope_inv_freq,
-    rope_table,
     silu,
 )
-from jaxinfer.models import llama
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (the family's embed / unembed)
 from jaxinfer.specs import WeightSpec
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV3Config:
+    """DeepSeek-V3's own knobs (the latent attention's cache shape stays in ModelConfig, which
+    the engine reads): queries through a rank-q_lora_rank bottleneck (0: one projection);
+    experts in n_expert_groups groups, tokens picking from the topk_expert_groups best groups,
+    routing weights times routed_scaling_factor; n_shared_experts experts' width of a dense MLP
+    every token goes through beside them."""
+
+    q_lora_rank: int = 0
+    n_expert_groups: int = 1
+    topk_expert_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+
 
 def weight_specs(cfg: ModelConfig) -> dict:
     D, N, V = cfg.d_model, cfg.n_heads, cfg.vocab_size
@@ -56,15 +71,16 @@ def weight_specs(cfg: ModelConfig) -> dict:
         "wo": WeightSpec((N, Dv, D), ("q_heads", "head_dim", "embed"), contract=("q_heads", "head_dim")),
         "mlp_norm": WeightSpec((D,), ("embed",), "ones"),
     }
-    if cfg.q_lora_rank:
-        Q = cfg.q_lora_rank
+    own = cfg.family_config
+    if own.q_lora_rank:
+        Q = own.q_lora_rank
         layer |= {"wq_a": WeightSpec((D, Q), ("embed", "q_lora"), contract=("embed",)),
                   "q_a_norm": WeightSpec((Q,), ("q_lora",), "ones"),
                   "wq_b": WeightSpec((Q, N, Dn + R), ("q_lora", "q_heads", "head_dim"), contract=("q_lora",))}
     else:
         layer["wq"] = WeightSpec((D, N, Dn + R), ("embed", "q_heads", "head_dim"), contract=("embed",))
     dense = layer | _mlp_specs(D, cfg.d_ff)
-    Fs = cfg.moe_d_ff * cfg.n_shared_experts
+    Fs = cfg.moe_d_ff * own.n_shared_experts
     block = moe.weight_specs(D, cfg.n_experts, cfg.moe_d_ff)
     # the router and its correction bias stay float32, as transformers keeps them
     block |= {"router": WeightSpec((D, cfg.n_experts), ("embed", None), dtype="float32"),
@@ -93,49 +109,49 @@ def grouped_sigmoid_topk(cfg: ModelConfig) -> moe.Route:
     its two best; the k experts come from the topk_expert_groups best groups. Their weights
     are the unbiased scores, rescaled to sum to 1 with norm_topk_prob, then times
     routed_scaling_factor."""
-    E, G, k = cfg.n_experts, cfg.n_expert_groups, cfg.n_experts_per_tok
+    own = cfg.family_config
+    E, G, k = cfg.n_experts, own.n_expert_groups, cfg.n_experts_per_tok
 
     def route(logits: jax.Array, w: dict) -> tuple[jax.Array, jax.Array]:
         scores = jax.nn.sigmoid(logits)  # f32[M, E]
         choice = scores + w["score_bias"].astype(jnp.float32)
         M = choice.shape[0]
         group_scores = jax.lax.top_k(choice.reshape(M, G, E // G), 2)[0].sum(axis=-1)  # f32[M, G]
-        _, groups = jax.lax.top_k(group_scores, cfg.topk_expert_groups)
+        _, groups = jax.lax.top_k(group_scores, own.topk_expert_groups)
         keep = jnp.zeros((M, G), bool).at[jnp.arange(M)[:, None], groups].set(True)
         choice = jnp.where(jnp.repeat(keep, E // G, axis=1), choice, -jnp.inf)
         _, experts = jax.lax.top_k(choice, k)
         weights = jnp.take_along_axis(scores, experts, axis=1)
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
+        return weights * own.routed_scaling_factor, experts.astype(jnp.int32)
 
     return route
 
 
 # ----------------------------------------------------------------------------- forward
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] -> (x, cache)."""
-    R = cfg.qk_rope_head_dim
-    rope = rope_table(positions, jnp.asarray(rope_inv_freq(R, cfg.rope)), cfg.rope.attention_factor)
-    route = grouped_sigmoid_topk(cfg)
-    for j, w in enumerate(layers):
-        i = first + j
-        with jax.named_scope(f"layer{i}/latent_attention"):
-            x, cache = attention_block(w, x, cache, j, positions, start, rope, cfg=cfg, read_cache=read_cache)
-        with jax.named_scope(f"layer{i}/mlp"):
-            h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-            if "moe" in w:
-                y = moe.moe_mlp(h, w["moe"], route=route)
-                if "shared" in w:
-                    y = y + gated_mlp(h, w["shared"]["w_gate"], w["shared"]["w_up"], w["shared"]["w_down"], silu)
-            else:
-                y = gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
-            x = x + y
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache): latent attention (rotary over the
+    qk_rope_head_dim roped dims), then the routed experts beside the shared ones, or a dense
+    SwiGLU MLP on the first layers."""
+    cfg, i = at.cfg, at.i
+    with jax.named_scope(f"layer{i}/latent_attention"):
+        rope = at.rope(cfg.rope, cfg.qk_rope_head_dim)
+        x, cache = attention_block(w, x, cache, at.j, at.positions, at.start, rope, cfg=cfg, read_cache=at.read_cache)
+    with jax.named_scope(f"layer{i}/mlp"):
+        h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
+        if "moe" in w:
+            y = moe.moe_mlp(h, w["moe"], route=grouped_sigmoid_topk(cfg))
+            if "shared" in w:
+                y = y + gated_mlp(h, w["shared"]["w_gate"], w["shared"]["w_up"], w["shared"]["w_down"], silu)
+        else:
+            y = gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
+        x = x + y
     return x, cache
 
 
-forward = llama.decoder(embed, decoder_layers)
+decoder_layers = layer_loop(layer)
+forward = decoder(embed, decoder_layers)
 
 
 def attention_block(w: dict, x: jax.Array, cache, j: int, positions, start, rope, *, cfg: ModelConfig,
@@ -243,7 +259,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         raise CheckpointError(f"n_group={G} must divide n_routed_experts={E}")
     n_heads = int(hf["num_attention_heads"])
     return ModelConfig(
-        family=Family.DEEPSEEK_V3,
+        family="deepseek_v3",
         vocab_size=int(hf["vocab_size"]),
         d_model=int(hf["hidden_size"]),
         n_layers=int(hf["num_hidden_layers"]),
@@ -264,12 +280,19 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         norm_topk_prob=bool(hf["norm_topk_prob"]),
         dense_layers=tuple(range(min(int(hf["first_k_dense_replace"]), int(hf["num_hidden_layers"])))),
         kv_lora_rank=int(hf["kv_lora_rank"]),
-        q_lora_rank=int(hf["q_lora_rank"] or 0),
         qk_rope_head_dim=R,
         qk_nope_head_dim=Dn,
         v_head_dim=int(hf["v_head_dim"]),
-        n_expert_groups=G,
-        topk_expert_groups=int(hf.get("topk_group") or 1),
-        routed_scaling_factor=float(hf["routed_scaling_factor"]),
-        n_shared_experts=int(hf["n_shared_experts"] or 0),
+        family_config=DeepseekV3Config(
+            q_lora_rank=int(hf["q_lora_rank"] or 0), n_expert_groups=G,
+            topk_expert_groups=int(hf.get("topk_group") or 1),
+            routed_scaling_factor=float(hf["routed_scaling_factor"]), n_shared_experts=int(hf["n_shared_experts"] or 0)),
     )
+
+
+FAMILY = ModelFamily(
+    name="deepseek_v3", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, hf_skipped_prefixes=hf_skipped_prefixes,
+    gguf_architectures=GGUF_ARCHITECTURES, config_class=DeepseekV3Config,
+)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import AttentionKind
 from jaxinfer.models.layers import dot, take
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 from jaxinfer.specs import WeightSpec, init_weights
 
 META_FILE = "eagle.json"
@@ -38,7 +38,7 @@ def head_specs(cfg) -> dict:
     """One declaration per trained weight: the input projection and one layer of the family."""
     D = cfg.d_model
     return {"fc": WeightSpec((2 * D, D), ("embed2", "embed"), dtype="float32", contract=("embed2",)),
-            "layer": family_module(cfg.family).weight_specs(cfg)["layers"][0]}
+            "layer": model_family(cfg.family).weight_specs(cfg)["layers"][0]}
 
 
 def layer_cfg(cfg):
@@ -72,7 +72,7 @@ def unit_rms(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 def entries(head: dict, weights: dict, feats: jax.Array, next_tokens: jax.Array, cfg) -> jax.Array:
     """feats f32[..., D] (f_p), next_tokens i32[...] (t_{p+1}) -> entries f32[..., D]."""
-    e = family_module(cfg.family).embed(weights, next_tokens, cfg).astype(jnp.float32)
+    e = model_family(cfg.family).embed(weights, next_tokens, cfg).astype(jnp.float32)
     x = jnp.concatenate([unit_rms(feats), e], axis=-1)
     if isinstance(head["fc"], jax.Array):
         return x @ head["fc"]
@@ -81,14 +81,14 @@ def entries(head: dict, weights: dict, feats: jax.Array, next_tokens: jax.Array,
 
 def run_layer(head: dict, x: jax.Array, positions: jax.Array, cache, cfg):
     """The draft layer over entries x f32[B, T, D] at positions i32[B, T] -> (g, cache)."""
-    mod = family_module(cfg.family)
+    mod = model_family(cfg.family)
     return mod.decoder_layers([head["layer"]], x, positions, jnp.zeros(x.shape[0], jnp.int32), cache,
                               cfg=layer_cfg(cfg))
 
 
 def draft_logits(weights: dict, rows: jax.Array, g: jax.Array, cfg) -> jax.Array:
     """g f32[..., D] -> f32[..., Vd] through the target's final norm and the draft rows."""
-    mod = family_module(cfg.family)
+    mod = model_family(cfg.family)
     if isinstance(rows, jax.Array):
         w = {"final_norm": weights["final_norm"], "embed": rows, "lm_head": rows.T}
     else:  # quantized rows [Vd, D] (the engine's int8 head): read out as a tied head

@@ -20,11 +20,11 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
-from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig
+from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig
 from jaxinfer.errors import CheckpointError
-from jaxinfer.models import gemma3, llama
+from jaxinfer.models import gemma3
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
@@ -32,8 +32,6 @@ from jaxinfer.models.layers import (
     gated_mlp,
     gelu_tanh,
     rms_norm,
-    rope_inv_freq,
-    rope_table,
 )
 from jaxinfer.specs import WeightSpec
 
@@ -67,29 +65,27 @@ def weight_specs(cfg: ModelConfig) -> dict:
     return specs
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
-    -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools);
-    each layer's window is the model layer's."""
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache) (the module docstring's); its window is
+    the model layer's."""
+    cfg, i = at.cfg, at.i
     norm = functools.partial(rms_norm, eps=cfg.norm_eps, plus_one=True)
-    rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)))
-    for j, w in enumerate(layers):
-        i = first + j
-        window = cfg.layer_window(i)
-        with jax.named_scope(f"layer{i}/{'local' if window else 'global'}_attention"):
-            h = norm(x, w["attn_norm"])
-            q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
-            o, cache = attend_layer(cache, j, q, k, v, positions, start, rope, read_cache=read_cache,
-                                    scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
-            x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
-        with jax.named_scope(f"layer{i}/mlp"):
-            h = norm(x, w["mlp_norm"])
-            x = x + norm(gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], gelu_tanh), w["post_mlp_norm"])
+    window = cfg.layer_window(i)
+    with jax.named_scope(f"layer{i}/{'local' if window else 'global'}_attention"):
+        h = norm(x, w["attn_norm"])
+        q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
+        o, cache = attend_layer(cache, at.j, q, k, v, at.positions, at.start, at.rope(cfg.rope),
+                                read_cache=at.read_cache, scale=cfg.attn_scale, window=window,
+                                softcap=cfg.attn_logit_softcap)
+        x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
+    with jax.named_scope(f"layer{i}/mlp"):
+        h = norm(x, w["mlp_norm"])
+        x = x + norm(gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], gelu_tanh), w["post_mlp_norm"])
     return x, cache
 
 
-forward = llama.decoder(embed, decoder_layers)
+decoder_layers = layer_loop(layer)
+forward = decoder(embed, decoder_layers)
 
 
 # Where each weight lives in the two external formats: Gemma 3's names, less its head norms.
@@ -124,7 +120,7 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
         raise CheckpointError(f"unsupported GGUF {arch}.rope.scaling.type {g('rope.scaling.type')!r} for Gemma 2")
     window = int(g("attention.sliding_window", 0) or 0)
     return ModelConfig(
-        family=Family.GEMMA2,
+        family="gemma2",
         vocab_size=len(meta["tokenizer.ggml.tokens"]),
         d_model=d_model,
         n_layers=n_layers,
@@ -166,7 +162,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     if AttentionKind.LOCAL not in kinds or not window:
         kinds, window = (), None
     return ModelConfig(
-        family=Family.GEMMA2,
+        family="gemma2",
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
         n_layers=n_layers,
@@ -186,3 +182,11 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         attn_logit_softcap=hf.get("attn_logit_softcapping", ATTN_SOFTCAP),
         final_logit_softcap=hf.get("final_logit_softcapping", FINAL_SOFTCAP),
     )
+
+FAMILY = ModelFamily(
+    name="gemma2", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, hf_activations=HF_ACTIVATIONS,
+    gguf_architectures=GGUF_ARCHITECTURES, config_from_gguf=config_from_gguf, gguf_tensor=gguf_tensor,
+    norm_offset=1.0,
+)

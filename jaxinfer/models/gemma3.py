@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig, RopeKind
-from jaxinfer.models import llama
+from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig, RopeKind
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
@@ -33,8 +33,6 @@ from jaxinfer.models.layers import (
     gated_mlp,
     gelu_tanh,
     rms_norm,
-    rope_inv_freq,
-    rope_table,
     take,
 )
 from jaxinfer.specs import WeightSpec
@@ -86,33 +84,27 @@ def unembed(weights, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return logits
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
-    -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools);
-    each layer's kind (local or global rotary and window) is the model layer's."""
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache) (the module docstring's), with its
+    kind's window and rotary."""
+    cfg, i = at.cfg, at.i
     norm = functools.partial(rms_norm, eps=cfg.norm_eps, plus_one=True)
-    tables = {}  # one rotary table per distinct rotary config (local / global)
-    for j, w in enumerate(layers):
-        i = first + j
-        rope, window = cfg.layer_rope(i), cfg.layer_window(i)
-        if rope not in tables:
-            tables[rope] = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, rope)))
-        kind = "local" if window else "global"
-        with jax.named_scope(f"layer{i}/{kind}_attention"):
-            h = norm(x, w["attn_norm"])
-            q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
-            q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
-            o, cache = attend_layer(cache, j, q, k, v, positions, start, tables[rope], read_cache=read_cache,
-                                    scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
-            x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
-        with jax.named_scope(f"layer{i}/mlp"):
-            h = norm(x, w["mlp_norm"])
-            x = x + norm(gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], gelu_tanh), w["post_mlp_norm"])
+    window = cfg.layer_window(i)
+    with jax.named_scope(f"layer{i}/{'local' if window else 'global'}_attention"):
+        h = norm(x, w["attn_norm"])
+        q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
+        q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
+        o, cache = attend_layer(cache, at.j, q, k, v, at.positions, at.start, at.rope(), read_cache=at.read_cache,
+                                scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
+        x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
+    with jax.named_scope(f"layer{i}/mlp"):
+        h = norm(x, w["mlp_norm"])
+        x = x + norm(gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], gelu_tanh), w["post_mlp_norm"])
     return x, cache
 
 
-forward = llama.decoder(embed, decoder_layers)
+decoder_layers = layer_loop(layer)
+forward = decoder(embed, decoder_layers)
 
 
 # Where each weight lives in the two external formats: our path -> (HF name, GGUF name,
@@ -164,7 +156,7 @@ def _preset(name, *, d_model, n_layers, n_heads, n_kv_heads, d_ff, window, head_
     if global_rope_factor:
         rope = RopeConfig(theta=GLOBAL_THETA, kind=RopeKind.LINEAR, factor=global_rope_factor)
     return ModelConfig(
-        family=Family.GEMMA3, vocab_size=262144, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+        family="gemma3", vocab_size=262144, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=n_kv_heads, head_dim=head_dim, d_ff=d_ff, norm_eps=1e-6, rope=rope,
         max_position=max_position, tie_embeddings=True, layer_kinds=layer_kinds(n_layers),
         sliding_window=window, rope_local=LOCAL_ROPE, query_pre_attn_scalar=query_pre_attn_scalar,
@@ -209,7 +201,7 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
         raise CheckpointError(f"unsupported GGUF {arch}.rope.scaling.type {kind!r} for Gemma 3 (supported: none, linear)")
     window = int(g("attention.sliding_window", 0) or 0)
     return ModelConfig(
-        family=Family.GEMMA3,
+        family="gemma3",
         vocab_size=len(meta["tokenizer.ggml.tokens"]),
         d_model=d_model,
         n_layers=n_layers,
@@ -266,7 +258,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         rope_local = RopeConfig(theta=float(hf.get("rope_local_base_freq", LOCAL_ROPE.theta)))
     head_dim = hf.get("head_dim") or 256
     return ModelConfig(
-        family=Family.GEMMA3,
+        family="gemma3",
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
         n_layers=n_layers,
@@ -290,3 +282,11 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         attn_logit_softcap=None,
         final_logit_softcap=hf.get("final_logit_softcapping"),
     )
+
+FAMILY = ModelFamily(
+    name="gemma3", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, hf_activations=HF_ACTIVATIONS,
+    gguf_architectures=GGUF_ARCHITECTURES, config_from_gguf=config_from_gguf, gguf_tensor=gguf_tensor,
+    norm_offset=1.0,
+)

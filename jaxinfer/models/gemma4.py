@@ -25,6 +25,8 @@ weights = {"embed": [V, D], "layers": [one dict per layer], "final_norm": [D],
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import math
 
@@ -32,8 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig, RopeKind
+from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.errors import CheckpointError
+from jaxinfer.models.family import LayerAt, ModelFamily, layer_loop
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
@@ -41,8 +44,6 @@ from jaxinfer.models.layers import (
     gated_mlp,
     gelu_tanh,
     rms_norm,
-    rope_inv_freq,
-    rope_table,
     take,
 )
 from jaxinfer.specs import WeightSpec
@@ -54,18 +55,30 @@ PIPELINE_STAGES = False
 W8A8_CALIBRATION = False
 
 
+@dataclasses.dataclass(frozen=True)
+class Gemma4Config:
+    """Gemma 4's own knobs (its per-layer attention shapes and KV sharing stay in ModelConfig,
+    which the engine reads to lay out the cache)."""
+
+    per_layer_input_dim: int = 0  # E: each layer adds a gated projection of its own E-wide input (0: none)
+    per_layer_vocab_size: int = 0  # rows of the per-layer input table (0: vocab_size)
+    values_from_keys: bool = False  # GLOBAL layers' values are their keys' projection (no value weights)
+    shared_kv_d_ff: int | None = None  # F of the layers that share keys/values (None: d_ff)
+
+
 def _has_values(cfg: ModelConfig, layer: int) -> bool:
     """Whether layer ``layer`` projects values of its own (not with values_from_keys on GLOBAL layers)."""
-    return not (cfg.values_from_keys and cfg.layer_kind(layer) == AttentionKind.GLOBAL)
+    return not (cfg.family_config.values_from_keys and cfg.layer_kind(layer) == AttentionKind.GLOBAL)
 
 
 def _d_ff(cfg: ModelConfig, layer: int) -> int:
-    return cfg.shared_kv_d_ff if cfg.shared_kv_d_ff and cfg.kv_source(layer) != layer else cfg.d_ff
+    wide = cfg.family_config.shared_kv_d_ff
+    return wide if wide and cfg.kv_source(layer) != layer else cfg.d_ff
 
 
 def weight_specs(cfg: ModelConfig) -> dict:
     """The one declaration of every weight. Norm weights start at one (a scale of w)."""
-    D, N, V, E, L = cfg.d_model, cfg.n_heads, cfg.vocab_size, cfg.per_layer_input_dim, cfg.n_layers
+    D, N, V, E, L = cfg.d_model, cfg.n_heads, cfg.vocab_size, cfg.family_config.per_layer_input_dim, cfg.n_layers
     norm = WeightSpec((D,), ("embed",), "ones")
     layers = []
     for i in range(L):
@@ -96,7 +109,7 @@ def weight_specs(cfg: ModelConfig) -> dict:
              "final_norm": norm}
     if E:
         specs |= {
-            "ple_embed": WeightSpec((cfg.per_layer_vocab_size or V, L * E), ("vocab", "per_layer"),
+            "ple_embed": WeightSpec((cfg.family_config.per_layer_vocab_size or V, L * E), ("vocab", "per_layer"),
                                     contract=("per_layer",)),
             "ple_model_proj": WeightSpec((D, L, E), ("embed", "per_layer_slot", "per_layer"), contract=("embed",)),
             "ple_model_norm": WeightSpec((E,), ("per_layer",), "ones"),
@@ -121,7 +134,7 @@ def per_layer_inputs(weights, tokens: jax.Array, x: jax.Array, cfg: ModelConfig)
     """Every layer's own input [B, T, L, E]: a projection of the embedded tokens x [B, T, D]
     (normed per layer) plus the tokens' rows of the per-layer table, over sqrt(2)."""
     B, T = tokens.shape
-    L, E, dt = cfg.n_layers, cfg.per_layer_input_dim, cfg.jnp_dtype
+    L, E, dt = cfg.n_layers, cfg.family_config.per_layer_input_dim, cfg.jnp_dtype
     with jax.named_scope("per_layer_inputs"):
         ids = take(weights["ple_embed"], tokens).astype(dt) * _scale(math.sqrt(E), dt)
         proj = dot("BTD,DLE->BTLE", x, weights["ple_model_proj"]) * cfg.d_model ** -0.5
@@ -156,54 +169,52 @@ def forward(
     if positions is None:
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # i32[B, T]
     x = embed(weights, tokens, cfg)
-    pl = per_layer_inputs(weights, tokens, x, cfg) if cfg.per_layer_input_dim else None
+    pl = per_layer_inputs(weights, tokens, x, cfg) if cfg.family_config.per_layer_input_dim else None
     return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache,
                           per_layer=pl)
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True, per_layer: jax.Array | None = None):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
-    -> (x, cache); per_layer: ``per_layer_inputs`` [B, T, L, E] (None when E = 0). Each layer
-    that owns keys/values writes them to its cache layer and attends over it; a layer sharing
-    them attends over its source's cache layer (written earlier in this same pass) and writes
-    nothing."""
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache). ``at.carry``: "per_layer", the
+    ``per_layer_inputs`` [B, T, L, E] (absent when E = 0), and each earlier layer's (k, v)
+    [B, T, K, H] by layer, for the layers that share them. A layer that owns keys/values writes
+    them to its cache layer and attends over it; a layer sharing them attends over its source's
+    cache layer (written earlier in this same pass) and writes nothing."""
+    cfg, i = at.cfg, at.i
     norm = functools.partial(rms_norm, eps=cfg.norm_eps)
-    tables = {}  # one rotary table per (rotary config, head dim): local / global
-    own = {}  # layer -> its (k, v) [B, T, K, H], for the layers that share them
-    for j, w in enumerate(layers):
-        i = first + j
-        rope, H, window, src = cfg.layer_rope(i), cfg.layer_head_dim(i), cfg.layer_window(i), cfg.kv_source(i)
-        if (rope, H) not in tables:
-            tables[rope, H] = rope_table(positions, jnp.asarray(rope_inv_freq(H, rope)))
-        with jax.named_scope(f"layer{i}/{cfg.layer_kind(i).value}_attention"):
-            h = norm(x, w["attn_norm"])
-            if src == i:
-                qk = ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"])
-                if "wv" in w:
-                    q, k, v = dot_many(h, *qk, ("BTD,DKH->BTKH", w["wv"]))
-                else:  # values_from_keys: the values are the keys' projection, before k_norm
-                    q, k = dot_many(h, *qk)
-                    v = k
-                k, v = norm(k, w["k_norm"]), norm(v, None)
-                own[i] = k, v
-            else:
-                q = dot("BTD,DNH->BTNH", h, w["wq"])
-                k, v = own[src]
-            q = norm(q, w["q_norm"])
-            o, cache = attend_layer(cache, src - first, q, k, v, positions, start, tables[rope, H],
-                                    read_cache=read_cache, scale=cfg.attn_scale, window=window,
-                                    softcap=cfg.attn_logit_softcap, shared=src != i)
-            x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
-        with jax.named_scope(f"layer{i}/mlp"):
-            h = norm(x, w["mlp_norm"])
-            x = x + norm(gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], gelu_tanh), w["post_mlp_norm"])
-        if per_layer is not None:
-            with jax.named_scope(f"layer{i}/per_layer_input"):
-                g = gelu_tanh(dot("BTD,DE->BTE", x, w["ple_gate"])) * per_layer[:, :, i]
-                x = x + norm(dot("BTE,ED->BTD", g, w["ple_proj"]), w["ple_norm"])
-        x = x * w["layer_scalar"].astype(x.dtype)
-    return x, cache
+    own = at.carry.setdefault("kv", {})
+    H, window, src = cfg.layer_head_dim(i), cfg.layer_window(i), cfg.kv_source(i)
+    with jax.named_scope(f"layer{i}/{cfg.layer_kind(i).value}_attention"):
+        h = norm(x, w["attn_norm"])
+        if src == i:
+            qk = ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"])
+            if "wv" in w:
+                q, k, v = dot_many(h, *qk, ("BTD,DKH->BTKH", w["wv"]))
+            else:  # values_from_keys: the values are the keys' projection, before k_norm
+                q, k = dot_many(h, *qk)
+                v = k
+            k, v = norm(k, w["k_norm"]), norm(v, None)
+            own[i] = k, v
+        else:
+            q = dot("BTD,DNH->BTNH", h, w["wq"])
+            k, v = own[src]
+        q = norm(q, w["q_norm"])
+        o, cache = attend_layer(cache, src - at.first, q, k, v, at.positions, at.start, at.rope(dim=H),
+                                read_cache=at.read_cache, scale=cfg.attn_scale, window=window,
+                                softcap=cfg.attn_logit_softcap, shared=src != i)
+        x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
+    with jax.named_scope(f"layer{i}/mlp"):
+        h = norm(x, w["mlp_norm"])
+        x = x + norm(gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], gelu_tanh), w["post_mlp_norm"])
+    per_layer = at.carry.get("per_layer")
+    if per_layer is not None:
+        with jax.named_scope(f"layer{i}/per_layer_input"):
+            g = gelu_tanh(dot("BTD,DE->BTE", x, w["ple_gate"])) * per_layer[:, :, i]
+            x = x + norm(dot("BTE,ED->BTD", g, w["ple_proj"]), w["ple_norm"])
+    return x * w["layer_scalar"].astype(x.dtype), cache
+
+
+decoder_layers = layer_loop(layer)
 
 
 # Where each weight lives in the two external formats: our path -> (HF name, GGUF name,
@@ -322,7 +333,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
                               "model (a draft model for another); not supported")
     d_ff = hf["intermediate_size"]
     return ModelConfig(
-        family=Family.GEMMA4,
+        family="gemma4",
         vocab_size=hf.get("vocab_size", 262144),
         d_model=hf["hidden_size"],
         n_layers=n_layers,
@@ -344,10 +355,10 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         global_head_dim=glob[0],
         global_kv_heads=glob[1],
         kv_shared_layers=n_shared,
-        per_layer_input_dim=int(hf.get("hidden_size_per_layer_input", 256) or 0),
-        per_layer_vocab_size=int(hf.get("vocab_size_per_layer_input", 262144)),
-        values_from_keys=k_eq_v,
-        shared_kv_d_ff=2 * d_ff if hf.get("use_double_wide_mlp") and n_shared else None,
+        family_config=Gemma4Config(
+            per_layer_input_dim=int(hf.get("hidden_size_per_layer_input", 256) or 0),
+            per_layer_vocab_size=int(hf.get("vocab_size_per_layer_input", 262144)), values_from_keys=k_eq_v,
+            shared_kv_d_ff=2 * d_ff if hf.get("use_double_wide_mlp") and n_shared else None),
     )
 
 
@@ -392,7 +403,7 @@ def config_from_gguf(meta: dict, tensors, *, dtype: str, load_tensor=None) -> Mo
     E = int(g("embedding_length_per_layer_input", 0))
     window = int(g("attention.sliding_window", 0) or 0)
     return ModelConfig(
-        family=Family.GEMMA4,
+        family="gemma4",
         vocab_size=len(meta["tokenizer.ggml.tokens"]),
         d_model=int(g("embedding_length")),
         n_layers=n_layers,
@@ -414,8 +425,17 @@ def config_from_gguf(meta: dict, tensors, *, dtype: str, load_tensor=None) -> Mo
         global_head_dim=glob_hd,
         global_kv_heads=kv[AttentionKind.GLOBAL],
         kv_shared_layers=n_shared,
-        per_layer_input_dim=E,
-        per_layer_vocab_size=tensors["per_layer_token_embd.weight"].shape[0] if E else 0,
-        values_from_keys=glob is not None and f"blk.{glob}.attn_v.weight" not in tensors,
-        shared_kv_d_ff=ff[-1] if n_shared and ff[-1] != ff[0] else None,
+        family_config=Gemma4Config(
+            per_layer_input_dim=E, per_layer_vocab_size=tensors["per_layer_token_embd.weight"].shape[0] if E else 0,
+            values_from_keys=glob is not None and f"blk.{glob}.attn_v.weight" not in tensors,
+            shared_kv_d_ff=ff[-1] if n_shared and ff[-1] != ff[0] else None),
     )
+
+FAMILY = ModelFamily(
+    name="gemma4", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, hf_activations=HF_ACTIVATIONS,
+    hf_text_towers=HF_TEXT_TOWERS, gguf_architectures=GGUF_ARCHITECTURES, config_from_gguf=config_from_gguf,
+    gguf_config_tensors=GGUF_CONFIG_TENSORS, pipeline_stages=PIPELINE_STAGES, w8a8_calibration=W8A8_CALIBRATION,
+    config_class=Gemma4Config,
+)

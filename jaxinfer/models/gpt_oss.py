@@ -32,14 +32,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import mxfp4
-from jaxinfer.config import Family, ModelConfig, RopeConfig, yarn_or_default_rope
+from jaxinfer.config import ModelConfig, RopeConfig, yarn_or_default_rope
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import llama, moe
-from jaxinfer.models.layers import attend_layer, dot, dot_many, rms_norm, rope_inv_freq, rope_table
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
+from jaxinfer.models.layers import attend_layer, dot, dot_many, rms_norm
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (the family's embed / unembed)
 from jaxinfer.specs import WeightSpec
 
 _DENSE_MLP = ("w_gate", "w_up", "w_down")
+
+
+@dataclasses.dataclass(frozen=True)
+class GptOssConfig:
+    """The clamped SwiGLU experts: gate clamped above at swiglu_limit, up to +-swiglu_limit,
+    (up + 1) * gate * sigmoid(swiglu_alpha * gate)."""
+
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
 
 def weight_specs(cfg: ModelConfig) -> dict:
@@ -54,22 +64,21 @@ def weight_specs(cfg: ModelConfig) -> dict:
     return specs | {"layers": [layer] * cfg.n_layers}
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] -> (x, cache)."""
-    rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)), cfg.rope.attention_factor)
-    route = topk_softmax(cfg.n_experts_per_tok)
-    glu = clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit)
-    for j, w in enumerate(layers):
-        i = first + j
-        with jax.named_scope(f"layer{i}/attention"):
-            x, cache = attention_block(w, x, cache, j, positions, start, rope, cfg=cfg, layer=i, read_cache=read_cache)
-        with jax.named_scope(f"layer{i}/mlp"):
-            x = x + moe.moe_mlp(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w["moe"], route=route, glu=glu)
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache): attention with sinks, the MoE block."""
+    cfg, i, own = at.cfg, at.i, at.cfg.family_config
+    with jax.named_scope(f"layer{i}/attention"):
+        x, cache = attention_block(w, x, cache, at.j, at.positions, at.start, at.rope(), cfg=cfg, layer=i,
+                                   read_cache=at.read_cache)
+    with jax.named_scope(f"layer{i}/mlp"):
+        route = topk_softmax(cfg.n_experts_per_tok)
+        glu = clamped_swiglu(own.swiglu_alpha, own.swiglu_limit)
+        x = x + moe.moe_mlp(rms_norm(x, w["mlp_norm"], cfg.norm_eps), w["moe"], route=route, glu=glu)
     return x, cache
 
 
-forward = llama.decoder(embed, decoder_layers)
+decoder_layers = layer_loop(layer)
+forward = decoder(embed, decoder_layers)
 
 
 def attention_block(w: dict, x: jax.Array, cache, j: int, positions, start, rope, *, cfg: ModelConfig, layer: int,
@@ -180,7 +189,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     if not hf.get("attention_bias", True):
         raise CheckpointError("gpt-oss with attention_bias=false is not supported")
     return ModelConfig(
-        family=Family.GPT_OSS,
+        family="gpt_oss",
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
         n_layers=n_layers,
@@ -200,6 +209,14 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         n_experts=int(hf["num_local_experts"]),
         n_experts_per_tok=int(hf["num_experts_per_tok"]),
         moe_d_ff=int(hf["intermediate_size"]),
-        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
-        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+        family_config=GptOssConfig(swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                                   swiglu_limit=float(hf.get("swiglu_limit", 7.0))),
     )
+
+
+FAMILY = ModelFamily(
+    name="gpt_oss", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, hf_sources=hf_sources, hf_read=hf_read,
+    config_class=GptOssConfig,
+)

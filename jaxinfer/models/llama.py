@@ -14,16 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig, RopeKind
+from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.errors import CheckpointError
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
     dot_many,
     gated_mlp,
     rms_norm,
-    rope_inv_freq,
-    rope_table,
     silu,
     take,
 )
@@ -70,42 +69,21 @@ def unembed(weights, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return dot("BTD,DV->BTV", x, weights["lm_head"]).astype(jnp.float32)
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
-    -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools)."""
-    rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)))
-    for j, w in enumerate(layers):
-        i = first + j
-        layer_rope = None if i in cfg.nope_layers else rope
-        with jax.named_scope(f"layer{i}/attention"):
-            x, cache = attention_block(w, x, cache, j, positions, start, layer_rope, cfg=cfg, layer=i,
-                                       read_cache=read_cache)
-        with jax.named_scope(f"layer{i}/mlp"):
-            h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-            x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache): attention (no rotary on the layers
+    ``cfg.nope_layers`` lists), then the SwiGLU MLP."""
+    cfg, i = at.cfg, at.i
+    rope = None if i in cfg.nope_layers else at.rope()
+    with jax.named_scope(f"layer{i}/attention"):
+        x, cache = attention_block(w, x, cache, at.j, at.positions, at.start, rope, cfg=cfg, layer=i,
+                                   read_cache=at.read_cache)
+    with jax.named_scope(f"layer{i}/mlp"):
+        h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
+        x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
     return x, cache
 
 
-def decoder(embed, decoder_layers):
-    """A family's ``forward`` from its ``embed`` and ``decoder_layers``:
-
-    forward(weights, tokens i32[B, T], start i32[B] (position of tokens[:, 0]), cache, *, cfg,
-    read_cache=True (False when every row starts at 0: attend over the new tokens only),
-    positions=None (i32[B, T] explicit positions, a packed step's; default start + t))
-    -> (hidden [B, T, D] before the final norm, cache). With a cache, each layer first writes
-    its new keys/values at their positions, then attends over the cache."""
-
-    def forward(weights: dict, tokens: jax.Array, start: jax.Array, cache, *, cfg: ModelConfig,
-                read_cache: bool = True, positions: jax.Array | None = None):
-        if positions is None:
-            positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-        x = embed(weights, tokens, cfg)
-        return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache)
-
-    return forward
-
-
+decoder_layers = layer_loop(layer)
 forward = decoder(embed, decoder_layers)
 
 
@@ -188,7 +166,7 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
         raise CheckpointError(
             f"GGUF rope_freqs.weight has {len(rope.freq_factors)} factors, expected head_dim / 2 = {head_dim // 2}")
     return ModelConfig(
-        family=Family.LLAMA,
+        family="llama",
         vocab_size=len(meta["tokenizer.ggml.tokens"]),
         d_model=d_model,
         n_layers=int(g("block_count")),
@@ -260,7 +238,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     elif kind not in (None, "default"):
         raise CheckpointError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
     return ModelConfig(
-        family=Family.LLAMA,
+        family="llama",
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"],
@@ -278,3 +256,12 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         layer_kinds=kinds,
         sliding_window=window,
     )
+
+
+FAMILY = ModelFamily(
+    name="llama", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf,
+    gguf_architectures=GGUF_ARCHITECTURES, config_from_gguf=config_from_gguf, gguf_permuted_qk=GGUF_PERMUTED_QK,
+    gguf_config_tensors=GGUF_CONFIG_TENSORS,
+)

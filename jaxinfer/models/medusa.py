@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.errors import CheckpointError
-from jaxinfer.models.registry import family_module
+from jaxinfer.models.registry import model_family
 from jaxinfer.specs import WeightSpec, init_weights
 
 META_FILE = "medusa.json"
@@ -59,7 +59,7 @@ def head_hidden(heads: dict, h: jax.Array) -> jax.Array:
 def head_logits(heads: dict, weights: dict, h: jax.Array, cfg) -> jax.Array:
     """h f32[B, D] -> logits f32[B, K, V] through the model's own final norm and LM head."""
     hk = head_hidden(heads, h).astype(jnp.dtype(cfg.dtype))  # [B, K, D]
-    return family_module(cfg.family).unembed(weights, hk, cfg)
+    return model_family(cfg.family).unembed(weights, hk, cfg)
 
 
 def save_heads(dest, heads: dict, cfg, extra: dict | None = None) -> Path:

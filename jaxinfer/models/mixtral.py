@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
-from jaxinfer.config import AttentionKind, Family, ModelConfig
+from jaxinfer.config import AttentionKind, ModelConfig
 from jaxinfer.models import llama, moe
-from jaxinfer.models.layers import gated_mlp, rms_norm, rope_inv_freq, rope_table, silu
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
+from jaxinfer.models.layers import gated_mlp, rms_norm, silu
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (the family's embed / unembed)
 
 _DENSE_MLP = ("w_gate", "w_up", "w_down")
@@ -33,27 +33,33 @@ def weight_specs(cfg: ModelConfig) -> dict:
     return specs | {"layers": [layer] * cfg.n_layers}
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True, attention=llama.attention_block):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] -> (x, cache): each
-    ``attention`` (a family's attention block; Llama's here, Qwen 3's for Qwen3-MoE), then the
-    MoE block, or Llama's SwiGLU MLP on a layer without experts (``cfg.dense_layers``)."""
-    rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)))
-    route = moe.softmax_topk(cfg.n_experts_per_tok, renormalize=cfg.norm_topk_prob)
-    for j, w in enumerate(layers):
-        i = first + j
+def moe_layer(attention) -> callable:
+    """A layer of ``attention`` (a family's attention block: Llama's here, Qwen 3's for
+    Qwen3-MoE), then the MoE block, or Llama's SwiGLU MLP on a layer without experts
+    (``cfg.dense_layers``)."""
+
+    def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+        cfg, i = at.cfg, at.i
         with jax.named_scope(f"layer{i}/attention"):
-            x, cache = attention(w, x, cache, j, positions, start, rope, cfg=cfg, layer=i, read_cache=read_cache)
+            x, cache = attention(w, x, cache, at.j, at.positions, at.start, at.rope(), cfg=cfg, layer=i,
+                                 read_cache=at.read_cache)
         with jax.named_scope(f"layer{i}/mlp"):
             h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
             if "moe" in w:
+                route = moe.softmax_topk(cfg.n_experts_per_tok, renormalize=cfg.norm_topk_prob)
                 x = x + moe.moe_mlp(h, w["moe"], route=route)
             else:
                 x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
-    return x, cache
+        return x, cache
+
+    return layer
 
 
-forward = llama.decoder(embed, decoder_layers)
+layer = moe_layer(llama.attention_block)
+
+
+decoder_layers = layer_loop(layer)
+forward = decoder(embed, decoder_layers)
 
 
 # Where each weight lives: our path -> (HF name, GGUF name, transpose: torch's [out, in] on
@@ -87,7 +93,7 @@ def gguf_claims(meta: dict) -> bool:
 def _moe(cfg: ModelConfig, *, n_experts: int, k: int, d_ff: int, sliding_window: int | None) -> ModelConfig:
     window = dict(layer_kinds=(AttentionKind.LOCAL,) * cfg.n_layers, sliding_window=sliding_window) \
         if sliding_window else {}
-    return dataclasses.replace(cfg, family=Family.MIXTRAL, n_experts=n_experts, n_experts_per_tok=k,
+    return dataclasses.replace(cfg, family="mixtral", n_experts=n_experts, n_experts_per_tok=k,
                                moe_d_ff=d_ff, norm_topk_prob=True, **window)
 
 
@@ -102,3 +108,11 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
     arch = meta["general.architecture"]
     return _moe(cfg, n_experts=int(meta[f"{arch}.expert_count"]), k=int(meta[f"{arch}.expert_used_count"]),
                 d_ff=int(meta[f"{arch}.feed_forward_length"]), sliding_window=None)
+
+FAMILY = ModelFamily(
+    name="mixtral", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, gguf_architectures=GGUF_ARCHITECTURES,
+    config_from_gguf=config_from_gguf, gguf_permuted_qk=GGUF_PERMUTED_QK, gguf_config_tensors=GGUF_CONFIG_TENSORS,
+    gguf_claims=gguf_claims,
+)

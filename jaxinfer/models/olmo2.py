@@ -19,19 +19,17 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 
-from jaxinfer.config import Family, ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import llama
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
     dot_many,
     gated_mlp,
     rms_norm,
-    rope_inv_freq,
-    rope_table,
     silu,
 )
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (this family's, unchanged)
@@ -61,29 +59,26 @@ def heads_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return rms_norm(x.reshape(*x.shape[:2], -1), w.reshape(-1), eps).reshape(x.shape)
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
-    -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools)."""
-    rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)))
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache) (the module docstring's)."""
+    cfg, i = at.cfg, at.i
     norm = functools.partial(rms_norm, eps=cfg.norm_eps)
-    for j, w in enumerate(layers):
-        i = first + j
-        with jax.named_scope(f"layer{i}/attention"):
-            q, k, v = dot_many(x, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
-            if cfg.qkv_bias:
-                q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
-            q, k = heads_norm(q, w["q_norm"], cfg.norm_eps), heads_norm(k, w["k_norm"], cfg.norm_eps)
-            o, cache = attend_layer(cache, j, q, k, v, positions, start, rope, read_cache=read_cache,
-                                    scale=cfg.head_dim**-0.5)
-            o = dot("BTNH,NHD->BTD", o, w["wo"])
-            x = x + norm(o + w["bo"].astype(o.dtype) if cfg.qkv_bias else o, w["post_attn_norm"])
-        with jax.named_scope(f"layer{i}/mlp"):
-            x = x + norm(gated_mlp(x, w["w_gate"], w["w_up"], w["w_down"], silu), w["post_mlp_norm"])
+    with jax.named_scope(f"layer{i}/attention"):
+        q, k, v = dot_many(x, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
+        if cfg.qkv_bias:
+            q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
+        q, k = heads_norm(q, w["q_norm"], cfg.norm_eps), heads_norm(k, w["k_norm"], cfg.norm_eps)
+        o, cache = attend_layer(cache, at.j, q, k, v, at.positions, at.start, at.rope(), read_cache=at.read_cache,
+                                scale=cfg.head_dim**-0.5)
+        o = dot("BTNH,NHD->BTD", o, w["wo"])
+        x = x + norm(o + w["bo"].astype(o.dtype) if cfg.qkv_bias else o, w["post_attn_norm"])
+    with jax.named_scope(f"layer{i}/mlp"):
+        x = x + norm(gated_mlp(x, w["w_gate"], w["w_up"], w["w_down"], silu), w["post_mlp_norm"])
     return x, cache
 
 
-forward = llama.decoder(embed, decoder_layers)
+decoder_layers = layer_loop(layer)
+forward = decoder(embed, decoder_layers)
 
 
 # Where each weight lives in the two external formats: our path -> (HF name, GGUF name, transpose).
@@ -111,7 +106,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     hf = HF_DEFAULTS | hf
     if hf.get("sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
         raise CheckpointError("unsupported OLMo 2 variant: sliding-window layers (OLMo 3)")
-    return dataclasses.replace(llama.config_from_hf(hf, dtype=dtype), family=Family.OLMO2,
+    return dataclasses.replace(llama.config_from_hf(hf, dtype=dtype), family="olmo2",
                                qkv_bias=bool(hf.get("attention_bias", False)))
 
 
@@ -122,4 +117,11 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
     if meta.get(f"{arch}.attention.sliding_window"):
         raise CheckpointError(f"unsupported {arch} GGUF with {arch}.attention.sliding_window (OLMo 3)")
     cfg = llama.config_from_gguf(meta, tensor_names, dtype=dtype, load_tensor=load_tensor)
-    return dataclasses.replace(cfg, family=Family.OLMO2)
+    return dataclasses.replace(cfg, family="olmo2")
+
+FAMILY = ModelFamily(
+    name="olmo2", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, gguf_architectures=GGUF_ARCHITECTURES,
+    config_from_gguf=config_from_gguf,
+)

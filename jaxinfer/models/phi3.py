@@ -24,20 +24,18 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import AttentionKind, Family, ModelConfig, RopeConfig
+from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import llama
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
     dot_many,
     gated_mlp,
     rms_norm,
-    rope_inv_freq,
-    rope_table,
     silu,
 )
 
@@ -47,27 +45,24 @@ embed = llama.embed
 unembed = llama.unembed
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
-    -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools)."""
-    rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)), cfg.rope.attention_factor)
-    scale = cfg.head_dim**-0.5
-    for j, w in enumerate(layers):
-        i = first + j
-        with jax.named_scope(f"layer{i}/attention"):
-            h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-            q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
-            o, cache = attend_layer(cache, j, q, k, v, positions, start, rope, read_cache=read_cache,
-                                    scale=scale, window=cfg.layer_window(i))
-            x = x + dot("BTNH,NHD->BTD", o, w["wo"])
-        with jax.named_scope(f"layer{i}/mlp"):
-            h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-            x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache): Llama's, with LongRoPE's scaled
+    (partial) rotary and the layer's window."""
+    cfg, i = at.cfg, at.i
+    with jax.named_scope(f"layer{i}/attention"):
+        h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
+        q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
+        o, cache = attend_layer(cache, at.j, q, k, v, at.positions, at.start, at.rope(cfg.rope),
+                                read_cache=at.read_cache, scale=cfg.head_dim**-0.5, window=cfg.layer_window(i))
+        x = x + dot("BTNH,NHD->BTD", o, w["wo"])
+    with jax.named_scope(f"layer{i}/mlp"):
+        h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
+        x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
     return x, cache
 
 
-forward = llama.decoder(embed, decoder_layers)
+decoder_layers = layer_loop(layer)
+forward = decoder(embed, decoder_layers)
 
 
 # Where each weight lives in the two external formats: our path -> (HF name, GGUF name,
@@ -147,7 +142,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     elif kind != "default":
         raise CheckpointError(f"unsupported rope type {kind!r} for Phi-3 (supported: default, longrope)")
     return ModelConfig(
-        family=Family.PHI3,
+        family="phi3",
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"],
@@ -198,7 +193,7 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
                               else longrope_attention_factor(context / original, original)),
             freq_factors=_factors(load_tensor(which), rotary_dim, f"GGUF {which}"))
     return ModelConfig(
-        family=Family.PHI3,
+        family="phi3",
         vocab_size=len(meta["tokenizer.ggml.tokens"]),
         d_model=d_model,
         n_layers=n_layers,
@@ -214,3 +209,10 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
         name=str(meta.get("general.name", arch)),
         **_window_kinds(g("attention.sliding_window"), n_layers, context),
     )
+
+FAMILY = ModelFamily(
+    name="phi3", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, gguf_architectures=GGUF_ARCHITECTURES,
+    config_from_gguf=config_from_gguf, gguf_config_tensors=GGUF_CONFIG_TENSORS,
+)

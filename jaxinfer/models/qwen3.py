@@ -17,21 +17,18 @@ weights = {"embed": [V, D], "layers": [one dict per layer], "final_norm": [D],
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
-import jax.numpy as jnp
 
-from jaxinfer.config import Family, ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.models import llama
+from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
     dot_many,
     gated_mlp,
     rms_norm,
-    rope_inv_freq,
-    rope_table,
     silu,
 )
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (this family's, unchanged)
@@ -50,26 +47,21 @@ def weight_specs(cfg: ModelConfig) -> dict:
     return specs | {"layers": [layer] * cfg.n_layers}
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] at positions i32[B, T]
-    -> (x, cache). Cache layer j holds model layer first + j (a pipeline stage's own pools)."""
-    rope = rope_table(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope)))
-    norm = functools.partial(rms_norm, eps=cfg.norm_eps)
-    for j, w in enumerate(layers):
-        i = first + j
-        window = cfg.layer_window(i)
-        with jax.named_scope(f"layer{i}/{'local' if window else 'global'}_attention"):
-            x, cache = attention_block(w, x, cache, j, positions, start, rope, cfg=cfg, layer=i,
-                                       read_cache=read_cache)
-        with jax.named_scope(f"layer{i}/mlp"):
-            h = norm(x, w["mlp_norm"])
-            x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
+def layer(w: dict, x: jax.Array, cache, at: LayerAt):
+    """One layer over hidden x [B, T, D] -> (x, cache): Qwen 3's attention, the SwiGLU MLP."""
+    cfg, i = at.cfg, at.i
+    with jax.named_scope(f"layer{i}/{'local' if cfg.layer_window(i) else 'global'}_attention"):
+        x, cache = attention_block(w, x, cache, at.j, at.positions, at.start, at.rope(), cfg=cfg, layer=i,
+                                   read_cache=at.read_cache)
+    with jax.named_scope(f"layer{i}/mlp"):
+        h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
+        x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], silu)
     return x, cache
 
 
 
-forward = llama.decoder(embed, decoder_layers)
+decoder_layers = layer_loop(layer)
+forward = decoder(embed, decoder_layers)
 
 
 def attention_block(w: dict, x: jax.Array, cache, j: int, positions, start, rope, *, cfg: ModelConfig, layer: int,
@@ -108,7 +100,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
     """A Qwen3ForCausalLM config.json. The window counts only with ``use_sliding_window`` (as
     Qwen3Config drops it otherwise)."""
     hf = HF_DEFAULTS | hf
-    return dataclasses.replace(llama.config_from_hf(hf, dtype=dtype), family=Family.QWEN3,
+    return dataclasses.replace(llama.config_from_hf(hf, dtype=dtype), family="qwen3",
                                qkv_bias=bool(hf.get("attention_bias", False)))
 
 
@@ -116,4 +108,11 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
     """llama.cpp's reading of a qwen3 GGUF: Llama's keys; every layer global (llama.cpp has no
     sliding window for qwen3)."""
     cfg = llama.config_from_gguf(meta, tensor_names, dtype=dtype, load_tensor=load_tensor)
-    return dataclasses.replace(cfg, family=Family.QWEN3)
+    return dataclasses.replace(cfg, family="qwen3")
+
+FAMILY = ModelFamily(
+    name="qwen3", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, gguf_architectures=GGUF_ARCHITECTURES,
+    config_from_gguf=config_from_gguf, gguf_config_tensors=GGUF_CONFIG_TENSORS,
+)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 
-from jaxinfer.config import AttentionKind, Family, ModelConfig
+from jaxinfer.config import AttentionKind, ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import llama, mixtral, moe
+from jaxinfer.models.family import ModelFamily, decoder, layer_loop
 from jaxinfer.models.llama import embed, unembed  # noqa: F401 (the family's embed / unembed)
 from jaxinfer.models.qwen3 import attention_block
 from jaxinfer.specs import WeightSpec
@@ -39,15 +39,9 @@ def weight_specs(cfg: ModelConfig) -> dict:
     return specs | {"layers": [base if i in cfg.dense_layers else sparse for i in range(cfg.n_layers)]}
 
 
-def decoder_layers(layers: list, x: jax.Array, positions: jax.Array, start, cache, *, cfg: ModelConfig,
-                   first: int = 0, read_cache: bool = True):
-    """Layers first .. first + len(layers) - 1 over hidden x [B, T, D] -> (x, cache): Mixtral's
-    layers with Qwen 3's attention."""
-    return mixtral.decoder_layers(layers, x, positions, start, cache, cfg=cfg, first=first, read_cache=read_cache,
-                                  attention=attention_block)
+decoder_layers = layer_loop(mixtral.moe_layer(attention_block))  # Mixtral's layers, Qwen 3's attention
 
-
-forward = llama.decoder(embed, decoder_layers)
+forward = decoder(embed, decoder_layers)
 
 
 # Where each weight lives (see ``mixtral.CHECKPOINT_NAMES`` for ``{{e}}``); a dense layer's MLP
@@ -73,7 +67,7 @@ def _moe(cfg: ModelConfig, *, n_experts: int, k: int, d_ff: int, norm_topk_prob:
          sliding_window: int | None = None) -> ModelConfig:
     window = dict(layer_kinds=(AttentionKind.LOCAL,) * cfg.n_layers, sliding_window=sliding_window) \
         if sliding_window else {}
-    return dataclasses.replace(cfg, family=Family.QWEN3_MOE, n_experts=n_experts, n_experts_per_tok=k,
+    return dataclasses.replace(cfg, family="qwen3_moe", n_experts=n_experts, n_experts_per_tok=k,
                                moe_d_ff=d_ff, norm_topk_prob=norm_topk_prob, dense_layers=tuple(dense_layers),
                                **window)
 
@@ -98,3 +92,10 @@ def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) 
     arch = meta["general.architecture"]
     return _moe(cfg, n_experts=int(meta[f"{arch}.expert_count"]), k=int(meta[f"{arch}.expert_used_count"]),
                 d_ff=int(meta[f"{arch}.expert_feed_forward_length"]), norm_topk_prob=True)
+
+FAMILY = ModelFamily(
+    name="qwen3_moe", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, gguf_architectures=GGUF_ARCHITECTURES,
+    config_from_gguf=config_from_gguf, gguf_config_tensors=GGUF_CONFIG_TENSORS,
+)

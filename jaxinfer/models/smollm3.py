@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxinfer.config import Family, ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import llama
+from jaxinfer.models.family import ModelFamily
 from jaxinfer.models.llama import (  # noqa: F401 (this family's, unchanged)
     CHECKPOINT_NAMES,
     GGUF_CONFIG_TENSORS,
@@ -68,11 +69,19 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         raise CheckpointError("layer_types has sliding_attention layers but use_sliding_window is false")
     kinds = sliding_kinds(types, n_layers, window)
     return dataclasses.replace(
-        llama.config_from_hf(hf, dtype=dtype), family=Family.SMOLLM3, qkv_bias=False, nope_layers=nope,
+        llama.config_from_hf(hf, dtype=dtype), family="smollm3", qkv_bias=False, nope_layers=nope,
         layer_kinds=kinds, sliding_window=window if kinds else None)
 
 
 def config_from_gguf(meta: dict, tensor_names, *, dtype: str, load_tensor=None) -> ModelConfig:
     """llama.cpp's reading of a smollm3 GGUF: Llama's keys, every 4th layer without rotary."""
     cfg = llama.config_from_gguf(meta, tensor_names, dtype=dtype, load_tensor=load_tensor)
-    return dataclasses.replace(cfg, family=Family.SMOLLM3, nope_layers=nope_every(GGUF_NOPE_INTERVAL, cfg.n_layers))
+    return dataclasses.replace(cfg, family="smollm3", nope_layers=nope_every(GGUF_NOPE_INTERVAL, cfg.n_layers))
+
+FAMILY = ModelFamily(
+    name="smollm3", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
+    unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, gguf_architectures=GGUF_ARCHITECTURES,
+    config_from_gguf=config_from_gguf, gguf_permuted_qk=GGUF_PERMUTED_QK,
+    gguf_config_tensors=GGUF_CONFIG_TENSORS,
+)
