@@ -213,6 +213,7 @@ def main(argv=None):
                     "pool_bytes", "output_bytes"):
             rec_full[key] = scale(a[key], b[key])
         rec_full["pool_copies"] = scale(len(a["pool_copies"]), len(b["pool_copies"]))
+        rec_full["pool_vmem_moves"] = scale(a["pool_vmem_moves"], b["pool_vmem_moves"])
         rec_full["pallas_calls"] = scale(a["pallas_calls"], b["pallas_calls"])
         rec_full["collectives"] = {k: {f: scale(a["collectives"].get(k, {}).get(f, 0), v[f]) for f in ("count", "bytes")}
                                    for k, v in b["collectives"].items()}
@@ -238,6 +239,7 @@ def main(argv=None):
                    "+ attention pages the tables name", ideal_bytes=ideal_full["total"], ideal=ideal_full,
                    accessed_over_ideal=bytes_accessed / ideal_full["total"], flops=rec_full["flops"],
                    collectives=rec_full["collectives"], pool_copies=rec_full["pool_copies"],
+                   pool_vmem_moves=rec_full["pool_vmem_moves"],
                    pool_copy_ops=a["pool_copies"][:4], pallas_calls=rec_full["pallas_calls"],
                    projected_step_ms=bytes_accessed / target.hbm_bw * 1e3,
                    projected_mbu=ideal_full["total"] / bytes_accessed,

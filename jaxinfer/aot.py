@@ -213,9 +213,10 @@ class StepKind:
 
 
 def lower_step(cfg: ModelConfig, weights, mesh: Mesh, kernels: dispatch.Kernels, kind: StepKind,
-               work: Workload = Workload()):
+               work: Workload = Workload(), *, keys_transposed_: bool | None = None):
     """The engine's jitted function for ``kind`` lowered on abstract state: (lowered, info)
-    where info holds the pool shapes per chip and the workload's sizes for ``analyse``."""
+    where info holds the pool shapes per chip and the workload's sizes for ``analyse``.
+    keys_transposed_: the keys pools' layout (None: the engine's choice for these kernels)."""
     ps = work.page_size
     width = -(-work.context // ps)
     rows_total = max(kind.rows, 1)
@@ -226,7 +227,7 @@ def lower_step(cfg: ModelConfig, weights, mesh: Mesh, kernels: dispatch.Kernels,
         wwidth = min(width, -(-window // ps) + work.window_ahead)
         num_window_pages = rows_total * wwidth + 1 + (-(-kind.prefill // ps))
     kv_dtype = kind.kv_dtype or work.kv_dtype
-    transposed = keys_transposed(kernels)
+    transposed = keys_transposed(kernels) if keys_transposed_ is None else keys_transposed_
     pools = abstract_pools(cfg, mesh, num_pages, ps, kv_dtype, num_window_pages, keys_transposed=transposed)
     slots = abstract_slots(cfg, mesh, max(kind.rows, 1))
     batch = batch_for(mesh, rows=kind.rows, width=width, wwidth=wwidth, q=kind.q, prefill=kind.prefill,
@@ -285,7 +286,9 @@ def hlo_ops(text: str):
 
 def analyse(compiled, info: dict, *, hbm_bytes: int | None = None, hbm_bw: float | None = None) -> dict:
     """One record of a compiled step (per chip): memory, XLA's cost, the bytes its Pallas calls
-    move, collectives, and ops that copy or transpose a whole page pool."""
+    move, collectives, ops that copy or transpose a whole page pool (``pool_copies``: relayouts),
+    and copies of a whole pool into or out of VMEM (``pool_vmem_moves``: only a pool small
+    enough to fit there, a toy's, is ever staged so)."""
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else (cost or {})
@@ -297,7 +300,7 @@ def analyse(compiled, info: dict, *, hbm_bytes: int | None = None, hbm_bw: float
     pool_elems = {int(np.prod(s)) for leaves in info["pools"] for s, dt in leaves if len(s) >= 3}
     pool_bytes = sum(np.prod(s) * dt.itemsize for leaves in info["pools"] for s, dt in leaves)
     collectives: dict[str, dict] = {}
-    copies, pallas_calls, attention_calls, pallas_bytes = [], 0, 0, 0.0
+    copies, staged, pallas_calls, attention_calls, pallas_bytes = [], [], 0, 0, 0.0
     for name, typ, op, operands, line in ops:
         base = op.removesuffix("-start")
         if base in COLLECTIVES and not op.endswith("-done"):
@@ -307,7 +310,9 @@ def analyse(compiled, info: dict, *, hbm_bytes: int | None = None, hbm_bw: float
         shapes = _SHAPE.findall(typ)
         if op in ("copy", "copy-start", "transpose") or (op == "fusion" and re.search(r"copy|transpose", name)):
             if any(_elems(d) in pool_elems for _, d in shapes):
-                copies.append(line.strip()[:240])
+                # a copy between HBM and VMEM (memory space S(1)) stages a pool small enough to
+                # fit there; any other is a relayout
+                (staged if op == "copy-start" and "S(1)" in typ else copies).append(line.strip()[:240])
         if op == "custom-call" and ("tpu_custom_call" in line or "__gpu$xla.gpu.triton" in line):
             pallas_calls += 1
             attention_calls += "attention" in name
@@ -326,7 +331,8 @@ def analyse(compiled, info: dict, *, hbm_bytes: int | None = None, hbm_bw: float
         output_bytes=int(mem.output_size_in_bytes), alias_bytes=int(mem.alias_size_in_bytes),
         pool_bytes=int(pool_bytes), flops=float(cost.get("flops", 0.0)),
         xla_bytes_accessed=float(cost.get("bytes accessed", 0.0)), pallas_calls=pallas_calls,
-        pallas_attention_calls=attention_calls, pallas_operand_bytes=pallas_bytes, collectives=collectives, pool_copies=copies)
+        pallas_attention_calls=attention_calls, pallas_operand_bytes=pallas_bytes, collectives=collectives, pool_copies=copies,
+        pool_vmem_moves=len(staged))
     if hbm_bytes is not None:
         rec["hbm_bytes"] = hbm_bytes
     if hbm_bw is not None:

@@ -110,14 +110,18 @@ def test_packed_step_compiles_for_v5e_with_the_kernels_in_place(kind):
     assert rec["temp_bytes"] < rec["pool_bytes"], rec
 
 
-def test_analyse_counts_a_pool_copy():
-    """The report's copy detector sees a program that relayouts a pool (an independent case:
-    a transpose of a pool-shaped array, written by hand)."""
+def test_the_transposed_keys_layout_copies_a_pool_per_layer():
+    """What the keys layout of the CPU readers ([P, K, H, page_size]) does on a TPU: a page of 16
+    positions as the minor dimension does not fit the (8, 128) tile, so XLA relayouts the whole
+    keys pool after each layer's write; ``analyse`` sees each copy."""
     mesh = aot.target_mesh("v5e-1", model=1)
-    pool = _on(mesh, (64, 2, 16, 128), jnp.bfloat16)
-    compiled = jax.jit(lambda p: jnp.swapaxes(p, -1, -2) * 2).lower(pool).compile()
-    rec = aot.analyse(compiled, {"pools": [[((64, 2, 16, 128), jnp.dtype(jnp.bfloat16))]]})
-    assert len(rec["pool_copies"]) >= 1
+    kernels = aot.target_kernels(mesh, "pallas")
+    weights, _ = aot.abstract_weights(WIDE, mesh, kernels)
+    with jax.set_mesh(mesh):
+        lowered, info = aot.lower_step(WIDE, weights, mesh, kernels, aot.StepKind("decode", rows=8),
+                                       aot.Workload(context=16384), keys_transposed_=True)
+        rec = aot.analyse(lowered.compile(), info)
+    assert len(rec["pool_copies"]) >= WIDE.n_layers, rec["pool_copies"]
 
 
 def test_tpu_compile_script_writes_a_report(tmp_path):
