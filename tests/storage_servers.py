@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -32,7 +33,8 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server for {url} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            proc.log.seek(0)
+            raise RuntimeError(f"the server for {url} exited with {proc.returncode}: {proc.log.read()[-2000:]}")
         try:
             urllib.request.urlopen(url, timeout=2).close()
             return
@@ -66,8 +68,10 @@ class Store:
 
 
 def _start(cmd: list[str], env: dict[str, str], probe: str) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    # the servers log every request: into a file, since a pipe nobody reads fills and stops them
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=log, text=True)
+    proc.log = log
     try:
         _wait_http(probe, proc)
     except BaseException:
@@ -101,6 +105,7 @@ def stop(store: Store) -> None:
     except subprocess.TimeoutExpired:
         store.proc.kill()
         store.proc.wait()
+    store.proc.log.close()
 
 
 def _reset_clients() -> None:

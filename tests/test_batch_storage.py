@@ -7,13 +7,17 @@ and exit 2."""
 
 import json
 import random
+import signal
+import socket
+import subprocess
+import time
 
 import pytest
 
 from jaxinfer import storage
-from jaxinfer.batch import run_batch
-from jaxinfer.batch.parts import parts_prefix
-from tests.batch_testing import chat, completion, read_jsonl, write_jsonl
+from jaxinfer.batch import OutputFileError, run_batch
+from jaxinfer.batch.parts import list_parts, parts_prefix
+from tests.batch_testing import batch_cmd, by_id, chat, completion, read_jsonl, subprocess_env, write_jsonl
 
 
 def _requests(n: int, seed: int = 0):
@@ -69,3 +73,161 @@ def test_bucket_to_bucket_answers_what_a_local_job_does(tiny_llm, store, tmp_pat
     assert _answers(_rows(out)) == _answers(local_answers)
     # finished: the parts and the lease are gone
     assert storage.listing(parts_prefix(storage.parse(out))) == {}
+
+
+PART = "{}-000000.jsonl"
+
+
+def test_a_part_written_twice_counts_once(tiny_llm, store, tmp_path, local_answers):
+    """Parts left by earlier runs: one uploaded twice (under a second run's name) and one that
+    repeats some of its keys. The rerun skips every key any part holds, counts each once, and the
+    joined OUTPUT holds each once."""
+    inp = _upload(store, tmp_path, _requests(12))
+    out = storage.parse(inp.rsplit("/", 1)[0] + "/out.jsonl")
+    lines = [json.dumps(r).encode() + b"\n" for r in local_answers]
+    prefix = parts_prefix(out)
+    storage.put(prefix.child(PART.format("20260101T000000Z-aaaaaaaa")), b"".join(lines[0:5]))
+    storage.put(prefix.child(PART.format("20260101T000000Z-bbbbbbbb")), b"".join(lines[0:5]))  # twice
+    storage.put(prefix.child(PART.format("20260101T000001Z-cccccccc")), b"".join(lines[3:8]))  # overlaps
+    s = run_batch(tiny_llm, inp, str(out), progress=False)
+    assert s.before == 8 and s.run.answered == 6 and s.result.answered == 14
+    assert s.result.ok + s.result.failed == 14
+    rows = _rows(str(out))
+    assert len(rows) == 14 and _answers(rows) == _answers(local_answers)
+    assert storage.listing(prefix) == {}
+
+
+def test_a_run_that_needs_no_model_leaves_the_lease_as_it_found_it(store, tmp_path, local_answers):
+    """A lease held by a live run on another host refuses a second run; an expired one, or one
+    whose process on this host is gone, is taken over."""
+    inp = _upload(store, tmp_path, _requests(12))
+    out = storage.parse(inp.rsplit("/", 1)[0] + "/out.jsonl")
+    storage.put(out, b"".join(json.dumps(r).encode() + b"\n" for r in local_answers))  # all answered
+    lease = parts_prefix(out).child("lease")
+    held = {"run": "20260101T000000Z-dddddddd", "host": "another-host", "pid": 1, "boot": "",
+            "expires": time.time() + 600}
+    storage.put(lease, json.dumps(held).encode())
+
+    def no_model():
+        raise AssertionError("every request is answered: the model is not needed")
+
+    with pytest.raises(OutputFileError, match="being written by another jaxinfer batch.*another-host"):
+        run_batch(no_model, inp, str(out), progress=False)
+    assert json.loads(storage.read(lease)) == held  # left alone
+
+    for stale in ({**held, "expires": time.time() - 1},  # expired
+                  {**held, "host": socket.gethostname(), "pid": _dead_pid()}):  # its process is gone
+        storage.put(lease, json.dumps(stale).encode())
+        s = run_batch(no_model, inp, str(out), progress=False)
+        assert s.before == 14 and s.run.answered == 0
+        assert storage.info(lease) is None  # taken over, then released
+    assert _answers(_rows(str(out))) == _answers(local_answers)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, object_stores):
+    e = subprocess_env(tmp_path_factory.getbasetemp().parent / "jax-compilation-cache")
+    for s in object_stores.values():
+        e.update(s.env)
+    return e
+
+
+# two decode slots and parts of two lines: results and parts arrive a few at a time, so kills
+# land between them
+MODEL_ARGS = ("--max-num-seqs", "2", "--max-model-len", "64", "--part-lines", "2")
+
+
+def _start(cmd, env, log_path):
+    """The job in the background, its output in a file (a pipe nobody reads could fill and stop it)."""
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log
+
+
+def _wait_for(cond, proc, log_path, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert proc.poll() is None, open(log_path).read()[-3000:]
+        assert time.monotonic() < deadline, open(log_path).read()[-3000:]
+        time.sleep(0.1)
+
+
+def _check_exactly_once(rows, n):
+    assert len(rows) == n + 2  # one line per input line: n ids, a bad line, a duplicate
+    got = by_id(rows)
+    assert set(got) == {f"q{i}" for i in range(n)}
+    assert all(got[f"q{i}"]["response"]["status_code"] == 200 for i in range(n))
+    assert sorted(r["error"]["code"] for r in rows if r["error"]) == ["duplicate_custom_id", "invalid_json"]
+
+
+def test_a_second_run_is_refused_and_sigterm_writes_the_last_part(store, tmp_path, tiny_gguf, env):
+    n = 30
+    inp = _upload(store, tmp_path, _requests(n))
+    out = storage.parse(inp.rsplit("/", 1)[0] + "/out.jsonl")
+    log_path = tmp_path / "first.log"
+    first, log = _start(batch_cmd(inp, out, tiny_gguf, *MODEL_ARGS, "--part-lines", "1000"), env, log_path)
+    try:
+        _wait_for(lambda: storage.info(parts_prefix(out).child("lease")) is not None, first, log_path)
+        second = subprocess.run(batch_cmd(inp, out, tiny_gguf, *MODEL_ARGS), env=env, capture_output=True,
+                                text=True, timeout=300)
+        assert second.returncode == 2
+        err = second.stderr.strip().splitlines()
+        assert err[-1].startswith("jaxinfer: error: ") and "being written by another jaxinfer batch" in err[-1]
+        time.sleep(1.0)
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=120)
+    finally:
+        first.kill()
+        log.close()
+    assert first.returncode in (0, 128 + signal.SIGTERM), log_path.read_text()[-3000:]
+    if first.returncode:  # stopped: what it answered is in its last part, and the lease is gone
+        names = storage.listing(parts_prefix(out))
+        assert "lease" not in names and len(names) == 1
+        assert storage.info(out) is None
+        rerun = subprocess.run(batch_cmd(inp, out, tiny_gguf, *MODEL_ARGS), env=env, capture_output=True,
+                               text=True, timeout=600)
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+    _check_exactly_once(_rows(str(out)), n)
+
+
+def _kill_and_resume(store, tmp_path, tiny_gguf, env, seed: int):
+    rng = random.Random(seed)
+    n = 24
+    inp = _upload(store, tmp_path, _requests(n, seed))
+    out = storage.parse(inp.rsplit("/", 1)[0] + "/out.jsonl")
+    log_path = tmp_path / "killed.log"
+    proc, log = _start(batch_cmd(inp, out, tiny_gguf, *MODEL_ARGS), env, log_path)
+    try:
+        want = rng.randint(1, 6)
+        _wait_for(lambda: len(list_parts(out)) >= want, proc, log_path)
+        time.sleep(rng.uniform(0, 0.5))
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()
+    kept = [storage.read(u) for u, _ in list_parts(out)]  # what the kill left: it must survive as it is
+    assert kept
+    rerun = subprocess.run(batch_cmd(inp, out, tiny_gguf, *MODEL_ARGS), env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert storage.listing(parts_prefix(out)) == {}
+    final = storage.read(out)
+    _check_exactly_once([json.loads(x) for x in final.splitlines()], n)
+    for part in kept:
+        for line in part.splitlines(keepends=True):
+            assert line in final
+
+
+def test_killed_then_resumed_answers_every_id_once(store, tmp_path, tiny_gguf, env):
+    _kill_and_resume(store, tmp_path, tiny_gguf, env, seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", range(10))
+def test_killed_at_random_points_then_resumed(store, tmp_path, tiny_gguf, env, trial):
+    _kill_and_resume(store, tmp_path, tiny_gguf, env, seed=100 + trial)
