@@ -147,8 +147,10 @@ def check_bucket(u: Url) -> None:
     fs = filesystem(u)
     with errors(u, "reach"):
         fs.invalidate_cache(u.bucket)
-        if not fs.exists(u.bucket):
-            raise StorageError(f"bucket {u.scheme}://{u.bucket} does not exist (in {u})")
+        try:
+            fs.info(u.bucket)  # (not exists(): it says False when access is denied)
+        except FileNotFoundError:
+            raise StorageError(f"bucket {u.scheme}://{u.bucket} does not exist (in {u})") from None
 
 
 def info(u: Url) -> dict | None:

@@ -89,10 +89,12 @@ def start_gcs() -> Store:
     return Store("gs", env, proc)
 
 
-def start_s3() -> Store:
+def start_s3(*, check_credentials: bool = False) -> Store:
+    """check_credentials: the server refuses keys it has not issued (moto's IAM checks), as
+    AWS refuses a wrong key: every request of this module's dummy keys is denied."""
     port = free_port()
-    proc = _start([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], {},
-                  f"http://127.0.0.1:{port}/")
+    proc = _start([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                  {"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if check_credentials else {}, f"http://127.0.0.1:{port}/")
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     return Store("s3", env, proc)
@@ -108,7 +110,7 @@ def stop(store: Store) -> None:
     store.proc.log.close()
 
 
-def _reset_clients() -> None:
+def reset_clients() -> None:
     """Forget cached filesystems: they hold the endpoint they were made with."""
     import fsspec
 
@@ -133,14 +135,14 @@ def object_stores():
         # gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT when imported: only now
         pytest.importorskip("gcsfs")
         pytest.importorskip("s3fs")
-        _reset_clients()
+        reset_clients()
         yield stores
     finally:
         for s in stores.values():
             stop(s)
         os.environ.clear()
         os.environ.update(saved)
-        _reset_clients()
+        reset_clients()
 
 
 @pytest.fixture(params=["gs", "s3"])

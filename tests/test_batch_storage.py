@@ -231,3 +231,70 @@ def test_killed_then_resumed_answers_every_id_once(store, tmp_path, tiny_gguf, e
 @pytest.mark.parametrize("trial", range(10))
 def test_killed_at_random_points_then_resumed(store, tmp_path, tiny_gguf, env, trial):
     _kill_and_resume(store, tmp_path, tiny_gguf, env, seed=100 + trial)
+
+
+@pytest.fixture
+def urls(object_stores, tmp_path):
+    """An input object in each store, and a bucket for outputs."""
+    out = {}
+    for scheme, s in object_stores.items():
+        out[scheme] = _upload(s, tmp_path, [completion("a", "hello", max_tokens=2)], name=f"in-{scheme}.jsonl")
+    return out
+
+
+BAD = {
+    "scheme": (lambda u: ("ftp://bucket/in.jsonl", "out"), "unsupported URL scheme ftp:// in ftp://bucket/in.jsonl"),
+    "bucket name": (lambda u: ("gs://Not_A_Bucket/in.jsonl", "out"), "'Not_A_Bucket' is not a valid bucket name"),
+    "missing bucket": (lambda u: ("gs://no-such-bucket-anywhere/in.jsonl", "out"),
+                       "bucket gs://no-such-bucket-anywhere does not exist"),
+    "missing object": (lambda u: (u["s3"].rsplit("/", 1)[0] + "/nothing.jsonl", "out"),
+                       "input s3://.*/nothing.jsonl does not exist"),
+    "missing output bucket": (lambda u: (u["gs"], "s3://no-such-bucket-anywhere/out.jsonl"),
+                              "bucket s3://no-such-bucket-anywhere does not exist"),
+    "output names no object": (lambda u: (u["gs"], u["gs"].split("/jobs/")[0] + "/"), "names no object"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_urls_get_one_line_and_exit_2(urls, case, capsys, tmp_path):
+    from jaxinfer.cli import main
+
+    make, message = BAD[case]
+    inp, out = make(urls)
+    out = str(tmp_path / "out.jsonl") if out == "out" else out
+    model_never_loaded = str(tmp_path / "no-model.gguf")
+    assert main(["batch", inp, "-o", out, "--model", model_never_loaded, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxinfer: error: "), err
+    assert __import__("re").search(message, err[0]), err[0]
+
+
+def test_a_missing_library_names_the_extra(urls, capsys, tmp_path, monkeypatch):
+    from jaxinfer.cli import main
+
+    monkeypatch.setattr(storage, "_FILESYSTEMS", {})
+    monkeypatch.setitem(__import__("sys").modules, "gcsfs", None)  # the import now fails
+    assert main(["batch", urls["gs"], "-o", str(tmp_path / "o.jsonl"), "--model", "m", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"jaxinfer: error: {urls['gs']} needs gcsfs, which is not installed: pip install 'jaxinfer[gcs]'"]
+
+
+def test_denied_access_gets_one_line_and_exit_2(object_stores, capsys, tmp_path, monkeypatch):
+    """A server that checks credentials refuses this process's keys, for input and output alike."""
+    from jaxinfer.cli import main
+    from tests.storage_servers import reset_clients, start_s3, stop
+
+    strict = start_s3(check_credentials=True)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", strict.env["AWS_ENDPOINT_URL"])
+        reset_clients()
+        local = write_jsonl(tmp_path / "in.jsonl", [completion("a", "hello")])
+        for inp, out in (("s3://private-bucket/in.jsonl", str(tmp_path / "out.jsonl")),
+                         (str(local), "s3://private-bucket/out.jsonl")):
+            assert main(["batch", inp, "-o", out, "--model", "m", "--no-progress"]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and "s3://private-bucket" in err[0] and "access denied" in err[0], err
+    finally:
+        monkeypatch.undo()
+        reset_clients()
+        stop(strict)
