@@ -9,6 +9,8 @@
   checkpoint.
 * A GGUF file or an Orbax directory (written by ``jaxinfer convert``) is copied whole, streamed,
   into ``root`` (a GGUF once per version of the object), then loaded as a local one.
+
+``upload_tree`` writes a converted checkpoint into a bucket (``jaxinfer convert SRC gs://...``).
 """
 
 from __future__ import annotations
@@ -78,6 +80,24 @@ def _copy_tree(u: storage.Url, files: dict[str, int], dest: Path) -> None:
 
     with ThreadPoolExecutor(RANGE_REQUESTS) as pool:
         list(pool.map(one, sorted(files)))
+
+
+def upload_tree(local: Path, u: storage.Url, *, last: str) -> None:
+    """Copy a local directory under ``u``, the file ``last`` after all others: a reader that finds
+    it finds the rest (an Orbax checkpoint's ``jaxinfer.json``)."""
+    if storage.listing(u):
+        raise CheckpointError(f"{u}: already holds objects; remove them or choose another destination")
+    files = sorted(p for p in Path(local).rglob("*") if p.is_file())
+    first = [p for p in files if p.relative_to(local).as_posix() != last]
+
+    def one(p: Path) -> None:
+        storage.put(u.child(p.relative_to(local).as_posix()), p.read_bytes())
+
+    with ThreadPoolExecutor(RANGE_REQUESTS) as pool:
+        list(pool.map(one, first))
+    for p in files:
+        if p not in first:
+            one(p)
 
 
 class RemoteFile:

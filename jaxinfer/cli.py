@@ -242,8 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("name")
 
     c = sub.add_parser("convert", help="convert a checkpoint to an Orbax checkpoint")
-    c.add_argument("src", help="registry name or path")
-    c.add_argument("dest", help="output directory (default store: checkpoints/)")
+    c.add_argument("src", help="registry name, Hub id, path, or gs:// / s3:// URL")
+    c.add_argument("dest", help="output directory (default store: checkpoints/), or gs://BUCKET/PATH, s3://BUCKET/PATH")
     c.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     _add_quantize(c)
     return ap

@@ -298,3 +298,26 @@ def test_denied_access_gets_one_line_and_exit_2(object_stores, capsys, tmp_path,
         monkeypatch.undo()
         reset_clients()
         stop(strict)
+
+
+def test_two_processes_write_one_prefix(object_stores, tmp_path, tiny_gguf, env):
+    """Two processes joined by jax.distributed on 127.0.0.1, each answering its share into its own
+    parts under one bucket prefix (no shared filesystem); process 0 joins them."""
+    from tests.storage_servers import free_port
+
+    n = 16
+    inp = _upload(object_stores["gs"], tmp_path, _requests(n))
+    out = inp.rsplit("/", 1)[0] + "/out.jsonl"
+    port = free_port()
+    logs = [tmp_path / f"p{i}.log" for i in (0, 1)]
+    procs = [_start(batch_cmd(inp, out, tiny_gguf, "--max-model-len", "64", "--coordinator-address",
+                              f"127.0.0.1:{port}", "--num-processes", 2, "--process-id", i), env, logs[i])
+             for i in (0, 1)]
+    for (p, log), path in zip(procs, logs):
+        p.wait(timeout=600)
+        log.close()
+        assert p.returncode == 0, path.read_text()[-3000:]
+    _check_exactly_once(_rows(out), n)
+    assert storage.listing(parts_prefix(storage.parse(out))) == {}
+    share = int(__import__("re").search(r"process 1 of 2: this run: (\d+) requests", logs[1].read_text()).group(1))
+    assert 0 < share < n + 2

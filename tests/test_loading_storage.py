@@ -114,3 +114,16 @@ def test_what_is_not_a_checkpoint_says_so(store, tmp_path):
         registry.resolve(f"{store.scheme}://{b}/dir", download_dir=tmp_path)
     with pytest.raises(storage.StorageError, match="does not exist"):
         registry.resolve(f"{store.scheme}://no-such-bucket-{b}/model", download_dir=tmp_path)
+
+
+def test_convert_writes_orbax_into_a_bucket(store, tiny_gguf, tmp_path, capsys):
+    from jaxinfer.cli import main
+
+    url = f"{store.scheme}://{store.bucket()}/ckpt"
+    assert main(["convert", str(tiny_gguf), url]) == 0
+    assert capsys.readouterr().out.strip() == url
+    assert "jaxinfer.json" in storage.listing(storage.parse(url))
+    got = checkpoint.load(registry.resolve(url, download_dir=tmp_path), dtype="float32")
+    _assert_same(got, checkpoint.load(tiny_gguf, dtype="float32"))
+    assert main(["convert", str(tiny_gguf), url]) == 2  # never over an existing checkpoint
+    assert "already holds objects" in capsys.readouterr().err

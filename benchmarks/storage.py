@@ -1,0 +1,151 @@
+"""Object storage against local disk, on a GCS emulator started here on 127.0.0.1 (through gcsfs):
+
+* ``job``: a batch job of N request lines (default 10,000) on the tiny random Llama the tests use
+  (SmolLM2's tokenizer, 2 layers of width 64), its output to a local file and to ``gs://``
+  (parts of ``--part-lines``, joined at the end), interleaved, the same model and warm
+  compilations; requests per second of each.
+* ``read``: one object of ``--gib`` GiB read from the emulator as one stream (8 MiB read-ahead)
+  and by parallel range requests (``bucket.RemoteFile``: 32 MiB chunks, 8 requests of 4 MiB in
+  flight), as the safetensors loader reads. The emulator is local and single-process: this shows
+  whether the reads overlap, not what a network gives.
+
+    python benchmarks/storage.py job --lines 10000 --repeats 2
+    python benchmarks/storage.py read --gib 1
+
+Needs the test extra (gcsfs, gcp-storage-emulator) and, for ``job``, the SmolLM2 registry model
+(its tokenizer); prints one JSON line per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _emulator():
+    from tests.storage_servers import reset_clients, start_gcs
+
+    store = start_gcs()
+    os.environ.update(store.env)
+    reset_clients()
+    return store
+
+
+def _requests(n: int) -> list[str]:
+    return [json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
+                        "body": {"model": "m", "prompt": f"Question {i}: what is {i} plus {i}?", "max_tokens": 4,
+                                 "temperature": 0}}) for i in range(n)]
+
+
+def job(a) -> None:
+    from jaxinfer import LLM, registry, storage
+    from jaxinfer.batch import run_batch
+    from tests.tiny_gguf import write_tiny_llama
+
+    store = _emulator()
+    try:
+        tmp = Path(tempfile.mkdtemp())
+        model = tmp / "tiny.gguf"
+        write_tiny_llama(model, registry.fetch("smollm2-135m-instruct", progress=False), layers=2, d=64, heads=4,
+                         kv_heads=2, ff=128, context=512)
+        llm = LLM(str(model), progress=False, max_num_seqs=a.max_num_seqs, kv_cache_memory_bytes=256 << 20)
+        inp = tmp / "in.jsonl"
+        inp.write_text("\n".join(_requests(a.lines)) + "\n")
+        warm = tmp / "warm.jsonl"
+        warm.write_text("\n".join(_requests(min(a.lines, 4 * a.max_num_seqs))) + "\n")
+        run_batch(llm, warm, tmp / "warm-out.jsonl", progress=False)
+        fs = storage.filesystem(storage.parse("gs://b/x"))
+        fs.mkdir("bench")
+        rates = {"local": [], "gs": []}
+        for r in range(a.repeats):
+            for where in ("local", "gs"):
+                out = str(tmp / f"out-{r}.jsonl") if where == "local" else f"gs://bench/out-{r}.jsonl"
+                t0 = time.perf_counter()
+                s = run_batch(llm, inp, out, progress=False, part_lines=a.part_lines)
+                wall = time.perf_counter() - t0
+                assert s.result.answered == a.lines and s.interrupted is None
+                rates[where].append(a.lines / wall)
+                print(json.dumps({"what": "job", "output": where, "lines": a.lines, "repeat": r,
+                                  "wall_s": round(wall, 2), "req_per_s": round(a.lines / wall, 1)}), flush=True)
+        loc, gs = statistics.median(rates["local"]), statistics.median(rates["gs"])
+        print(json.dumps({"what": "job summary", "lines": a.lines, "part_lines": a.part_lines,
+                          "local_req_per_s": round(loc, 1), "gs_req_per_s": round(gs, 1),
+                          "gs_over_local": round(gs / loc, 3), **_machine()}))
+    finally:
+        from tests.storage_servers import stop
+
+        stop(store)
+
+
+def read(a) -> None:
+    import numpy as np
+
+    from jaxinfer import bucket, storage
+
+    store = _emulator()
+    try:
+        size = int(a.gib * (1 << 30))
+        u = storage.parse("gs://bench/weights.bin")
+        fs = storage.filesystem(u)
+        fs.mkdir("bench")
+        data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
+        t0 = time.perf_counter()
+        storage.put(u, data)
+        print(json.dumps({"what": "upload", "bytes": size, "s": round(time.perf_counter() - t0, 2)}), flush=True)
+        chunk = 32 << 20
+        for r in range(a.repeats):
+            t0 = time.perf_counter()
+            got = 0
+            with storage.open_read(u, block_size=8 << 20) as f:
+                while block := f.read(chunk):
+                    got += len(block)
+            one = time.perf_counter() - t0
+            assert got == size
+            rf = bucket.RemoteFile(u, size)
+            t0 = time.perf_counter()
+            for start in range(0, size, chunk):
+                got = rf.read(start, min(start + chunk, size))
+            par = time.perf_counter() - t0
+            assert got == data[-len(got):]
+            print(json.dumps({"what": "read", "bytes": size, "repeat": r,
+                              "one_stream_MiB_s": round(size / one / (1 << 20), 1),
+                              "parallel_ranges_MiB_s": round(size / par / (1 << 20), 1),
+                              "ranges_in_flight": bucket.RANGE_REQUESTS, "range_MiB": bucket.RANGE_BYTES >> 20,
+                              **_machine()}), flush=True)
+    finally:
+        from tests.storage_servers import stop
+
+        stop(store)
+
+
+def _machine() -> dict:
+    return {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    j = sub.add_parser("job")
+    j.add_argument("--lines", type=int, default=10_000)
+    j.add_argument("--part-lines", type=int, default=1000)
+    j.add_argument("--max-num-seqs", type=int, default=64)
+    j.add_argument("--repeats", type=int, default=2)
+    r = sub.add_parser("read")
+    r.add_argument("--gib", type=float, default=1.0)
+    r.add_argument("--repeats", type=int, default=2)
+    a = p.parse_args()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    {"job": job, "read": read}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()
