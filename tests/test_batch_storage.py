@@ -166,11 +166,12 @@ def _check_exactly_once(rows, n):
 
 
 def test_a_second_run_is_refused_and_sigterm_writes_the_last_part(store, tmp_path, tiny_gguf, env):
-    n = 30
+    n = 20
     inp = _upload(store, tmp_path, _requests(n))
     out = storage.parse(inp.rsplit("/", 1)[0] + "/out.jsonl")
     log_path = tmp_path / "first.log"
-    first, log = _start(batch_cmd(inp, out, tiny_gguf, *MODEL_ARGS, "--part-lines", "1000"), env, log_path)
+    first, log = _start(batch_cmd(inp, out, tiny_gguf, *MODEL_ARGS, "--part-lines", "1000", "--grace-period", "4"),
+                        env, log_path)
     try:
         _wait_for(lambda: storage.info(parts_prefix(out).child("lease")) is not None, first, log_path)
         second = subprocess.run(batch_cmd(inp, out, tiny_gguf, *MODEL_ARGS), env=env, capture_output=True,
@@ -178,7 +179,6 @@ def test_a_second_run_is_refused_and_sigterm_writes_the_last_part(store, tmp_pat
         assert second.returncode == 2
         err = second.stderr.strip().splitlines()
         assert err[-1].startswith("jaxinfer: error: ") and "being written by another jaxinfer batch" in err[-1]
-        time.sleep(1.0)
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=120)
     finally:
@@ -300,6 +300,7 @@ def test_denied_access_gets_one_line_and_exit_2(object_stores, capsys, tmp_path,
         stop(strict)
 
 
+@pytest.mark.slow  # 50 s: two processes, each loading the model
 def test_two_processes_write_one_prefix(object_stores, tmp_path, tiny_gguf, env):
     """Two processes joined by jax.distributed on 127.0.0.1, each answering its share into its own
     parts under one bucket prefix (no shared filesystem); process 0 joins them."""
