@@ -8,9 +8,12 @@
   and by parallel range requests (``bucket.RemoteFile``: 32 MiB chunks, 8 requests of 4 MiB in
   flight), as the safetensors loader reads. The emulator is local and single-process: this shows
   whether the reads overlap, not what a network gives.
+* ``load``: a random Llama-shaped safetensors checkpoint of about ``--gib`` GiB loaded in a fresh
+  process from local disk and from the emulator: seconds and peak host memory.
 
     python benchmarks/storage.py job --lines 10000 --repeats 2
     python benchmarks/storage.py read --gib 1
+    python benchmarks/storage.py load --gib 1
 
 Needs the test extra (gcsfs, gcp-storage-emulator) and, for ``job``, the SmolLM2 registry model
 (its tokenizer); prints one JSON line per measurement.
@@ -63,7 +66,7 @@ def job(a) -> None:
         warm = tmp / "warm.jsonl"
         warm.write_text("\n".join(_requests(min(a.lines, 4 * a.max_num_seqs))) + "\n")
         run_batch(llm, warm, tmp / "warm-out.jsonl", progress=False)
-        fs = storage.filesystem(storage.parse("gs://b/x"))
+        fs = storage.filesystem(storage.parse("gs://bench/x"))
         fs.mkdir("bench")
         rates = {"local": [], "gs": []}
         for r in range(a.repeats):
@@ -127,6 +130,41 @@ def read(a) -> None:
         stop(store)
 
 
+def load(a) -> None:
+    """A random Llama-shaped Hugging Face checkpoint of about ``--gib`` GiB (bfloat16, 4 shards),
+    loaded in a fresh process from local disk and from the emulator (safetensors read in place):
+    seconds and peak resident memory above the process's baseline (``tests.random_hf``)."""
+    from jaxinfer import registry
+    from tests.random_hf import SHAPE_2GB, measure_load, write_llama
+
+    store = _emulator()
+    try:
+        tmp = Path(tempfile.mkdtemp())
+        layers = max(1, round((a.gib * (1 << 30) / 2 - 2 * 32000 * 2048) / 62_914_560))
+        sizes = write_llama(tmp / "hf", dtype="bfloat16", shards=4, **(SHAPE_2GB | {"n_layers": layers}))
+        from jaxinfer import storage
+
+        storage.filesystem(storage.parse("gs://bench/x")).mkdir("bench")
+        t0 = time.perf_counter()
+        for p in sorted((tmp / "hf").iterdir()):
+            storage.put(storage.parse(f"gs://bench/hf/{p.name}"), p.read_bytes())
+        print(json.dumps({"what": "upload", "bytes": sizes["weights_bytes"], "s": round(time.perf_counter() - t0, 1)}),
+              flush=True)
+        staged = registry.resolve("gs://bench/hf", download_dir=tmp / "staged")
+        for r in range(a.repeats):
+            for where, path in (("local", tmp / "hf"), ("gs", staged)):
+                m = measure_load(path, dtype="bfloat16", timeout=1800)
+                print(json.dumps({"what": "load", "from": where, "repeat": r, "weights_bytes": m["weights_bytes"],
+                                  "largest_tensor_bytes": sizes["largest_tensor_bytes"],
+                                  "seconds": round(m["seconds"], 2),
+                                  "peak_rss_above_baseline_MiB": round(m["peak_rss_above_baseline"] / (1 << 20), 1),
+                                  **_machine()}), flush=True)
+    finally:
+        from tests.storage_servers import stop
+
+        stop(store)
+
+
 def _machine() -> dict:
     return {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "python": platform.python_version()}
 
@@ -142,9 +180,12 @@ def main() -> None:
     r = sub.add_parser("read")
     r.add_argument("--gib", type=float, default=1.0)
     r.add_argument("--repeats", type=int, default=2)
+    ld = sub.add_parser("load")
+    ld.add_argument("--gib", type=float, default=1.0)
+    ld.add_argument("--repeats", type=int, default=1)
     a = p.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    {"job": job, "read": read}[a.cmd](a)
+    {"job": job, "read": read, "load": load}[a.cmd](a)
 
 
 if __name__ == "__main__":

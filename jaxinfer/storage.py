@@ -126,7 +126,7 @@ def errors(u: Url, doing: str):
     """Store errors as one StorageError line: ``cannot {doing} {url}: why``."""
     try:
         yield
-    except StorageError:
+    except JaxinferError:  # already one line (a StorageError, or the caller's own)
         raise
     except FileNotFoundError:
         if not _bucket_exists(u):
