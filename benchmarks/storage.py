@@ -104,26 +104,28 @@ def read(a) -> None:
         t0 = time.perf_counter()
         storage.put(u, data)
         print(json.dumps({"what": "upload", "bytes": size, "s": round(time.perf_counter() - t0, 2)}), flush=True)
-        chunk = 32 << 20
         for r in range(a.repeats):
             t0 = time.perf_counter()
             got = 0
             with storage.open_read(u, block_size=8 << 20) as f:
-                while block := f.read(chunk):
+                while block := f.read(32 << 20):
                     got += len(block)
             one = time.perf_counter() - t0
             assert got == size
-            rf = bucket.RemoteFile(u, size)
-            t0 = time.perf_counter()
-            for start in range(0, size, chunk):
-                got = rf.read(start, min(start + chunk, size))
-            par = time.perf_counter() - t0
-            assert got == data[-len(got):]
-            print(json.dumps({"what": "read", "bytes": size, "repeat": r,
-                              "one_stream_MiB_s": round(size / one / (1 << 20), 1),
-                              "parallel_ranges_MiB_s": round(size / par / (1 << 20), 1),
-                              "ranges_in_flight": bucket.RANGE_REQUESTS, "range_MiB": bucket.RANGE_BYTES >> 20,
-                              **_machine()}), flush=True)
+            print(json.dumps({"what": "read", "how": "one stream, 8 MiB read-ahead", "bytes": size, "repeat": r,
+                              "MiB_s": round(size / one / (1 << 20), 1), **_machine()}), flush=True)
+            for range_mib, in_flight in a.ranges:
+                bucket.RANGE_BYTES, bucket.RANGE_REQUESTS = range_mib << 20, in_flight
+                chunk = (range_mib << 20) * in_flight
+                rf = bucket.RemoteFile(u, size)
+                t0 = time.perf_counter()
+                for start in range(0, size, chunk):
+                    got = rf.read(start, min(start + chunk, size))
+                par = time.perf_counter() - t0
+                assert got == data[-len(got):]
+                print(json.dumps({"what": "read", "how": f"ranges of {range_mib} MiB, {in_flight} in flight",
+                                  "bytes": size, "repeat": r, "MiB_s": round(size / par / (1 << 20), 1),
+                                  **_machine()}), flush=True)
     finally:
         from tests.storage_servers import stop
 
@@ -180,6 +182,8 @@ def main() -> None:
     r = sub.add_parser("read")
     r.add_argument("--gib", type=float, default=1.0)
     r.add_argument("--repeats", type=int, default=2)
+    r.add_argument("--ranges", type=lambda t: tuple(map(int, t.split("x"))), nargs="+",
+                   default=[(4, 8), (32, 1), (32, 8)], help="RANGE_MiBxIN_FLIGHT settings to measure")
     ld = sub.add_parser("load")
     ld.add_argument("--gib", type=float, default=1.0)
     ld.add_argument("--repeats", type=int, default=1)
