@@ -7,6 +7,7 @@ and exit 2."""
 
 import json
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -170,7 +171,7 @@ def test_a_second_run_is_refused_and_sigterm_writes_the_last_part(store, tmp_pat
     inp = _upload(store, tmp_path, _requests(n))
     out = storage.parse(inp.rsplit("/", 1)[0] + "/out.jsonl")
     log_path = tmp_path / "first.log"
-    first, log = _start(batch_cmd(inp, out, tiny_gguf, *MODEL_ARGS, "--part-lines", "1000", "--grace-period", "4"),
+    first, log = _start(batch_cmd(inp, out, tiny_gguf, *MODEL_ARGS, "--part-lines", "3", "--grace-period", "4"),
                         env, log_path)
     try:
         _wait_for(lambda: storage.info(parts_prefix(out).child("lease")) is not None, first, log_path)
@@ -179,16 +180,19 @@ def test_a_second_run_is_refused_and_sigterm_writes_the_last_part(store, tmp_pat
         assert second.returncode == 2
         err = second.stderr.strip().splitlines()
         assert err[-1].startswith("jaxinfer: error: ") and "being written by another jaxinfer batch" in err[-1]
+        _wait_for(lambda: list_parts(out), first, log_path)  # answering (its signal handlers are in place)
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=120)
     finally:
         first.kill()
         log.close()
-    assert first.returncode in (0, 128 + signal.SIGTERM), log_path.read_text()[-3000:]
-    if first.returncode:  # stopped: what it answered is in its last part, and the lease is gone
+    text = log_path.read_text()
+    assert first.returncode in (0, 128 + signal.SIGTERM), text[-3000:]
+    if first.returncode:  # stopped: all it answered is in its parts, the last written at the signal; no lease
+        answered = int(re.search(r"this run: (\d+) requests", text).group(1))
         names = storage.listing(parts_prefix(out))
-        assert "lease" not in names and len(names) == 1
-        assert storage.info(out) is None
+        assert "lease" not in names and storage.info(out) is None
+        assert sum(storage.read(u).count(b"\n") for u, _ in list_parts(out)) == answered
         rerun = subprocess.run(batch_cmd(inp, out, tiny_gguf, *MODEL_ARGS), env=env, capture_output=True,
                                text=True, timeout=600)
         assert rerun.returncode == 0, rerun.stderr[-3000:]
@@ -266,7 +270,7 @@ def test_bad_urls_get_one_line_and_exit_2(urls, case, capsys, tmp_path):
     assert main(["batch", inp, "-o", out, "--model", model_never_loaded, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jaxinfer: error: "), err
-    assert __import__("re").search(message, err[0]), err[0]
+    assert re.search(message, err[0]), err[0]
 
 
 def test_a_missing_library_names_the_extra(urls, capsys, tmp_path, monkeypatch):
@@ -320,5 +324,5 @@ def test_two_processes_write_one_prefix(object_stores, tmp_path, tiny_gguf, env)
         assert p.returncode == 0, path.read_text()[-3000:]
     _check_exactly_once(_rows(out), n)
     assert storage.listing(parts_prefix(storage.parse(out))) == {}
-    share = int(__import__("re").search(r"process 1 of 2: this run: (\d+) requests", logs[1].read_text()).group(1))
+    share = int(re.search(r"process 1 of 2: this run: (\d+) requests", logs[1].read_text()).group(1))
     assert 0 < share < n + 2
