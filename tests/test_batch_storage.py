@@ -75,6 +75,18 @@ def test_bucket_to_bucket_answers_what_a_local_job_does(tiny_llm, store, tmp_pat
     # finished: the parts and the lease are gone
     assert storage.listing(parts_prefix(storage.parse(out))) == {}
 
+    # --order input: the parts rewritten into one object in input order
+    ordered = inp.rsplit("/", 1)[0] + "/ordered.jsonl"
+    run_batch(tiny_llm, inp, ordered, order="input", progress=False, part_lines=3)
+    rows = _rows(ordered)
+    assert _answers(rows) == _answers(local_answers)
+    first_line = {}
+    for n, x in enumerate(storage.read(storage.parse(inp)).decode().splitlines(), 1):
+        if x.startswith('{"'):
+            first_line.setdefault(json.loads(x)["custom_id"], n)
+    positions = [r["error"]["line"] if r["custom_id"] is None else first_line[r["custom_id"]] for r in rows]
+    assert positions == sorted(positions)
+
 
 PART = "{}-000000.jsonl"
 

@@ -257,7 +257,7 @@ def finish(out: Url, fmt, order: str, run: str) -> None:
             return
         seen: set[tuple] = set()
         chosen, overlap = [], False
-        entries = []  # (order, source index, line bytes) for a rewrite in input order
+        entries = []  # (order, source index, offset, size) for a rewrite in input order
         for si, (u, size) in enumerate(sources):
             keys = [(off, sz, key) for off, sz, _, key in scan_object(u, fmt)]
             new = [k for k in keys if k[2] not in seen]
