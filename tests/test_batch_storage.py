@@ -2,8 +2,9 @@
 gcsfs, moto's S3 server through s3fs): a job from a bucket to a bucket answers what a local job
 answers; a rerun skips what any part holds, a part written twice counts once; a second run on
 one output is refused while the first holds the lease; a job killed with SIGKILL and rerun
-answers every custom_id exactly once; bad URLs, missing buckets and objects each give one line
-and exit 2."""
+answers every custom_id exactly once (one kill per store here, ten under -m slow); two processes
+of a jax.distributed job write one prefix (slow); bad URLs, missing buckets and objects, denied
+access and a missing gcsfs each give one line and exit 2."""
 
 import json
 import random
