@@ -133,8 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="INPUT.jsonl: OpenAI Batch API request lines, answered in OpenAI's batch output format. "
                     "Any other INPUT: one prompt per line (quick mode). Results are appended as requests "
                     "finish; rerunning the same command after a crash or preemption answers only what is left.")
-    b.add_argument("input", help="OpenAI batch .jsonl file, or a text file with one prompt per line")
-    b.add_argument("-o", "--output", required=True, help="JSONL output file (appended to and resumed)")
+    b.add_argument("input", help="OpenAI batch .jsonl file, or a text file with one prompt per line (a local path, "
+                                 "gs://BUCKET/KEY or s3://BUCKET/KEY)")
+    b.add_argument("-o", "--output", required=True,
+                   help="JSONL output file (appended to and resumed); or gs://BUCKET/KEY, s3://BUCKET/KEY: results go "
+                        "to OUTPUT.parts/ in part objects, joined into OUTPUT when every request is answered")
     _add_model(b)
     _add_engine(b)
     s = b.add_argument_group("sampling defaults", "for requests that do not set them "
@@ -153,7 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--metrics-out", default=None, help="write counts, throughput and latency percentiles as JSON")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument("--grace-period", type=float, default=20.0,
-                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 20)")
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 20; to a URL output, "
+                        "the last part is written within it too)")
+    b.add_argument("--part-lines", type=int, default=1000,
+                   help="output URL: results per part object (default 1000); a kill loses at most one unwritten part")
+    b.add_argument("--part-seconds", type=float, default=30.0,
+                   help="output URL: a part is also written at the first result this long after its first (default 30)")
     d = b.add_argument_group(
         "multi-host (jax.distributed)",
         "run the same command on every host. A parallel layout that fits one host's devices runs on each host "
@@ -234,8 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("name")
 
     c = sub.add_parser("convert", help="convert a checkpoint to an Orbax checkpoint")
-    c.add_argument("src", help="registry name or path")
-    c.add_argument("dest", help="output directory (default store: checkpoints/)")
+    c.add_argument("src", help="registry name, Hub id, path, or gs:// / s3:// URL")
+    c.add_argument("dest", help="output directory (default store: checkpoints/), or gs://BUCKET/PATH, s3://BUCKET/PATH")
     c.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     _add_quantize(c)
     return ap
@@ -339,7 +347,7 @@ def cmd_batch(a) -> int:
         a.input, a.output, kind=fmt, order=a.order, defaults=given, sampling_params=quick,
         raw=a.raw, model_name=None if Path(a.model).exists() else a.model,
         metrics_out=a.metrics_out, progress=not a.no_progress, grace_period=a.grace_period,
-        process_index=me, process_count=count, spmd=spmd,
+        process_index=me, process_count=count, spmd=spmd, part_lines=a.part_lines, part_seconds=a.part_seconds,
     )
     who = f"process {me} of {count}: " if count > 1 else ""
     r, run, wall = s.result, s.run, max(s.wall_s, 1e-9)

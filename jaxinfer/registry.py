@@ -9,7 +9,8 @@ own dependencies are never installed.
 Wherever a model name is accepted, a local path works too: a ``.gguf`` file, a Hugging Face
 directory (``config.json`` + ``*.safetensors``) or an Orbax directory written by
 ``jaxinfer convert``; and so does a Hugging Face Hub id, ``org/name`` or
-``org/name:FILE.gguf``, downloaded into huggingface_hub's cache (``jaxinfer.hub``).
+``org/name:FILE.gguf``, downloaded into huggingface_hub's cache (``jaxinfer.hub``); and a
+``gs://`` or ``s3://`` URL of any of these three (``jaxinfer.bucket``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from jaxinfer import hub
+from jaxinfer import bucket, hub, storage
 from jaxinfer.errors import CheckpointError, InvalidRequest, UnknownModel
 
 
@@ -197,6 +198,10 @@ def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None,
     ``revision``, into ``download_dir`` or huggingface_hub's cache). check_config: called with a
     Hub checkpoint's ``config.json`` before its weights are downloaded (``hub.download``)."""
     name = str(name_or_path)
+    if storage.is_url(name):  # gs://, s3://: small files copied, safetensors read in place
+        if revision is not None:
+            raise InvalidRequest(f"revision applies to a Hugging Face Hub id, not to {name!r}")
+        return bucket.stage(name, Path(download_dir) if download_dir is not None else home() / "buckets")
     p = Path(name_or_path).expanduser()
     if p.exists() or name in REGISTRY:
         if revision is not None:

@@ -10,6 +10,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 
+# the object stores on 127.0.0.1 (object_stores, store), for the tests that read and write buckets
+pytest_plugins = ["tests.storage_servers"]
+
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if os.name == "posix" else None
 
 

@@ -45,23 +45,29 @@ What survives what:
   process 0 has written stays, and a rerun resumes it; the other processes fail once the
   runtime notices (a collective or the coordination service's heartbeat), or wait for the
   interrupted step until they are killed. Kill them all, then rerun.
+* Object storage (``gs://``, ``s3://``; ``jaxinfer.storage``): the input may be an object, and an
+  output URL is written in bounded part objects with a lease instead of appends and a lock
+  (``parts``): a kill loses at most the one part each process had not written yet; a rerun
+  skips what any part holds; the finished job joins the parts into OUTPUT. Multi-host processes
+  write their own parts under the same prefix: no shared filesystem is needed.
 * ``order="input"``: once every request is answered the file is rewritten in input order
   (through a temporary file and a rename); the default is completion order.
 
 The package: ``statistics`` (counts, latency histograms), ``formats`` (the two input formats and
-their result lines), ``log`` (the durable output), ``signals``, ``distributed`` (multi-host), and
+their result lines), ``log`` (the durable output), ``parts`` (the output in object storage), ``signals``, ``distributed`` (multi-host), and
 ``job`` (``run_batch``), which uses them all. The names below are its public face.
 """
 
 from jaxinfer.batch.distributed import BARRIER_TIMEOUT_S, init_distributed
 from jaxinfer.batch.formats import QUICK_MAX_TOKENS, _encode, _OpenAIFormat, _PromptsFormat  # noqa: F401
 from jaxinfer.batch.job import ORDERS, check_input, input_format, part_path, run_batch
+from jaxinfer.batch.parts import LEASE_SECONDS, PART_LINES, PART_SECONDS
 from jaxinfer.batch.log import FSYNC_EVERY, FSYNC_SECONDS, OutputFileError, _dumps, scan_results  # noqa: F401
 from jaxinfer.batch.signals import GRACE_PERIOD
 from jaxinfer.batch.statistics import LATENCIES, BatchSummary, Latency, Tally
 
 __all__ = [
     "BARRIER_TIMEOUT_S", "BatchSummary", "FSYNC_EVERY", "FSYNC_SECONDS", "GRACE_PERIOD", "LATENCIES",
-    "Latency", "ORDERS", "OutputFileError", "QUICK_MAX_TOKENS", "Tally", "check_input",
+    "LEASE_SECONDS", "Latency", "ORDERS", "PART_LINES", "PART_SECONDS", "OutputFileError", "QUICK_MAX_TOKENS", "Tally", "check_input",
     "init_distributed", "input_format", "part_path", "run_batch", "scan_results",
 ]

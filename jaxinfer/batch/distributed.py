@@ -9,7 +9,6 @@ import dataclasses
 import hashlib
 import itertools
 import json
-from pathlib import Path
 
 from jaxinfer.batch.statistics import BatchSummary, Latency
 from jaxinfer.errors import InvalidRequest
@@ -123,15 +122,24 @@ class _Spmd:
         return next((int(v) for v in votes if v != "0"), None)
 
 
-def fingerprint(path: Path, *options) -> str:
-    """Size and sha256 of the first and last MiB of ``path``, and a hash of ``options``: equal on
-    every process of a job that reads the same file the same way (cheap on a file of any size)."""
-    size = path.stat().st_size
+def fingerprint(path, *options) -> str:
+    """Size and sha256 of the first and last MiB of ``path`` (a local path or a
+    ``jaxinfer.storage.Url``), and a hash of ``options``: equal on every process of a job that
+    reads the same file the same way (cheap on a file of any size)."""
+    from jaxinfer import storage
+
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        if size > 1 << 20:
-            f.seek(max(1 << 20, size - (1 << 20)))
-            h.update(f.read())
+    if isinstance(path, storage.Url):
+        size = storage.info(path)["size"]
+        ranges = [(0, min(size, 1 << 20))] + ([(max(1 << 20, size - (1 << 20)), size)] if size > 1 << 20 else [])
+        for data in storage.read_ranges(path, ranges):
+            h.update(data)
+    else:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            h.update(f.read(1 << 20))
+            if size > 1 << 20:
+                f.seek(max(1 << 20, size - (1 << 20)))
+                h.update(f.read())
     opts = hashlib.sha256(repr(options).encode()).hexdigest()[:12]
     return f"{size} bytes, sha256 of the ends {h.hexdigest()[:16]}, options {opts}"

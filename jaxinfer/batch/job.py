@@ -11,6 +11,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from jaxinfer import storage
+from jaxinfer.batch import parts
 from jaxinfer.batch.distributed import _gather, _Spmd, fingerprint
 from jaxinfer.batch.formats import _OpenAIFormat, _PromptsFormat, _Work
 from jaxinfer.batch.log import _fsync_path, _NullLog, _ResultLog, scan_results
@@ -25,7 +27,7 @@ _PART = re.compile(r"\.part-(\d{5})-of-(\d{5})$")
 
 def input_format(path) -> str:
     """"openai" for ``*.jsonl`` / ``*.json`` files, "prompts" (quick mode) for anything else."""
-    return "openai" if Path(path).suffix.lower() in (".jsonl", ".json") else "prompts"
+    return "openai" if Path(str(path)).suffix.lower() in (".jsonl", ".json") else "prompts"
 
 
 def part_path(output: Path, process_index: int, process_count: int) -> Path:
@@ -39,16 +41,23 @@ def _parts(output: Path) -> list[Path]:
                   and _PART.search(p.name[len(output.name):]))
 
 
-def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+def _lines(path: Path | storage.Url) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, bytes) of each non-blank line, streamed."""
-    with open(path, "rb") as f:
+    with open(path, "rb") if isinstance(path, Path) else storage.open_read(path) as f:
         for n, raw in enumerate(f, 1):
             if raw.strip():
                 yield n, raw
 
 
-def check_input(path) -> Path:
-    """The input file, or InvalidRequest saying why it cannot be read."""
+def check_input(path) -> Path | storage.Url:
+    """The input file (a local path, or a gs:// or s3:// object), or InvalidRequest /
+    StorageError saying why it cannot be read."""
+    if storage.is_url(path):
+        u = storage.parse(path)
+        i = storage.info(u)
+        if i is None or i.get("size") is None:
+            raise InvalidRequest(f"input {u} does not exist" if i is None else f"input {u} is not an object")
+        return u
     path = Path(path)
     if not path.is_file():
         raise InvalidRequest(f"input file {path} does not exist" if not path.exists() else f"input {path} is not a file")
@@ -64,7 +73,8 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
               defaults: dict | None = None, sampling_params: SamplingParams | None = None, raw: bool = False,
               model_name: str | None = None, metrics_out=None, progress: bool = True,
               grace_period: float = GRACE_PERIOD, process_index: int = 0, process_count: int = 1,
-              spmd: bool = False) -> BatchSummary:
+              spmd: bool = False, part_lines: int = parts.PART_LINES,
+              part_seconds: float = parts.PART_SECONDS) -> BatchSummary:
     """Answer every request of ``input_path`` into ``output_path``, resuming what is there.
 
     llm: an ``LLM``, or a function returning one (called only if some request still needs the
@@ -77,14 +87,26 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
     model is one mesh over all processes (``jaxinfer.llm.spans_processes``): every process runs
     every request, in the same order, and only process 0 writes OUTPUT; otherwise each process
     answers its share of the lines into a part file.
+
+    input_path and output_path may be ``gs://`` or ``s3://`` URLs (``jaxinfer.storage``). An
+    output URL is written in part objects of ``part_lines`` lines, or fewer after
+    ``part_seconds`` (``jaxinfer.batch.parts``), joined into OUTPUT when the job is complete.
     """
     t0 = time.perf_counter()
     inp = check_input(input_path)
-    out = Path(output_path)
-    if out.exists() and out.resolve() == inp.resolve():
-        raise InvalidRequest(f"the output file {out} is the input file")
-    if not out.parent.is_dir():  # a typo in a path should not become a tree of new directories
-        raise InvalidRequest(f"output directory {out.parent} does not exist (create it first)")
+    remote = storage.is_url(output_path)
+    if remote:
+        out = storage.parse(output_path)
+        if out == inp:
+            raise InvalidRequest(f"the output {out} is the input")
+        if not out.key or out.key.endswith("/"):
+            raise InvalidRequest(f"the output {out} names no object (gs://BUCKET/NAME.jsonl)")
+    else:
+        out = Path(output_path)
+        if isinstance(inp, Path) and out.exists() and out.resolve() == inp.resolve():
+            raise InvalidRequest(f"the output file {out} is the input file")
+        if not out.parent.is_dir():  # a typo in a path should not become a tree of new directories
+            raise InvalidRequest(f"output directory {out.parent} does not exist (create it first)")
     if not 0 <= process_index < process_count:
         raise InvalidRequest(f"process_index must be in [0, {process_count}), got {process_index}")
     kind = kind or input_format(inp)
@@ -97,17 +119,26 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
     order = order or fmt.default_order
     if order not in ORDERS:
         raise InvalidRequest(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+    if part_lines < 1 or not part_seconds >= 0:
+        raise InvalidRequest(f"part_lines must be >= 1 and part_seconds >= 0, got {part_lines} and {part_seconds}")
     P, me = process_count, process_index
     spmd = spmd and P > 1
     ours = (lambda shard: True) if P == 1 or spmd else (lambda shard: shard % P == me)
     mine = lambda key: ours(fmt.shard_of_key(key))  # noqa: E731
 
-    stop = _StopSignals(grace_period)
+    # the last part's upload comes out of the grace period too
+    stop = _StopSignals(grace_period - min(5.0, grace_period / 4) if remote else grace_period)
     sync = _Spmd(me, P) if spmd else None
     if sync is not None:
         sync.same_input(fingerprint(inp, kind, order, defaults, sampling_params, raw))
-    own = out if P == 1 or spmd else part_path(out, me, P)
-    log = _ResultLog(own, stop) if me == 0 or not spmd else _NullLog()
+    own = out if P == 1 or spmd or remote else part_path(out, me, P)
+    if me != 0 and spmd:
+        log = _NullLog()
+    elif remote:
+        log = parts._PartsLog(out, stop, process_index=me, process_count=1 if spmd else P, part_lines=part_lines,
+                              part_seconds=part_seconds)
+    else:
+        log = _ResultLog(own, stop)
     done: set[tuple] = set()
     before = Tally()
     try:
@@ -117,6 +148,9 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
         # _read_done_spmd).
         if spmd:
             _read_done_spmd(sync, log, out, fmt, done, before)
+        elif remote:  # (the lease first: a concurrent run is refused before the model loads)
+            for rec, key in log.open(fmt):
+                _note(done, before, fmt, rec, key, mine)
         else:
             if own.exists():
                 for rec, key in log.open(fmt):
@@ -138,7 +172,7 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
         if todo:
             if callable(llm):
                 llm = llm()
-            if log.fd is None and not spmd:
+            if not log.opened and not spmd:
                 for rec, key in log.open(fmt):  # (another run may have created it meanwhile)
                     _note(done, before, fmt, rec, key, mine)
             if isinstance(fmt, _OpenAIFormat) and fmt.model_name is None:
@@ -150,7 +184,7 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
                      desc="batch" if P == 1 else f"batch {me}/{P}", progress=progress)
             stats = getattr(getattr(llm, "engine", None), "spec_stats", None)
             summary.speculative = stats.summary() if stats is not None else None
-        elif log.fd is None and not spmd:  # nothing to answer (an empty input): the output still appears
+        elif not log.opened and not spmd:  # nothing to answer (an empty input): the output still appears
             for _ in log.open(fmt):
                 pass
     finally:
@@ -159,14 +193,17 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
     summary.wall_s = time.perf_counter() - t0
     if summary.interrupted is not None:  # resumable as it is; merging and reordering wait for a complete run
         if metrics_out is not None and (P == 1 or spmd) and me == 0:
-            _write_json(Path(metrics_out), summary.metrics())
+            _write_json(metrics_out, summary.metrics())
         return summary
     if P > 1 and not spmd:  # (an SPMD job's processes all ran every request: process 0's summary is the job's)
         summary = _gather(summary, me, P)
     if me == 0:
-        _finish_output(out, fmt, order)
+        if remote:
+            parts.finish(out, fmt, order, log.run)
+        else:
+            _finish_output(out, fmt, order)
         if metrics_out is not None:
-            _write_json(Path(metrics_out), summary.metrics())
+            _write_json(metrics_out, summary.metrics())
     return summary
 
 
@@ -186,7 +223,10 @@ def _read_done_spmd(sync: _Spmd, log, out: Path, fmt, done: set, tally: Tally) -
         error = e
     sync.step("opened", error)
     try:
-        for src in [out, *_parts(out)] if sync.me else _parts(out):
+        if isinstance(out, storage.Url):  # process 0 read OUTPUT and its parts when it took the lease
+            for rec, key in parts.read_done(out, fmt) if sync.me else ():
+                _note(done, tally, fmt, rec, key, everything)
+        for src in [] if isinstance(out, storage.Url) else [out, *_parts(out)] if sync.me else _parts(out):
             if src.exists():
                 for _, _, rec, key in scan_results(src, fmt):
                     _note(done, tally, fmt, rec, key, everything)
@@ -202,7 +242,7 @@ def _note(done: set, tally: Tally, fmt, rec: dict, key: tuple, mine) -> None:
             tally.add(fmt.ok(rec), fmt.tokens(rec), _repetitions(rec))
 
 
-def _run(llm, fmt, inp: Path, log, stop: _StopSignals, done: set, summary: BatchSummary, *,
+def _run(llm, fmt, inp: Path | storage.Url, log, stop: _StopSignals, done: set, summary: BatchSummary, *,
          ours, sync: _Spmd | None, desc: str, progress: bool) -> None:
     """The run pass: stream the input, write error lines at once, feed the rest to the engine.
     ours(shard): whether this process answers a line of that shard. sync: an SPMD job's
@@ -331,7 +371,11 @@ def _finish_output(out: Path, fmt, order: str) -> None:
         p.unlink()
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def _write_json(path, obj: dict) -> None:
+    if storage.is_url(path):
+        storage.put(storage.parse(path), (json.dumps(obj, indent=2) + "\n").encode())
+        return
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")

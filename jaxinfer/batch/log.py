@@ -110,6 +110,10 @@ class _ResultLog:
         for _, _, rec, key in scan_results(self.path, fmt, repair=True):
             yield rec, key
 
+    @property
+    def opened(self) -> bool:
+        return self.fd is not None
+
     def append(self, rec: dict) -> None:
         data = _dumps(rec)
         with self.stop.writing():
@@ -143,6 +147,7 @@ class _NullLog:
     writes OUTPUT."""
 
     fd = None
+    opened = False
 
     def append(self, rec: dict) -> None:
         pass

@@ -56,14 +56,17 @@ def _has_gguf_magic(path: Path) -> bool:
 
 # Bytes of a mapped file copied between two hand-backs of their pages (``StoredTensor.read``).
 READ_CHUNK = 16 << 20
+# Bytes of a file in a bucket fetched at once (by several range requests in flight together).
+REMOTE_READ_CHUNK = 32 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class StoredTensor:
     """One tensor of a memory-mapped checkpoint file, not yet read: where it lies in the
-    mapping, and its stored shape and dtype."""
+    mapping, and its stored shape and dtype. ``buf`` may also be a file in a bucket
+    (``jaxinfer.bucket.RemoteFile``), read by ranges instead of mapped."""
 
-    buf: mmap.mmap
+    buf: mmap.mmap  # or bucket.RemoteFile
     offset: int  # of the tensor's first byte in buf
     shape: tuple[int, ...]
     dtype: np.dtype
@@ -75,9 +78,11 @@ class StoredTensor:
         array is a ``hostmem.mapped_empty``, which jax on CPU adopts as the device buffer
         instead of copying it once more."""
         count = int(np.prod(self.shape, dtype=np.int64))
-        view = np.frombuffer(self.buf, self.dtype, count, self.offset).reshape(self.shape)
         bounds = [s.indices(n)[:2] for s, n in zip(box, self.shape)]
         out = mapped_empty([b - s for s, b in bounds], dtype)
+        if not isinstance(self.buf, mmap.mmap):
+            return self._read_ranges(box, bounds, out)
+        view = np.frombuffer(self.buf, self.dtype, count, self.offset).reshape(self.shape)
         if not self.shape or out.size == 0:
             out[...] = view[box]
             release_mapped(self.buf, self.offset, count * self.dtype.itemsize)
@@ -89,6 +94,25 @@ class StoredTensor:
             j = min(i + step, r1)
             out[i - r0 : j - r0] = view[(slice(i, j),) + rest]
             release_mapped(self.buf, self.offset + i * row, (j - i) * row)
+        return out
+
+    def _read_ranges(self, box, bounds, out: np.ndarray) -> np.ndarray:
+        """``read`` from a file in a bucket: the box's rows, REMOTE_READ_CHUNK bytes at a time,
+        each chunk fetched by parallel range requests, so the host holds the box and one chunk."""
+        per_row = int(np.prod(self.shape[1:], dtype=np.int64))
+        row = per_row * self.dtype.itemsize
+        if not self.shape or out.size == 0:
+            count = int(np.prod(self.shape, dtype=np.int64))
+            data = self.buf.read(self.offset, self.offset + count * self.dtype.itemsize)
+            out[...] = np.frombuffer(data, self.dtype, count).reshape(self.shape)[box]
+            return out
+        step = max(1, REMOTE_READ_CHUNK // max(row, 1))
+        (r0, r1), rest = bounds[0], tuple(box[1:])
+        for i in range(r0, r1, step):
+            j = min(i + step, r1)
+            data = self.buf.read(self.offset + i * row, self.offset + j * row)
+            rows = np.frombuffer(data, self.dtype, (j - i) * per_row).reshape((j - i, *self.shape[1:]))
+            out[i - r0 : j - r0] = rows[(slice(None),) + rest]
         return out
 
 

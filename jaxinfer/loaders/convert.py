@@ -1,14 +1,16 @@
 """``jaxinfer convert``: any checkpoint (a registry name, a Hub id, GGUF, Hugging Face or
-Orbax) to an Orbax checkpoint (see ``orbax_io`` for the layout). It loads through
+Orbax) to an Orbax checkpoint (see ``orbax_io`` for the layout), on local disk or in a bucket
+(``gs://``, ``s3://``). It loads through
 ``checkpoint.load`` and writes through ``orbax_io.save``, so it sits above both.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
-from jaxinfer import quant, registry
+from jaxinfer import bucket, quant, registry, storage
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders import checkpoint, hf, orbax_io
 from jaxinfer.loaders.common import detect_format
@@ -26,7 +28,7 @@ def default_dest(dest) -> Path:
 
 
 def convert(src, dest, *, dtype: str | None = None, progress: bool = True,
-            quantize: str | None = None, quant_group: int | None = None) -> Path:
+            quantize: str | None = None, quant_group: int | None = None) -> Path | str:
     """Convert a registry name, a Hub id or a checkpoint path to an Orbax checkpoint; returns its path.
 
     dtype None or "auto" keeps the source's precision: float32 for GGUF (dequantized), the
@@ -34,6 +36,15 @@ def convert(src, dest, *, dtype: str | None = None, progress: bool = True,
     "w8a8", with quant_group for int4) writes the weights quantized, as ``LLM(quantize=)``
     would load them.
     """
+    if storage.is_url(dest):  # written locally, then uploaded, its jaxinfer.json last
+        u = storage.parse(str(dest).rstrip("/"))
+        if storage.listing(u):
+            raise CheckpointError(f"{u}: already holds objects; remove them or choose another destination")
+        with tempfile.TemporaryDirectory() as tmp:
+            local = convert(src, Path(tmp) / "ckpt", dtype=dtype, progress=progress, quantize=quantize,
+                            quant_group=quant_group)
+            bucket.upload_tree(local, u, last=orbax_io.META_FILE)
+        return str(u)
     qcfg = quant.quant_config(quantize, quant_group)
     dest = default_dest(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):

@@ -21,6 +21,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from jaxinfer.bucket import remote_file
 from jaxinfer.errors import CheckpointError
 from jaxinfer.loaders.common import (
     Loaded,
@@ -89,7 +90,8 @@ def _check_supported(hf: dict, path, family) -> None:
 
 class SafetensorsShards:
     """Lazy access to the tensors of one safetensors file or an index of shards: each file
-    is memory-mapped when first needed and closed with ``stack``."""
+    is memory-mapped when first needed and closed with ``stack`` (or, in a directory staged from
+    a bucket, read in place by ranges: ``bucket.RemoteFile``)."""
 
     def __init__(self, path: Path, stack: contextlib.ExitStack):
         self.path = Path(path)
@@ -101,7 +103,7 @@ class SafetensorsShards:
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: no weight_map")
             self.weight_map: dict[str, str] = weight_map
-        elif (self.path / SINGLE_FILE).is_file():
+        elif (self.path / SINGLE_FILE).is_file() or remote_file(self.path, SINGLE_FILE) is not None:
             header = self._file(SINGLE_FILE)[2]
             self.weight_map = {name: SINGLE_FILE for name in header if name != "__metadata__"}
         else:
@@ -112,14 +114,16 @@ class SafetensorsShards:
     def _file(self, fname: str) -> tuple[mmap.mmap, int, dict]:
         if fname not in self._open:
             fpath = self.path / fname
-            if not fpath.is_file():
-                raise CheckpointError(f"{fpath}: shard listed in {INDEX_FILE} is missing")
-            try:
-                with open(fpath, "rb") as fh:
-                    buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as e:  # ValueError: mmap refuses an empty file
-                raise CheckpointError(f"{fpath}: not a readable safetensors file ({e})") from None
-            self._stack.callback(_close, buf)
+            buf = remote_file(self.path, fname) if not fpath.is_file() else None  # read in place from a bucket
+            if buf is None:
+                if not fpath.is_file():
+                    raise CheckpointError(f"{fpath}: shard listed in {INDEX_FILE} is missing")
+                try:
+                    with open(fpath, "rb") as fh:
+                        buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                except (OSError, ValueError) as e:  # ValueError: mmap refuses an empty file
+                    raise CheckpointError(f"{fpath}: not a readable safetensors file ({e})") from None
+                self._stack.callback(_close, buf)
             try:
                 (n,) = struct.unpack("<Q", buf[:8])
                 if 8 + n > len(buf):
