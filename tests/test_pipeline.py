@@ -60,8 +60,8 @@ _COMMON = textwrap.dedent("""
         e = llm.engine
         ps = e.config.block_size
         assert e.keys_transposed == (kernels != "pallas")
-        assert jax.tree.leaves(e.k_pages)[0].shape[2:4] == ((e.cfg.head_dim, ps) if e.keys_transposed
-                                                             else (ps, e.cfg.head_dim))
+        assert jax.tree.leaves(e.k_pages)[0].shape[-2:] == ((e.cfg.head_dim, ps) if e.keys_transposed
+                                                              else (ps, e.cfg.head_dim))
         L = e.cfg.n_layers
         bounds = [b for b, _ in rep["stage_layers"]] + [L]
         assert rep["pipeline_parallel_size"] == pp and rep["tensor_parallel_size"] == tp, rep
