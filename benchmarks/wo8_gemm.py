@@ -6,8 +6,8 @@ row counts, by each way jaxinfer can multiply them on this CPU:
 * ``f32 native``: float32 weights, ``cpu_kernels.f32_gemv`` (up to 16 rows);
 * ``int8 xla``: weight-only int8 as XLA runs it, the whole weight widened to float32 per call;
 * ``int8 native``: weight-only int8 through ``cpu_kernels.wo8_gemm``, the weight widened in L1;
-* ``w8a8 xla`` / ``w8a8 native``: rows quantized per token, XLA's s8 dot, or (up to 4 rows)
-  ``cpu_kernels.int8_gemv``.
+* ``w8a8 xla`` / ``w8a8 native``: rows quantized per token, XLA's s8 dot, or
+  ``cpu_kernels.int8_gemv`` (up to 4 rows) and ``cpu_kernels.s8_gemm`` (more).
 
     python benchmarks/wo8_gemm.py --rows 1 8 64 256 512 --rounds 5 [--skip "int8 xla"]
 
@@ -79,7 +79,8 @@ def main():
         "int8 xla": (scaled(ck.wo8_gemv_reference), q8, None),
         "int8 native": (scaled(ck.wo8_gemm), q8, None),
         "w8a8 xla": (w8a8(ck.int8_gemv_reference), q8, None),
-        "w8a8 native": (w8a8(ck.int8_gemv), q8, ck.MAX_ROWS),
+        "w8a8 native": (w8a8(lambda xq, w: (ck.int8_gemv if xq.shape[0] <= ck.MAX_ROWS else ck.s8_gemm)(xq, w)),
+                        q8, None),
     }
     print(f"threads {ck.default_threads()}, isas {ck.isas()}")
     for M in args.rows:

@@ -268,6 +268,12 @@ def s8_dot(w, xq: jax.Array) -> jax.Array:
         # XLA's dot would repack all of it first
         _ran("s8_dot", f"int8_gemv/{cpu_kernels.int8_isa(xq.shape[0])}")
         return cpu_kernels.int8_gemv(xq, w.values_io())
+    if native and cpu_kernels.s8_gemm_available() and not cpu_kernels.has_vnni():
+        # more rows on a CPU without VNNI (AVX2 only: AMD Zen 2/3, older Intel): the native
+        # kernel's vpmaddwd streams the weight once per block of rows; XLA's dot repacks it per call.
+        # With VNNI, XLA's dot (YNNPACK's vpdpbusd) keeps them.
+        _ran("s8_dot", "s8_gemm/avx2")
+        return cpu_kernels.s8_gemm(xq, w.values_io())
     _ran("s8_dot", "xla")
     return quant.s8_dot(xq, w.values_io())
 

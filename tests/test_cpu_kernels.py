@@ -105,6 +105,24 @@ def test_weight_only_gemm_is_one_fma_chain_per_output(M):
         np.testing.assert_array_equal(got[t], want)
 
 
+@pytest.mark.parametrize("M,I,O", WO8_SHAPES + [(3, 2048, 40)])
+@pytest.mark.parametrize("threads", [1, 3])
+@needs_int8
+def test_s8_gemm_equals_xla_s8_dot(M, I, O, threads):
+    """Exactly XLA's integers, -128 included (int16 pairs neither saturate nor wrap), at any
+    thread count."""
+    if not ck.s8_gemm_available():
+        pytest.skip("s8_gemm needs AVX2")
+    rng = np.random.default_rng(M * 1000 + I + O)
+    x = jnp.asarray(rng.integers(-128, 128, (M, I)), jnp.int8)
+    w = jnp.asarray(rng.integers(-128, 128, (I, O)), jnp.int8)
+    if I == 2048:  # the extremes: |sum| up to 2^25
+        x, w = jnp.full_like(x, -128), jnp.full_like(w, -128)
+    want = np.asarray(jax.jit(ck.int8_gemv_reference)(x, w))
+    got = np.asarray(jax.jit(lambda x, w: ck.s8_gemm(x, w, threads=threads))(x, w))
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("M", [1, 3, 4])
 @needs_int8
 def test_weight_only_gemm_and_gemv_agree(M):

@@ -3,7 +3,9 @@
 //                       what XLA's s8 dot gives (w8a8);
 //   jaxinfer_wo8_gemv:  float32 x int8 -> float32 (weight-only int8), the int8 weight widened
 //                       in registers; the section "weight-only" says how;
-//   jaxinfer_wo8_gemm:  the same for any number of rows (decode batches, prompt chunks), in
+//   jaxinfer_s8_gemm:   int8 x int8 -> int32 for any number of rows in AVX2 (w8a8's decode
+//                       batches and prompt chunks), exactly XLA's s8 dot;
+//   jaxinfer_wo8_gemm:  weight-only int8 for any number of rows (decode batches, prompt chunks), in
 //                       AVX2 + FMA, so it runs on every x86-64 CPU of the last decade; the
 //                       section "AVX2" says how.
 // Each handler picks its vector code by what the CPU reports (__builtin_cpu_supports, i.e.
@@ -413,6 +415,105 @@ void run_wo8(const Job& j) {
 // The column unit of a wo8 call of M rows: a whole block of the code that runs it.
 int64_t wo8_unit(int64_t M) { return have_avx512bw() && M <= kMaxRows ? 32 : kW; }
 
+// w8a8 for any number of rows in AVX2: int8 x int8 -> int32, exactly XLA's s8 dot. The
+// structure of the weight-only kernel above, in integers: a block's weight rows are widened to
+// int16 pairs (w[k, o], w[k+1, o]) once, into a panel in L1, and each group of up to kG rows
+// multiplies them by its pairs (x[m, k], x[m, k+1]) with vpmaddwd: 16 products per instruction
+// where an FMA makes 8, and no saturation (int16 products summed in int32). The activation rows
+// are widened to int16 once per call, padded to an even length. `vpmaddubsw` would take the
+// bytes as they are, but it adds its pairs in saturating int16 (255 x 127 x 2 overflows), and
+// the exact way round that (sign transfer) costs as many multiplies as this.
+constexpr int64_t kKc2 = 128;  // k pairs per panel (256 weight rows)
+
+__attribute__((target("avx2"))) void widen_pairs(const int8_t* w, int64_t I, int64_t O, int64_t o, int64_t k0,
+                                                 int64_t k1, int16_t* panel) {
+  for (int64_t k = k0; k < k1; k += 2) {  // k1 <= I rounded up to even; a row past I is zeros
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * O + o));
+    const __m128i c = k + 1 < I ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k + 1) * O + o))
+                                : _mm_setzero_si128();
+    int16_t* dst = panel + (k - k0) * kW;  // 16 columns x 2 int16 per pair of rows
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst), _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, c)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 16), _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(a, c)));
+  }
+}
+
+// G rows of int16 pairs x2 (row stride ldx int16) of the block at column o over pairs of weight
+// rows [k0, k1); the accumulators wait in `out` between panels.
+#define JAXINFER_S8_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+template <int G>
+__attribute__((target("avx2"))) void s8_rows_avx2(const int16_t* x2, const int16_t* panel, int32_t* out, int64_t ldx,
+                                                  int64_t O, int64_t o, int64_t k0, int64_t k1) {
+  static_assert(G >= 1 && G <= 6);
+  __m256i a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5;
+#define LOAD(m)                                                                                                 \
+  if constexpr (m < G) {                                                                                        \
+    a##m = k0 == 0 ? _mm256_setzero_si256() : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + m * O + o)); \
+    b##m = k0 == 0 ? _mm256_setzero_si256()                                                                     \
+                   : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + m * O + o + 8));                 \
+  }
+  JAXINFER_S8_ROWS(LOAD)
+#undef LOAD
+  const int16_t* p = panel;
+  const int16_t* xk = x2 + k0;
+  for (int64_t k = k0; k < k1; k += 2, p += 2 * kW, xk += 2) {
+    const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 16));
+#define MADD(m)                                                                         \
+  if constexpr (m < G) {                                                                \
+    int32_t pair;                                                                       \
+    std::memcpy(&pair, xk + m * ldx, sizeof(pair));                                     \
+    const __m256i xb = _mm256_set1_epi32(pair);                                         \
+    a##m = _mm256_add_epi32(a##m, _mm256_madd_epi16(xb, w0));                           \
+    b##m = _mm256_add_epi32(b##m, _mm256_madd_epi16(xb, w1));                           \
+  }
+    JAXINFER_S8_ROWS(MADD)
+#undef MADD
+  }
+#define STORE(m)                                                                        \
+  if constexpr (m < G) {                                                                \
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * O + o), a##m);             \
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * O + o + 8), b##m);         \
+  }
+  JAXINFER_S8_ROWS(STORE)
+#undef STORE
+}
+#undef JAXINFER_S8_ROWS
+
+using S8Rows = void (*)(const int16_t*, const int16_t*, int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
+constexpr S8Rows kS8Rows[kG + 1] = {nullptr,         s8_rows_avx2<1>, s8_rows_avx2<2>, s8_rows_avx2<3>,
+                                    s8_rows_avx2<4>, s8_rows_avx2<5>, s8_rows_avx2<6>};
+
+__attribute__((target("avx2"))) void run_s8_avx2(const Job& j) {  // c0 a multiple of kW
+  const auto* x = static_cast<const int8_t*>(j.x);
+  const auto* w = static_cast<const int8_t*>(j.w);
+  auto* out = static_cast<int32_t*>(j.out);
+  const int64_t M = j.M, I = j.I, O = j.O, I2 = (I + 1) & ~int64_t(1);
+  const int64_t nb = (j.c1 - j.c0) / kW;
+  if (nb > 0) {
+    std::unique_ptr<int16_t[]> x2(new int16_t[M * I2]);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t k = 0; k < I; ++k) x2[m * I2 + k] = x[m * I + k];
+      if (I2 != I) x2[m * I2 + I] = 0;
+    }
+    alignas(64) int16_t panel[2 * kKc2 * kW];
+    for (int64_t m0 = 0; m0 < M; m0 += kMc) {
+      const int64_t m1 = std::min(m0 + kMc, M);
+      for (int64_t k0 = 0; k0 < I2; k0 += 2 * kKc2) {
+        const int64_t k1 = std::min(k0 + 2 * kKc2, I2);
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t o = j.c0 + b * kW;
+          widen_pairs(w, I, O, o, k0, k1, panel);
+          for (int64_t m = m0; m < m1; m += kG) {
+            const int g = static_cast<int>(std::min<int64_t>(kG, m1 - m));
+            kS8Rows[g](x2.get() + m * I2, panel, out + m * O, I2, O, o, k0, k1);
+          }
+        }
+      }
+    }
+  }
+  if (j.c0 + nb * kW < j.c1) gemv_scalar(x, w, out, M, I, O, O, 0, j.c0 + nb * kW, j.c1);
+}
+
 ffi::Error Wo8Gemv(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::ResultBuffer<ffi::F32> out,
                    int64_t threads, ffi::ThreadPool pool) {
   return gemv(run_wo8, "wo8_gemv", x, w, out, wo8_unit(x.dimensions()[0]), threads, pool);
@@ -432,9 +533,30 @@ ffi::Error Wo8Gemm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::ResultB
   return ffi::Error::Success();
 }
 
+ffi::Error S8Gemm(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w, ffi::ResultBuffer<ffi::S32> out, int64_t threads,
+                  ffi::ThreadPool pool) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("s8_gemm: x must be [M, I] and w [I, O]");
+  const int64_t M = xd[0], I = xd[1], O = wd[1];
+  if (M < 1 || M > kMaxGemmRows) return ffi::Error::InvalidArgument("s8_gemm: 1 to 512 rows");
+  if (!have_avx2()) return ffi::Error::InvalidArgument("s8_gemm: needs AVX2");
+  const Job all{run_s8_avx2, x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O};
+  split_run(all, kW, threads, pool);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int8_gemv, Int8Gemv,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("threads")
+                                  .Ctx<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_s8_gemm, S8Gemm,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
