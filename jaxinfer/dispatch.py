@@ -45,6 +45,7 @@ then ``jax.jit(step.packed_step, ...).lower(...)`` with ``kernels=k`` and ``.com
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import functools
@@ -105,6 +106,16 @@ class Kernels:
 
 
 PLATFORMS = _common.PLATFORMS
+
+# Which code each matmul took, counted as steps are traced (once per executable, not per call):
+# keys like "wo8_gemm/avx2" or "s8_dot/xla". A record for tests and benchmarks, read nowhere.
+traced: collections.Counter = collections.Counter()
+
+
+def _ran(op: str, kernel: str) -> None:
+    traced[f"{op}/{kernel}"] += 1
+
+
 XLA = Kernels()
 INTERPRET = Kernels(Attention.PALLAS, Matmul.PALLAS, interpret=True)
 CHOICES = ("auto", "pallas", "native", "xla")
@@ -128,6 +139,10 @@ def choose(option: str | Kernels = "auto", *, mesh: Mesh | None = None, devices=
     * "pallas": the Pallas kernels; on CPU in interpret mode (for tests: slow);
     * "native": as "auto" on one CPU device; refused elsewhere;
     * "xla": the pure-JAX references everywhere.
+
+    The native int8 kernels run AVX-512BW code where the CPU has it and AVX2 + FMA code elsewhere
+    (``cpu_kernels.int8_isa``), picked by cpuid inside the library; which kernel each traced
+    matmul took is counted in ``traced``.
 
     A ``Kernels`` given keeps its choice and gains the platform and mesh, unless it names a
     native kernel off one CPU device, or another platform or mesh than these devices'."""
@@ -287,10 +302,13 @@ def matmul(w, x: jax.Array) -> jax.Array:
     if w.scheme == quant.QuantScheme.W8A8:
         return w.matmul_rows(*w.quantize_input(x), x.dtype, dot=s8_dot)
     if (k.matmul == Matmul.NATIVE and w.scheme == quant.QuantScheme.INT8 and x.dtype == jnp.float32
-            and x.shape[0] <= cpu_kernels.MAX_ROWS and cpu_kernels.available()):
-        # a few float32 rows (batch-1 decode): the native kernel widens the int8 weight in
-        # registers; XLA would widen all of it to float32 in memory first (at one row, the same bits)
-        return (cpu_kernels.wo8_gemv(x, w.values) * w.scale).astype(x.dtype)
+            and cpu_kernels.available()):
+        # float32 rows, any number: the native kernel widens the int8 weight in registers (or a
+        # panel at a time in L1, shared by a block of rows); XLA would widen all of it to float32
+        # in memory first, on every call
+        _ran("wo8", f"wo8_gemm/{cpu_kernels.int8_isa(x.shape[0])}")
+        return (cpu_kernels.wo8_gemm(x, w.values) * w.scale).astype(x.dtype)
+    _ran("wo8" if w.scheme == quant.QuantScheme.INT8 else w.scheme.value, "xla")
     return w.matmul(x)
 
 
@@ -299,11 +317,20 @@ def s8_dot(w, xq: jax.Array) -> jax.Array:
     path w's choice has; every path gives the same integers."""
     native = (w.kernels or XLA).matmul == Matmul.NATIVE
     if w.layout == "amx" and native and cpu_kernels.amx_available():
+        _ran("s8_dot", "int8_amx")
         return cpu_kernels.int8_amx(xq, w.values)  # the weight was packed once, by bind
     if native and xq.shape[0] <= cpu_kernels.MAX_ROWS and cpu_kernels.available():
         # a few rows (batch-1 decode): the native kernel streams the weight as stored, where
         # XLA's dot would repack all of it first
+        _ran("s8_dot", f"int8_gemv/{cpu_kernels.int8_isa(xq.shape[0])}")
         return cpu_kernels.int8_gemv(xq, w.values_io())
+    if native and cpu_kernels.s8_gemm_available() and not cpu_kernels.has_vnni():
+        # more rows on a CPU without VNNI (AVX2 only: AMD Zen 2/3, older Intel): the native
+        # kernel's vpmaddwd streams the weight once per block of rows; XLA's dot repacks it per call.
+        # With VNNI, XLA's dot (YNNPACK's vpdpbusd) keeps them.
+        _ran("s8_dot", "s8_gemm/avx2")
+        return cpu_kernels.s8_gemm(xq, w.values_io())
+    _ran("s8_dot", "xla")
     return quant.s8_dot(xq, w.values_io())
 
 

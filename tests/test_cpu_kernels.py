@@ -3,7 +3,8 @@ reach every path of each kernel (column blocks, a column tail, an odd last row, 
 two and four threads): the int8 gemv gives XLA's s8 dot's integers, the weight-only gemv XLA's
 float32 dot's bits at one row, the float32 gemv (each of its vector variants this CPU runs)
 XLA's one-row dots' bits; and the models through them equal the models through XLA's dots,
-token for token. How a call is cut between threads, the same bits at any thread count (four
+token for token. wo8_gemm (any number of rows) is one FMA chain per output, checked bit for bit
+against that chain written out. How a call is cut between threads, the same bits at any thread count (four
 on a machine of two cores too), and the libraries' builds: one per source, and under CI=true a
 CPU with the instructions but no library fails the run."""
 
@@ -57,6 +58,78 @@ def test_weight_only_gemv_equals_xla_float_dot(M, I, O, threads):
         np.testing.assert_array_equal(got, want)  # the same FMA chain
     else:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_weight_only_reference_by_hand():
+    """wo8_gemm's reference, worked by hand: [[1, 2, 3]] @ [[1, -2], [0, 127], [-128, 3]]."""
+    x = jnp.asarray([[1.0, 2.0, 3.0]], jnp.float32)
+    w = jnp.asarray([[1, -2], [0, 127], [-128, 3]], jnp.int8)
+    np.testing.assert_array_equal(np.asarray(ck.wo8_gemm_reference(x, w)), [[1 - 384, -2 + 254 + 9]])
+
+
+# rows: decode batches of 1-8 and 64-256, prompt chunks of 512 (and past it: two calls); odd
+# sizes reach the column tail (O % 16), an uneven last row group (M % 6) and row block (M % 126)
+WO8_SHAPES = [(1, 576, 576), (3, 577, 100), (8, 576, 1536), (64, 576, 192), (200, 1536, 576), (512, 576, 1536),
+              (7, 33, 17), (127, 130, 63), (600, 96, 48), (1, 1, 1)]
+
+
+@pytest.mark.parametrize("M,I,O", WO8_SHAPES)
+@needs_int8
+def test_weight_only_gemm_equals_its_reference(M, I, O):
+    rng = np.random.default_rng(M * 1000 + I + O)
+    x = jnp.asarray(rng.normal(size=(M, I)), jnp.float32)
+    w = jnp.asarray(rng.integers(-128, 128, (I, O)), jnp.int8)
+    want = np.asarray(jax.jit(ck.wo8_gemm_reference)(x, w))
+    got = np.asarray(jax.jit(ck.wo8_gemm)(x, w))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 64, 200, 512])
+@needs_int8
+def test_weight_only_gemm_is_one_fma_chain_per_output(M):
+    """Every output is one FMA chain over the input channels in order, whatever code computes
+    it (registers, panel, scalar tail, AVX-512 or AVX2) and however many threads share the call:
+    the bits of that chain computed here in numpy, and the same bits at 1, 2 and 4 threads."""
+    rng = np.random.default_rng(M)
+    I, O = 70, 37
+    x = rng.normal(size=(M, I)).astype(np.float32)
+    w = rng.integers(-128, 128, (I, O)).astype(np.int8)
+    got = {t: np.asarray(jax.jit(lambda x, w, t=t: ck.wo8_gemm(x, w, threads=t))(x, w)) for t in (1, 2, 4)}
+    # fma(a, b, c) in float32 is round(a * b + c): the product of a float32 and an int8 is exact
+    # in float64, and with terms of like magnitude (as here) so is its sum with a float32, so
+    # rounding that to float32 is the FMA
+    want = np.zeros((M, O), np.float32)
+    for k in range(I):
+        want = (x[:, k : k + 1].astype(np.float64) * w[k].astype(np.float64) + want).astype(np.float32)
+    for t in (1, 2, 4):
+        np.testing.assert_array_equal(got[t], want)
+
+
+@pytest.mark.parametrize("M,I,O", WO8_SHAPES + [(3, 2048, 40)])
+@pytest.mark.parametrize("threads", [1, 3])
+@needs_int8
+def test_s8_gemm_equals_xla_s8_dot(M, I, O, threads):
+    """Exactly XLA's integers, -128 included (int16 pairs neither saturate nor wrap), at any
+    thread count."""
+    if not ck.s8_gemm_available():
+        pytest.skip("s8_gemm needs AVX2")
+    rng = np.random.default_rng(M * 1000 + I + O)
+    x = jnp.asarray(rng.integers(-128, 128, (M, I)), jnp.int8)
+    w = jnp.asarray(rng.integers(-128, 128, (I, O)), jnp.int8)
+    if I == 2048:  # the extremes: |sum| up to 2^25
+        x, w = jnp.full_like(x, -128), jnp.full_like(w, -128)
+    want = np.asarray(jax.jit(ck.int8_gemv_reference)(x, w))
+    got = np.asarray(jax.jit(lambda x, w: ck.s8_gemm(x, w, threads=threads))(x, w))
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("M", [1, 3, 4])
+@needs_int8
+def test_weight_only_gemm_and_gemv_agree(M):
+    rng = np.random.default_rng(M)
+    x = jnp.asarray(rng.normal(size=(M, 576)), jnp.float32)
+    w = jnp.asarray(rng.integers(-128, 128, (576, 1000)), jnp.int8)
+    np.testing.assert_array_equal(np.asarray(jax.jit(ck.wo8_gemm)(x, w)), np.asarray(jax.jit(ck.wo8_gemv)(x, w)))
 
 
 @pytest.mark.parametrize("M,I,O", [(2, 576, 960), (5, 576, 3072), (8, 1536, 576), (3, 577, 1000), (7, 7, 33),
@@ -282,7 +355,7 @@ def test_quantized_model_through_the_kernels_equals_xla(tiny_gguf, monkeypatch, 
     sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
     prompt = "The quick brown fox"
     calls = []
-    for name in ("int8_gemv", "wo8_gemv", "int8_amx"):
+    for name in ("int8_gemv", "wo8_gemv", "wo8_gemm", "int8_amx"):
         real = getattr(ck, name)
         monkeypatch.setattr(ck, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     native = LLM(str(tiny_gguf), quantization=scheme, progress=False, max_num_seqs=2, kernels=kernels).generate(prompt, sp)[0]

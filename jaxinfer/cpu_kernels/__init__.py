@@ -6,6 +6,17 @@ batch-1 (and small-verify) w8a8 dot. Its reference is XLA's own s8 x s8 -> s32 d
 YNNPACK, which repacks the whole weight on every call; this kernel streams the weight as it
 is stored (``int8_gemv.cc`` says how).
 
+``wo8_gemm(x, w)`` and ``s8_gemm(xq, w)``: the same two products (weight-only int8, unscaled,
+and w8a8's int32 sums) for any number of rows, decode batches of 64-256 and prompt chunks of
+512, in AVX2 (+ FMA), so that CPUs without AVX-512 or AMX (AMD Zen 2/3, older Intel) run int8
+from the stored bytes too. A column block's weight rows are widened once into a panel in L1
+(float32, or int16 pairs for vpmaddwd), shared by every row of a block of up to 126 rows, so the
+weight streams from memory once per block of rows and is never widened whole in memory, as
+XLA's dot does on every call. Their references are ``wo8_gemm_reference`` (equal to float32
+rounding; each output is one FMA chain over the input channels, the chain wo8_gemv runs) and
+XLA's s8 dot (the same integers). The library picks its AVX-512BW or AVX2 code by cpuid at run
+time (``int8_isa``), so one build serves any x86-64 CPU with AVX2.
+
 ``int8_amx(xq, p)``: int8 rows [M, I] @ an int8 weight packed once into AMX's tile layout
 (``amx_pack``: [O/16, I/64, 16, 16, 4]) -> int32 [M, O], for any M, on Intel AMX (Sapphire
 Rapids and later): w8a8's dots wherever ``dispatch.bind`` packed the weights (the native
@@ -47,7 +58,7 @@ jaxlib's FFI headers into ``$JAXINFER_HOME/native/`` (keyed by a hash of the sou
 the compiler command, the compiler's ``--version`` and the jaxlib version), then registered with
 XLA, where the CPU has the library's instructions. The questions are answered per library, and
 callers keep the references where the answer is no: ``available()``, whether the int8 kernels
-are usable (their vector loops need AVX-512BW), ``f32_available()``, whether the float32 kernels
+are usable (their vector loops need AVX2 + FMA, and use AVX-512BW where the CPU has it), ``f32_available()``, whether the float32 kernels
 are (AVX2 + FMA or AVX-512F), ``attention_available()``, whether the attention kernels are (the
 same), and ``amx_available()``, whether int8_amx is (AMX-INT8, and Linux grants the process its
 tiles). ``library_status(name)`` says why one is not: the CPU lacks its instructions, or it failed
@@ -82,6 +93,9 @@ _HERE = Path(__file__).parent
 HEADERS = [_HERE / "gemv_split.h", _HERE / "paged_attention_body.h"]
 TARGET = "jaxinfer_int8_gemv"
 WO8_TARGET = "jaxinfer_wo8_gemv"
+WO8_GEMM_TARGET = "jaxinfer_wo8_gemm"
+S8_GEMM_TARGET = "jaxinfer_s8_gemm"
+WO8_GEMM_MAX_ROWS = 512  # rows per call of wo8_gemm (more: several calls)
 F32_TARGET = "jaxinfer_f32_gemv"
 F32_T_TARGET = "jaxinfer_f32_gemv_t"
 F32_PACKED_TARGET = "jaxinfer_f32_gemm_packed"
@@ -100,7 +114,7 @@ ISA_FLAGS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma"}}
 # The libraries, one per source file (one that fails to compile takes no other with it), and
 # the XLA targets each registers: its handler symbols of the same names.
 LIBRARIES = {
-    "int8_gemv": (TARGET, WO8_TARGET),
+    "int8_gemv": (TARGET, WO8_TARGET, WO8_GEMM_TARGET, S8_GEMM_TARGET),
     "f32_gemv": (F32_TARGET, F32_T_TARGET, F32_PACKED_TARGET),
     "paged_attention": (ROWS_TARGET, ROWS_I8_TARGET, PREFILL_TARGET, PREFILL_I8_TARGET),
     "int8_amx": (AMX_TARGET,),
@@ -179,9 +193,9 @@ def isas() -> tuple[str, ...]:
 def _not_for_here(name: str) -> str | None:
     """Why library ``name`` is not wanted here (the CPU lacks its instructions), or None where
     it should be built."""
-    if name in ("f32_gemv", "paged_attention"):
+    if name in ("f32_gemv", "paged_attention", "int8_gemv"):
         return None if isas() else f"{name} needs AVX2 + FMA or AVX-512F"
-    needs = {"int8_gemv": ("avx512bw",), "int8_amx": ("avx512bw", *sorted(AMX_FLAGS))}[name]
+    needs = ("avx512bw", *sorted(AMX_FLAGS))
     if "avx512" not in isas() or not set(needs) <= _cpu_flags():
         names = {"avx512bw": "AVX-512BW", "amx_tile": "AMX-TILE", "amx_int8": "AMX-INT8"}
         return f"{name} needs AVX-512F, {', '.join(names[f] for f in needs)}"
@@ -256,9 +270,9 @@ def split_count(library: str) -> int:
 
 
 def available() -> bool:
-    """Whether the int8 kernels (int8_gemv, wo8_gemv) are registered and worth calling here:
-    their vector loops need AVX-512F and AVX-512BW (elsewhere they would run their scalar
-    loops, slower than XLA's dot)."""
+    """Whether the int8 kernels (int8_gemv, wo8_gemv, wo8_gemm) are registered here: their
+    vector loops need AVX2 + FMA (or AVX-512BW, which int8_gemv and wo8_gemv use where the CPU
+    has it); elsewhere they would run their scalar loops, slower than XLA's dot."""
     return library_status("int8_gemv").loaded
 
 
@@ -334,11 +348,17 @@ def _gemv(target: str, x: jax.Array, w: jax.Array, x_dtype, out_dtype, threads: 
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"{target} takes 1..{MAX_ROWS} rows, got {M}")
     if not available():
-        raise RuntimeError(f"{target} needs AVX-512BW and g++ (check available() first)")
+        raise RuntimeError(f"{target} needs AVX2 + FMA and g++ (check available() first)")
     if threads is None:
         threads = default_threads()
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, O), out_dtype), vmap_method="sequential")
     return call(x.astype(x_dtype), w.astype(jnp.int8), threads=threads)
+
+
+def int8_isa(rows: int) -> str:
+    """The vector code the int8 kernels run for ``rows`` rows here, as the library picks it by
+    cpuid: "avx512bw" (int8_gemv at any rows it takes, wo8 at up to ``MAX_ROWS``) or "avx2"."""
+    return "avx512bw" if "avx512bw" in _cpu_flags() and "avx512" in isas() and rows <= MAX_ROWS else "avx2"
 
 
 def int8_gemv(xq: jax.Array, w: jax.Array, *, threads: int | None = None) -> jax.Array:
@@ -360,10 +380,65 @@ def wo8_gemv(x: jax.Array, w: jax.Array, *, threads: int | None = None) -> jax.A
     return _gemv(WO8_TARGET, x, w, jnp.float32, jnp.float32, threads)
 
 
+def wo8_gemm(x: jax.Array, w: jax.Array, *, threads: int | None = None) -> jax.Array:
+    """float32 [M, I] @ int8 [I, O] -> float32 [M, O] for any M (512 rows per kernel call),
+    unscaled, through the native kernel; call only where ``available()``. The weight is widened
+    to float32 a panel at a time in L1, once per block of rows, never whole in memory; each
+    output is one FMA chain over the input channels in order, so the result is the same bits
+    as wo8_gemv's at any row count and thread count, and equals ``wo8_gemm_reference`` to
+    float32 rounding."""
+    if not available():
+        raise RuntimeError("wo8_gemm needs AVX2 + FMA and g++ (check available() first)")
+    if x.shape[0] < 1:
+        raise ValueError(f"wo8_gemm takes at least one row, got {x.shape[0]}")
+    return _rows_in_calls(WO8_GEMM_TARGET, x.astype(jnp.float32), w.astype(jnp.int8), jnp.float32, threads)
+
+
 def wo8_gemv_reference(x: jax.Array, w: jax.Array) -> jax.Array:
     """XLA: the weight widened to float32, then the float32 dot."""
     return jax.lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), (((1,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32)
+
+
+wo8_gemm_reference = wo8_gemv_reference  # the same product, for any number of rows
+
+
+def _rows_in_calls(target: str, x: jax.Array, w: jax.Array, out_dtype, threads: int | None) -> jax.Array:
+    """x [M, I] @ w [I, O] through the any-rows handler ``target``, 512 rows per call."""
+    O = w.shape[1]
+    if threads is None:
+        threads = default_threads()
+
+    def call(rows: jax.Array) -> jax.Array:
+        out = jax.ShapeDtypeStruct((rows.shape[0], O), out_dtype)
+        return jax.ffi.ffi_call(target, out, vmap_method="sequential")(rows, w, threads=threads)
+
+    M = x.shape[0]
+    if M <= WO8_GEMM_MAX_ROWS:
+        return call(x)
+    return jnp.concatenate([call(x[i : i + WO8_GEMM_MAX_ROWS]) for i in range(0, M, WO8_GEMM_MAX_ROWS)])
+
+
+def s8_gemm_available() -> bool:
+    """Whether s8_gemm runs here: AVX2 and the int8 library built."""
+    return available() and "avx2" in _cpu_flags()
+
+
+def has_vnni() -> bool:
+    """Whether the CPU has an int8 dot-product instruction (AVX-512 VNNI or AVX-VNNI's
+    vpdpbusd), which XLA's own s8 dot uses where it exists."""
+    return bool({"avx512_vnni", "avx_vnni"} & _cpu_flags())
+
+
+def s8_gemm(xq: jax.Array, w: jax.Array, *, threads: int | None = None) -> jax.Array:
+    """int8 [M, I] @ int8 [I, O] -> int32 [M, O] for any M (512 rows per kernel call) through
+    the native AVX2 kernel; call only where ``s8_gemm_available()``. The same integers as XLA's
+    s8 dot (``int8_gemv_reference``), at any thread count."""
+    if not s8_gemm_available():
+        raise RuntimeError("s8_gemm needs AVX2 and g++ (check s8_gemm_available() first)")
+    if xq.shape[0] < 1:
+        raise ValueError(f"s8_gemm takes at least one row, got {xq.shape[0]}")
+    return _rows_in_calls(S8_GEMM_TARGET, xq.astype(jnp.int8), w.astype(jnp.int8), jnp.int32, threads)
 
 
 def f32_gemv(x: jax.Array, w: jax.Array, *, transposed: bool = False, threads: int | None = None,

@@ -2,7 +2,15 @@
 //   jaxinfer_int8_gemv: int8 x int8 -> int32, acc[m, o] = sum_k x[m, k] * w[k, o], exactly
 //                       what XLA's s8 dot gives (w8a8);
 //   jaxinfer_wo8_gemv:  float32 x int8 -> float32 (weight-only int8), the int8 weight widened
-//                       in registers; the section at the end says how.
+//                       in registers; the section "weight-only" says how;
+//   jaxinfer_s8_gemm:   int8 x int8 -> int32 for any number of rows in AVX2 (w8a8's decode
+//                       batches and prompt chunks), exactly XLA's s8 dot;
+//   jaxinfer_wo8_gemm:  weight-only int8 for any number of rows (decode batches, prompt chunks), in
+//                       AVX2 + FMA, so it runs on every x86-64 CPU of the last decade; the
+//                       section "AVX2" says how.
+// Each handler picks its vector code by what the CPU reports (__builtin_cpu_supports, i.e.
+// cpuid) at run time: AVX-512BW where the CPU has it, AVX2 + FMA elsewhere (AMD Zen 2/3, older
+// Intel). Both give the same results: the same integers, or the same FMA chain per output.
 //
 // Why: at batch 1 XLA CPU runs this dot through YNNPACK, which repacks the whole weight into
 // its VNNI layout on every call (ynn::interleave4_x8 was 49% of a w8a8 batch-1 decode step on
@@ -21,8 +29,9 @@
 // helper thread of our own that spun between calls fought XLA's spinning pool threads for the
 // two cores (57 tok/s at batch 1, against 68-75 this way), and two custom calls on column
 // windows left to XLA's executor to overlap were slower still.
-// Anything the vector loop does not cover (an odd last row, columns past a multiple of 64,
-// CPUs without AVX-512BW) takes the scalar loop, which gives the same integers.
+// AVX2 runs the same method on 32 columns at a time. Anything the vector loops do not cover
+// (an odd last row, columns past the last whole block) takes the scalar loop, which gives the
+// same integers.
 
 #include <algorithm>
 #include <atomic>
@@ -132,8 +141,59 @@ __attribute__((target("avx512f,avx512bw"))) void gemv_avx512(const int8_t* x, co
   }
 }
 
+// The AVX2 form of gemv_avx512: columns [c0, c0 + 32 * nb) into out [M, ldo] at column o - c0.
+// unpacklo/hi work within 128-bit lanes, so lo holds the pairs of columns 0-7 (low lane) and
+// 16-23 (high lane), hi those of 8-15 and 24-31: each widened half lands on 8 whole columns.
+__attribute__((target("avx2"))) void gemv_avx2(const int8_t* x, const int8_t* w, int32_t* out, int64_t M,
+                                                int64_t I, int64_t O, int64_t ldo, int64_t c0, int64_t nb) {
+  const int64_t I2 = I & ~int64_t(1);
+  for (int64_t k0 = 0; k0 < I2 || k0 == 0; k0 += KC) {
+    const int64_t k1 = std::min(k0 + KC, I2);
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t o = c0 + b * 32;
+      int32_t* dst = out + b * 32;  // + m * ldo
+      constexpr int kCol[4] = {0, 16, 8, 24};  // first column of each accumulator
+      __m256i acc[kMaxRows][4];
+      for (int m = 0; m < M; ++m)
+        for (int j = 0; j < 4; ++j)
+          acc[m][j] = k0 == 0 ? _mm256_setzero_si256()
+                              : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(dst + m * ldo + kCol[j]));
+      for (int64_t k = k0; k < k1; k += 2) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * O + o));
+        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k + 1) * O + o));
+        const __m256i lo = _mm256_unpacklo_epi8(a, c), hi = _mm256_unpackhi_epi8(a, c);
+        const __m256i p[4] = {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo)),
+                              _mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1)),
+                              _mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi)),
+                              _mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1))};
+        for (int m = 0; m < M; ++m) {
+          const int16_t x0 = x[m * I + k], x1 = x[m * I + k + 1];
+          const __m256i xp = _mm256_set1_epi32(static_cast<int32_t>(static_cast<uint16_t>(x0)) |
+                                               (static_cast<int32_t>(x1) << 16));
+          for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_add_epi32(acc[m][j], _mm256_madd_epi16(p[j], xp));
+        }
+      }
+      for (int m = 0; m < M; ++m)
+        for (int j = 0; j < 4; ++j)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + m * ldo + kCol[j]), acc[m][j]);
+    }
+  }
+  if (I2 != I) {  // the odd last row
+    const int8_t* row = w + (I - 1) * O + c0;
+    for (int64_t m = 0; m < M; ++m) {
+      const int32_t xk = x[m * I + I - 1];
+      for (int64_t i = 0; i < nb * 32; ++i) out[m * ldo + i] += xk * static_cast<int32_t>(row[i]);
+    }
+  }
+}
+
 bool have_avx512bw() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return ok;
+}
+
+bool have_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok;
 }
 
@@ -141,9 +201,12 @@ void run_int8(const Job& j) {  // c0 a multiple of 64
   const auto* x = static_cast<const int8_t*>(j.x);
   const auto* w = static_cast<const int8_t*>(j.w);
   auto* out = static_cast<int32_t*>(j.out);
-  const int64_t nb = have_avx512bw() ? (j.c1 - j.c0) / 64 : 0;
-  if (nb) gemv_avx512(x, w, out + j.c0, j.M, j.I, j.O, j.O, j.c0, nb);
-  if (j.c0 + nb * 64 < j.c1) gemv_scalar(x, w, out + j.c0, j.M, j.I, j.O, j.O, j.c0, j.c0 + nb * 64, j.c1);
+  const int64_t width = have_avx512bw() ? 64 : have_avx2() ? 32 : 0;
+  const int64_t nb = width ? (j.c1 - j.c0) / width : 0;
+  if (nb && width == 64) gemv_avx512(x, w, out + j.c0, j.M, j.I, j.O, j.O, j.c0, nb);
+  if (nb && width == 32) gemv_avx2(x, w, out + j.c0, j.M, j.I, j.O, j.O, j.c0, nb);
+  if (j.c0 + nb * width < j.c1)
+    gemv_scalar(x, w, out + j.c0, j.M, j.I, j.O, j.O, j.c0, j.c0 + nb * width, j.c1);
 }
 
 // Checks x [M <= 4, I] and w [I, O], then runs fn over O's columns in units of `unit`.
@@ -171,7 +234,7 @@ ffi::Error Int8Gemv(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w, ffi::ResultB
 // the order XLA's one-row float32 dot uses, so at one row the result is the bits of
 // `x @ w.astype(f32)`. XLA widens the whole weight to float32 on every call instead (a
 // weight-only int8 batch-1 step ran at 7 tok/s).
-__attribute__((target("avx512f,avx512bw"))) void run_wo8(const Job& j) {  // c0 a multiple of 32
+__attribute__((target("avx512f,avx512bw"))) void run_wo8_avx512(const Job& j) {  // c0 a multiple of 32
   const auto* x = static_cast<const float*>(j.x);
   const auto* w = static_cast<const int8_t*>(j.w);
   auto* out = static_cast<float*>(j.out);
@@ -210,9 +273,277 @@ __attribute__((target("avx512f,avx512bw"))) void run_wo8(const Job& j) {  // c0 
     }
 }
 
+// ----------------------------------------------------------------------------- AVX2
+// Weight-only int8 for any number of rows in AVX2 + FMA (16 ymm registers of 8 lanes). The
+// columns go in blocks of 16 (two vectors); a block's int8 weight rows [k0, k1) are widened to
+// float32 once, into a small panel that stays in L1 (kKc x 16 floats: 8 KB), and every group of
+// up to kG rows of the current row block then runs its FMAs from the panel: kG x 2 accumulators,
+// two weight vectors and a broadcast fill 15 of the 16 registers. The weight streams from memory
+// once per row block of up to kMc rows (a decode batch of 64: once; a prompt chunk of 512: five
+// times), and the widening (4 instructions per 16 weights) is shared by all the block's rows.
+// Each output is still one FMA chain over k = 0..I-1 in order, so every path (this one, the
+// AVX-512 one above, the scalar tail) gives the same bits, at any thread count.
+constexpr int64_t kW = 16;    // columns per block
+constexpr int64_t kKc = 128;  // weight rows per panel
+constexpr int64_t kMc = 126;  // rows per row block (a multiple of kG)
+constexpr int kG = 6;         // rows per register group
+
+__attribute__((target("avx2,fma"))) void widen_panel(const int8_t* w, int64_t O, int64_t o, int64_t k0, int64_t k1,
+                                                     float* panel) {
+  for (int64_t k = k0; k < k1; ++k) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * O + o));
+    _mm256_storeu_ps(panel + (k - k0) * kW, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+    _mm256_storeu_ps(panel + (k - k0) * kW + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
+  }
+}
+
+// G rows (x and out at the group's first row) of the block at column o over weight rows
+// [k0, k1), the block's panel holding those rows; the accumulators wait in `out` between panels.
+// The accumulators are named variables, not an array: g++ kept an array's 12 vectors on the
+// stack as well, storing them all on every k (half the speed).
+#define JAXINFER_WO8_ROWS(X)   X(0) X(1) X(2) X(3) X(4) X(5)
+// kDirect: no panel; the int8 weight rows are read and widened in registers (one group of
+// rows, so nothing would share a panel): w points at the weight's column o.
+template <int G, bool kDirect>
+__attribute__((target("avx2,fma"))) void wo8_rows_avx2(const float* x, const void* src, float* out, int64_t I,
+                                                       int64_t O, int64_t o, int64_t k0, int64_t k1) {
+  static_assert(G >= 1 && G <= 6);
+  const auto* panel = static_cast<const float*>(src);
+  const auto* w = static_cast<const int8_t*>(src) + k0 * O;
+  __m256 a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5;
+#define LOAD(m)                                                                    \
+  if constexpr (m < G) {                                                           \
+    a##m = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * O + o);       \
+    b##m = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * O + o + 8);   \
+  }
+  JAXINFER_WO8_ROWS(LOAD)
+#undef LOAD
+  const float* p = panel;
+  const float* xk = x + k0;
+  for (int64_t k = k0; k < k1; ++k, p += kW, w += O, ++xk) {
+    __m256 w0, w1;
+    if constexpr (kDirect) {
+      w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+      w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8))));
+    } else {
+      w0 = _mm256_load_ps(p);
+      w1 = _mm256_load_ps(p + 8);
+    }
+#define FMA(m)                                          \
+  if constexpr (m < G) {                                \
+    const __m256 xb = _mm256_broadcast_ss(xk + m * I);  \
+    a##m = _mm256_fmadd_ps(xb, w0, a##m);               \
+    b##m = _mm256_fmadd_ps(xb, w1, b##m);               \
+  }
+    JAXINFER_WO8_ROWS(FMA)
+#undef FMA
+  }
+#define STORE(m)                                    \
+  if constexpr (m < G) {                            \
+    _mm256_storeu_ps(out + m * O + o, a##m);        \
+    _mm256_storeu_ps(out + m * O + o + 8, b##m);    \
+  }
+  JAXINFER_WO8_ROWS(STORE)
+#undef STORE
+}
+#undef JAXINFER_WO8_ROWS
+
+using Wo8Rows = void (*)(const float*, const void*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+template <bool D>
+constexpr Wo8Rows kWo8Rows[kG + 1] = {nullptr,
+                                      wo8_rows_avx2<1, D>,
+                                      wo8_rows_avx2<2, D>,
+                                      wo8_rows_avx2<3, D>,
+                                      wo8_rows_avx2<4, D>,
+                                      wo8_rows_avx2<5, D>,
+                                      wo8_rows_avx2<6, D>};
+
+// The scalar chain for columns [o0, o1): the same FMA chain as the vector lanes.
+void wo8_scalar(const float* x, const int8_t* w, float* out, int64_t M, int64_t I, int64_t O, int64_t o0,
+                int64_t o1) {
+  for (int64_t o = o0; o < o1; ++o)
+    for (int64_t m = 0; m < M; ++m) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < I; ++k) s = std::fma(x[m * I + k], static_cast<float>(w[k * O + o]), s);
+      out[m * O + o] = s;
+    }
+}
+
+__attribute__((target("avx2,fma"))) void run_wo8_avx2(const Job& j) {  // c0 a multiple of kW
+  const auto* x = static_cast<const float*>(j.x);
+  const auto* w = static_cast<const int8_t*>(j.w);
+  auto* out = static_cast<float*>(j.out);
+  const int64_t M = j.M, I = j.I, O = j.O;
+  const int64_t nb = (j.c1 - j.c0) / kW;
+  if (M <= kG) {  // one group of rows: widen in registers, no panel
+    for (int64_t k0 = 0; k0 < I || k0 == 0; k0 += kKc)
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t o = j.c0 + b * kW;
+        kWo8Rows<true>[M](x, w + o, out, I, O, o, k0, std::min(k0 + kKc, I));
+      }
+    wo8_scalar(x, w, out, M, I, O, j.c0 + nb * kW, j.c1);
+    return;
+  }
+  alignas(64) float panel[kKc * kW];
+  for (int64_t m0 = 0; m0 < M; m0 += kMc) {
+    const int64_t m1 = std::min(m0 + kMc, M);
+    for (int64_t k0 = 0; k0 < I || k0 == 0; k0 += kKc) {
+      const int64_t k1 = std::min(k0 + kKc, I);
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t o = j.c0 + b * kW;
+        widen_panel(w, O, o, k0, k1, panel);
+        for (int64_t m = m0; m < m1; m += kG) {
+          const int g = static_cast<int>(std::min<int64_t>(kG, m1 - m));
+          kWo8Rows<false>[g](x + m * I, panel, out + m * O, I, O, o, k0, k1);
+        }
+      }
+    }
+  }
+  wo8_scalar(x, w, out, M, I, O, j.c0 + nb * kW, j.c1);
+}
+
+void run_wo8(const Job& j) {
+  if (have_avx512bw() && j.M <= kMaxRows)
+    run_wo8_avx512(j);
+  else if (have_avx2())
+    run_wo8_avx2(j);
+  else
+    wo8_scalar(static_cast<const float*>(j.x), static_cast<const int8_t*>(j.w), static_cast<float*>(j.out), j.M,
+               j.I, j.O, j.c0, j.c1);
+}
+
+// The column unit of a wo8 call of M rows: a whole block of the code that runs it.
+int64_t wo8_unit(int64_t M) { return have_avx512bw() && M <= kMaxRows ? 32 : kW; }
+
+// w8a8 for any number of rows in AVX2: int8 x int8 -> int32, exactly XLA's s8 dot. The
+// structure of the weight-only kernel above, in integers: a block's weight rows are widened to
+// int16 pairs (w[k, o], w[k+1, o]) once, into a panel in L1, and each group of up to kG rows
+// multiplies them by its pairs (x[m, k], x[m, k+1]) with vpmaddwd: 16 products per instruction
+// where an FMA makes 8, and no saturation (int16 products summed in int32). The activation rows
+// are widened to int16 once per call, padded to an even length. `vpmaddubsw` would take the
+// bytes as they are, but it adds its pairs in saturating int16 (255 x 127 x 2 overflows), and
+// the exact way round that (sign transfer) costs as many multiplies as this.
+constexpr int64_t kKc2 = 128;  // k pairs per panel (256 weight rows)
+
+__attribute__((target("avx2"))) void widen_pairs(const int8_t* w, int64_t I, int64_t O, int64_t o, int64_t k0,
+                                                 int64_t k1, int16_t* panel) {
+  for (int64_t k = k0; k < k1; k += 2) {  // k1 <= I rounded up to even; a row past I is zeros
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * O + o));
+    const __m128i c = k + 1 < I ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k + 1) * O + o))
+                                : _mm_setzero_si128();
+    int16_t* dst = panel + (k - k0) * kW;  // 16 columns x 2 int16 per pair of rows
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst), _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, c)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 16), _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(a, c)));
+  }
+}
+
+// G rows of int16 pairs x2 (row stride ldx int16) of the block at column o over pairs of weight
+// rows [k0, k1); the accumulators wait in `out` between panels.
+#define JAXINFER_S8_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+template <int G>
+__attribute__((target("avx2"))) void s8_rows_avx2(const int16_t* x2, const int16_t* panel, int32_t* out, int64_t ldx,
+                                                  int64_t O, int64_t o, int64_t k0, int64_t k1) {
+  static_assert(G >= 1 && G <= 6);
+  __m256i a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5;
+#define LOAD(m)                                                                                                 \
+  if constexpr (m < G) {                                                                                        \
+    a##m = k0 == 0 ? _mm256_setzero_si256() : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + m * O + o)); \
+    b##m = k0 == 0 ? _mm256_setzero_si256()                                                                     \
+                   : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + m * O + o + 8));                 \
+  }
+  JAXINFER_S8_ROWS(LOAD)
+#undef LOAD
+  const int16_t* p = panel;
+  const int16_t* xk = x2 + k0;
+  for (int64_t k = k0; k < k1; k += 2, p += 2 * kW, xk += 2) {
+    const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 16));
+#define MADD(m)                                                                         \
+  if constexpr (m < G) {                                                                \
+    int32_t pair;                                                                       \
+    std::memcpy(&pair, xk + m * ldx, sizeof(pair));                                     \
+    const __m256i xb = _mm256_set1_epi32(pair);                                         \
+    a##m = _mm256_add_epi32(a##m, _mm256_madd_epi16(xb, w0));                           \
+    b##m = _mm256_add_epi32(b##m, _mm256_madd_epi16(xb, w1));                           \
+  }
+    JAXINFER_S8_ROWS(MADD)
+#undef MADD
+  }
+#define STORE(m)                                                                        \
+  if constexpr (m < G) {                                                                \
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * O + o), a##m);             \
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * O + o + 8), b##m);         \
+  }
+  JAXINFER_S8_ROWS(STORE)
+#undef STORE
+}
+#undef JAXINFER_S8_ROWS
+
+using S8Rows = void (*)(const int16_t*, const int16_t*, int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
+constexpr S8Rows kS8Rows[kG + 1] = {nullptr,         s8_rows_avx2<1>, s8_rows_avx2<2>, s8_rows_avx2<3>,
+                                    s8_rows_avx2<4>, s8_rows_avx2<5>, s8_rows_avx2<6>};
+
+__attribute__((target("avx2"))) void run_s8_avx2(const Job& j) {  // c0 a multiple of kW
+  const auto* x = static_cast<const int8_t*>(j.x);
+  const auto* w = static_cast<const int8_t*>(j.w);
+  auto* out = static_cast<int32_t*>(j.out);
+  const int64_t M = j.M, I = j.I, O = j.O, I2 = (I + 1) & ~int64_t(1);
+  const int64_t nb = (j.c1 - j.c0) / kW;
+  if (nb > 0) {
+    std::unique_ptr<int16_t[]> x2(new int16_t[M * I2]);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t k = 0; k < I; ++k) x2[m * I2 + k] = x[m * I + k];
+      if (I2 != I) x2[m * I2 + I] = 0;
+    }
+    alignas(64) int16_t panel[2 * kKc2 * kW];
+    for (int64_t m0 = 0; m0 < M; m0 += kMc) {
+      const int64_t m1 = std::min(m0 + kMc, M);
+      for (int64_t k0 = 0; k0 < I2; k0 += 2 * kKc2) {
+        const int64_t k1 = std::min(k0 + 2 * kKc2, I2);
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t o = j.c0 + b * kW;
+          widen_pairs(w, I, O, o, k0, k1, panel);
+          for (int64_t m = m0; m < m1; m += kG) {
+            const int g = static_cast<int>(std::min<int64_t>(kG, m1 - m));
+            kS8Rows[g](x2.get() + m * I2, panel, out + m * O, I2, O, o, k0, k1);
+          }
+        }
+      }
+    }
+  }
+  if (j.c0 + nb * kW < j.c1) gemv_scalar(x, w, out, M, I, O, O, 0, j.c0 + nb * kW, j.c1);
+}
+
 ffi::Error Wo8Gemv(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::ResultBuffer<ffi::F32> out,
                    int64_t threads, ffi::ThreadPool pool) {
-  return gemv(run_wo8, "wo8_gemv", x, w, out, 32, threads, pool);
+  return gemv(run_wo8, "wo8_gemv", x, w, out, wo8_unit(x.dimensions()[0]), threads, pool);
+}
+
+constexpr int64_t kMaxGemmRows = 512;  // wo8_gemm's rows per call: a prompt chunk
+
+ffi::Error Wo8Gemm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::ResultBuffer<ffi::F32> out,
+                   int64_t threads, ffi::ThreadPool pool) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("wo8_gemm: x must be [M, I] and w [I, O]");
+  const int64_t M = xd[0], I = xd[1], O = wd[1];
+  if (M < 1 || M > kMaxGemmRows) return ffi::Error::InvalidArgument("wo8_gemm: 1 to 512 rows");
+  const Job all{run_wo8, x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O};
+  split_run(all, wo8_unit(M), threads, pool);
+  return ffi::Error::Success();
+}
+
+ffi::Error S8Gemm(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w, ffi::ResultBuffer<ffi::S32> out, int64_t threads,
+                  ffi::ThreadPool pool) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("s8_gemm: x must be [M, I] and w [I, O]");
+  const int64_t M = xd[0], I = xd[1], O = wd[1];
+  if (M < 1 || M > kMaxGemmRows) return ffi::Error::InvalidArgument("s8_gemm: 1 to 512 rows");
+  if (!have_avx2()) return ffi::Error::InvalidArgument("s8_gemm: needs AVX2");
+  const Job all{run_s8_avx2, x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O};
+  split_run(all, kW, threads, pool);
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -222,6 +553,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int8_gemv, Int8Gemv,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("threads")
+                                  .Ctx<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_s8_gemm, S8Gemm,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("threads")
+                                  .Ctx<ffi::ThreadPool>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_wo8_gemm, Wo8Gemm,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("threads")
                                   .Ctx<ffi::ThreadPool>());
 
