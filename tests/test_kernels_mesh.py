@@ -23,11 +23,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
 
 from tests import family_testing as ft
 from tests.conftest import on_ci
@@ -189,57 +186,20 @@ def _toy(kind: str):
 
 
 def _lower_step(devices, kind: str, *, decode_only: bool, quantization: str | None = None):
-    """The engine's packed step of a toy model, lowered on abstract weights, pools and slots
-    carrying the engine's shardings on a (1, 1, len(devices)) mesh of ``devices`` with
-    ``choose("pallas", mesh=...)`` -> (compiled HLO text, the pools' shape)."""
-    from jaxinfer import cache as kv
-    from jaxinfer import dispatch
-    from jaxinfer.engine.slots import make_slots
-    from jaxinfer.engine.step import packed_step
-    from jaxinfer.loaders.quantize import quantize_weight
-    from jaxinfer.models.packed import PackedBatch
-    from jaxinfer.models.registry import model_family
-    from jaxinfer.quant import QuantConfig, QuantScheme
-    from jaxinfer.sharding import kv_pool_sharding, make_mesh, place_experts, quant_shardings, weight_shardings
-    from jaxinfer.specs import is_spec
+    """The engine's packed step of a toy model, lowered (``jaxinfer.aot``) on abstract weights,
+    pools and slots carrying the engine's shardings on a (1, 1, len(devices)) mesh of
+    ``devices`` with ``choose("pallas", mesh=...)`` -> (compiled HLO text, the pools' shape)."""
+    from jaxinfer import aot
+    from jaxinfer.sharding import make_mesh
 
     cfg = _toy(kind)
     mesh = make_mesh(model=len(devices), devices=devices)
-    specs = model_family(cfg.family).weight_specs(cfg)
-    placed = lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s)  # noqa: E731
-
-    def weight(spec, sharding):
-        w = jax.ShapeDtypeStruct(spec.shape, jnp.dtype(spec.dtype or jnp.bfloat16), sharding=sharding)
-        if quantization is None or not spec.contract_axes:
-            return w
-        qa = jax.eval_shape(lambda w: quantize_weight("w", spec, w, QuantConfig(QuantScheme(quantization))), w)
-        return jax.tree.map(placed, qa, quant_shardings(qa, sharding))
-
-    weights = jax.tree.map(weight, specs, weight_shardings(specs, mesh), is_leaf=is_spec)
-    if cfg.n_experts:
-        weights = place_experts(weights, specs, mesh)
-    k = dispatch.choose("pallas", mesh=mesh)
+    k = aot.target_kernels(mesh)
     assert (k.platform, k.interpret) == ("tpu", False)
-    weights = dispatch.bind(weights, specs, k)
-    R, width, ps = 8, 8, 16
-    cache = jax.eval_shape(lambda: kv.init_paged_cache(cfg, R * width + 1, ps, jnp.bfloat16))
-    pool = kv_pool_sharding(mesh, cfg.n_kv_heads)
-    rep = NamedSharding(mesh, PartitionSpec())
-    kp, vp = (jax.tree.map(lambda a: placed(a, pool), c) for c in (cache.k, cache.v))
-    slots = jax.tree.map(lambda a: placed(a, rep), jax.eval_shape(lambda: make_slots(cfg.vocab_size, R, 0)))
-    Tp = 0 if decode_only else 32
-    i32 = lambda *s: np.zeros(s, np.int32)  # noqa: E731
-    batch = PackedBatch(tokens=i32(R + Tp), positions=i32(R + Tp), write_page=i32(R + Tp), write_wpage=i32(R + Tp),
-                        active=np.ones(R, bool), use_prev=np.zeros(R, bool), last_q=i32(R),
-                        table=i32(R + 1, width), wtable=i32(R + 1, 1), wbase=i32(R + 1), seg=i32(Tp),
-                        hist_end=np.int32(0), targets=np.full(Tp, -1, np.int32), rows=R, q=1,
-                        max_segments=2 if Tp else 0)
-    batch = jax.tree.map(lambda a: placed(a, rep), batch)
-    assert batch.decode_only == decode_only
-    step = jax.jit(lambda w, b, kp, vp, s: packed_step(w, b, kp, vp, s, None, cfg=cfg, windowed=cache.windowed,
-                                                      num_logprobs=-1, prompt_logprobs=-1, kernels=k),
-                   donate_argnums=(2, 3, 4))
-    return step.lower(weights, batch, kp, vp, slots).compile().as_text(), kp[0].shape
+    weights, _ = aot.abstract_weights(cfg, mesh, k, quantization=quantization)
+    kind_ = aot.StepKind("decode" if decode_only else "prefill", rows=8, prefill=0 if decode_only else 32)
+    lowered, info = aot.lower_step(cfg, weights, mesh, k, kind_, aot.Workload(context=128))
+    return lowered.compile().as_text(), info["pools"][0][0][0]
 
 
 def _gathered_pools(hlo: str, pool_shape) -> list[str]:

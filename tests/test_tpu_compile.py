@@ -98,12 +98,16 @@ def _step(kind: aot.StepKind, cfg=WIDE, target="v5e-1", kv_dtype="bfloat16"):
     return aot.analyse(compiled, info), compiled
 
 
-@pytest.mark.parametrize("kind", [aot.StepKind("decode", rows=8), aot.StepKind("mixed", rows=4, prefill=64)],
-                         ids=lambda k: k.name)
-def test_packed_step_compiles_for_v5e_with_the_kernels_in_place(kind):
-    """The step's attention is one Pallas call per layer; the donated pools come back aliased,
-    and nothing copies or transposes a whole pool."""
-    rec, _ = _step(kind)
+@pytest.mark.parametrize("target,kind", [
+    ("v5e-1", aot.StepKind("decode", rows=8)),
+    ("v5e-1", aot.StepKind("mixed", rows=4, prefill=64)),
+    ("v6e-1", aot.StepKind("decode", rows=8)),
+], ids=lambda x: x if isinstance(x, str) else x.name)
+def test_packed_step_compiles_for_tpu_with_the_kernels_in_place(target, kind):
+    """The step's attention is one Pallas call per layer over keys pools [P, K, ps, H] (the
+    engine's layout on a TPU, ``dispatch.keys_transposed``); the donated pools come back
+    aliased, and nothing copies or transposes a whole pool."""
+    rec, _ = _step(kind, target=target)
     assert rec["pallas_attention_calls"] == TINY.n_layers
     assert rec["alias_bytes"] >= rec["pool_bytes"], rec
     assert rec["pool_copies"] == []
