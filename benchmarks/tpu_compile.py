@@ -143,14 +143,14 @@ def fitting_context(cfg: ModelConfig, kind: aot.StepKind, mesh, target: aot.Targ
     sizes its pools from gpu_memory_utilization)."""
     cut_cfg = cut(cfg, period(cfg))
     pools = aot.abstract_pools(cut_cfg, mesh, 2, 16, kind.kv_dtype or "bfloat16")
-    info = dict(pools=[aot._leaves(p) for p in pools.k + pools.v], page_size=16)
+    info = dict(pools=aot.pool_shapes(pools), page_size=16)
     per_token = sum(aot.kv_bytes_per_token(cut_cfg, info)) * cfg.n_layers / cut_cfg.n_layers
     room = 0.9 * target.hbm_bytes - weights_chip
     fit = int(room // (max(kind.rows, 1) * per_token + 1e-9)) // 256 * 256
     return max(256, min(context, fit))
 
 
-def compile_one(cfg, mesh, kernels, kind, work, quantization, expert_parallel, target):
+def compile_one(cfg, mesh, kernels, kind, work, quantization, expert_parallel):
     weights, _ = aot.abstract_weights(cfg, mesh, kernels, quantization=quantization,
                                       expert_parallel=expert_parallel)
     t0 = time.perf_counter()
@@ -198,7 +198,7 @@ def main(argv=None):
         depth = {}
         for L in (L1, L2):
             rec, info, compiled = compile_one(cut(full, L), mesh, kernels, kind, work, args.quantization,
-                                              args.enable_expert_parallel, target)
+                                              args.enable_expert_parallel)
             depth[L] = rec
             if L == L1:
                 (args.out / f"{name}.hlo.txt").write_text(compiled.as_text())

@@ -248,14 +248,16 @@ def lower_step(cfg: ModelConfig, weights, mesh: Mesh, kernels: dispatch.Kernels,
         fn = jax.jit(functools.partial(packed_step, prompt_logprobs=-1, **statics),
                      donate_argnames=("k_pages", "v_pages", "slots"))
         lowered = fn.lower(weights, batch, pools.k, pools.v, slots)
-    info = dict(pools=[_leaves(p) for p in pools.k + pools.v], width=width, wwidth=wwidth, page_size=ps,
+    info = dict(pools=pool_shapes(pools), width=width, wwidth=wwidth, page_size=ps,
                 windowed=pools.windowed, kv_dtype=kv_dtype)
     return lowered, info
 
 
-def _leaves(pool):
-    return [] if pool is None else [(tuple(a.sharding.shard_shape(a.shape)), jnp.dtype(a.dtype))
-                                    for a in jax.tree.leaves(pool)]
+def pool_shapes(pools: kv.PagedKVCache) -> list:
+    """Per layer, keys pools then values pools: the (shape on one chip, dtype) of each array of
+    the pool (an int8 pool's values and scales), [] for a layer with no pool."""
+    return [[] if pool is None else [(tuple(a.sharding.shard_shape(a.shape)), jnp.dtype(a.dtype))
+                                     for a in jax.tree.leaves(pool)] for pool in pools.k + pools.v]
 
 
 # ----------------------------------------------------------------------------- reading a compiled step
