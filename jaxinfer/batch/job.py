@@ -139,72 +139,79 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
                               part_seconds=part_seconds)
     else:
         log = _ResultLog(own, stop)
-    done: set[tuple] = set()
-    before = Tally()
+    # the stop handlers, once installed, stay until the output is final: after the run they only
+    # note a signal, so one that lands while the last part is uploaded or the output merged
+    # cannot kill the process halfway
+    held = contextlib.ExitStack()
     try:
-        # 1. what is answered already: this process's file (locked and repaired), then the
-        # others'. A file that does not exist yet is created only once there is a model to
-        # fill it: a model that fails to load leaves no empty output behind (but see
-        # _read_done_spmd).
-        if spmd:
-            _read_done_spmd(sync, log, out, fmt, done, before)
-        elif remote:  # (the lease first: a concurrent run is refused before the model loads)
-            for rec, key in log.open(fmt):
-                _note(done, before, fmt, rec, key, mine)
-        else:
-            if own.exists():
+        done: set[tuple] = set()
+        before = Tally()
+        try:
+            # 1. what is answered already: this process's file (locked and repaired), then the
+            # others'. A file that does not exist yet is created only once there is a model to
+            # fill it: a model that fails to load leaves no empty output behind (but see
+            # _read_done_spmd).
+            if spmd:
+                _read_done_spmd(sync, log, out, fmt, done, before)
+            elif remote:  # (the lease first: a concurrent run is refused before the model loads)
                 for rec, key in log.open(fmt):
                     _note(done, before, fmt, rec, key, mine)
-            for src in [out, *_parts(out)]:
-                if src != own and src.exists():
-                    for _, _, rec, key in scan_results(src, fmt):
+            else:
+                if own.exists():
+                    for rec, key in log.open(fmt):
                         _note(done, before, fmt, rec, key, mine)
-        # 2. index pass: this process's share of the input, and how much is left
-        total = todo = 0
-        for n, line in _lines(inp):
-            key, shard, _ = fmt.classify(n, line, indexing=True)
-            if ours(shard):
-                total += 1
-                todo += key not in done
-        # 3. run what is left
-        summary = BatchSummary(str(out), total, total - todo, before, Tally(), 0.0,
-                               {k: Latency() for k in LATENCIES}, None, me, P)
-        if todo:
-            if callable(llm):
-                llm = llm()
-            if not log.opened and not spmd:
-                for rec, key in log.open(fmt):  # (another run may have created it meanwhile)
-                    _note(done, before, fmt, rec, key, mine)
-            if isinstance(fmt, _OpenAIFormat) and fmt.model_name is None:
-                fmt.model_name = Path(str(llm.model_path)).name
-            if isinstance(fmt, _PromptsFormat):
-                fmt.reset()
-            with stop:
+                for src in [out, *_parts(out)]:
+                    if src != own and src.exists():
+                        for _, _, rec, key in scan_results(src, fmt):
+                            _note(done, before, fmt, rec, key, mine)
+            # 2. index pass: this process's share of the input, and how much is left
+            total = todo = 0
+            for n, line in _lines(inp):
+                key, shard, _ = fmt.classify(n, line, indexing=True)
+                if ours(shard):
+                    total += 1
+                    todo += key not in done
+            # 3. run what is left
+            summary = BatchSummary(str(out), total, total - todo, before, Tally(), 0.0,
+                                   {k: Latency() for k in LATENCIES}, None, me, P)
+            if todo:
+                if callable(llm):
+                    llm = llm()
+                if not log.opened and not spmd:
+                    for rec, key in log.open(fmt):  # (another run may have created it meanwhile)
+                        _note(done, before, fmt, rec, key, mine)
+                if isinstance(fmt, _OpenAIFormat) and fmt.model_name is None:
+                    fmt.model_name = Path(str(llm.model_path)).name
+                if isinstance(fmt, _PromptsFormat):
+                    fmt.reset()
+                held.enter_context(stop)
                 _run(llm, fmt, inp, log, stop, done, summary, ours=ours, sync=sync,
                      desc="batch" if P == 1 else f"batch {me}/{P}", progress=progress)
-            stats = getattr(getattr(llm, "engine", None), "spec_stats", None)
-            summary.speculative = stats.summary() if stats is not None else None
-        elif not log.opened and not spmd:  # nothing to answer (an empty input): the output still appears
-            for _ in log.open(fmt):
-                pass
-    finally:
-        log.close()
-    summary.result.merge(summary.run)
-    summary.wall_s = time.perf_counter() - t0
-    if summary.interrupted is not None:  # resumable as it is; merging and reordering wait for a complete run
-        if metrics_out is not None and (P == 1 or spmd) and me == 0:
-            _write_json(metrics_out, summary.metrics())
+                stats = getattr(getattr(llm, "engine", None), "spec_stats", None)
+                summary.speculative = stats.summary() if stats is not None else None
+            elif not log.opened and not spmd:  # nothing to answer (an empty input): the output still appears
+                for _ in log.open(fmt):
+                    pass
+        finally:
+            log.close()
+        summary.result.merge(summary.run)
+        summary.wall_s = time.perf_counter() - t0
+        if summary.interrupted is not None:  # resumable as it is; merging and reordering wait for a complete run
+            if metrics_out is not None and (P == 1 or spmd) and me == 0:
+                _write_json(metrics_out, summary.metrics())
+            return summary
+        if P > 1 and not spmd:  # (an SPMD job's processes all ran every request: process 0's summary is the job's)
+            summary = _gather(summary, me, P)
+        if me == 0:
+            if remote:
+                parts.finish(out, fmt, order, log.run)
+            else:
+                _finish_output(out, fmt, order)
+            if metrics_out is not None:
+                _write_json(metrics_out, summary.metrics())
         return summary
-    if P > 1 and not spmd:  # (an SPMD job's processes all ran every request: process 0's summary is the job's)
-        summary = _gather(summary, me, P)
-    if me == 0:
-        if remote:
-            parts.finish(out, fmt, order, log.run)
-        else:
-            _finish_output(out, fmt, order)
-        if metrics_out is not None:
-            _write_json(metrics_out, summary.metrics())
-    return summary
+    finally:
+        held.close()
 
 
 def _read_done_spmd(sync: _Spmd, log, out: Path, fmt, done: set, tally: Tally) -> None:
