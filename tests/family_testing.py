@@ -66,7 +66,7 @@ def write_tiny(path: Path, model_type: str, overrides: dict | None = None, *, se
     if architecture:
         config.architectures = [architecture]
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto_class(config).from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF starts norms at 1 (or 0) and biases at 0: randomise everything
         for name, p in model.named_parameters():
             p.add_(0.2 * torch.randn_like(p)) if "norm" in name else p.copy_(0.15 * torch.randn_like(p))
@@ -81,14 +81,22 @@ def write_tiny(path: Path, model_type: str, overrides: dict | None = None, *, se
     return Path(path)
 
 
+def auto_class(config):
+    """The transformers auto class that builds ``config``'s model with an LM head: causal LM,
+    or, for the multimodal models it does not list there (Mistral 3, Qwen2.5-VL), image-text-to-text."""
+    transformers = require("transformers")
+    causal = transformers.AutoModelForCausalLM
+    return causal if type(config) in causal._model_mapping else transformers.AutoModelForImageTextToText
+
+
 def reference(path: Path, prompts=PROMPTS, max_tokens: int = MAX_TOKENS) -> list[dict]:
     """transformers float32 on the checkpoint at ``path``: per prompt, the log-prob of each
     prompt token after the first, and greedy tokens with the top-2 margin of each step."""
     torch = require("torch")
     transformers = require("transformers")
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = auto_class(config).from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     out = []
     with torch.no_grad():
         for prompt in prompts:

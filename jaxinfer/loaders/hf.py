@@ -34,6 +34,7 @@ from jaxinfer.loaders.common import (
     read_json,
     refuse_unmapped,
 )
+from jaxinfer.models.family import TextTower
 from jaxinfer.specs import is_spec, weight_key
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -216,12 +217,26 @@ def _declared_shapes(specs, cfg, names: dict) -> dict[str, tuple[int, ...]]:
 
 def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=None) -> Loaded:
     """Load a Hugging Face directory (config.json + safetensors + tokenizer files)."""
-    from jaxinfer.tokenizer import tokenizer_from_hf_dir
-
     path = Path(path)
     hf = read_config(path)
     family = family_for(hf, path)
-    hf, names, prefix = _text_tower(hf, path, family)
+    with contextlib.ExitStack() as stack:
+        opened: list[SafetensorsShards] = []
+
+        def shards() -> SafetensorsShards:  # opened once, when first needed (config errors come first)
+            if not opened:
+                opened.append(SafetensorsShards(path, stack))
+            return opened[0]
+
+        hf, names, tower = _text_tower(hf, path, family, shards)
+        return _load(path, hf, family, names, tower, shards, dtype=dtype, shardings_fn=shardings_fn,
+                     quantize=quantize, on_config=on_config)
+
+
+def _load(path: Path, hf: dict, family, names, tower, open_shards, *, dtype, shardings_fn, quantize, on_config) -> Loaded:
+    from jaxinfer.tokenizer import tokenizer_from_hf_dir
+
+    lm_head = "lm_head.weight" if tower is None else tower.lm_head
     _check_supported(hf, path, family)
     try:
         cfg = family.config_from_hf(hf, dtype=dtype)
@@ -240,77 +255,89 @@ def load_hf(path, *, dtype: str, shardings_fn=None, quantize=None, on_config=Non
             axis = spec.axes.index("expert")
             stacked[name] = (spec.shape[axis], axis)
 
-    with contextlib.ExitStack() as stack:
-        shards = SafetensorsShards(path, stack)
-        # tensors the family's model does not run (DeepSeek-V3's multi-token-prediction layers)
-        skipped = family.hf_skipped_prefixes(hf)
-        present = [n for n in shards.weight_map if not n.endswith(_DERIVED_SUFFIXES) and not n.startswith(skipped)
-                   and not (cfg.tie_embeddings and n == "lm_head.weight")
-                   and (prefix is None or n.startswith(prefix) or n == "lm_head.weight")]
-        # a family that stores some weights otherwise (gpt-oss: fused columns, MXFP4) names the
-        # tensors each of its names is read from (``hf_sources``) and reads them (``hf_read``)
-        derived = family.hf_read
-        sources = family.hf_sources or (lambda n: (n,))
-        refuse_unmapped(path, present, {s for n in declared for s in sources(fused_block(n)[0])},
-                        "the safetensors carry")
-        read = block_reader(fused_blocks(specs, names, 0), shards.get)
+    shards = open_shards()
+    # tensors the family's model does not run (DeepSeek-V3's multi-token-prediction layers)
+    skipped = family.hf_skipped_prefixes(hf)
+    present = [n for n in shards.weight_map if not n.endswith(_DERIVED_SUFFIXES) and not n.startswith(skipped)
+               and not (cfg.tie_embeddings and n == lm_head)
+               and (tower is None or n.startswith(tower.prefix) or n == lm_head)]
+    # a family that stores some weights otherwise (gpt-oss: fused columns, MXFP4) names the
+    # tensors each of its names is read from (``hf_sources``) and reads them (``hf_read``)
+    derived = family.hf_read
+    sources = family.hf_sources or (lambda n: (n,))
+    refuse_unmapped(path, present, {s for n in declared for s in sources(fused_block(n)[0])},
+                    "the safetensors carry")
+    read = block_reader(fused_blocks(specs, names, 0), shards.get)
 
-        def check_fits(name, shape, transpose):
-            """shape: as stored; a transposed read swaps its last two axes (stacked experts
-            keep their leading axis)."""
-            ours = tuple(shape[:-2]) + tuple(reversed(shape[-2:])) if transpose else tuple(shape)
-            want = declared.get(name)
-            if want is not None and not _merges_to(ours, tuple(want)):
-                raise CheckpointError(
-                    f"{path}: tensor {name!r} has shape {tuple(shape)}, which does not fit the "
-                    f"declared {tuple(want)}{' (transposed)' if transpose else ''} for this config.json"
-                )
+    def check_fits(name, shape, transpose):
+        """shape: as stored; a transposed read swaps its last two axes (stacked experts
+        keep their leading axis)."""
+        ours = tuple(shape[:-2]) + tuple(reversed(shape[-2:])) if transpose else tuple(shape)
+        want = declared.get(name)
+        if want is not None and not _merges_to(ours, tuple(want)):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {tuple(shape)}, which does not fit the "
+                f"declared {tuple(want)}{' (transposed)' if transpose else ''} for this config.json"
+            )
 
-        def read_one(name, transpose):
-            a = derived(name, shards.get) if derived is not None else read(name)[1]
-            if a is None:
-                return None
-            check_fits(name, a.shape, transpose)
-            return np.swapaxes(a, -1, -2) if transpose and a.ndim > 1 else a
+    def read_one(name, transpose):
+        a = derived(name, shards.get) if derived is not None else read(name)[1]
+        if a is None:
+            return None
+        check_fits(name, a.shape, transpose)
+        return np.swapaxes(a, -1, -2) if transpose and a.ndim > 1 else a
 
-        def fetch(name, transpose):
-            if name in stacked:  # one tensor per expert, stacked (each checked against one expert's shape)
-                n, axis = stacked[name]
-                parts = [read_one(name.format(e=e), transpose) for e in range(n)]
-                return None if any(p is None for p in parts) else np.stack(parts, axis=axis)
-            return read_one(name, transpose)
+    def fetch(name, transpose):
+        if name in stacked:  # one tensor per expert, stacked (each checked against one expert's shape)
+            n, axis = stacked[name]
+            parts = [read_one(name.format(e=e), transpose) for e in range(n)]
+            return None if any(p is None for p in parts) else np.stack(parts, axis=axis)
+        return read_one(name, transpose)
 
-        def view(name, transpose):
-            t = shards.tensor(name)  # None for stacked experts and fused blocks: fetch reads those
-            if t is not None:
-                check_fits(name, t.shape, transpose)
-            return t
+    def view(name, transpose):
+        t = shards.tensor(name)  # None for stacked experts and fused blocks: fetch reads those
+        if t is not None:
+            check_fits(name, t.shape, transpose)
+        return t
 
-        shardings = shardings_fn(specs, cfg) if shardings_fn else None
-        if on_config is not None:  # the config is known before any tensor is read
-            on_config(cfg)
-        tok = tokenizer_from_hf_dir(path)
-        quantizer = make_quantizer(quantize, specs, cfg, tok)
-        weights = assemble(specs, cfg, names, fetch, 0, shardings=shardings, quantizer=quantizer, view=view)
+    shardings = shardings_fn(specs, cfg) if shardings_fn else None
+    if on_config is not None:  # the config is known before any tensor is read
+        on_config(cfg)
+    tok = tokenizer_from_hf_dir(path)
+    quantizer = make_quantizer(quantize, specs, cfg, tok)
+    weights = assemble(specs, cfg, names, fetch, 0, shardings=shardings, quantizer=quantizer, view=view)
     return Loaded(cfg, weights, tok, "hf")
 
 
-def _text_tower(hf: dict, path, family) -> tuple[dict, dict, str | None]:
-    """(config, checkpoint names, tensor prefix) of the text decoder in the checkpoint. A
+def _text_tower(hf: dict, path, family, shards) -> tuple[dict, dict, TextTower | None]:
+    """(config, checkpoint names, text tower layout) of the text decoder in the checkpoint. A
     multimodal architecture the family lists in ``hf_text_towers`` keeps it under a prefix
-    ("model.language_model.") with its config in ``text_config``; the other towers' tensors
-    are left unread. Otherwise: the config as it is, the family's names, no prefix."""
+    ("language_model.model.") with its config in ``text_config`` (or, in older Qwen2.5-VL
+    configs, beside the vision tower's ``vision_config``); of its layouts, the one whose
+    embedding the checkpoint (``shards()``) holds is read, and the other towers'
+    tensors are left unread. Otherwise: the config as it is, the family's names, no tower."""
     archs = hf.get("architectures") or []
     archs = [archs] if isinstance(archs, str) else archs
     towers = family.hf_text_towers
     arch = next((a for a in archs if a in towers), None)
     if arch is None:
         return hf, family.checkpoint_names, None
-    prefix, text = towers[arch], hf.get("text_config")
+    text = hf.get("text_config")
+    if text is None and "vision_config" in hf:  # the text decoder's keys at the top level
+        text = {k: v for k, v in hf.items() if k != "vision_config"}
     if not isinstance(text, dict):
         raise CheckpointError(f"{path / 'config.json'}: {arch} without a text_config")
-    names = {key: (name.replace("model.", prefix, 1) if name.startswith("model.") else name, *rest)
-             for key, (name, *rest) in family.checkpoint_names.items()}
+
+    def named(tower: TextTower) -> dict:
+        return {key: (tower.prefix + name[len("model."):] if name.startswith("model.")
+                      else tower.lm_head if name == "lm_head.weight" else name, *rest)
+                for key, (name, *rest) in family.checkpoint_names.items()}
+
+    stored = shards().weight_map
+    tower = next((t for t in towers[arch] if t.prefix + "embed_tokens.weight" in stored), None)
+    if tower is None:
+        where = " or ".join(repr(t.prefix) for t in towers[arch])
+        raise CheckpointError(f"{path}: {arch} checkpoint without its text decoder's tensors (under {where})")
     # the outer config decides whether the LM head is the text tower's embedding
     tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
-    return dict(text, architectures=archs, tie_word_embeddings=tie), names, prefix
+    return dict(text, architectures=archs, tie_word_embeddings=tie), named(tower), tower

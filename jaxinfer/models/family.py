@@ -29,6 +29,18 @@ def _no_prefixes(hf: dict) -> tuple[str, ...]:
     return ()
 
 
+@dataclasses.dataclass(frozen=True)
+class TextTower:
+    """Where a multimodal checkpoint keeps its text decoder: the prefix that stands for "model."
+    in the family's checkpoint names, and the name of its LM head. Checkpoints of one
+    architecture differ by the transformers version that wrote them (Gemma 3: the published
+    "language_model.model." or "model.language_model."), so a family lists every layout and
+    the loader takes the one whose embedding the checkpoint carries."""
+
+    prefix: str  # "language_model.model."
+    lm_head: str = "lm_head.weight"  # "language_model.lm_head.weight"
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # one object per family: compared and hashed by identity
 class ModelFamily:
     """One model family, as the loaders, the engine and quantization see it.
@@ -52,8 +64,9 @@ class ModelFamily:
     hf_architectures: frozenset[str] = frozenset()
     config_from_hf: Callable[..., ModelConfig] | None = None  # (hf dict, *, dtype) -> ModelConfig
     hf_activations: frozenset[str] = frozenset({"silu"})  # hidden_act values the MLP implements
-    # a multimodal architecture -> the prefix of its text tower's tensors (its config: text_config)
-    hf_text_towers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # a multimodal architecture -> the layouts of its text tower's tensors, in the order tried
+    # (its config: text_config, or the outer config itself where there is none)
+    hf_text_towers: Mapping[str, tuple[TextTower, ...]] = dataclasses.field(default_factory=dict)
     hf_skipped_prefixes: Callable[[dict], tuple[str, ...]] = _no_prefixes  # tensors the model does not run
     # weights stored otherwise than one tensor per name (gpt-oss: fused columns, MXFP4):
     # our name -> the tensors it is read from, and the reader (name, get) -> array

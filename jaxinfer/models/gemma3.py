@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig, RopeKind
-from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
+from jaxinfer.models.family import LayerAt, ModelFamily, TextTower, decoder, layer_loop
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
@@ -131,7 +131,12 @@ CHECKPOINT_NAMES = {
 }
 
 GGUF_ARCHITECTURES = frozenset({"gemma3"})  # llama.cpp keeps HF's rotary layout: no Q/K permutation
-HF_ARCHITECTURES = frozenset({"Gemma3ForCausalLM"})
+HF_ARCHITECTURES = frozenset({"Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"})
+# The 4B, 12B and 27B checkpoints are Gemma3ForConditionalGeneration: the text decoder under
+# language_model.model. as published (model.language_model. as transformers 4.5x re-saved
+# them), its config in text_config, beside the SigLIP tower and the projector.
+HF_TEXT_TOWERS = {"Gemma3ForConditionalGeneration": (TextTower("language_model.model.", "language_model.lm_head.weight"),
+                                                     TextTower("model.language_model."))}
 HF_ACTIVATIONS = frozenset({"gelu_pytorch_tanh"})
 
 
@@ -287,6 +292,7 @@ FAMILY = ModelFamily(
     name="gemma3", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
     unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
     hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, hf_activations=HF_ACTIVATIONS,
+    hf_text_towers=HF_TEXT_TOWERS,
     gguf_architectures=GGUF_ARCHITECTURES, config_from_gguf=config_from_gguf, gguf_tensor=gguf_tensor,
     norm_offset=1.0,
 )

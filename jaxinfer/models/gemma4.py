@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.errors import CheckpointError
-from jaxinfer.models.family import LayerAt, ModelFamily, layer_loop
+from jaxinfer.models.family import LayerAt, ModelFamily, TextTower, layer_loop
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
@@ -250,7 +250,7 @@ CHECKPOINT_NAMES = {
 HF_ARCHITECTURES = frozenset({"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"})
 # The multimodal checkpoint keeps the text decoder under model.language_model. (its config under
 # text_config) beside the vision and audio towers, which a text decoder does not read.
-HF_TEXT_TOWERS = {"Gemma4ForConditionalGeneration": "model.language_model."}
+HF_TEXT_TOWERS = {"Gemma4ForConditionalGeneration": (TextTower("model.language_model."),)}
 HF_ACTIVATIONS = frozenset({"gelu_pytorch_tanh"})
 GGUF_ARCHITECTURES = frozenset({"gemma4"})  # norms stored as HF's w (no 1 + w), rotary in HF's layout
 GGUF_CONFIG_TENSORS = frozenset({"rope_freqs.weight"})

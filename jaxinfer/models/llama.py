@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig, RopeKind
 from jaxinfer.errors import CheckpointError
-from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
+from jaxinfer.models.family import LayerAt, ModelFamily, TextTower, decoder, layer_loop
 from jaxinfer.models.layers import (
     attend_layer,
     dot,
@@ -125,7 +125,18 @@ CHECKPOINT_NAMES = {
 # interleaved rotary layout (Qwen2 uses the NeoX layout and was left alone).
 GGUF_PERMUTED_QK = frozenset({"llama", "mistral"})
 GGUF_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2"})
-HF_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+HF_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                              "Mistral3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"})
+# The text decoders of multimodal checkpoints: Mistral Small 3.1's is a Mistral under
+# language_model.model.; Qwen2.5-VL's a Qwen2 under model. beside the ViT under visual.
+# (model.language_model. as transformers 4.5x re-saved either).
+HF_TEXT_TOWERS = {
+    "Mistral3ForConditionalGeneration": (TextTower("language_model.model.", "language_model.lm_head.weight"),
+                                         TextTower("model.language_model.")),
+    "Qwen2_5_VLForConditionalGeneration": (TextTower("model."), TextTower("model.language_model.")),
+}
+# Qwen2 and Qwen2.5-VL's text decoder carry Q/K/V biases whatever attention_bias says
+_QKV_BIAS = frozenset({"Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration"})
 
 
 # Tensors a GGUF of this family carries that configure the model rather than being weights.
@@ -235,8 +246,11 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
             low_freq_factor=float(rs["low_freq_factor"]), high_freq_factor=float(rs["high_freq_factor"]),
             original_max_position=int(rs["original_max_position_embeddings"]),
         )
-    elif kind not in (None, "default"):
+    elif kind not in (None, "default", "mrope"):
         raise CheckpointError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+    # Qwen2.5-VL's M-RoPE (mrope_section) turns each section of frequencies by its own axis
+    # (time, height, width) of the position; a text token's three are equal, so it is the 1-D
+    # rotary exactly. Images, whose axes differ, are refused before they reach the model.
     return ModelConfig(
         family="llama",
         vocab_size=hf["vocab_size"],
@@ -250,7 +264,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         rope=rope,
         max_position=int(hf.get("max_position_embeddings", 2048)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=bool(hf.get("attention_bias", False)) or "Qwen2ForCausalLM" in hf.get("architectures", []),
+        qkv_bias=bool(hf.get("attention_bias", False)) or bool(_QKV_BIAS & set(hf.get("architectures", []))),
         dtype=dtype,
         name=hf.get("_name_or_path", "") or hf.get("model_type", ""),
         layer_kinds=kinds,
@@ -261,7 +275,7 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
 FAMILY = ModelFamily(
     name="llama", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
     unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
-    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf,
+    hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, hf_text_towers=HF_TEXT_TOWERS,
     gguf_architectures=GGUF_ARCHITECTURES, config_from_gguf=config_from_gguf, gguf_permuted_qk=GGUF_PERMUTED_QK,
     gguf_config_tensors=GGUF_CONFIG_TENSORS,
 )
