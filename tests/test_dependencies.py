@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 OURS = {"jaxinfer", "pallas_kernels", "tests", "__future__"}
 # The parts of the package that need an extra, and the extra
-NEEDS_EXTRA = {"jaxinfer/server/": "serve", "jaxinfer/train_medusa.py": "train", "jaxinfer/train_eagle.py": "train"}
+NEEDS_EXTRA = {"jaxinfer/server/": "serve", "jaxinfer/images.py": "vision", "jaxinfer/train_medusa.py": "train", "jaxinfer/train_eagle.py": "train"}
 # Declared although no module of ours imports it by name, and why
 DECLARED_FOR = {"protobuf": "sentencepiece's sentencepiece_model_pb2 (jaxinfer/tokenizer.py) imports google.protobuf, "
                             "which sentencepiece does not declare"}

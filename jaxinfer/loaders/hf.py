@@ -309,6 +309,51 @@ def _load(path: Path, hf: dict, family, names, tower, open_shards, *, dtype, sha
     return Loaded(cfg, weights, tok, "hf")
 
 
+def image_encoder_of(path):
+    """(the family's ``ImageEncoder``, config.json) of a checkpoint, or (None, its
+    config.json) when its family encodes no images of its architecture."""
+    path = Path(path)
+    hf = read_config(path)
+    family = family_for(hf, path)
+    archs = hf.get("architectures") or []
+    archs = [archs] if isinstance(archs, str) else archs
+    return next((family.image_encoders[a] for a in archs if a in family.image_encoders), None), hf
+
+
+def load_image_encoder(path, *, dtype: str):
+    """(config, weights) of the image encoder of a multimodal checkpoint: its weights declared
+    by the encoder's ``weight_specs`` and named by its ``checkpoint_names``, each checked
+    against its declaration and read as the text weights are."""
+    path = Path(path)
+    encoder, hf = image_encoder_of(path)
+    if encoder is None:
+        raise CheckpointError(f"{path}: the checkpoint has no image encoder that jaxinfer runs")
+    try:
+        cfg = encoder.config_from_hf(hf, dtype=dtype)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+    specs = encoder.weight_specs(cfg)
+    with contextlib.ExitStack() as stack:
+        shards = SafetensorsShards(path, stack)
+        try:
+            names = encoder.checkpoint_names(shards.weight_map)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        declared = _declared_shapes(specs, cfg, names)
+
+        def fetch(name, transpose):
+            a = shards.get(name)
+            if a is None:
+                return None
+            ours = tuple(a.shape[:-2]) + tuple(reversed(a.shape[-2:])) if transpose else tuple(a.shape)
+            if not _merges_to(ours, tuple(declared[name])):
+                raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(a.shape)}, which does not fit the "
+                                      f"declared {tuple(declared[name])} for this config.json")
+            return np.swapaxes(a, -1, -2) if transpose and a.ndim > 1 else a
+
+        return cfg, assemble(specs, cfg, names, fetch, 0)
+
+
 def _text_tower(hf: dict, path, family, shards) -> tuple[dict, dict, TextTower | None]:
     """(config, checkpoint names, text tower layout) of the text decoder in the checkpoint. A
     multimodal architecture the family lists in ``hf_text_towers`` keeps it under a prefix

@@ -41,6 +41,20 @@ class TextTower:
     lm_head: str = "lm_head.weight"  # "language_model.lm_head.weight"
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageEncoder:
+    """A family's image encoder (Gemma 3's SigLIP tower and projector), as the loaders and the
+    engine see it: ``config_from_hf(hf dict, *, dtype) -> config`` (a frozen dataclass with
+    ``dtype`` and ``mm_tokens``); ``weight_specs(config)``; ``checkpoint_names(stored tensor
+    names) -> {our path: (HF name, "", transpose)}`` (the layout the checkpoint was written in);
+    ``encode(weights, pixels f32[B, C, S, S], *, cfg) -> [B, mm_tokens, D_text]``."""
+
+    config_from_hf: Callable
+    weight_specs: Callable
+    checkpoint_names: Callable
+    encode: Callable
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # one object per family: compared and hashed by identity
 class ModelFamily:
     """One model family, as the loaders, the engine and quantization see it.
@@ -88,6 +102,8 @@ class ModelFamily:
     w8a8_calibration: bool = True
     # its RMSNorms scale by (norm_offset + w): 1 for Gemma 2/3, whose weights hold w of 1 + w
     norm_offset: float = 0.0
+    # multimodal architectures whose images it encodes -> the encoder (others' images are refused)
+    image_encoders: Mapping[str, ImageEncoder] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         object.__setattr__(self, "checkpoint_names", MappingProxyType(dict(self.checkpoint_names)))

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import AttentionKind, ModelConfig, RopeConfig, RopeKind
+from jaxinfer.models import siglip
 from jaxinfer.models.family import LayerAt, ModelFamily, TextTower, decoder, layer_loop
 from jaxinfer.models.layers import (
     attend_layer,
@@ -292,7 +293,7 @@ FAMILY = ModelFamily(
     name="gemma3", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
     unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
     hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, hf_activations=HF_ACTIVATIONS,
-    hf_text_towers=HF_TEXT_TOWERS,
+    hf_text_towers=HF_TEXT_TOWERS, image_encoders={"Gemma3ForConditionalGeneration": siglip.ENCODER},
     gguf_architectures=GGUF_ARCHITECTURES, config_from_gguf=config_from_gguf, gguf_tensor=gguf_tensor,
     norm_offset=1.0,
 )
