@@ -119,3 +119,149 @@ def test_an_oversized_image_is_refused(monkeypatch):
     monkeypatch.setattr(images, "MAX_PIXELS", 100)
     with pytest.raises(images.ImageError, match="larger than 100 pixels"):
         images.open_image(buf.getvalue())
+
+
+# the tiny checkpoint's image markers: in-vocabulary ids (the published ones are 255999,
+# 262144 and 256000 of 262208)
+BOI, IMG, EOI = 93, 95, 94
+MARKERS = {"image_token_index": IMG, "boi_token_index": BOI, "eoi_token_index": EOI}
+T_PAD = 48  # every dense forward below runs at this length (right padding is never seen)
+
+
+@pytest.fixture(scope="module")
+def mm(tmp_path_factory):
+    """A tiny Gemma3ForConditionalGeneration with in-vocabulary image markers, its reference
+    model and jaxinfer's text weights and image encoder."""
+    torch = require("torch")
+    transformers = require("transformers")
+    from jaxinfer.loaders.hf import load_hf, load_image_encoder
+
+    path = ft.write_tiny(tmp_path_factory.mktemp("g3mm") / "ckpt", "gemma3", TEXT,
+                         outer={"vision_config": SIGLIP, "mm_tokens_per_image": 4} | MARKERS)
+    transformers.models.gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil(
+        size={"height": 56, "width": 56}).save_pretrained(path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    text = load_hf(path, dtype="float32")
+    vcfg, vweights = load_image_encoder(path, dtype="float32")
+    return path, ref, text, vcfg, vweights
+
+
+def _prompt(rng, n_images):
+    """bos, text, then per image <start_of_image> 4 x image token <end_of_image> and more text."""
+    ids = [1] + [int(t) for t in rng.integers(4, 90, rng.integers(1, 4))]
+    for _ in range(n_images):
+        ids += [BOI] + [IMG] * 4 + [EOI] + [int(t) for t in rng.integers(4, 90, rng.integers(2, 5))]
+    return ids
+
+
+def _reference(ref, ids, pixels, steps=0):
+    """transformers' log-softmax over the prompt, and its greedy tokens (full forward each step)."""
+    torch = require("torch")
+    ids = list(ids)
+    kw = {"pixel_values": torch.from_numpy(pixels)} if len(pixels) else {}
+    with torch.no_grad():
+        def logits(ids):
+            t = torch.tensor([ids])
+            return ref(t, token_type_ids=(t == IMG).long(), **kw).logits[0].double()
+        lp = torch.log_softmax(logits(ids), -1).numpy()
+        toks, margins = [], []
+        for _ in range(steps):
+            top = torch.topk(logits(ids)[-1], 2)
+            toks.append(int(top.indices[0]))
+            margins.append(float(top.values[0] - top.values[1]))
+            ids.append(toks[-1])
+    return lp, toks, margins
+
+
+def _ours(mm, rows, pixels):
+    """jaxinfer's log-softmax of each row of one batched dense forward with images."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.models import gemma3, siglip
+
+    _, _, text, vcfg, vweights = mm
+    soft = siglip.encode_images(vweights, pixels, cfg=vcfg) if len(pixels) else jnp.zeros((1, 4, text.cfg.d_model))
+    tokens = jnp.asarray([r + [0] * (T_PAD - len(r)) for r in rows], jnp.int32)
+
+    @jax.jit
+    def run(w, tokens, soft):
+        h, _ = gemma3.forward_with_images(w, tokens, soft, jnp.zeros(tokens.shape[0], jnp.int32), None,
+                                          cfg=text.cfg, image_token=IMG)
+        return jax.nn.log_softmax(gemma3.unembed(w, h, text.cfg), -1)
+
+    lp = np.asarray(run(text.weights, tokens, soft))
+    return [lp[i, :len(r)] for i, r in enumerate(rows)]
+
+
+def _text_positions(ids):
+    """Positions whose next token is text (not an image's soft token): where log-probs mean something."""
+    return [t for t in range(len(ids) - 1) if ids[t + 1] != IMG]
+
+
+def test_logprobs_and_greedy_tokens_with_an_image_equal_transformers(mm):
+    from jaxinfer.images import ImageProcessor
+
+    path = mm[0]
+    proc = ImageProcessor.from_dir(path)
+    rng = np.random.default_rng(3)
+    ids = _prompt(rng, 1)
+    pixels = np.stack([proc(_images(1)[0])])
+    want, toks, margins = _reference(mm[1], ids, pixels, steps=6)
+    got = _ours(mm, [ids], pixels)[0]
+    pos = _text_positions(ids)
+    after = [t for t in pos if t > ids.index(EOI)]
+    assert after, "the prompt has text after the image"
+    np.testing.assert_allclose([got[t, ids[t + 1]] for t in pos], [want[t, ids[t + 1]] for t in pos],
+                               rtol=0, atol=ft.PLP_ATOL)
+    # greedy: each step the full forward of the prompt so far
+    seq = list(ids)
+    for step, (tok, margin) in enumerate(zip(toks, margins)):
+        if margin < ft.NEAR_TIE:
+            break
+        mine = int(np.argmax(_ours(mm, [seq], pixels)[0][-1]))
+        assert mine == tok, f"step {step}: {mine}, transformers {tok}"
+        seq.append(mine)
+
+
+def test_image_tokens_attend_to_their_whole_image_only():
+    """Worked by hand: an image's soft tokens see up to their image's last one; text tokens
+    (markers included) and a second image's tokens keep their own limits."""
+    import jax.numpy as jnp
+
+    from jaxinfer.models import gemma3
+
+    tokens = jnp.asarray([[1, 5, BOI, IMG, IMG, IMG, EOI, 7, IMG, IMG, 9]], jnp.int32)
+    pos = jnp.arange(11, dtype=jnp.int32)[None]
+    assert gemma3.image_attend_to(tokens, pos, IMG).tolist() == [[0, 1, 2, 5, 5, 5, 6, 7, 9, 9, 10]]
+
+
+def test_a_batch_of_eight_prompts_with_0_to_2_images_equals_each_alone_and_transformers(mm):
+    from jaxinfer.images import ImageProcessor
+
+    proc = ImageProcessor.from_dir(mm[0])
+    rng = np.random.default_rng(5)
+    counts = [0, 1, 2, 1, 0, 2, 1, 1]
+    rows = [_prompt(rng, n) for n in counts]
+    imgs = _images(sum(counts), seed=9)
+    pixels = np.stack([proc(i) for i in imgs])
+    batched = _ours(mm, rows, pixels)
+    first = 0
+    for ids, n, got in zip(rows, counts, batched):
+        mine = pixels[first:first + n]
+        first += n
+        want = _reference(mm[1], ids, mine)[0]
+        pos = _text_positions(ids)
+        np.testing.assert_allclose([got[t, ids[t + 1]] for t in pos], [want[t, ids[t + 1]] for t in pos],
+                                   rtol=0, atol=ft.PLP_ATOL)
+        alone = _ours(mm, [ids], mine)[0]
+        np.testing.assert_allclose(got, alone, rtol=0, atol=1e-5)
+
+
+def test_prompt_text_as_the_processor_writes_it():
+    from jaxinfer.models import gemma3
+
+    got = gemma3.expand_images("<start_of_turn>user\nA<start_of_image>B<start_of_image>", 2)
+    one = "\n\n<start_of_image><image_soft_token><image_soft_token><end_of_image>\n\n"
+    assert got == f"<start_of_turn>user\nA{one}B{one}"

@@ -96,7 +96,8 @@ def layer(w: dict, x: jax.Array, cache, at: LayerAt):
         q, k, v = dot_many(h, ("BTD,DNH->BTNH", w["wq"]), ("BTD,DKH->BTKH", w["wk"]), ("BTD,DKH->BTKH", w["wv"]))
         q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
         o, cache = attend_layer(cache, at.j, q, k, v, at.positions, at.start, at.rope(), read_cache=at.read_cache,
-                                scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
+                                scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap,
+                                attend_to=at.carry.get("attend_to"))
         x = x + norm(dot("BTNH,NHD->BTD", o, w["wo"]), w["post_attn_norm"])
     with jax.named_scope(f"layer{i}/mlp"):
         h = norm(x, w["mlp_norm"])
@@ -106,6 +107,51 @@ def layer(w: dict, x: jax.Array, cache, at: LayerAt):
 
 decoder_layers = layer_loop(layer)
 forward = decoder(embed, decoder_layers)
+
+
+def image_attend_to(tokens: jax.Array, positions: jax.Array, image_token: int) -> jax.Array:
+    """i32[B, T]: the last position each token attends to. A text token sees up to itself; an
+    image's soft token (a run of ``image_token``) sees its whole image, as Gemma 3 attends
+    bidirectionally among one image's tokens (and causally to everything before it)."""
+    is_img = tokens == image_token
+    last = is_img & ~jnp.concatenate([is_img[:, 1:], jnp.zeros_like(is_img[:, :1])], axis=1)
+    ends = jax.lax.cummin(jnp.where(last, positions, jnp.iinfo(jnp.int32).max), axis=1, reverse=True)
+    return jnp.where(is_img, ends, positions)
+
+
+def scatter_images(x: jax.Array, tokens: jax.Array, soft: jax.Array, image_token: int) -> jax.Array:
+    """The token embeddings x [B, T, D] with the soft tokens soft [I, M, D] of the batch's
+    images put at its ``image_token``s, in order (row by row, left to right): a prompt
+    holds M of them per image, as ``expand_images`` writes it."""
+    B, T, D = x.shape
+    is_img = (tokens == image_token).reshape(-1)
+    flat = soft.reshape(-1, D).astype(x.dtype)
+    idx = jnp.clip(jnp.cumsum(is_img) - 1, 0, max(flat.shape[0] - 1, 0))
+    return jnp.where(is_img[:, None], flat[idx], x.reshape(-1, D)).reshape(B, T, D)
+
+
+def forward_with_images(weights: dict, tokens: jax.Array, soft: jax.Array, start: jax.Array, cache, *,
+                        cfg: ModelConfig, image_token: int, read_cache: bool = True):
+    """``forward`` of a prompt with images: tokens i32[B, T] hold M ``image_token``s per image
+    (each image whole inside this call), soft [I, M, D] their soft tokens (``siglip.encode``),
+    which replace those tokens' embeddings; the image tokens attend bidirectionally within
+    their image -> (hidden [B, T, D], cache)."""
+    positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    is_img = tokens == image_token
+    x = scatter_images(embed(weights, jnp.where(is_img, 0, tokens), cfg), tokens, soft, image_token)
+    return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache,
+                          attend_to=image_attend_to(tokens, positions, image_token))
+
+
+# Gemma 3's image markers in prompt text (its tokenizer's special tokens)
+BOI, IMAGE, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
+
+
+def expand_images(text: str, mm_tokens: int) -> str:
+    """A prompt as Gemma 3's processor writes it before tokenizing: each ``<start_of_image>``
+    (where the chat template puts an image) becomes "\n\n<start_of_image>", ``mm_tokens``
+    ``<image_soft_token>``s, "<end_of_image>\n\n"."""
+    return text.replace(BOI, f"\n\n{BOI}{IMAGE * mm_tokens}{EOI}\n\n")
 
 
 # Where each weight lives in the two external formats: our path -> (HF name, GGUF name,

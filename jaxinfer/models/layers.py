@@ -157,8 +157,11 @@ def attention(
     window: jax.Array | int | None = None,  # attend to the last `window` positions only
     softcap: float | None = None,
     sinks: jax.Array | None = None,  # f32[N] a learned logit per head in every softmax denominator
+    attend_to: jax.Array | None = None,  # i32[B, T] the last position each query sees (default qpos)
 ) -> jax.Array:  # [B, T, N, H]
-    """Reference causal GQA attention: query t attends to every key with kpos <= qpos[t].
+    """Reference causal GQA attention: query t attends to every key with kpos <= qpos[t]
+    (kpos <= attend_to[t] where given: Gemma 3's image tokens see their whole image; the
+    window still counts back from qpos[t]).
 
     kpos is shared by every row ([S]: a dense cache) or per row ([B, S]: a ring or a
     windowed page table, where each row's slots hold different positions). A slot that holds
@@ -179,7 +182,7 @@ def attention(
         s = softcap * jnp.tanh(s / softcap)
     kpos = kpos if kpos.ndim == 2 else kpos[None, :]  # i32[B or 1, S]
     delta = qpos[:, :, None] - kpos[:, None, :]  # i32[B, T, S]
-    valid = delta >= 0
+    valid = delta >= 0 if attend_to is None else attend_to[:, :, None] - kpos[:, None, :] >= 0
     if window is not None:
         valid &= delta < window
     valid = jnp.repeat(valid, G, axis=1)  # bool[B, M, S], row m = t * G + g
@@ -206,16 +209,18 @@ def sink_softmax(s: jax.Array, sink: jax.Array) -> jax.Array:
     return p / (p.sum(axis=-1, keepdims=True) + jnp.exp(sink - m))
 
 
-def cache_attention(cache, layer: int, q, qpos, end, *, scale, window=None, softcap=None, sinks=None):
+def cache_attention(cache, layer: int, q, qpos, end, *, scale, window=None, softcap=None, sinks=None,
+                    attend_to=None):
     """Attention of q [B, T, N, H] at positions qpos over one layer of a dense KV cache
     (``cache.KVCache``) written up to end[b] -> [B, T, N, H]: the cache's reader gathers the
     rows' keys/values and the reference above runs."""
     keys, values, kpos = cache.read_layer(layer, end)
-    return attention(q, keys, values, qpos, kpos, scale=scale, window=window, softcap=softcap, sinks=sinks)
+    return attention(q, keys, values, qpos, kpos, scale=scale, window=window, softcap=softcap, sinks=sinks,
+                     attend_to=attend_to)
 
 
 def attend_layer(cache, layer: int, q, k, v, positions, start, rope, *, read_cache: bool = True,
-                 scale, window=None, softcap=None, shared: bool = False, sinks=None):
+                 scale, window=None, softcap=None, shared: bool = False, sinks=None, attend_to=None):
     """One layer's attention for every model family: rotary (``rope``: the positions'
     ``rope_table``; None for a layer without position embeddings) on q [B, T, N, H] and k
     [B, T, K, H] at positions i32[B, T], the new keys/values written into the cache (if any) at
@@ -224,6 +229,8 @@ def attend_layer(cache, layer: int, q, k, v, positions, start, rope, *, read_cac
     shared: k, v are those an earlier layer, cache layer ``layer``, computed and wrote in this
     same pass (Gemma 4's KV sharing; rotated again here, to the same numbers): attend over that
     layer's cache and write nothing. sinks: f32[N] per-head attention sinks (gpt-oss), or None.
+    attend_to: i32[B, T], the last position each query sees where that is not its own (Gemma 3's
+    image tokens see their whole image: ``attention``); the dense paths only.
     Returns (o [B, T, N, H], cache)."""
     if rope is not None:
         q = apply_rope(q, rope)
@@ -232,7 +239,11 @@ def attend_layer(cache, layer: int, q, k, v, positions, start, rope, *, read_cac
     if sinks is not None:  # only to readers that take them (a cache's ``attend`` may not)
         opts["sinks"] = sinks
     if getattr(cache, "packed", False):  # models.packed.PackedKV: a packed engine step
+        if attend_to is not None:
+            raise ValueError("the packed step's attention is causal: attend_to is for the dense paths")
         return cache.attend(layer, q, k, v, write=not shared, **opts)
+    if attend_to is not None:
+        opts["attend_to"] = attend_to
     if cache is not None:
         if not shared:
             cache = cache.write_layer(layer, k, v, start)
