@@ -71,6 +71,12 @@ def test_soft_tokens_equal_transformers(ckpt):
     got = np.asarray(siglip.encode_images(weights, pixels, cfg=cfg))
     assert want.shape == got.shape == (3, 4, ft.COMMON["hidden_size"]) and np.abs(want).max() > 0.5
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    # attention 4 queries at a time (the published 4,096 patches go 512 at a time)
+    siglip.QUERY_BLOCK, block = 4, siglip.QUERY_BLOCK
+    try:
+        np.testing.assert_allclose(np.asarray(siglip.encode(weights, pixels, cfg=cfg)), want, rtol=0, atol=1e-4)
+    finally:
+        siglip.QUERY_BLOCK = block
     # padded into a bucket of 4 or encoded alone: each image's tokens are its own
     for i in range(3):
         np.testing.assert_allclose(np.asarray(siglip.encode_images(weights, pixels[i:i + 1], cfg=cfg))[0], got[i],

@@ -153,6 +153,25 @@ def _layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, eps: float) -> jax.Arr
     return ((xf - mean) * jax.lax.rsqrt(var + eps) * w.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
 
 
+QUERY_BLOCK = 512  # queries attended together: 4,096 patches' scores at once were 2 GB per 2 images
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
+    """Full (bidirectional) attention of q, k, v [B, P, N, H] in float32, QUERY_BLOCK queries at a
+    time (where that divides P) so the scores held at once stay [B, N, QUERY_BLOCK, P]."""
+    B, P, N, H = q.shape
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+
+    def block(qb):  # [B, T, N, H]
+        s = jnp.einsum("BTNH,BSNH->BNTS", qb.astype(jnp.float32) * scale, kf)
+        return jnp.einsum("BNTS,BSNH->BTNH", jax.nn.softmax(s, -1), vf)
+
+    if P <= QUERY_BLOCK or P % QUERY_BLOCK:
+        return block(q)
+    qb = q.reshape(B, P // QUERY_BLOCK, QUERY_BLOCK, N, H).transpose(1, 0, 2, 3, 4)
+    return jax.lax.map(block, qb).transpose(1, 0, 2, 3, 4).reshape(B, P, N, H)
+
+
 def _layer(w: dict, x: jax.Array, cfg: VisionConfig) -> jax.Array:
     """One pre-LayerNorm encoder layer: every patch attends to every patch of its image."""
     with jax.named_scope("vision_attention"):
@@ -160,8 +179,7 @@ def _layer(w: dict, x: jax.Array, cfg: VisionConfig) -> jax.Array:
         q = jnp.einsum("BPD,DNH->BPNH", h, w["wq"]) + w["bq"]
         k = jnp.einsum("BPD,DNH->BPNH", h, w["wk"]) + w["bk"]
         v = jnp.einsum("BPD,DNH->BPNH", h, w["wv"]) + w["bv"]
-        s = jnp.einsum("BPNH,BSNH->BNPS", q.astype(jnp.float32), k.astype(jnp.float32)) * cfg.head_dim ** -0.5
-        a = jnp.einsum("BNPS,BSNH->BPNH", jax.nn.softmax(s, -1), v.astype(jnp.float32)).astype(x.dtype)
+        a = _attention(q, k, v, cfg.head_dim ** -0.5).astype(x.dtype)
         x = x + jnp.einsum("BPNH,NHD->BPD", a, w["wo"]) + w["bo"]
     with jax.named_scope("vision_mlp"):
         h = _layer_norm(x, w["mlp_norm"], w["mlp_norm_bias"], cfg.norm_eps)
