@@ -248,6 +248,10 @@ class LLM:
         if isinstance(p, str):
             text, toks = p, self.tokenizer.encode(p)
         elif isinstance(p, dict):
+            if p.get("multi_modal_data"):
+                from jaxinfer.openai_schema import IMAGES_NOT_RUN
+
+                raise InvalidRequest(f"prompt {i}: {IMAGES_NOT_RUN}")
             if "prompt_token_ids" in p:
                 toks, text = list(p["prompt_token_ids"]), p.get("prompt")
             elif "prompt" in p and isinstance(p["prompt"], str):
@@ -266,7 +270,7 @@ class LLM:
 
     def encode_chat(self, conv, i: int | str = 0, *, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
         """(rendered text, token ids) of one conversation through the chat template."""
-        _check_conversation(conv, i)
+        conv = _plain_conversation(conv, i)
         text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
         # the template writes the special tokens itself: do not add BOS a second time
         toks = self.tokenizer.encode(text, add_special_tokens=not _starts_with_bos(self.tokenizer, text))
@@ -629,14 +633,32 @@ def _starts_with_bos(tok, text: str) -> bool:
     return text.startswith(tok.id_to_piece(tok.bos_id))
 
 
-def _check_conversation(conv, i):
+def _plain_conversation(conv, i) -> list[dict]:
+    """The conversation with each message's content one string: a list of content parts (vLLM's
+    and OpenAI's) has its text parts joined with newlines, as vLLM joins them; image parts are
+    refused (``IMAGES_NOT_RUN``)."""
+    from jaxinfer.openai_schema import IMAGES_NOT_RUN
+
     if not isinstance(conv, list) or not conv:
         raise InvalidRequest(f"conversation {i} must be a non-empty list of messages")
+    out = []
     for m in conv:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise InvalidRequest(f"conversation {i}: each message needs 'role' and 'content', got {m!r}")
-        if not isinstance(m["content"], str):
-            raise InvalidRequest(f"conversation {i}: message content must be a string, got {type(m['content']).__name__}")
+        content = m["content"]
+        if isinstance(content, list) and content and all(isinstance(p, dict) for p in content):
+            kinds = {p.get("type") for p in content}
+            if kinds & {"image_url", "image", "image_pil", "image_embeds"}:
+                raise InvalidRequest(f"conversation {i}: {IMAGES_NOT_RUN}")
+            if kinds != {"text"} or not all(isinstance(p.get("text"), str) for p in content):
+                raise InvalidRequest(f"conversation {i}: content parts must be {{'type': 'text', 'text': str}}, "
+                                     f"got types {sorted(map(str, kinds))}")
+            m = {**m, "content": "\n".join(p["text"] for p in content)}
+        elif not isinstance(content, str):
+            raise InvalidRequest(f"conversation {i}: message content must be a string or a list of content parts, "
+                                 f"got {type(content).__name__}")
+        out.append(m)
+    return out
 
 
 def _normalize_prompts(prompts) -> list:

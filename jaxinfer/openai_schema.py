@@ -95,17 +95,40 @@ class TextPart(BaseModel):
     text: Text
 
 
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    url: StrictStr
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageUrlPart(BaseModel):
+    """An image in a chat message, as OpenAI and vLLM write it. Declared so that a request
+    carrying one is refused for what it is (``IMAGES_NOT_RUN``), not for its part's type."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+# the one refusal of a request with images (the chat API's image_url parts, a prompt's multi_modal_data)
+IMAGES_NOT_RUN = ("image inputs are not supported yet: the engine runs the text of a multimodal "
+                  "checkpoint only; send text content")
+
+
 class Message(BaseModel):
     """One chat message. Fields we do not use (tool_calls, refusal, ...) are accepted only null."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal[ROLES]
-    content: Union[Text, Annotated[list[TextPart], Field(min_length=1)]]
+    content: Union[Text, Annotated[list[Annotated[Union[TextPart, ImageUrlPart], Field(discriminator="type")]],
+                                   Field(min_length=1)]]
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None  # which call a tool message answers: OpenAI requires it there
 
     @model_validator(mode="after")
     def _only_null_extras(self):
+        if not isinstance(self.content, str) and any(p.type == "image_url" for p in self.content):
+            raise PydanticCustomError("unsupported_parameter", IMAGES_NOT_RUN)
         if self.role == "tool" and self.tool_call_id is None:
             raise PydanticCustomError("invalid_value", "a tool message needs tool_call_id")
         for key, v in (self.model_extra or {}).items():

@@ -692,3 +692,26 @@ def test_cli_generate_and_batch_on_gemma3(tmp_path, gemma3_gguf, capsys):
     assert chat["body"]["usage"]["prompt_tokens"] == len(want_chat.prompt_token_ids)
     assert chat["body"]["choices"][0]["message"]["content"] == want_chat.outputs[0].text
     assert text["body"]["choices"][0]["text"] == want_text.outputs[0].text
+
+
+def test_chat_takes_content_parts_and_refuses_images(tmp_path, gemma3_gguf):
+    """vLLM's content parts: text parts joined with newlines render as the same prompt as the
+    joined string; an image part, or a prompt's multi_modal_data, gets one clear refusal."""
+    from PIL import Image
+
+    from jaxinfer import LLM
+    from jaxinfer.errors import InvalidRequest
+
+    path = tmp_path / "chat.gguf"
+    write_tiny_gemma3(path, gemma3_gguf, chat_template=GEMMA_TEMPLATE)
+    llm = LLM(str(path), max_model_len=64, progress=False)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    assert llm.encode_chat(parts) == llm.encode_chat([{"role": "user", "content": "Hi\nthere"}])
+    image = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                          {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]
+    with pytest.raises(InvalidRequest, match="conversation 0: image inputs are not supported yet"):
+        llm.chat(image, use_tqdm=False)
+    with pytest.raises(InvalidRequest, match="prompt 0: image inputs are not supported yet"):
+        llm.generate({"prompt": "Hi", "multi_modal_data": {"image": Image.new("RGB", (4, 4))}}, use_tqdm=False)
+    with pytest.raises(InvalidRequest, match="content parts must be"):
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": 5}]}], use_tqdm=False)
