@@ -34,7 +34,7 @@ from jaxinfer.engine.step import packed_step
 from jaxinfer.engine.verify import SpecInputs, SpecState, spec_step
 from jaxinfer.models.packed import PackedBatch
 from jaxinfer.models.registry import model_family
-from jaxinfer.specs import is_spec
+from jaxinfer.specs import is_spec, spec_dtype
 
 GiB = 1 << 30
 
@@ -251,6 +251,18 @@ def lower_step(cfg: ModelConfig, weights, mesh: Mesh, kernels: dispatch.Kernels,
     info = dict(pools=pool_shapes(pools), width=width, wwidth=wwidth, page_size=ps,
                 windowed=pools.windowed, kv_dtype=kv_dtype)
     return lowered, info
+
+
+def lower_image_encoder(encoder, cfg, mesh: Mesh, images: int):
+    """A family's image encoder (``ModelFamily.image_encoders``) over ``images`` images at once,
+    lowered for ``mesh``'s devices: its weights abstract and replicated, as ``weight_specs``
+    declares them; pixels f32[images, C, S, S]."""
+    rep = NamedSharding(mesh, PartitionSpec())
+    weights = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, spec_dtype(s, cfg), sharding=rep),
+                           encoder.weight_specs(cfg), is_leaf=is_spec)
+    pixels = jax.ShapeDtypeStruct((images, cfg.channels, cfg.image_size, cfg.image_size), jnp.float32,
+                                  sharding=rep)
+    return jax.jit(functools.partial(encoder.encode, cfg=cfg)).lower(weights, pixels)
 
 
 def pool_shapes(pools: kv.PagedKVCache) -> list:

@@ -148,3 +148,20 @@ def test_tpu_compile_script_writes_a_report(tmp_path):
             assert key in r, key
         assert r["ideal_bytes"] > r["weights_bytes"] > 0
         assert r["pool_copies"] == 0
+
+
+def test_gemma3_image_encoder_compiles_for_v5e():
+    """Gemma 3's SigLIP tower and projector at the published width (1152, 16 heads, 896 x 896
+    pixels in 4,096 patches pooled to 256 soft tokens of the 4B's 2560), two of its 27 layers,
+    bfloat16, two images at once: compiled for v5e-1, its output the soft tokens' shape."""
+    from jaxinfer.models import gemma3, siglip
+
+    cfg = siglip.VisionConfig(d_model=1152, n_layers=2, n_heads=16, d_ff=4304, image_size=896, patch_size=14,
+                              mm_tokens=256, text_d_model=2560, dtype="bfloat16")
+    encoder = gemma3.FAMILY.image_encoders["Gemma3ForConditionalGeneration"]
+    compiled = aot.lower_image_encoder(encoder, cfg, aot.target_mesh("v5e-1"), 2).compile()
+    out = compiled.output_shardings  # compiled for the chip: a sharding on its device
+    assert out.device_set == {aot.target_devices("v5e-1")[0]}
+    text = compiled.as_text()
+    assert "bf16[2,256,2560]" in text
+    assert compiled.memory_analysis().temp_size_in_bytes < 1 << 30
