@@ -271,3 +271,35 @@ def test_prompt_text_as_the_processor_writes_it():
     got = gemma3.expand_images("<start_of_turn>user\nA<start_of_image>B<start_of_image>", 2)
     one = "\n\n<start_of_image><image_soft_token><image_soft_token><end_of_image>\n\n"
     assert got == f"<start_of_turn>user\nA{one}B{one}"
+
+
+def test_prefill_with_images_into_a_cache_then_decode_equals_the_full_forward(mm):
+    """A prompt with two images prefilled into a dense KV cache (the image tokens' bidirectional
+    attention written to it), then decoded a token at a time with the plain forward: each step
+    equals the full forward of the sequence so far, images included."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer import cache as kv
+    from jaxinfer.images import ImageProcessor
+    from jaxinfer.models import gemma3, siglip
+
+    _, _, text, vcfg, vweights = mm
+    cfg, w = text.cfg, text.weights
+    proc = ImageProcessor.from_dir(mm[0])
+    ids = _prompt(np.random.default_rng(11), 2)
+    soft = siglip.encode_images(vweights, np.stack([proc(i) for i in _images(2, seed=4)]), cfg=vcfg)
+    full = lambda seq: np.asarray(gemma3.unembed(w, gemma3.forward_with_images(  # noqa: E731
+        w, jnp.asarray([seq]), soft, jnp.zeros(1, jnp.int32), None, cfg=cfg, image_token=IMG)[0], cfg))[0]
+    cache = kv.init_cache(cfg, 1, T_PAD)
+    h, cache = gemma3.forward_with_images(w, jnp.asarray([ids]), soft, jnp.zeros(1, jnp.int32), cache, cfg=cfg,
+                                          image_token=IMG, read_cache=False)
+    logits = np.asarray(gemma3.unembed(w, h, cfg))[0]
+    np.testing.assert_allclose(logits, full(ids), rtol=0, atol=1e-4)
+    seq = list(ids)
+    step = jax.jit(lambda w, t, s, c: gemma3.forward(w, t, s, c, cfg=cfg))
+    for _ in range(4):
+        seq.append(int(np.argmax(logits[-1])))
+        h, cache = step(w, jnp.asarray([[seq[-1]]]), jnp.asarray([len(seq) - 1], jnp.int32), cache)
+        logits = np.asarray(gemma3.unembed(w, h, cfg))[0]
+        np.testing.assert_allclose(logits[-1], full(seq)[-1], rtol=0, atol=1e-4)
