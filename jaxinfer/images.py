@@ -11,7 +11,6 @@ too large); the caller turns it into its own error for that request only.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 from pathlib import Path
@@ -101,9 +100,3 @@ def open_image(image):
         raise ImageError("empty image")
     return img if img.mode == "RGB" else img.convert("RGB")
 
-
-def image_hash(pixels: np.ndarray) -> str:
-    """A digest of an image as the model sees it (its preprocessed pixels): equal images share
-    prefix-cache pages, different ones never do."""
-    a = np.ascontiguousarray(pixels)
-    return hashlib.sha256(str(a.shape).encode() + a.tobytes()).hexdigest()

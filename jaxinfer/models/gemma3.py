@@ -122,7 +122,8 @@ def image_attend_to(tokens: jax.Array, positions: jax.Array, image_token: int) -
 def scatter_images(x: jax.Array, tokens: jax.Array, soft: jax.Array, image_token: int) -> jax.Array:
     """The token embeddings x [B, T, D] with the soft tokens soft [I, M, D] of the batch's
     images put at its ``image_token``s, in order (row by row, left to right): a prompt
-    holds M of them per image, as ``expand_images`` writes it."""
+    holds M of them per image, as ``expand_images`` writes it. soft holds at least one image
+    (a batch without any may pass zeros: nothing reads them)."""
     B, T, D = x.shape
     is_img = (tokens == image_token).reshape(-1)
     flat = soft.reshape(-1, D).astype(x.dtype)
