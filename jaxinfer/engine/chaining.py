@@ -32,7 +32,7 @@ from jaxinfer.models.packed import PackedBatch
 # client, repetition detection, more stop ids than the device checks), or an engine that
 # does not chain (speculative decoding, data-parallel replicas, pipeline stages)
 CHAIN_REFUSALS = ("prefill", "stop_strings", "guided", "streaming", "repetition_detection", "stop_ids",
-                  "speculative", "data_parallel", "pipeline")
+                  "speculative", "data_parallel", "pipeline", "lora")
 
 
 @jax.tree_util.register_dataclass

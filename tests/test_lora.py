@@ -1,0 +1,52 @@
+"""LoRA adapters (``jaxinfer.lora``) against transformers + PEFT float32 on tiny checkpoints:
+each adapter alone, several adapters and base rows in one batch, the errors, and the prefix
+cache keeping adapters apart."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+
+from tests import family_testing as ft
+from tests.lora_testing import peft_reference, write_adapter
+
+KW = dict(max_model_len=128, progress=False, kv_cache_memory_bytes=16 << 20, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny Llama 3, two adapters over every projection (ranks 4 and 8, the second rsLoRA),
+    and PEFT's outputs for each and for the base model."""
+    root = tmp_path_factory.mktemp("lora_llama")
+    base = ft.write_tiny(root / "base", "llama")
+    a = write_adapter(base, root / "a", r=4, alpha=8, seed=1)
+    b = write_adapter(base, root / "b", r=8, alpha=4, rslora=True, seed=2, targets=["q_proj", "v_proj", "down_proj"])
+    return {"base": base, "a": a, "b": b,
+            "ref": {k: peft_reference(base, None if k == "base" else p) for k, p in
+                    (("base", None), ("a", a), ("b", b))}}
+
+
+def lora(name, i, path):
+    from jaxinfer import LoRARequest
+
+    return LoRARequest(name, i, str(path))
+
+
+def test_one_adapter_equals_peft(llama):
+    from jaxinfer import LLM
+
+    llm = LLM(str(llama["base"]), enable_lora=True, max_loras=2, max_lora_rank=8, **KW)
+    for name, i in (("a", 1), ("b", 2)):
+        got = ft.outputs_of(llm.generate([list(p) for p in ft.PROMPTS], _greedy(), use_tqdm=False,
+                                         lora_request=lora(name, i, llama[name])))
+        ft.assert_matches(got, llama["ref"][name], what=f"adapter {name}")
+        # the adapter changes the outputs: the comparison above is not the base model's
+        assert np.abs(np.subtract(got[0]["prompt_logprobs"], llama["ref"]["base"][0]["prompt_logprobs"])).max() > 0.05
+    ft.assert_matches(ft.generate(llm), llama["ref"]["base"], what="base rows of a LoRA engine")
+
+
+def _greedy():
+    from jaxinfer import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=ft.MAX_TOKENS, ignore_eos=True, prompt_logprobs=0)
