@@ -231,6 +231,9 @@ def read_adapter(request: LoRARequest, *, cfg, family, config: LoRAConfig, model
     found: dict[tuple[int, str], dict[str, np.ndarray]] = collections.defaultdict(dict)
     for key, value in _read_safetensors(where / WEIGHTS_FILE, what).items():
         module, part = _split_key(key)
+        if any(f".{m}." in f".{key}" for m in ("embed_tokens", "lm_head")):
+            raise InvalidRequest(f"{what}: tensor {key!r}: the embedding and the LM head are not supported as "
+                                 f"LoRA targets (supported: {', '.join(TARGETS)} of each decoder layer)")
         if part is None:
             raise InvalidRequest(f"{what}: tensor {key!r} is not a LoRA A/B weight (only LoRA pairs of "
                                  f"the {', '.join(TARGETS)} projections are supported)")

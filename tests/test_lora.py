@@ -5,6 +5,8 @@ cache keeping adapters apart."""
 from __future__ import annotations
 
 
+import json
+
 import numpy as np
 import pytest
 
@@ -97,3 +99,88 @@ def test_mixed_batch_equals_peft_other_families(model_type, tmp_path):
     adapters = _adapters(tmp_path, base)
     refs = {"base": peft_reference(base, None)} | {n: peft_reference(base, p) for n, p in adapters.items()}
     check_mixed(base, adapters, refs)
+
+
+def _sp(**kw):
+    from jaxinfer import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=ft.MAX_TOKENS, ignore_eos=True, **kw)
+
+
+def test_more_adapters_than_slots_wait_for_one(llama):
+    """max_loras=1: rows of a second adapter wait in the queue until the first's rows finish,
+    then its adapter takes the slot; each still equals PEFT."""
+    from jaxinfer import LLM
+
+    llm = LLM(str(llama["base"]), enable_lora=True, max_loras=1, max_lora_rank=8, **KW)
+    P = len(ft.PROMPTS)
+    reqs = [lora("a", 1, llama["a"])] * P + [lora("b", 2, llama["b"])] * P
+    got = ft.outputs_of(llm.generate([list(p) for p in ft.PROMPTS] * 2, _greedy(), use_tqdm=False, lora_request=reqs))
+    ft.assert_matches(got[:P], llama["ref"]["a"], what="adapter a")
+    ft.assert_matches(got[P:], llama["ref"]["b"], what="adapter b, queued behind a")
+    assert llm.engine.lora.swaps == 2
+    n = llm.engine.num_compilations()
+    # the same again: each adapter swapped into the one slot anew, new contents and no new
+    # executable (neither the step's nor the slot write's)
+    again = ft.outputs_of(llm.generate([list(p) for p in ft.PROMPTS] * 2, _greedy(), use_tqdm=False,
+                                       lora_request=reqs))
+    assert again == got
+    assert llm.engine.lora.swaps == 4 and llm.engine.num_compilations() == n
+    assert llm.engine.lora._write._cache_size() == 1
+
+
+def test_prefix_cache_keeps_adapters_apart(llama):
+    """The second prompt shares the first's 40-token prefix: under the same adapter it reuses
+    the cached pages, under another adapter or none it does not (and equals PEFT)."""
+    from jaxinfer import LLM
+
+    llm = LLM(str(llama["base"]), enable_lora=True, max_loras=2, max_lora_rank=8, **KW)
+    stats = llm.engine.allocator.stats
+    a, b = lora("a", 1, llama["a"]), lora("b", 2, llama["b"])
+    llm.generate([list(ft.PROMPTS[0])], _sp(), use_tqdm=False, lora_request=a)
+    for req, name in ((b, "b"), (None, "base")):
+        hits = stats.prefix_hits
+        got = ft.outputs_of(llm.generate([list(ft.PROMPTS[1])], _sp(), use_tqdm=False, lora_request=req))
+        assert stats.prefix_hits == hits, f"{name} reused adapter a's pages"
+        ft.assert_matches(got, llama["ref"][name][1:2], what=f"{name} after a")
+    hits = stats.prefix_hits
+    got = ft.outputs_of(llm.generate([list(ft.PROMPTS[1])], _sp(), use_tqdm=False, lora_request=a))
+    assert stats.prefix_hits > hits, "adapter a should reuse its own cached prefix"
+    ft.assert_matches(got, llama["ref"]["a"][1:2], what="a after a (prefix-cache hit)")
+
+
+def test_errors_name_what_is_wrong(llama, tmp_path):
+    import shutil
+
+    from jaxinfer import LLM
+    from jaxinfer.errors import InvalidRequest
+
+    llm = LLM(str(llama["base"]), enable_lora=True, max_loras=2, max_lora_rank=4, **KW)
+    p = [list(ft.PROMPTS[0])]
+
+    def refused(req, match):
+        with pytest.raises(InvalidRequest, match=match) as e:
+            llm.generate(p, _sp(), use_tqdm=False, lora_request=req)
+        assert "\n" not in str(e.value)
+
+    refused(lora("missing", 3, tmp_path / "missing"), "neither a directory nor a Hugging Face Hub id")
+    (tmp_path / "empty").mkdir()
+    refused(lora("empty", 3, tmp_path / "empty"), "no adapter_config.json")
+    refused(lora("b", 2, llama["b"]), r"rank r=8 exceeds max_lora_rank=4")
+    other = shutil.copytree(llama["a"], tmp_path / "other")
+    conf = json.loads((other / "adapter_config.json").read_text())
+    (other / "adapter_config.json").write_text(json.dumps(conf | {"base_model_name_or_path": "org/another-model"}))
+    refused(lora("other", 4, other), "trained for base model 'org/another-model'")
+    # another model of the same name (a base directory too): its shapes do not fit
+    wide = ft.write_tiny(tmp_path / "wide" / "base", "llama", {"hidden_size": 32, "head_dim": 8})
+    refused(lora("wide", 5, write_adapter(wide, tmp_path / "wide_a", r=4, alpha=8)), "do not fit the base model")
+    refused(lora("emb", 6, write_adapter(llama["base"], tmp_path / "emb", r=4, alpha=8,
+                                         targets=["embed_tokens", "q_proj"])),
+            "the embedding and the LM head are not supported")
+    with pytest.raises(InvalidRequest, match="enable_lora=True"):
+        LLM(str(llama["base"]), **KW).generate(p, _sp(), use_tqdm=False, lora_request=lora("a", 1, llama["a"]))
+    with pytest.raises(InvalidRequest, match="speculative decoding with LoRA adapters"):
+        LLM(str(llama["base"]), enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            **KW)
+    # the engine still serves after every refusal
+    ft.assert_matches(ft.generate(llm, ft.PROMPTS[:1]), llama["ref"]["base"][:1], what="base after refusals")
