@@ -21,17 +21,17 @@ Rows of up to ``max_loras`` distinct adapters run together; a request for one mo
 queue until a slot's last row finishes (``LoRAManager.acquire``, called at admission). Adapters
 read from disk stay in a host cache of ``max_cpu_loras`` (least recently used out first).
 Prefix-cache pages of a row with an adapter are named under that adapter
-(``LoRAManager.prefix_root``), so two adapters never share a prefix's pages.
+(``Adapter.prefix_salt``, ``engine.pages.root_hash``), so two adapters never share a prefix's pages.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import json
 import math
 import struct
+import threading
 from pathlib import Path
 
 import jax
@@ -296,6 +296,29 @@ def _split_key(key: str) -> tuple[str, str | None]:
     return k, None
 
 
+def parse_lora_modules(specs) -> dict[str, LoRARequest]:
+    """``--lora-modules`` as vLLM takes them: ``name=path`` or a JSON object with "name", "path"
+    (and "base_model_name") -> name -> LoRARequest, ids 1, 2, ... in the order given."""
+    out: dict[str, LoRARequest] = {}
+    for spec in specs or ():
+        spec = spec.strip()
+        if spec.startswith("{"):
+            try:
+                obj = json.loads(spec)
+                name, path, base = obj["name"], obj["path"], obj.get("base_model_name")
+            except (ValueError, KeyError, TypeError):
+                raise InvalidRequest(f"--lora-modules {spec!r}: a JSON module needs \"name\" and \"path\"") from None
+        else:
+            name, eq, path = spec.partition("=")
+            base = None
+            if not eq or not name or not path:
+                raise InvalidRequest(f"--lora-modules {spec!r}: expected name=path")
+        if name in out:
+            raise InvalidRequest(f"--lora-modules names {name!r} twice")
+        out[name] = LoRARequest(name, len(out) + 1, path, base)
+    return out
+
+
 # ----------------------------------------------------------------------------- on device
 def empty_stacks(cfg, family, config: LoRAConfig) -> dict:
     """Zero stacks of every slot: {"layers": [{weight: (a [I, S, R], b [S, R, O])}]}."""
@@ -346,43 +369,48 @@ class LoRAManager:
         self.names: dict[str, LoRARequest] = {}  # name -> request, of every adapter read
         self.swaps = 0  # adapters written into a device slot
         self.swap_seconds = 0.0  # host time dispatching those writes (the copies run asynchronously)
+        # requests are read on a server's handler threads while the engine thread admits rows
+        self._lock = threading.RLock()
 
     def get(self, request: LoRARequest) -> Adapter:
         """The adapter, read (and checked) unless the host cache holds it."""
-        known = self.names.get(request.lora_name)
-        if known is not None and known.lora_int_id != request.lora_int_id:
-            raise InvalidRequest(f"LoRA adapter {request.lora_name!r} is already loaded with lora_int_id "
-                                 f"{known.lora_int_id}, not {request.lora_int_id}")
-        a = self.host.get(request.lora_int_id)
-        if a is not None and a.request.lora_path != request.lora_path:
-            raise InvalidRequest(f"lora_int_id {request.lora_int_id} is already adapter {a.request.lora_name!r} "
-                                 f"({a.request.lora_path}); each adapter needs its own id")
-        if a is None:
-            a = read_adapter(request, cfg=self.cfg, family=self.family, config=self.config,
-                             model_names=self.model_names, download_dir=self.download_dir)
-            self.host[request.lora_int_id] = a
-            while len(self.host) > self.config.host_capacity:
-                self.host.popitem(last=False)
-        self.host.move_to_end(request.lora_int_id)
-        self.names[request.lora_name] = request
-        return a
+        with self._lock:
+            known = self.names.get(request.lora_name)
+            if known is not None and known.lora_int_id != request.lora_int_id:
+                raise InvalidRequest(f"LoRA adapter {request.lora_name!r} is already loaded with lora_int_id "
+                                     f"{known.lora_int_id}, not {request.lora_int_id}")
+            a = self.host.get(request.lora_int_id)
+            if a is not None and a.request.lora_path != request.lora_path:
+                raise InvalidRequest(f"lora_int_id {request.lora_int_id} is already adapter {a.request.lora_name!r} "
+                                     f"({a.request.lora_path}); each adapter needs its own id")
+            if a is None:
+                a = read_adapter(request, cfg=self.cfg, family=self.family, config=self.config,
+                                 model_names=self.model_names, download_dir=self.download_dir)
+                self.host[request.lora_int_id] = a
+                while len(self.host) > self.config.host_capacity:
+                    self.host.popitem(last=False)
+            self.host.move_to_end(request.lora_int_id)
+            self.names[request.lora_name] = request
+            return a
 
     def acquire(self, adapter: Adapter) -> int | None:
         """The device slot of ``adapter``, pinned for one more row; None when every slot is
         pinned by other adapters (the row waits)."""
-        key = adapter.key
-        slot = self.slot_of.get(key)
-        if slot is None:
-            slot = next((s for s in self.lru if self.users[s] == 0), None)
+        with self._lock:
+            key = adapter.key
+            slot = self.slot_of.get(key)
             if slot is None:
-                return None
-            self._load(slot, adapter)
-        self.users[slot] += 1
-        self.lru.move_to_end(slot)
-        return slot
+                slot = next((s for s in self.lru if self.users[s] == 0), None)
+                if slot is None:
+                    return None
+                self._load(slot, adapter)
+            self.users[slot] += 1
+            self.lru.move_to_end(slot)
+            return slot
 
     def release(self, slot: int) -> None:
-        self.users[slot] -= 1
+        with self._lock:
+            self.users[slot] -= 1
 
     def _load(self, slot: int, adapter: Adapter) -> None:
         import time
@@ -404,20 +432,12 @@ class LoRAManager:
 
     def unload(self, name: str) -> None:
         """Forget a named adapter (its slot is reused once no running row holds it)."""
-        req = self.names.pop(name, None)
-        if req is None:
-            raise InvalidRequest(f"LoRA adapter {name!r} is not loaded")
-        self.host.pop(req.lora_int_id, None)
-        slot = self.slot_of.get(req.lora_int_id)
-        if slot is not None and self.users[slot] == 0:  # a later adapter under this id is read afresh
-            del self.slot_of[req.lora_int_id]
-            self.held[slot] = None
-
-    @staticmethod
-    def prefix_root(adapter: Adapter | None, root: bytes) -> bytes:
-        """The prefix cache's hash-chain root for rows of ``adapter`` (``root`` for none)."""
-        if adapter is None:
-            return root
-        h = hashlib.blake2b(root, digest_size=16)
-        h.update(f"lora:{adapter.key}:{adapter.request.lora_path}".encode())
-        return h.digest()
+        with self._lock:
+            req = self.names.pop(name, None)
+            if req is None:
+                raise InvalidRequest(f"LoRA adapter {name!r} is not loaded")
+            self.host.pop(req.lora_int_id, None)
+            slot = self.slot_of.get(req.lora_int_id)
+            if slot is not None and self.users[slot] == 0:  # a later adapter under this id is read afresh
+                del self.slot_of[req.lora_int_id]
+                self.held[slot] = None

@@ -184,3 +184,88 @@ def test_errors_name_what_is_wrong(llama, tmp_path):
             **KW)
     # the engine still serves after every refusal
     ft.assert_matches(ft.generate(llm, ft.PROMPTS[:1]), llama["ref"]["base"][:1], what="base after refusals")
+
+
+def _texts(llm, adapters):
+    """Greedy text of the first and last prompt under each adapter (None: the base model)."""
+    out = {}
+    for name, path in adapters.items():
+        req = None if name is None else lora(name, list(adapters).index(name), path)
+        outs = llm.generate([list(ft.PROMPTS[0]), list(ft.PROMPTS[2])], _sp(), use_tqdm=False, lora_request=req)
+        out[name] = [o.outputs[0].text for o in outs]
+    return out
+
+
+def test_server_runs_two_adapters_side_by_side(llama):
+    import concurrent.futures
+
+    import httpx2 as httpx
+
+    from jaxinfer import LLM
+    from jaxinfer.lora import parse_lora_modules
+    from jaxinfer.server import ServerConfig
+    from jaxinfer.server.app import HTTPError, Server
+    from tests.server_testing import live_server
+
+    llm = LLM(str(llama["base"]), enable_lora=True, max_loras=2, max_lora_rank=8, **KW)
+    want = _texts(llm, {None: None, "a": llama["a"], "b": llama["b"]})
+    assert want["a"] != want["b"] != want[None]
+    config = ServerConfig(model_name="base", lora_modules=parse_lora_modules([f"a={llama['a']}", f"b={llama['b']}"]),
+                          allow_runtime_lora_updating=True)
+    with pytest.raises(HTTPError, match="allow-runtime-lora-updating"):
+        Server(llm, ServerConfig(model_name="base")).load_lora({"lora_name": "x", "lora_path": str(llama["a"])})
+    with live_server(llm, config) as (url, _):
+        cards = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+        assert [(c["id"], c["parent"]) for c in cards] == [("base", None), ("a", "base"), ("b", "base")]
+
+        def complete(model, prompt):
+            body = {"model": model, "prompt": list(prompt), "max_tokens": ft.MAX_TOKENS, "temperature": 0.0,
+                    "ignore_eos": True}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+            return r.status_code, r.json()
+
+        jobs = [(m, p) for m in ("a", "b", "base") for p in (ft.PROMPTS[0], ft.PROMPTS[2])]
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:  # side by side in the running batch
+            got = list(pool.map(lambda j: complete(*j), jobs))
+        for (m, _), (status, body) in zip(jobs, got):
+            assert status == 200 and body["model"] == m, body
+        texts = [body["choices"][0]["text"] for _, body in got]
+        assert texts == want["a"] + want["b"] + want[None]
+        status, body = complete("nope", ft.PROMPTS[0])
+        assert status == 404 and "neither the served model nor a LoRA adapter" in body["error"]["message"]
+        # an adapter loaded and unloaded at run time (adapter a's weights under another name)
+        r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": str(llama["a"])},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert complete("a2", ft.PROMPTS[0])[1]["choices"][0]["text"] == want["a"][0]
+        bad = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nonexistent/x"},
+                         timeout=60)
+        assert bad.status_code == 400 and "lora_path" in bad.text
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "a2"}, timeout=60).status_code == 200
+        assert complete("a2", ft.PROMPTS[0])[0] == 404
+
+
+def test_batch_job_runs_two_adapters_side_by_side(llama, tmp_path):
+    from jaxinfer import LLM
+    from jaxinfer.batch import run_batch
+    from jaxinfer.lora import parse_lora_modules
+    from tests.batch_testing import completion, read_jsonl, write_jsonl
+
+    llm = LLM(str(llama["base"]), enable_lora=True, max_loras=2, max_lora_rank=8, **KW)
+    want = _texts(llm, {None: None, "a": llama["a"], "b": llama["b"]})
+    body = dict(max_tokens=ft.MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    lines = [completion(f"{m}-{k}", list(p), **body) | {"body": completion("", list(p), **body)["body"] | {"model": m}}
+             for m in ("a", "b", "base") for k, p in enumerate((ft.PROMPTS[0], ft.PROMPTS[2]))]
+    lines.append(completion("unknown", list(ft.PROMPTS[0]), **body))  # model "m": no such adapter
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
+    run_batch(llm, inp, tmp_path / "out.jsonl", progress=False, model_name="base",
+              lora_modules=parse_lora_modules([f"a={llama['a']}", f"b={llama['b']}"]))
+    recs = {r["custom_id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+    for m, key in (("a", "a"), ("b", "b"), ("base", None)):
+        for k in range(2):
+            resp = recs[f"{m}-{k}"]["response"]
+            assert resp["status_code"] == 200 and resp["body"]["model"] == m, resp
+            assert resp["body"]["choices"][0]["text"] == want[key][k]
+    err = recs["unknown"]["response"]
+    assert err["status_code"] == 400 and err["body"]["error"]["code"] == "model_not_found"
+    assert "line 7: model 'm' is neither the served model nor a LoRA adapter" in err["body"]["error"]["message"]
