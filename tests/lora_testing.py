@@ -37,14 +37,24 @@ def write_adapter(base: Path, path: Path, *, r: int, alpha: float, targets=ALL_T
     return Path(path)
 
 
-def peft_reference(base: Path, adapter: Path | None, prompts=PROMPTS, max_tokens: int = MAX_TOKENS) -> list[dict]:
+def peft_reference(base: Path, adapter: Path | None, prompts=PROMPTS, max_tokens: int = MAX_TOKENS, *,
+                   int8: bool = False) -> list[dict]:
     """transformers (+ PEFT's adapter, unless None) float32: per prompt its prompt log-probs and
-    greedy tokens with each step's top-2 margin (``family_testing.reference``'s dicts)."""
+    greedy tokens with each step's top-2 margin (``family_testing.reference``'s dicts). int8:
+    every matrix of the base model (embedding and head too) first rounded as weight-only int8
+    rounds it, symmetric with one scale per output channel (row), the adapter left float."""
     torch = require("torch")
     transformers = require("transformers")
 
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
                                                               attn_implementation="eager").eval()
+    if int8:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 2:
+                    amax = p.abs().amax(dim=1, keepdim=True)
+                    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+                    p.copy_(torch.clamp(torch.round(p / scale), -127, 127) * scale)
     if adapter is not None:
         peft = require("peft")
         model = peft.PeftModel.from_pretrained(model, adapter).eval()

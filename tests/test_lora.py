@@ -269,3 +269,25 @@ def test_batch_job_runs_two_adapters_side_by_side(llama, tmp_path):
     err = recs["unknown"]["response"]
     assert err["status_code"] == 400 and err["body"]["error"]["code"] == "model_not_found"
     assert "line 7: model 'm' is neither the served model nor a LoRA adapter" in err["body"]["error"]["message"]
+
+
+def test_chained_decode_and_int8_base_compose(llama):
+    """Adapters' rows in chains of decode steps (num_scheduler_steps=4) equal PEFT; over int8
+    weight-only base weights (the adapter stays float) they equal PEFT over the same weights
+    rounded to int8."""
+    from jaxinfer import LLM
+
+    adapters = {"a": llama["a"], "b": llama["b"]}
+    names = [None, *adapters]
+    reqs = [None if n is None else lora(n, names.index(n), adapters[n]) for n in names for _ in ft.PROMPTS]
+    prompts = [list(p) for _ in names for p in ft.PROMPTS]
+    P = len(ft.PROMPTS)
+    int8 = {n: peft_reference(llama["base"], None if n is None else adapters[n], int8=True) for n in names}
+    for kw, refs in (({"num_scheduler_steps": 4}, {n: llama["ref"]["base" if n is None else n] for n in names}),
+                     ({"quantization": "int8"}, int8)):
+        llm = LLM(str(llama["base"]), enable_lora=True, max_loras=2, max_lora_rank=8, **(KW | kw))
+        got = ft.outputs_of(llm.generate(prompts, _greedy(), use_tqdm=False, lora_request=reqs))
+        for j, n in enumerate(names):
+            ft.assert_matches(got[j * P : (j + 1) * P], refs[n], what=f"{kw} {n}")
+        if "num_scheduler_steps" in kw:
+            assert llm.engine.stats["chains"] > 0

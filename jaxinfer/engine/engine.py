@@ -132,8 +132,7 @@ class Engine:
         self._insert = self._compiles.counted(jax.jit(functools.partial(insert), donate_argnames=("slots",)))
         self.chainer = Chainer(self, scheduler_steps(config),
                                "data_parallel" if D > 1 else "pipeline" if self.pipeline is not None
-                               else "speculative" if self.spec is not None
-                               else "lora" if self.lora is not None else None)
+                               else "speculative" if self.spec is not None else None)
         self.drafter = None
         if self.spec is not None:
             from jaxinfer.engine.drafting import Drafter
