@@ -291,3 +291,39 @@ def test_chained_decode_and_int8_base_compose(llama):
             ft.assert_matches(got[j * P : (j + 1) * P], refs[n], what=f"{kw} {n}")
         if "num_scheduler_steps" in kw:
             assert llm.engine.stats["chains"] > 0
+
+
+_TP_SCRIPT = r"""
+import json, sys
+from tests import family_testing as ft
+from jaxinfer import LLM, LoRARequest, SamplingParams
+base, a, b = sys.argv[1:4]
+llm = LLM(base, tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=128,
+          progress=False, kv_cache_memory_bytes=16 << 20, max_num_seqs=8)
+reqs = [None, LoRARequest("a", 1, a), LoRARequest("b", 2, b)]
+sp = SamplingParams(temperature=0.0, max_tokens=ft.MAX_TOKENS, ignore_eos=True, prompt_logprobs=0)
+outs = llm.generate([list(p) for _ in reqs for p in ft.PROMPTS], sp, use_tqdm=False,
+                    lora_request=[r for r in reqs for _ in ft.PROMPTS])
+print("RESULT " + json.dumps(ft.outputs_of(outs)))
+"""
+
+
+@pytest.mark.slow  # a subprocess on 8 virtual CPU devices: a minute or two
+def test_tensor_parallel_2_equals_peft(llama):
+    """Weights split over 2 devices, the adapters' stacks on both: base rows and both adapters'
+    rows in one batch equal PEFT."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(llama["base"]), str(llama["a"]), str(llama["b"])],
+                       env=env, capture_output=True, text=True, timeout=900, cwd=root)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+    P = len(ft.PROMPTS)
+    for j, n in enumerate(("base", "a", "b")):
+        ft.assert_matches(got[j * P : (j + 1) * P], llama["ref"][n], what=f"tensor parallel 2, {n}")
