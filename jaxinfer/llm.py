@@ -531,7 +531,9 @@ class Request:
             spec_drafted_tokens=sum(r.spec_drafted for r in rows),
             spec_accepted_tokens=sum(r.spec_accepted for r in rows),
         )
-        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, plp, comps, True, metrics)
+        lora = rows[0].lora
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, plp, comps, True, metrics,
+                             None if lora is None else lora.request)
 
 
 def spans_processes(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,

@@ -18,7 +18,8 @@ knowing of adapters. Loading an adapter into a slot writes the stacks' contents 
 jitted, donated update: the step's executable never changes.
 
 Rows of up to ``max_loras`` distinct adapters run together; a request for one more waits in the
-queue until a slot's last row finishes (``LoRAManager.acquire``, called at admission). Adapters
+queue until a slot's last row finishes (``LoRAManager.acquire``, called at admission), while
+requests behind it that can run (the base model's, or an adapter's already in a slot) go ahead. Adapters
 read from disk stay in a host cache of ``max_cpu_loras`` (least recently used out first).
 Prefix-cache pages of a row with an adapter are named under that adapter
 (``Adapter.prefix_salt``, ``engine.pages.root_hash``), so two adapters never share a prefix's pages.
@@ -392,6 +393,11 @@ class LoRAManager:
             self.host.move_to_end(request.lora_int_id)
             self.names[request.lora_name] = request
             return a
+
+    def can_acquire(self, adapter: Adapter) -> bool:
+        """Whether ``acquire`` would give the adapter a slot now."""
+        with self._lock:
+            return adapter.key in self.slot_of or any(u == 0 for u in self.users)
 
     def acquire(self, adapter: Adapter) -> int | None:
         """The device slot of ``adapter``, pinned for one more row; None when every slot is

@@ -109,20 +109,26 @@ def _sp(**kw):
 
 def test_more_adapters_than_slots_wait_for_one(llama):
     """max_loras=1: rows of a second adapter wait in the queue until the first's rows finish,
-    then its adapter takes the slot; each still equals PEFT."""
+    then its adapter takes the slot, while base rows queued behind them go ahead; each still
+    equals PEFT."""
     from jaxinfer import LLM
 
     llm = LLM(str(llama["base"]), enable_lora=True, max_loras=1, max_lora_rank=8, **KW)
     P = len(ft.PROMPTS)
-    reqs = [lora("a", 1, llama["a"])] * P + [lora("b", 2, llama["b"])] * P
-    got = ft.outputs_of(llm.generate([list(p) for p in ft.PROMPTS] * 2, _greedy(), use_tqdm=False, lora_request=reqs))
+    reqs = [lora("a", 1, llama["a"])] * P + [lora("b", 2, llama["b"])] * P + [None] * P
+    outs = llm.generate([list(p) for p in ft.PROMPTS] * 3, _greedy(), use_tqdm=False, lora_request=reqs)
+    got = ft.outputs_of(outs)
     ft.assert_matches(got[:P], llama["ref"]["a"], what="adapter a")
-    ft.assert_matches(got[P:], llama["ref"]["b"], what="adapter b, queued behind a")
+    ft.assert_matches(got[P : 2 * P], llama["ref"]["b"], what="adapter b, queued behind a")
+    ft.assert_matches(got[2 * P :], llama["ref"]["base"], what="base rows, passing b's")
+    started = [o.metrics.first_scheduled_time for o in outs]
+    assert max(started[2 * P :]) < min(started[P : 2 * P]), "the base rows should not wait for adapter b's slot"
+    assert [o.lora_request.lora_name if o.lora_request else None for o in outs] == ["a"] * P + ["b"] * P + [None] * P
     assert llm.engine.lora.swaps == 2
     n = llm.engine.num_compilations()
     # the same again: each adapter swapped into the one slot anew, new contents and no new
     # executable (neither the step's nor the slot write's)
-    again = ft.outputs_of(llm.generate([list(p) for p in ft.PROMPTS] * 2, _greedy(), use_tqdm=False,
+    again = ft.outputs_of(llm.generate([list(p) for p in ft.PROMPTS] * 3, _greedy(), use_tqdm=False,
                                        lora_request=reqs))
     assert again == got
     assert llm.engine.lora.swaps == 4 and llm.engine.num_compilations() == n

@@ -159,14 +159,23 @@ class Scheduler:
     def _admit(self) -> list[Seq]:
         ps = self.page_size
         admitted = []
+        # rows whose LoRA adapter has no free device slot wait, and the rows behind them may pass
+        # (vLLM's rule): while every slot is held, nothing else could run in their place
+        blocked: set[int] = set()
         while self.waiting:
             slot = next((i for i, s in enumerate(self.slots) if s is None), None)
             if slot is None:
                 break
+            ready = [s for s in self.waiting if id(s) not in blocked] if blocked else self.waiting
+            if not ready:
+                break
             if self.scheduling == Scheduling.SHORTEST_PROMPT_FIRST:
-                seq = min(self.waiting, key=lambda s: (len(s.tokens), s.arrival))
+                seq = min(ready, key=lambda s: (len(s.tokens), s.arrival))
             else:
-                seq = self.waiting[0]
+                seq = ready[0]
+            if seq.row.lora is not None and not self.lora.can_acquire(seq.row.lora):
+                blocked.add(id(seq))
+                continue
             toks = seq.tokens
             # prompt logprobs need every prompt position computed, so they skip the prefix cache
             cached, chain = ([], seq.root) if seq.wants_prompt_logprobs else self.allocator.lookup_prefix(toks, seq.root)
@@ -180,13 +189,7 @@ class Scheduler:
                     self.window_allocator.release(window_cached)
                 break  # wait for pages to free up (FCFS: nobody jumps the queue)
             if seq.row.lora is not None:
-                lora_slot = self.lora.acquire(seq.row.lora)
-                if lora_slot is None:  # every adapter slot is held by other adapters' rows: wait
-                    self.allocator.release(cached)
-                    if self.window:
-                        self.window_allocator.release(window_cached)
-                    break
-                seq.lora_slot = lora_slot
+                seq.lora_slot = self.lora.acquire(seq.row.lora)
             self.waiting.remove(seq)
             seq.pages = cached + self.allocator.allocate(need)
             seq.computed = len(cached) * ps
