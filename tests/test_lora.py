@@ -333,3 +333,21 @@ def test_tensor_parallel_2_equals_peft(llama):
     P = len(ft.PROMPTS)
     for j, n in enumerate(("base", "a", "b")):
         ft.assert_matches(got[j * P : (j + 1) * P], llama["ref"][n], what=f"tensor parallel 2, {n}")
+
+
+def test_cli_lora_flags_are_checked_before_the_model_loads(capsys, tmp_path):
+    """Bad LoRA flags exit 2 with one line, before any model is read (the model here does not exist)."""
+    from jaxinfer.cli import main
+
+    for args, message in (
+            (["serve", "--model", "nope", "--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+            (["serve", "--model", "nope", "--enable-lora", "--lora-modules", "a"], "expected name=path"),
+            (["serve", "--model", "nope", "--enable-lora", "--lora-modules", "a=/x", "a=/y"], "names 'a' twice"),
+            (["serve", "--model", "nope", "--allow-runtime-lora-updating"], "needs --enable-lora"),
+            (["batch", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o.jsonl"), "--model", "nope",
+              "--lora-modules", "a=/x"], "--lora-modules needs --enable-lora")):
+        if args[0] == "batch":
+            (tmp_path / "in.jsonl").write_text("")
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
