@@ -111,6 +111,8 @@ class Adapter:
     rank: int
     scale: float
     pairs: dict  # (layer, weight name) -> (a np[I, R], b np[R, O])
+    # its slot contents already on their way to the device (``LoRAManager.stage``), until written
+    staged: object = None
 
     @property
     def key(self) -> int:
@@ -374,7 +376,9 @@ class LoRAManager:
         self._lock = threading.RLock()
 
     def get(self, request: LoRARequest) -> Adapter:
-        """The adapter, read (and checked) unless the host cache holds it."""
+        """The adapter, read (and checked) unless the host cache holds it. Unless it holds a
+        device slot already, its copy to the device starts now, when its request arrives, so
+        the step that first runs it does not wait for the copy."""
         with self._lock:
             known = self.names.get(request.lora_name)
             if known is not None and known.lora_int_id != request.lora_int_id:
@@ -384,15 +388,27 @@ class LoRAManager:
             if a is not None and a.request.lora_path != request.lora_path:
                 raise InvalidRequest(f"lora_int_id {request.lora_int_id} is already adapter {a.request.lora_name!r} "
                                      f"({a.request.lora_path}); each adapter needs its own id")
-            if a is None:
-                a = read_adapter(request, cfg=self.cfg, family=self.family, config=self.config,
-                                 model_names=self.model_names, download_dir=self.download_dir)
-                self.host[request.lora_int_id] = a
-                while len(self.host) > self.config.host_capacity:
-                    self.host.popitem(last=False)
+        if a is None:  # read outside the lock: the engine thread admits rows meanwhile
+            a = read_adapter(request, cfg=self.cfg, family=self.family, config=self.config,
+                             model_names=self.model_names, download_dir=self.download_dir)
+        with self._lock:
+            a = self.host.setdefault(request.lora_int_id, a)
+            while len(self.host) > self.config.host_capacity:
+                self.host.popitem(last=False)
             self.host.move_to_end(request.lora_int_id)
             self.names[request.lora_name] = request
+            if a.key not in self.slot_of and a.staged is None:
+                a.staged = self.place(self._contents(a))  # asynchronous: returns before the copy ends
             return a
+
+    def _contents(self, adapter: Adapter) -> dict:
+        """The adapter as one slot's contents: every target of every layer, zeros where it has none."""
+        R = self.config.max_lora_rank
+        layers = []
+        for i, layer in enumerate(self.stacks["layers"]):
+            zeros = lambda a, b: (np.zeros((a.shape[0], R), a.dtype), np.zeros((R, b.shape[2]), b.dtype))  # noqa: E731
+            layers.append({w: adapter.pairs.get((i, w)) or zeros(a, b) for w, (a, b) in layer.items()})
+        return {"layers": layers}
 
     def can_acquire(self, adapter: Adapter) -> bool:
         """Whether ``acquire`` would give the adapter a slot now."""
@@ -425,13 +441,10 @@ class LoRAManager:
         old = self.held[slot]
         if old is not None:
             del self.slot_of[old]
-        R = self.config.max_lora_rank
-        layers = []
-        for i, layer in enumerate(self.stacks["layers"]):
-            zeros = lambda a, b: (np.zeros((a.shape[0], R), a.dtype), np.zeros((R, b.shape[2]), b.dtype))  # noqa: E731
-            layers.append({w: adapter.pairs.get((i, w)) or zeros(a, b) for w, (a, b) in layer.items()})
-        new = {"layers": layers}
-        self.stacks = self._write(self.stacks, jnp.int32(slot), self.place(new))
+        new, adapter.staged = adapter.staged, None  # (the slot holds it now: no second device copy)
+        if new is None:  # evicted from its slot since its request arrived
+            new = self.place(self._contents(adapter))
+        self.stacks = self._write(self.stacks, jnp.int32(slot), new)
         self.held[slot], self.slot_of[adapter.key] = adapter.key, slot
         self.swaps += 1
         self.swap_seconds += time.perf_counter() - t0

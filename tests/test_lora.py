@@ -125,14 +125,14 @@ def test_more_adapters_than_slots_wait_for_one(llama):
     assert max(started[2 * P :]) < min(started[P : 2 * P]), "the base rows should not wait for adapter b's slot"
     assert [o.lora_request.lora_name if o.lora_request else None for o in outs] == ["a"] * P + ["b"] * P + [None] * P
     assert llm.engine.lora.swaps == 2
-    n = llm.engine.num_compilations()
+    n, writes = llm.engine.num_compilations(), llm.engine.lora._write._cache_size()
     # the same again: each adapter swapped into the one slot anew, new contents and no new
     # executable (neither the step's nor the slot write's)
     again = ft.outputs_of(llm.generate([list(p) for p in ft.PROMPTS] * 3, _greedy(), use_tqdm=False,
                                        lora_request=reqs))
     assert again == got
     assert llm.engine.lora.swaps == 4 and llm.engine.num_compilations() == n
-    assert llm.engine.lora._write._cache_size() == 1
+    assert llm.engine.lora._write._cache_size() == writes
 
 
 def test_prefix_cache_keeps_adapters_apart(llama):
