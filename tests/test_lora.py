@@ -310,14 +310,16 @@ reqs = [None, LoRARequest("a", 1, a), LoRARequest("b", 2, b)]
 sp = SamplingParams(temperature=0.0, max_tokens=ft.MAX_TOKENS, ignore_eos=True, prompt_logprobs=0)
 outs = llm.generate([list(p) for _ in reqs for p in ft.PROMPTS], sp, use_tqdm=False,
                     lora_request=[r for r in reqs for _ in ft.PROMPTS])
-print("RESULT " + json.dumps(ft.outputs_of(outs)))
+st = llm.engine.lora.stacks["layers"][0]
+split = {w: [tuple(x.sharding.spec) for x in st[w]] for w in ("wq", "wo", "w_down")}
+print("RESULT " + json.dumps({"outs": ft.outputs_of(outs), "split": split}))
 """
 
 
 @pytest.mark.slow  # a subprocess on 8 virtual CPU devices: a minute or two
 def test_tensor_parallel_2_equals_peft(llama):
-    """Weights split over 2 devices, the adapters' stacks on both: base rows and both adapters'
-    rows in one batch equal PEFT."""
+    """Weights split over 2 devices, each adapter's A split like its base weight's input and B
+    like its output: base rows and both adapters' rows in one batch equal PEFT."""
     import os
     import subprocess
     import sys
@@ -329,7 +331,11 @@ def test_tensor_parallel_2_equals_peft(llama):
     p = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(llama["base"]), str(llama["a"]), str(llama["b"])],
                        env=env, capture_output=True, text=True, timeout=900, cwd=root)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+    res = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+    got = res["outs"]
+    # A split like its base's input, B like its output: q's output heads, o's and down's inputs
+    assert res["split"] == {"wq": [[], [None, None, "model"]], "wo": [["model", None, None], []],
+                            "w_down": [["model", None, None], []]}, res["split"]  # ([]: replicated)
     P = len(ft.PROMPTS)
     for j, n in enumerate(("base", "a", "b")):
         ft.assert_matches(got[j * P : (j + 1) * P], llama["ref"][n], what=f"tensor parallel 2, {n}")
