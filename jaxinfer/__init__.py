@@ -7,7 +7,7 @@
 
 from jaxinfer.errors import JaxinferError
 
-__all__ = ["LLM", "SamplingParams", "JaxinferError"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "JaxinferError"]
 __version__ = "0.1.0"
 
 
@@ -16,6 +16,10 @@ def __getattr__(name):  # lazy, so `import jaxinfer` (and the CLI's --help) stay
         from jaxinfer.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from jaxinfer.lora import LoRARequest
+
+        return LoRARequest
     if name == "SamplingParams":
         from jaxinfer.sampling import SamplingParams
 

@@ -73,7 +73,27 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                         "model, draft_model with model and optional quantization int8/int4; "
                         "disable_by_batch_size: above this many running rows, steps run without speculation; "
                         "default never)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT directories): a request whose model names one runs it")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters by name: name=path (a PEFT directory or Hub id) or a JSON object with "
+                        '"name" and "path"; needs --enable-lora')
+    p.add_argument("--max-loras", type=int, default=1, help="LoRA adapters one step may run together")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank an adapter may have")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="LoRA adapters kept read in host memory (default: --max-loras)")
     _add_parallel(p)
+
+
+def _lora_modules(a) -> dict:
+    """--lora-modules as name -> LoRARequest (checked before the model loads)."""
+    from jaxinfer.errors import InvalidRequest
+    from jaxinfer.lora import parse_lora_modules
+
+    modules = parse_lora_modules(getattr(a, "lora_modules", None))
+    if modules and not a.enable_lora:
+        raise InvalidRequest("--lora-modules needs --enable-lora")
+    return modules
 
 
 def _add_parallel(p: argparse.ArgumentParser) -> None:
@@ -99,7 +119,8 @@ def _engine_kwargs(a) -> dict:
                 gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
                 max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.enable_prefix_caching,
                 scheduling_policy=a.scheduling_policy, speculative_config=a.speculative_config,
-                num_scheduler_steps=a.num_scheduler_steps, **_parallel_kwargs(a))
+                num_scheduler_steps=a.num_scheduler_steps, enable_lora=a.enable_lora, max_loras=a.max_loras,
+                max_lora_rank=a.max_lora_rank, max_cpu_loras=a.max_cpu_loras, **_parallel_kwargs(a))
 
 
 def _parallel_kwargs(a) -> dict:
@@ -234,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-waiting", type=int, default=256,
                     help="sequences that may wait beyond the running batch; past it, 429 (default 256)")
     sv.add_argument("--rate-limit", default=None, metavar="N/min", help="requests per minute per API key")
+    sv.add_argument("--allow-runtime-lora-updating", action="store_true",
+                    help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora)")
     sv.add_argument("--grace-period", type=float, default=30.0,
                     help="seconds in-flight requests get to finish after SIGTERM (default 30)")
 
@@ -341,6 +364,7 @@ def cmd_batch(a) -> int:
     if a.distributed or a.coordinator_address or a.num_processes or a.process_id is not None:
         me, count = init_distributed(a.coordinator_address, a.num_processes, a.process_id)
     sizes = {k: v for k, v in _parallel_kwargs(a).items() if k.endswith("_size")}
+    lora_modules = _lora_modules(a)
     spmd = count > 1 and spans_processes(**sizes)
     s = run_batch(
         lambda: LLM(a.model, **_model_kwargs(a), **_engine_kwargs(a)),
@@ -348,6 +372,7 @@ def cmd_batch(a) -> int:
         raw=a.raw, model_name=None if Path(a.model).exists() else a.model,
         metrics_out=a.metrics_out, progress=not a.no_progress, grace_period=a.grace_period,
         process_index=me, process_count=count, spmd=spmd, part_lines=a.part_lines, part_seconds=a.part_seconds,
+        lora_modules=lora_modules,
     )
     who = f"process {me} of {count}: " if count > 1 else ""
     r, run, wall = s.result, s.run, max(s.wall_s, 1e-9)
@@ -410,7 +435,12 @@ def cmd_serve(a) -> int:
 
     model = a.model_name or a.model
     config = ServerConfig(model_name=model, api_key=a.api_key, max_waiting=a.max_waiting,
-                          rate_limit=_rate_limit(a.rate_limit))  # bad flags fail before the model loads
+                          rate_limit=_rate_limit(a.rate_limit), lora_modules=_lora_modules(a),
+                          allow_runtime_lora_updating=a.allow_runtime_lora_updating)  # bad flags fail before the model loads
+    if a.allow_runtime_lora_updating and not a.enable_lora:
+        from jaxinfer.errors import InvalidRequest
+
+        raise InvalidRequest("--allow-runtime-lora-updating needs --enable-lora")
     llm = LLM(model, **_model_kwargs(a), progress=True, **_engine_kwargs(a))
     serve(llm, config, host=a.host, port=a.port, grace_period=a.grace_period)
     return 0

@@ -60,6 +60,7 @@ from jaxinfer.errors import InvalidRequest
 from jaxinfer.sharding import per_model_shard
 from pallas_kernels import _common
 from pallas_kernels import grouped_matmul as gm
+from pallas_kernels import lora as lora_kernels
 
 
 class Attention(str, enum.Enum):
@@ -237,7 +238,10 @@ def _f32_pack(w: jax.Array, contract: tuple[int, ...], free: tuple[int, ...]) ->
 # ----------------------------------------------------------------------------- matmuls
 def einsum(eq: str, x: jax.Array, w) -> jax.Array:
     """``jnp.einsum(eq, x, w)`` of an activation with a weight (``layers.dot``), by the kernel
-    the weight carries: a plain array or a weight bound to XLA runs XLA's dot."""
+    the weight carries: a plain array or a weight bound to XLA runs XLA's dot. A ``LoRAWeight``
+    adds each row's adapter term to its base weight's product."""
+    if isinstance(w, LoRAWeight):
+        return w.add_delta(eq, x, einsum(eq, x, w.base))
     if isinstance(w, quant.Dense):
         y = _few_rows_f32(eq, x, w.values) if w.kernels.matmul == Matmul.NATIVE else None
         return xla_einsum(eq, x, w.values) if y is None else y
@@ -337,6 +341,9 @@ def s8_dot(w, xq: jax.Array) -> jax.Array:
 def einsum_many(x: jax.Array, *pairs: tuple[str, object]) -> tuple[jax.Array, ...]:
     """Several ``einsum(eq, x, w)`` of one activation (q/k/v, gate/up). w8a8 weights (smoothing
     folded away) not bound to the Pallas kernel share one quantization of x."""
+    if any(isinstance(w, LoRAWeight) for _, w in pairs):  # the base products as without adapters
+        base = einsum_many(x, *((eq, w.base if isinstance(w, LoRAWeight) else w) for eq, w in pairs))
+        return tuple(w.add_delta(eq, x, y) if isinstance(w, LoRAWeight) else y for (eq, w), y in zip(pairs, base))
     ws = [w for _, w in pairs]
     if quant.shares_input(ws) and all((w.kernels or XLA).matmul != Matmul.PALLAS for w in ws):
         return quant.einsum_shared(x, *pairs, dot=s8_dot)
@@ -377,6 +384,44 @@ def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, group_offset=0) -
         args = (*args[:3], jnp.asarray(group_offset, jnp.int32), args[4])
         return per_model_shard(run, k.mesh, jax.tree.map(lambda _: rep, args), rep)(*args)
     return gm.grouped_matmul_xla(x, w, group_sizes, group_offset=group_offset, **kw)
+
+
+# ----------------------------------------------------------------------------- LoRA
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoRAWeight:
+    """A projection weight with the LoRA adapters of a packed step (``jaxinfer.lora``): the
+    product of token m with it is base's plus ``(x[m] @ A[s]) @ B[s]`` for the token's adapter
+    slot s = slots[m] (-1: none). Made inside the step, so model code sees a weight like any
+    other; the stacks hold every device slot, so loading an adapter changes their contents,
+    never an executable."""
+
+    base: object  # the weight as bound (array, QuantArray, Dense, ...): [contracted..., free...]
+    a: jax.Array  # [I, S, R] every slot's down-projection (I: the contracted axes' product)
+    b: jax.Array  # [S, R, O] every slot's up-projection, scale folded in (O: the free axes' product)
+    slots: jax.Array  # i32[M] each token's slot (M: the activation's leading axes' product)
+    kernels: Kernels = dataclasses.field(default=XLA, metadata={"static": True})
+
+    def add_delta(self, eq: str, x: jax.Array, y: jax.Array) -> jax.Array:
+        """y (the base product ``einsum(eq, x, base)``) plus each token's adapter term."""
+        lhs, out = eq.split("->")
+        xs, ws = lhs.split(",")
+        c = "".join(ch for ch in xs if ch in ws and ch not in out)
+        if not (c and xs.endswith(c) and ws.startswith(c) and out == xs[: -len(c)] + ws[len(c):]):
+            raise ValueError(f"a LoRA weight takes contractions of x's trailing axes with the weight's "
+                             f"leading ones, got {eq!r}")
+        keep = x.shape[: -len(c)]
+        xm = x.reshape(-1, self.a.shape[0])
+        d = lora_delta(xm, self.a, self.b, self.slots.reshape(xm.shape[0]), self.kernels)
+        return y + d.reshape(*keep, *y.shape[len(keep):]).astype(y.dtype)
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array, k: Kernels = XLA) -> jax.Array:
+    """Each row's LoRA term (``pallas_kernels.lora``): x [M, I], a [I, S, R], b [S, R, O],
+    slots i32[M] -> [M, O]; the Pallas kernel under the Pallas matmul choice, else XLA's."""
+    if k.matmul == Matmul.PALLAS and k.mesh is None:
+        return lora_kernels.lora_delta_kernel(x, a, b, slots, interpret=k.interpret)
+    return lora_kernels.lora_delta_reference(x, a, b, slots)
 
 
 # ----------------------------------------------------------------------------- attention

@@ -23,6 +23,7 @@ from jaxinfer.engine.rows import Row
 from jaxinfer.engine.speculative import SpecMethod, SpeculativeConfig
 from jaxinfer.errors import CheckpointError, InvalidRequest
 from jaxinfer.loaders import checkpoint
+from jaxinfer.lora import LoRAConfig, LoRARequest
 from jaxinfer.models.registry import model_family
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.sampling import SamplingParams, StopChecker, default_seed_for
@@ -74,6 +75,11 @@ class LLM:
     num_scheduler_steps: decode steps one device call may chain while no running row needs the
     host between tokens (see ``jaxinfer.engine.engine.Engine``); 1 never chains; None: the
     platform's default (``engine.config.DEFAULT_SCHEDULER_STEPS``).
+    enable_lora: serve LoRA adapters (``jaxinfer.lora``): ``generate``/``chat`` then take
+    ``lora_request=LoRARequest(name, int_id, path)`` (one for every prompt, or one per prompt).
+    max_loras: adapters one step may run together (a request for one more waits); max_lora_rank:
+    the largest rank an adapter may have; max_cpu_loras: adapters kept read in host memory
+    (default max_loras). vLLM's names and defaults.
     """
 
     def __init__(self, model: str | checkpoint.Loaded = registry.DEFAULT_MODEL, *, dtype: str | None = None,
@@ -88,7 +94,8 @@ class LLM:
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None,
                  revision: str | None = None, download_dir: str | None = None, generation_config: str = "auto",
                  enable_expert_parallel: bool = False, kernels: str | dispatch.Kernels = "auto",
-                 num_scheduler_steps: int | None = None):
+                 num_scheduler_steps: int | None = None, enable_lora: bool = False, max_loras: int = 1,
+                 max_lora_rank: int = 16, max_cpu_loras: int | None = None):
         dtype = dtype or default_dtype()
         if dtype == "auto":
             dtype = default_dtype()
@@ -120,7 +127,8 @@ class LLM:
                             kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_batched_tokens=max_num_batched_tokens,
                             enable_prefix_caching=enable_prefix_caching, scheduling_policy=sched,
                             windowed_kv=windowed_kv, kv_cache_dtype=kv_cache_dtype, kernels=self.kernels,
-                            num_scheduler_steps=num_scheduler_steps)
+                            num_scheduler_steps=num_scheduler_steps,
+                            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None)
         pools = None
 
         def on_config(cfg):  # one device: fill the page pools while the weights are read
@@ -185,7 +193,9 @@ class LLM:
         self.engine = Engine(self.cfg, self.weights, self.tokenizer, max_model_len=max_model_len, config=ecfg,
                              seed=seed, speculative=spec, mesh=mesh,
                              draft=self._load_draft(spec, dtype, progress, download_dir, self.kernels),
-                             pools=pools)
+                             pools=pools, model_names=(str(model) if not isinstance(model, checkpoint.Loaded) else "",
+                                                       str(self.model_path), self.cfg.name),
+                             download_dir=download_dir)
         if self.engine.pipeline is not None:  # the weights now live stacked by stage
             self.weights = self.engine.weights
             self.parallel = dict(self.parallel, **self.engine.pipeline.report())
@@ -224,24 +234,47 @@ class LLM:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 *, use_tqdm: bool | None = None, lora_request=None) -> list[RequestOutput]:
         """Generate for one prompt or many. A prompt is a str, a list of token ids, or a dict
-        with "prompt" or "prompt_token_ids". Outputs come back in prompt order."""
+        with "prompt" or "prompt_token_ids". Outputs come back in prompt order. lora_request:
+        a ``LoRARequest`` for every prompt, or a list of one (or None) per prompt."""
         items = _normalize_prompts(prompts)
         params = _normalize_params(self._given_or_default(sampling_params), len(items))
-        reqs = [(str(i), *self.encode_prompt(p, i), sp) for i, (p, sp) in enumerate(zip(items, params))]
+        loras = self._normalize_loras(lora_request, len(items))
+        reqs = [(str(i), *self.encode_prompt(p, i), sp, lo)
+                for i, (p, sp, lo) in enumerate(zip(items, params, loras))]
         self.check_guided(params)
         return self._run_all(reqs, use_tqdm)
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+             add_generation_prompt: bool = True, lora_request=None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them;
+        lora_request as for ``generate``."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = _normalize_params(self._given_or_default(sampling_params), len(convs))
-        reqs = [(str(i), *self.encode_chat(c, i, add_generation_prompt=add_generation_prompt), sp)
-                for i, (c, sp) in enumerate(zip(convs, params))]
+        loras = self._normalize_loras(lora_request, len(convs))
+        reqs = [(str(i), *self.encode_chat(c, i, add_generation_prompt=add_generation_prompt), sp, lo)
+                for i, (c, sp, lo) in enumerate(zip(convs, params, loras))]
         self.check_guided(params)
         return self._run_all(reqs, use_tqdm)
+
+    def _normalize_loras(self, lora_request, n: int) -> list:
+        """One adapter (``lora.Adapter``, read and checked now) or None per prompt."""
+        if lora_request is None:
+            return [None] * n
+        reqs = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * n
+        if len(reqs) != n:
+            raise InvalidRequest(f"lora_request has {len(reqs)} entries for {n} prompts")
+        return [None if r is None else self.lora_adapter(r) for r in reqs]
+
+    def lora_adapter(self, request: LoRARequest):
+        """The engine's adapter for a ``LoRARequest`` (read from its directory unless cached);
+        InvalidRequest when the engine has no adapters or the directory is not a fitting one."""
+        if not isinstance(request, LoRARequest):
+            raise InvalidRequest(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        if self.engine.lora is None:
+            raise InvalidRequest("lora_request needs an LLM started with enable_lora=True")
+        return self.engine.lora.get(request)
 
     def encode_prompt(self, p, i: int | str = 0) -> tuple[str | None, list[int]]:
         """(text, token ids) of one prompt, validated; raises InvalidRequest naming prompt i."""
@@ -287,7 +320,7 @@ class LLM:
             )
 
     def _run_all(self, reqs, use_tqdm) -> list[RequestOutput]:
-        bar = _progress(sum(sp.n for *_, sp in reqs), self.progress if use_tqdm is None else use_tqdm)
+        bar = _progress(sum(r[3].n for r in reqs), self.progress if use_tqdm is None else use_tqdm)
         outs = {}
         try:
             for out in self.generate_stream(reqs, window=len(reqs), on_sequence_done=lambda: bar.update(1)):
@@ -359,8 +392,8 @@ class LLM:
             it = iter(requests)
             while chunk := list(itertools.islice(it, window)):
                 arrival = time.perf_counter()
-                for rid, text, toks, p in chunk:
-                    yield from self.new_request(rid, text, toks, p, arrival).rows
+                for rid, text, toks, p, *lora in chunk:
+                    yield from self.new_request(rid, text, toks, p, arrival, lora=lora[0] if lora else None).rows
 
         for row in self.engine.run(rows()):
             if on_sequence_done is not None:
@@ -371,16 +404,17 @@ class LLM:
                 yield req.output()
 
     def new_request(self, rid: str, text: str | None, toks: list[int], p: SamplingParams,
-                    arrival: float) -> Request:
+                    arrival: float, *, lora=None) -> Request:
         """A request's rows (one per sample, each with its own seed), ready for the engine; each
         row's ``owner`` is the returned Request, whose ``output()`` is its RequestOutput once
-        every row finished."""
+        every row finished. lora: the rows' adapter (``lora_adapter``), or None."""
         req = Request(rid, text, toks, p, arrival, remaining=p.n)
         index = self._request_counter
         self._request_counter += 1
         for j in range(p.n):
             row = self._make_row(toks, _sample_params(p, j, default_seed_for(self.seed, index)), index * 1024 + j)
             row.owner = req
+            row.lora = lora
             req.rows.append(row)
         if p.guided_decoding is not None:
             for row, m in zip(req.rows, self.guided_matchers(p.guided_decoding, p.n)):
@@ -501,7 +535,9 @@ class Request:
             spec_drafted_tokens=sum(r.spec_drafted for r in rows),
             spec_accepted_tokens=sum(r.spec_accepted for r in rows),
         )
-        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, plp, comps, True, metrics)
+        lora = rows[0].lora
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, plp, comps, True, metrics,
+                             None if lora is None else lora.request)
 
 
 def spans_processes(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,

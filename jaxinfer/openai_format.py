@@ -82,6 +82,7 @@ class BatchRequest:
     top_logprobs: int | None  # None: no logprobs; chat: top_logprobs; completion: logprobs
     beam: object = None  # beam.BeamSearchParams when use_beam_search: its n beams are the choices
     guided_field: str | None = None  # the field that asked for structured output (its errors name it)
+    model: object = None  # the body's "model": a LoRA adapter's name runs that adapter
 
 
 # ------------------------------------------------------------------------------------ parsing
@@ -304,3 +305,24 @@ def _short(x, limit: int = 80) -> str:
     except (TypeError, ValueError):
         s = repr(x)
     return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def lora_for(llm, model, loras, served, *, where: str = ""):
+    """The LoRA adapter a body's ``model`` names (``llm.lora_adapter``), or None for the served
+    model. loras: adapter name -> ``lora.LoRARequest`` (``--lora-modules``); served: the names the
+    served model answers to. With adapters configured, any other name is an unknown model
+    (RequestError, code model_not_found); without, the name is not checked."""
+    if isinstance(model, str) and model in loras:
+        try:
+            return llm.lora_adapter(loras[model])
+        except InvalidRequest as e:
+            raise RequestError(f"{where}{e}", param="model") from None
+    if loras and model is not None and model not in served:
+        raise RequestError(f"{where}model {_short_name(model)} is neither the served model nor a LoRA adapter "
+                           f"(adapters: {', '.join(sorted(loras))})", code="model_not_found", param="model")
+    return None
+
+
+def _short_name(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."

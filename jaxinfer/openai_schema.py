@@ -178,7 +178,7 @@ class ResponseFormat(_Model):
 class _Request(_Model):
     """Fields common to both endpoints (OpenAI's, then vLLM's)."""
 
-    model: Any = None  # one model per server: the name is not checked
+    model: Any = None  # the served model (not checked), or a LoRA adapter the server or job names
     user: Any = None
     metadata: Any = None
     store: Any = None
@@ -250,6 +250,7 @@ class ParsedRequest:
     include_usage: bool = False  # stream_options.include_usage
     beam: BeamSearchParams | None = None  # use_beam_search: n beams of params.max_tokens
     guided_field: str | None = None  # the request field that asked for guided (its errors name it)
+    model: Any = None  # the body's "model": the served model, or a LoRA adapter's name (``lora``)
 
 
 def parse_body(kind: str, body: Any, *, features: Features = Features.SERVER, where: str = "",
@@ -288,7 +289,7 @@ def parse_request(custom_id: str, obj: dict, line: int, defaults: Mapping[str, A
     if req.guided is not None:
         params = dataclasses.replace(params, guided_decoding=req.guided)
     return BatchRequest(custom_id, line, kind, req.messages, req.prompts, params, req.max_tokens_set,
-                        req.top_logprobs, req.beam, req.guided_field)
+                        req.top_logprobs, req.beam, req.guided_field, req.model)
 
 
 def _resolve(kind: str, req: _Request, features: Features, where: str, defaults: dict) -> ParsedRequest:
@@ -371,7 +372,7 @@ def _resolve(kind: str, req: _Request, features: Features, where: str, defaults:
     elif req.length_penalty is not None:
         raise bad("length_penalty needs use_beam_search=true", "length_penalty")
     return ParsedRequest(kind, messages, prompts, params, max_tokens_set, top_logprobs, guided, bool(req.stream),
-                         include_usage, beam, _guided_param(req) if guided is not None else None)
+                         include_usage, beam, _guided_param(req) if guided is not None else None, req.model)
 
 
 def _guided_param(req: _Request) -> str:
@@ -564,7 +565,23 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "jaxinfer"
+    root: str | None = None  # vLLM's: the model's (or a LoRA adapter's) path
+    parent: str | None = None  # vLLM's: a LoRA adapter's base model
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(_Model):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+
+
+class UnloadLoRAAdapterRequest(_Model):
+    """vLLM's /v1/unload_lora_adapter body."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_int_id: Any = None
 
 
 class ModelList(BaseModel):

@@ -75,3 +75,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    lora_request: object = None  # the LoRARequest the request ran (vLLM's field), None: the base model

@@ -44,6 +44,7 @@ def _kernel_cases():
     """(name, the kernel's TPU variant, its abstract arguments) at the engine's shapes:
     bf16 pools of 16-token pages and heads of 128, int8 weights of the quantized matmuls."""
     from pallas_kernels.grouped_matmul.kernel import grouped_matmul_tpu
+    from pallas_kernels.lora import lora_delta_kernel
     from pallas_kernels.paged_attention.kernel import paged_attention_tpu
     from pallas_kernels.quant_matmul.kernel import int8_matmul_tpu, weight_only_matmul_tpu
     from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_tpu
@@ -66,6 +67,8 @@ def _kernel_cases():
         "weight_only_matmul": (weight_only_matmul_tpu, [((64, 512), bf), ((512, 256), jnp.int8),
                                                         ((256,), jnp.float32)]),
         "grouped_matmul": (grouped_matmul_tpu, [((128, 512), bf), ((4, 512, 256), bf), ((4,), i32)]),
+        # 64 rows over 8 adapter slots of rank 16
+        "lora_delta": (lora_delta_kernel, [((64, 512), bf), ((512, 8, 16), bf), ((8, 16, 512), bf), ((64,), i32)]),
         "spec_verify": (lambda *a: VERIFY["tpu"](*a, None, VerifyBlocks(), False),
                         [((B, 5, 1024), jnp.float32), ((B, 5), jnp.float32), ((B, 4), i32), ((B,), i32),
                          ((B, 5, 3), jnp.float32), ((B,), jnp.bool_)]),

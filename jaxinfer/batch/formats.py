@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import math
 import time
+from pathlib import Path
 from collections.abc import Callable
 
 from jaxinfer import openai_format as oai
@@ -29,6 +30,7 @@ class _Work:
     outs: list = dataclasses.field(default_factory=list)
     left: int = 0
     beam: object = None  # beam.BeamSearchParams: run by ``beam_outputs`` after the sampled lines
+    lora: object = None  # the line's LoRA adapter (``lora.Adapter``): body.model named it
 
     def beam_outputs(self, llm) -> list:
         """A use_beam_search line's RequestOutput per prompt, its beams (best first) the choices."""
@@ -55,9 +57,10 @@ class _OpenAIFormat:
     default_order = "completion"
     record_prefix = b'{"id":"batch_req_'
 
-    def __init__(self, defaults: dict | None, model_name: str | None):
+    def __init__(self, defaults: dict | None, model_name: str | None, lora_modules: dict | None = None):
         self.defaults = dict(defaults or {})
         self.model_name = model_name
+        self.lora_modules = dict(lora_modules or {})  # adapter name -> lora.LoRARequest
         self.first_line: dict[str, int] = {}  # custom_id -> the line that owns it
 
     def classify(self, n: int, raw: bytes, *, indexing: bool):
@@ -80,16 +83,21 @@ class _OpenAIFormat:
             # the command line's defaults over the checkpoint's generation_config.json
             defaults = {**llm.sampling_defaults, **self.defaults}
             req = schema.parse_request(cid, obj, n, defaults)
+            served = {self.model_name, Path(str(llm.model_path)).name, str(llm.model_path)}
+            lora = oai.lora_for(llm, req.model, self.lora_modules, served, where=f"line {n}: ")
+            if lora is not None and req.beam is not None:
+                raise oai.RequestError(f"line {n}: use_beam_search with a LoRA adapter is not supported",
+                                       code="unsupported_parameter", param="use_beam_search")
             prompts, params = _encode(llm, req)
         except oai.RequestError as e:
             return oai.error_response_line(cid, e)
         build = oai.chat_completion if req.kind == "chat" else oai.text_completion
-        model = self.model_name
+        model = self.model_name if lora is None else req.model
 
         def finish(outs):
             return oai.result_line(cid, build(req, outs, model))
 
-        return _Work(key, prompts, params, finish, beam=req.beam)
+        return _Work(key, prompts, params, finish, beam=req.beam, lora=lora)
 
     @staticmethod
     def key_of(rec: dict) -> tuple:

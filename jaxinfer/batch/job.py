@@ -74,7 +74,7 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
               model_name: str | None = None, metrics_out=None, progress: bool = True,
               grace_period: float = GRACE_PERIOD, process_index: int = 0, process_count: int = 1,
               spmd: bool = False, part_lines: int = parts.PART_LINES,
-              part_seconds: float = parts.PART_SECONDS) -> BatchSummary:
+              part_seconds: float = parts.PART_SECONDS, lora_modules: dict | None = None) -> BatchSummary:
     """Answer every request of ``input_path`` into ``output_path``, resuming what is there.
 
     llm: an ``LLM``, or a function returning one (called only if some request still needs the
@@ -86,7 +86,9 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
     this process's place in a ``jax.distributed`` job (see ``init_distributed``). spmd: the
     model is one mesh over all processes (``jaxinfer.llm.spans_processes``): every process runs
     every request, in the same order, and only process 0 writes OUTPUT; otherwise each process
-    answers its share of the lines into a part file.
+    answers its share of the lines into a part file. lora_modules: LoRA adapter name ->
+    ``lora.LoRARequest`` (the LLM started with enable_lora): a line whose body.model names one
+    runs it; a name that is neither the model's nor an adapter's is that line's 400.
 
     input_path and output_path may be ``gs://`` or ``s3://`` URLs (``jaxinfer.storage``). An
     output URL is written in part objects of ``part_lines`` lines, or fewer after
@@ -111,7 +113,7 @@ def run_batch(llm, input_path, output_path, *, kind: str | None = None, order: s
         raise InvalidRequest(f"process_index must be in [0, {process_count}), got {process_index}")
     kind = kind or input_format(inp)
     if kind == "openai":
-        fmt = _OpenAIFormat(defaults, model_name)
+        fmt = _OpenAIFormat(defaults, model_name, lora_modules)
     elif kind == "prompts":
         fmt = _PromptsFormat(sampling_params, raw)
     else:
@@ -307,7 +309,7 @@ def _run(llm, fmt, inp: Path | storage.Url, log, stop: _StopSignals, done: set, 
             w.outs, w.left = [None] * len(w.prompts), len(w.prompts)
             pending[seq] = w
             for k, (text, ids) in enumerate(w.prompts):
-                yield f"{seq}/{k}", text, ids, w.params
+                yield f"{seq}/{k}", text, ids, w.params, w.lora
 
     try:
         try:

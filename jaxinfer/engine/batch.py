@@ -47,7 +47,7 @@ def plan_shape(plan: StepPlan, sched: Scheduler, *, q: int, pages_per_seq: int, 
 def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_per_seq: int,
                 max_num_seqs: int, prefill_chunk: int, want_targets: bool,
                 drafts: dict[int, list[int]] | None = None, next_tokens: bool = False,
-                shape: tuple[int, int, int] | None = None, chain: int = 1) -> PackedBatch:
+                shape: tuple[int, int, int] | None = None, chain: int = 1, lora: bool = False) -> PackedBatch:
     """The host arrays of one step (numpy; jit moves them). Inflight bookkeeping is the
     caller's: this only reads the sequences. With ``drafts`` (slot -> the row's drafted
     tokens, at most q - 1), a decode row carries its last token then its drafts at the
@@ -57,7 +57,8 @@ def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_
     ``next_tokens``: every prefill token's next token goes in ``targets`` (an EAGLE head's
     entries need it), not only those of sequences that want prompt logprobs. ``chain``: the
     decode steps the batch is chained over (``chaining.chained_decode``), so the window tables
-    cover each row's last chained position."""
+    cover each row's last chained position. ``lora``: the engine runs adapters, so the batch
+    carries each token's adapter slot (``PackedBatch.lora_slots``)."""
     ps, W = sched.page_size, sched.window
     hist = plan.prefill[0] if plan.prefill and plan.prefill[0].start > 0 else None
     R, width, Tp = shape or plan_shape(plan, sched, q=q, pages_per_seq=pages_per_seq, max_num_seqs=max_num_seqs,
@@ -76,6 +77,7 @@ def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_
     wbase = np.zeros(R + 1, np.int32)
     seg = np.full(Tp, -1, np.int32)
     targets = np.full(Tp, -1, np.int32)
+    lora_slots = np.full(N, -1, np.int32) if lora else None
 
     def put_window(r, seq):
         if W:
@@ -103,6 +105,8 @@ def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_
                     wwpage[i + j] = s.window_pages[p // ps]
         table[r, : len(s.pages)] = s.pages
         put_window(r, s)
+        if lora:
+            lora_slots[i : i + q] = s.lora_slot
     off = R * q
     for k, g in enumerate(plan.prefill):
         toks = g.seq.tokens
@@ -114,6 +118,8 @@ def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_
         if W:
             wwpage[sl] = np.asarray(g.seq.window_pages)[p // ps]
         seg[off - R * q : off - R * q + g.n] = k
+        if lora:
+            lora_slots[sl] = g.seq.lora_slot
         if next_tokens or (want_targets and g.seq.wants_prompt_logprobs):
             targets[off - R * q : off - R * q + g.n] = toks[g.start + 1 : g.start + g.n + 1]
         off += g.n
@@ -130,4 +136,4 @@ def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_
     return PackedBatch(tokens=tokens, positions=positions, write_page=wpage, write_wpage=wwpage,
                        active=active, use_prev=use_prev, last_q=last_q, table=table, wtable=wtable, wbase=wbase, seg=seg,
                        hist_end=np.int32(hist_end), targets=targets, rows=R, q=q,
-                       max_segments=min(Tp, max_num_seqs))
+                       max_segments=min(Tp, max_num_seqs), lora_slots=lora_slots)

@@ -46,7 +46,7 @@ class ChainOutput:
 
 
 def chained_decode(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, remaining, n, exit_on_finish,
-                   *, cfg, windowed, num_logprobs: int, kernels: Kernels, steps: int,
+                   lora=None, *, cfg, windowed, num_logprobs: int, kernels: Kernels, steps: int,
                    page_size: int, keys_transposed: bool = True):
     """Up to n (i32[], at most the static ``steps``) decode steps in one ``lax.while_loop``
     -> (ChainOutput, k_pages, v_pages, slots), pools and slots donated.
@@ -58,7 +58,8 @@ def chained_decode(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotSta
     after a token of its stop ids (EOS unless ignore_eos, and stop_token_ids; only once
     min_tokens are generated) or after remaining i32[R] tokens (max_tokens). The loop ends
     after n steps, when every row stopped, or, with exit_on_finish (bool[]: requests are
-    waiting for a slot), after the first step in which a row stopped."""
+    waiting for a slot), after the first step in which a row stopped. lora: the LoRA adapters'
+    stacks (``packed_step``'s), each row on the slot ``batch.lora_slots`` gives it all along."""
     R = batch.rows
     assert R and batch.q == 1 and batch.prefill_len == 0, (R, batch.q, batch.prefill_len)
     pos0 = batch.positions[:R]
@@ -84,7 +85,7 @@ def chained_decode(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotSta
             write_wpage=jnp.where(live, wpage, SCRATCH_PAGE), active=live,
             use_prev=jnp.where(i == 0, batch.use_prev, batch.active))
         gen, mins, stop_ids = sl.generated[:R], sl.min_tokens[:R], sl.stop_ids[:R]
-        out, k, v, sl = packed_step(weights, step_batch, k, v, sl, cfg=cfg, windowed=windowed,
+        out, k, v, sl = packed_step(weights, step_batch, k, v, sl, lora=lora, cfg=cfg, windowed=windowed,
                                     num_logprobs=num_logprobs, prompt_logprobs=-1, kernels=kernels,
                                     keys_transposed=keys_transposed)
         tok = out.tokens
@@ -199,5 +200,5 @@ class Chainer:
         eng.shapes_run.add((batch.rows, batch.table.shape[1], 0, 1, num_lp, -1, ("chain", self.steps)))
         out, eng.k_pages, eng.v_pages, eng.slots = self._fn(
             eng.weights, batch, eng.k_pages, eng.v_pages, eng.slots, remaining, np.int32(n), np.bool_(exit_on_finish),
-            cfg=eng.cfg, num_logprobs=num_lp, kernels=eng.kernels)
+            **({"lora": eng.lora.stacks} if eng.lora is not None else {}), cfg=eng.cfg, num_logprobs=num_lp, kernels=eng.kernels)
         return out

@@ -54,6 +54,8 @@ class EngineConfig:
     # decode steps one device call may chain when no running row needs the host between tokens
     # (``engine.chaining.chained_decode``); None: the platform's default (DEFAULT_SCHEDULER_STEPS)
     num_scheduler_steps: int | None = None
+    # LoRA adapters (``lora.LoRAConfig``: max_loras, max_lora_rank, max_cpu_loras); None: none
+    lora: object = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

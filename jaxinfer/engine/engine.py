@@ -76,11 +76,13 @@ class Engine:
     def __init__(self, cfg: ModelConfig, weights, tokenizer, *, max_model_len: int,
                  config: EngineConfig | None = None, seed: int = 0,
                  speculative: SpeculativeConfig | None = None, mesh=None, draft=None,
-                 pools: concurrent.futures.Future | None = None):
+                 pools: concurrent.futures.Future | None = None, model_names=(), download_dir=None):
         """mesh: (data, stage, model) axes: data > 1 makes replicas, stage > 1 a pipeline.
         draft: (ModelConfig, weights) of the draft model when speculative is draft_model.
         pools: ``config.start_pools(cfg, config, max_model_len)``, begun while the weights
-        were read (one device)."""
+        were read (one device). model_names: what the served model is called (its argument and
+        path), which a LoRA adapter's base_model_name_or_path must name; download_dir: where
+        adapters given as Hub ids are downloaded."""
         config = config or EngineConfig()
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.max_model_len, self.config, self.seed, self.mesh = max_model_len, config, seed, mesh
@@ -106,6 +108,11 @@ class Engine:
         self.sched = self.scheds[0]  # page sizes and counts, the same in every replica
         self.allocator, self.window_allocator = self.sched.allocator, self.sched.window_allocator
         self.pipeline = None
+        self.lora = None
+        if config.lora is not None:
+            self.lora = self._lora_manager(config.lora, model_names, download_dir)
+        for s in self.scheds:
+            s.lora = self.lora
         self._init_pools(num_pages, num_window_pages, pools)
         self.slots = self._fresh_slots()
         # one partial per engine, so each engine's jit caches are its own; the counter counts
@@ -136,6 +143,25 @@ class Engine:
         self._bitmask: np.ndarray | None = None  # i32[S, V/32] structured-output masks, made on first use
         self.shapes_run: set[tuple] = set()  # (R, width, Tp, q, logprobs, prompt logprobs) of every step run
         self.inserts_run: set[int] = set()  # the row buckets of every slot insert run (one device)
+
+    def _lora_manager(self, config, model_names, download_dir):
+        """The LoRA adapters' manager, its stacks placed with the weights; refused where a step
+        would run without them."""
+        from jaxinfer.lora import LoRAManager
+        from jaxinfer.models.registry import model_family
+
+        if self.spec is not None:
+            # drafts and their verification run the base weights (and a draft model or head
+            # trained on them): an adapter's rows would be verified against the wrong model
+            raise InvalidRequest("speculative decoding with LoRA adapters (enable_lora) is not supported: "
+                                 "drafting and verification run the base model's weights only")
+        if self.D > 1:
+            raise InvalidRequest("LoRA adapters (enable_lora) are not supported with data_parallel_size > 1")
+        if self.mesh is not None and self.mesh.shape.get("stage", 1) > 1:
+            raise InvalidRequest("LoRA adapters (enable_lora) are not supported with pipeline_parallel_size > 1")
+        place = self.committed if self.mesh is None else _lora_placement(self.mesh, self.weights["layers"][0])
+        return LoRAManager(self.cfg, model_family(self.cfg.family), config, place=place, model_names=model_names,
+                           download_dir=download_dir)
 
     def _init_pools(self, num_pages: int, num_window_pages: int | None, pools) -> None:
         cfg, ps, mesh = self.cfg, self.config.block_size, self.mesh
@@ -224,7 +250,8 @@ class Engine:
                           table=z(rows + 1, width), wtable=z(rows + 1, ww), wbase=z(rows + 1),
                           seg=np.full(prefill, -1, np.int32), hist_end=np.int32(0),
                           targets=np.full(prefill, -1, np.int32), rows=rows, q=q,
-                          max_segments=min(prefill, self.max_num_seqs))
+                          max_segments=min(prefill, self.max_num_seqs),
+                          lora_slots=np.full(N, -1, np.int32) if self.lora is not None else None)
         return one if self.D == 1 else replicas.stack([one] * self.D)
 
     def warmup(self, max_prompt_len: int | None = None, max_len: int | None = None) -> int:
@@ -244,6 +271,8 @@ class Engine:
                 f"a sequence of {n} tokens needs {need} KV pages but the pool has only "
                 f"{self.allocator.num_pages - 1}; raise kv_cache_memory_bytes or num_gpu_blocks_override, "
                 "or lower max_tokens")
+        if row.lora is not None and self.lora is None:
+            raise InvalidRequest("a LoRA request needs an engine started with enable_lora=True")
         ids = tuple(row.params.stop_token_ids) + (() if row.params.ignore_eos else tuple(self.tokenizer.eos_ids))
         if row.params.min_tokens and len(ids) > STOP_ID_WIDTH:
             raise InvalidRequest(f"min_tokens supports at most {STOP_ID_WIDTH - len(self.tokenizer.eos_ids)} stop_token_ids")
@@ -372,7 +401,8 @@ class Engine:
         eagle = self.drafter is not None and self.drafter.eagle is not None
         if self.D == 1:
             return build_batch(plans[0], self.sched, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
-                               drafts=drafts, next_tokens=eagle, chain=1 + self.chainer.window_ahead(), **kw)
+                               drafts=drafts, next_tokens=eagle, chain=1 + self.chainer.window_ahead(),
+                               lora=self.lora is not None, **kw)
         shape = tuple(int(x) for x in np.max([plan_shape(p, s, **kw) for p, s in zip(plans, self.scheds)], axis=0))
         return replicas.stack([build_batch(p, s, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
                                            shape=shape, **kw) for p, s in zip(plans, self.scheds)])
@@ -384,7 +414,8 @@ class Engine:
                              prompt_logprobs) + (("guided",) if guide is not None else ()))
         extra = self.drafter.plain_extras(batch) if self.drafter is not None else ()
         out, self.k_pages, self.v_pages, self.slots, *eagle_kv = self._step(
-            self.weights, batch, self.k_pages, self.v_pages, self.slots, guide, *extra, cfg=self.cfg,
+            self.weights, batch, self.k_pages, self.v_pages, self.slots, guide, *extra,
+            **({"lora": self.lora.stacks} if self.lora is not None else {}), cfg=self.cfg,
             num_logprobs=num_logprobs, prompt_logprobs=prompt_logprobs, kernels=self.kernels)
         if eagle_kv:
             self.drafter.kv = eagle_kv[0]
@@ -450,6 +481,45 @@ class Engine:
         else:
             self.inserts_run.add(len(slot))
             self.slots = self._insert(self.slots, slot, new)
+
+
+def _lora_placement(mesh, layer: dict):
+    """How LoRA stacks and slot contents are placed under tensor parallelism: each target's A
+    split over "model" like its base weight's input, its B like the base's output (replicated
+    where the base is), so each device computes its own part of the adapter's term as of the base
+    product. Trees of {"layers": [{weight: (a [I, ..., R], b [..., R, O])}]}."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxinfer import quant
+    from jaxinfer.sharding import Placed
+
+    def split(w) -> tuple[bool, bool]:  # (input split, output split) of a base weight over "model"
+        w = w.value if isinstance(w, Placed) else w
+        arr = getattr(w, "values", w)
+        spec = tuple(getattr(getattr(arr, "sharding", None), "spec", ()) or ())
+        on = lambda a: a == "model" or (isinstance(a, tuple) and "model" in a)  # noqa: E731
+        if isinstance(w, quant.QuantArray):  # stored as the matrix [I, O]
+            spec = spec + (None, None)
+            return on(spec[0]), on(spec[1])
+        n = len(getattr(w, "contract", ())) or 1
+        return any(map(on, spec[:n])), any(map(on, spec[n:]))
+
+    def put(a, axis: int, split_: bool):
+        spec = [None] * a.ndim
+        spec[axis] = "model" if split_ else None
+        return jax.device_put(a, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    def place(tree):
+        out = []
+        for layer_t in tree["layers"]:
+            one = {}
+            for w, (a, b) in layer_t.items():
+                ins, outs = split(layer[w])
+                one[w] = (put(a, 0, ins), put(b, b.ndim - 1, outs))
+            out.append(one)
+        return {"layers": out}
+
+    return place
 
 
 def _devices(weights) -> list:

@@ -31,9 +31,20 @@ def page_hash(parent: bytes, tokens) -> bytes:
 ROOT_HASH = b"jaxinfer-prefix-root"
 
 
-def prefix_hashes(tokens, page_size: int, n: int) -> list[bytes]:
-    """Hash-chain names of the first ``n`` full pages of ``tokens``."""
-    out, h = [], ROOT_HASH
+def root_hash(salt: str | None) -> bytes:
+    """The root of a sequence's hash chain: ``ROOT_HASH``, or for a sequence whose keys depend
+    on more than its tokens (a LoRA adapter's) one of its own, so that its pages are never
+    shared with another's."""
+    if salt is None:
+        return ROOT_HASH
+    h = hashlib.blake2b(ROOT_HASH, digest_size=16)
+    h.update(salt.encode())
+    return h.digest()
+
+
+def prefix_hashes(tokens, page_size: int, n: int, root: bytes = ROOT_HASH) -> list[bytes]:
+    """Hash-chain names of the first ``n`` full pages of ``tokens`` (chain from ``root``)."""
+    out, h = [], root
     for i in range(n):
         h = page_hash(h, tokens[i * page_size : (i + 1) * page_size])
         out.append(h)
@@ -106,13 +117,13 @@ class PageAllocator:
                     self._free.append(p)
 
     # ------------------------------------------------------------------ prefix cache
-    def lookup_prefix(self, tokens: list[int]) -> tuple[list[int], bytes]:
+    def lookup_prefix(self, tokens: list[int], root: bytes = ROOT_HASH) -> tuple[list[int], bytes]:
         """Cached pages covering the longest run of full pages of ``tokens``, each with a
         new reference, and the hash chain value after them.
 
         At least one token is always left uncached, so the caller has a token whose logits
         it computes."""
-        pages, h = [], ROOT_HASH
+        pages, h = [], root
         if not self.prefix_caching:
             return pages, h
         ps = self.page_size

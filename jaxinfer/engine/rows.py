@@ -34,6 +34,7 @@ class Row:
     stream: bool = False  # its text streams to a client as it grows: the host reads every token
     spec_drafted: int = 0  # speculative decoding: tokens drafted for this row
     spec_accepted: int = 0  # and accepted
+    lora: object = None  # the row's LoRA adapter (``lora.Adapter``), None: the base model
 
 
 def record_token(r: Row, tok: int, host_lp, b: int, now: float, tokenizer) -> bool:

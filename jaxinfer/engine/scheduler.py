@@ -31,7 +31,7 @@ import enum
 import time
 from collections import deque
 
-from jaxinfer.engine.pages import ROOT_HASH, PageAllocator, prefix_hashes
+from jaxinfer.engine.pages import ROOT_HASH, PageAllocator, prefix_hashes, root_hash
 from jaxinfer.engine.rows import Row
 
 
@@ -64,6 +64,13 @@ class Seq:
     branch_drafts: list[list[int]] = dataclasses.field(default_factory=list)  # eagle branches 1..W-1: theirs
     preemptions: int = 0
     aborted: bool = False
+    lora_slot: int = -1  # the device slot of the row's LoRA adapter while it runs (-1: none)
+
+    @property
+    def root(self) -> bytes:
+        """Its prefix hash chain's root: a row with an adapter names its pages apart."""
+        lora = self.row.lora
+        return ROOT_HASH if lora is None else root_hash(lora.prefix_salt)
 
     @property
     def tokens(self) -> list[int]:
@@ -92,8 +99,12 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, page_size: int, num_pages: int, prefill_chunk: int,
-                 prefix_caching: bool, scheduling: Scheduling, window: int | None, num_window_pages: int | None):
+                 prefix_caching: bool, scheduling: Scheduling, window: int | None, num_window_pages: int | None,
+                 lora=None):
+        """lora: the engine's ``lora.LoRAManager`` (a row with an adapter is admitted only
+        once its adapter holds a device slot), or None."""
         self.max_num_seqs = max_num_seqs
+        self.lora = lora
         self.prefill_chunk = prefill_chunk
         self.scheduling = scheduling
         self.window = window
@@ -148,26 +159,37 @@ class Scheduler:
     def _admit(self) -> list[Seq]:
         ps = self.page_size
         admitted = []
+        # rows whose LoRA adapter has no free device slot wait, and the rows behind them may pass
+        # (vLLM's rule): while every slot is held, nothing else could run in their place
+        blocked: set[int] = set()
         while self.waiting:
             slot = next((i for i, s in enumerate(self.slots) if s is None), None)
             if slot is None:
                 break
+            ready = [s for s in self.waiting if id(s) not in blocked] if blocked else self.waiting
+            if not ready:
+                break
             if self.scheduling == Scheduling.SHORTEST_PROMPT_FIRST:
-                seq = min(self.waiting, key=lambda s: (len(s.tokens), s.arrival))
+                seq = min(ready, key=lambda s: (len(s.tokens), s.arrival))
             else:
-                seq = self.waiting[0]
+                seq = ready[0]
+            if seq.row.lora is not None and not self.lora.can_acquire(seq.row.lora):
+                blocked.add(id(seq))
+                continue
             toks = seq.tokens
             # prompt logprobs need every prompt position computed, so they skip the prefix cache
-            cached, chain = ([], ROOT_HASH) if seq.wants_prompt_logprobs else self.allocator.lookup_prefix(toks)
+            cached, chain = ([], seq.root) if seq.wants_prompt_logprobs else self.allocator.lookup_prefix(toks, seq.root)
             window_cached: list[int] = []
             if self.window and cached:
-                cached, chain, window_cached = self._window_prefix(toks, cached)
+                cached, chain, window_cached = self._window_prefix(toks, cached, seq.root)
             need = -(-len(toks) // ps) - len(cached)
             if need > self.allocator.num_free:
                 self.allocator.release(cached)
                 if self.window:
                     self.window_allocator.release(window_cached)
                 break  # wait for pages to free up (FCFS: nobody jumps the queue)
+            if seq.row.lora is not None:
+                seq.lora_slot = self.lora.acquire(seq.row.lora)
             self.waiting.remove(seq)
             seq.pages = cached + self.allocator.allocate(need)
             seq.computed = len(cached) * ps
@@ -185,12 +207,12 @@ class Scheduler:
         self.stats["peak_pages"] = max(self.stats["peak_pages"], self.allocator.num_used)
         return admitted
 
-    def _window_prefix(self, toks, cached):
+    def _window_prefix(self, toks, cached, root: bytes = ROOT_HASH):
         """Trim a cached prefix to the longest whose window pages are cached too: resuming
         at position k*ps needs the window's keys before it. Returns (pages, chain, window
         pages by logical index, 0 before the window), references taken on both."""
         ps, W = self.page_size, self.window
-        hashes = prefix_hashes(toks, ps, len(cached))
+        hashes = prefix_hashes(toks, ps, len(cached), root)
         k, got, lo = len(cached), None, 0
         while k > 0:
             lo = max(0, k * ps - W + 1) // ps
@@ -200,7 +222,7 @@ class Scheduler:
             k -= 1
         self.allocator.release(cached[k:])
         if k == 0:
-            return [], ROOT_HASH, []
+            return [], root, []
         return cached[:k], hashes[k - 1], [0] * lo + got
 
     # ------------------------------------------------------------------ prefill row
@@ -313,13 +335,16 @@ class Scheduler:
         if seq.slot >= 0:
             self.slots[seq.slot] = None
         seq.slot = -1
+        if seq.lora_slot >= 0:
+            self.lora.release(seq.lora_slot)
+            seq.lora_slot = -1
 
     def preempt(self, victim: Seq) -> None:
         """Give up a running sequence's pages; it is recomputed later (same tokens)."""
         self.release(victim)
         victim.state = SeqState.WAITING
         victim.computed = victim.registered = victim.inflight = 0
-        victim.chain = ROOT_HASH
+        victim.chain = victim.root
         victim.preemptions += 1
         self.stats["preemptions"] += 1
         self.waiting.appendleft(victim)

@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import lora as lora_mod
 from jaxinfer import sampling as smp
 from jaxinfer.dispatch import Kernels
 from jaxinfer.engine.pipeline import pipeline_forward
@@ -64,7 +65,7 @@ def token_logprobs(logits, targets, num_top: int):
 
 
 def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, guide=None, eagle=None,
-                eagle_kv=None, *, cfg, windowed, num_logprobs: int, prompt_logprobs: int,
+                eagle_kv=None, lora=None, *, cfg, windowed, num_logprobs: int, prompt_logprobs: int,
                 kernels: Kernels, pipeline=None, keys_transposed: bool = True):
     """One scheduler iteration on device -> (StepOutput, k_pages, v_pages, slots[, eagle_kv]).
 
@@ -74,6 +75,9 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
 
     pipeline: None, or an ``engine.pipeline.PipelineLayout`` (static): the layers then run as
     pipeline stages over micro-batches, with weights and pools stacked by stage.
+
+    lora: None, or the LoRA adapters' device stacks (``lora.LoRAManager.stacks``): each token's
+    projections then add its adapter's term (slot ``batch.lora_slots``; ``lora.attach``).
 
     keys_transposed: the keys pools' layout, the engine's and its drafter's alike
     (``cache.PagedKVCache.keys_transposed``, static).
@@ -87,6 +91,8 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
     this step runs)."""
     with jax.named_scope("packed_step"):
         mod = model_family(cfg.family)
+        if lora is not None:
+            weights = lora_mod.attach(weights, lora, batch.lora_slots, kernels)
         R, Q = batch.rows, batch.q
         tokens = batch.tokens
         if R:

@@ -107,6 +107,8 @@ class PackedBatch:
     q: int = dataclasses.field(metadata={"static": True})
     # most segments the prefill row may hold (0: Tp); the kernel path sizes its work list by it
     max_segments: int = dataclasses.field(default=0, metadata={"static": True})
+    # i32[N] each token's LoRA adapter slot (-1: none); None in an engine without adapters
+    lora_slots: jax.Array | None = None
 
     @property
     def prefill_len(self) -> int:  # Tp

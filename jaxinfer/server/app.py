@@ -42,6 +42,10 @@ class ServerConfig:
     max_waiting: int = 256  # sequences that may wait beyond the running batch
     rate_limit: int | None = None  # requests per minute per API key (or per client address)
     retry_after_s: int = 1  # Retry-After when the waiting queue is full
+    # LoRA adapters by name (``lora.parse_lora_modules``): a request whose model names one runs it
+    lora_modules: dict = dataclasses.field(default_factory=dict)
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = False
 
 
 class HTTPError(Exception):
@@ -92,6 +96,9 @@ class Server:
         self.draining = False
         self.created = int(time.time())
         self._compiler = None
+        self.loras = dict(config.lora_modules)  # name -> LoRARequest (runtime loads add to it)
+        for req in self.loras.values():  # a bad adapter fails the start, not its first request
+            llm.lora_adapter(req)
 
     def drain(self) -> None:
         self.draining = True
@@ -128,14 +135,18 @@ class Server:
         body = await _json_body(request)
         try:
             req = schema.parse_body(kind, body, defaults=self.llm.sampling_defaults)
+            lora = await asyncio.to_thread(oai.lora_for, self.llm, req.model, self.loras, {self.config.model_name})
             prompts, params = await asyncio.to_thread(self._encode, req)
             on_row = await asyncio.to_thread(self._grammar, req, len(prompts) * params.n)
         except oai.RequestError as e:
+            if e.code == "model_not_found":  # vLLM's answer to a model it does not serve
+                raise HTTPError(404, e.message, type="NotFoundError", code=e.code, param=e.param) from None
             raise HTTPError.bad_request(e) from None
+        model = self.config.model_name if lora is None else req.model
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job = Job(prompts, params, sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), on_row=on_row,
-                  stream=bool(req.stream))
+                  stream=bool(req.stream), lora=lora)
         try:
             self.loop.submit(job)
         except QueueFull as e:
@@ -153,12 +164,13 @@ class Server:
         if req.stream:
             # the background abort covers a client gone before the stream's first chunk, when the
             # generator (and its finally) never runs; after a finished job it does nothing
-            return StreamingResponse(self._stream(req, job, events, rid), media_type="text/event-stream",
+            return StreamingResponse(self._stream(req, job, events, rid, model), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"},
                                      background=BackgroundTask(self.loop.abort, job))
-        return await self._whole(request, req, job, events)
+        return await self._whole(request, req, job, events, model)
 
-    async def _whole(self, request: Request, req: schema.ParsedRequest, job: Job, events: asyncio.Queue) -> Response:
+    async def _whole(self, request: Request, req: schema.ParsedRequest, job: Job, events: asyncio.Queue,
+                     model: str) -> Response:
         async def result():
             while True:
                 ev = await events.get()
@@ -181,10 +193,10 @@ class Server:
         if isinstance(ev, Failed):
             raise _failure(ev)
         build = oai.chat_completion if req.kind == "chat" else oai.text_completion
-        return JSONResponse(build(req, ev.outputs, self.config.model_name))
+        return JSONResponse(build(req, ev.outputs, model))
 
-    async def _stream(self, req: schema.ParsedRequest, job: Job, events: asyncio.Queue, rid: str):
-        created, model, chat = int(time.time()), self.config.model_name, req.kind == "chat"
+    async def _stream(self, req: schema.ParsedRequest, job: Job, events: asyncio.Queue, rid: str, model: str):
+        created, chat = int(time.time()), req.kind == "chat"
         chunk_type = schema.ChatCompletionChunk if chat else schema.CompletionChunk
         finished = False
         try:
@@ -244,6 +256,47 @@ class Server:
             row.guided = matchers.pop()
 
         return attach
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora(self, body) -> dict:
+        """vLLM's /v1/load_lora_adapter: read and check the adapter now, then serve it by name."""
+        from jaxinfer.lora import LoRARequest
+
+        self._runtime_lora()
+        try:
+            r = schema.parse_model(schema.LoadLoRAAdapterRequest, body)
+        except oai.RequestError as e:
+            raise HTTPError.bad_request(e) from None
+        if r.lora_name in self.loras:
+            raise HTTPError(400, f"the LoRA adapter {r.lora_name!r} is already loaded", param="lora_name")
+        req = LoRARequest(r.lora_name, max((q.lora_int_id for q in self.loras.values()), default=0) + 1, r.lora_path)
+        try:
+            self.llm.lora_adapter(req)
+        except InvalidRequest as e:
+            raise HTTPError(400, str(e), param="lora_path") from None
+        self.loras[r.lora_name] = req
+        return {"message": f"Success: LoRA adapter '{r.lora_name}' added successfully."}
+
+    def unload_lora(self, body) -> dict:
+        """vLLM's /v1/unload_lora_adapter: stop serving an adapter (rows running it finish)."""
+        self._runtime_lora()
+        try:
+            r = schema.parse_model(schema.UnloadLoRAAdapterRequest, body)
+        except oai.RequestError as e:
+            raise HTTPError.bad_request(e) from None
+        if r.lora_name not in self.loras:
+            raise HTTPError(404, f"the LoRA adapter {r.lora_name!r} is not loaded", type="NotFoundError",
+                            code="model_not_found", param="lora_name")
+        del self.loras[r.lora_name]
+        self.llm.engine.lora.unload(r.lora_name)
+        return {"message": f"Success: LoRA adapter '{r.lora_name}' removed successfully."}
+
+    def _runtime_lora(self) -> None:
+        if not self.config.allow_runtime_lora_updating:
+            raise HTTPError(404, "loading and unloading LoRA adapters at run time is off: start the server with "
+                                 "--enable-lora --allow-runtime-lora-updating", code="not_found")
+        if self.llm.engine.lora is None:
+            raise HTTPError(400, "the model was loaded without enable_lora")
 
     # ------------------------------------------------------------------ other routes
     def tokenize(self, body) -> dict:
@@ -336,8 +389,21 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         srv.admit(request)
-        card = schema.ModelCard(id=config.model_name, created=srv.created, max_model_len=llm.max_model_len)
-        return schema.ModelList(data=[card]).model_dump()
+        cards = [schema.ModelCard(id=config.model_name, created=srv.created, root=str(llm.model_path),
+                                  max_model_len=llm.max_model_len)]
+        cards += [schema.ModelCard(id=name, created=srv.created, root=req.lora_path, parent=config.model_name,
+                                   max_model_len=llm.max_model_len) for name, req in srv.loras.items()]
+        return schema.ModelList(data=cards).model_dump()
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        srv.admit(request)
+        return await asyncio.to_thread(srv.load_lora, await _json_body(request))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        srv.admit(request)
+        return await asyncio.to_thread(srv.unload_lora, await _json_body(request))
 
     @app.get("/health")
     async def health():

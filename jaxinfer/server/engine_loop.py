@@ -64,6 +64,7 @@ class Job:
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     on_row: Callable[[object], None] | None = None  # called on each new row (e.g. to attach a grammar)
     stream: bool = False  # the client reads each choice's text as it grows (no chained decode steps)
+    lora: object = None  # the rows' LoRA adapter (``lora.Adapter``), None: the base model
     # engine-thread state
     requests: list = dataclasses.field(default_factory=list)  # llm.Request per prompt
     rows: list = dataclasses.field(default_factory=list)  # in choice order
@@ -187,7 +188,7 @@ class EngineLoop:
             self._release(job.num_rows)
             return False
         for text, toks in job.prompts:
-            req = self.llm.new_request(str(len(job.requests)), text, toks, job.params, job.arrival)
+            req = self.llm.new_request(str(len(job.requests)), text, toks, job.params, job.arrival, lora=job.lora)
             job.requests.append(req)
             job.rows.extend(req.rows)
         job.sent = [(0, 0)] * len(job.rows)
