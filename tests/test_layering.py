@@ -9,9 +9,11 @@ Floors, top to bottom (a module belongs to the floor of its longest matching pre
                           aot (the engine's steps compiled for a target it need not run on)
     4 llm                 the public API (the ``jaxinfer`` package re-exports it)
     3 engine
-    2.5 loaders           (not at the bottom: they read each family's ModelFamily (checkpoint
+    2.5 loaders, lora     (not at the bottom: they read each family's ModelFamily (checkpoint
                           names, config parsing, weight_specs), so they sit on the models;
-                          ``loaders.gguf``, the GGUF container, needs nothing and stays below)
+                          ``loaders.gguf``, the GGUF container, needs nothing and stays below;
+                          lora reads adapters as the loaders read weights, into dispatch's
+                          LoRAWeight)
     2 models
     1 kernels, dispatch, cache   (dispatch: the one kernel choice and the ops that follow it)
     0 the rest: pallas_kernels, gguf parsing, tokenizer, sampling, registry, sharding, quant,
@@ -35,7 +37,7 @@ FLOORS = {
     "jaxinfer.train_eagle": 5, "jaxinfer.aot": 5,
     "jaxinfer.llm": 4, "jaxinfer": 4,
     "jaxinfer.engine": 3,
-    "jaxinfer.loaders": 2.5, "jaxinfer.loaders.gguf": 0,
+    "jaxinfer.loaders": 2.5, "jaxinfer.loaders.gguf": 0, "jaxinfer.lora": 2.5,
     "jaxinfer.models": 2,
     "jaxinfer.kernels": 1, "jaxinfer.dispatch": 1, "jaxinfer.cache": 1,
 }

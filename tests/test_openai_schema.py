@@ -57,7 +57,7 @@ def test_the_batch_guides_example_line():
     assert req == oai.BatchRequest(
         "request-1", 1, "chat",
         [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello world!"}],
-        None, SamplingParams(max_tokens=1000), True, None, None)
+        None, SamplingParams(max_tokens=1000), True, None, None, model="gpt-3.5-turbo-0125")
 
 
 @pytest.mark.parametrize("obj,code,param,text", [
