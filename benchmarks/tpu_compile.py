@@ -240,7 +240,9 @@ def main(argv=None):
                    kernels=args.kernels, kv_dtype=kind.kv_dtype or work.kv_dtype, rows=kind.rows, q=kind.q,
                    prefill=kind.prefill, chain=kind.chain, context=work.context,
                    compile_s=a["compile_s"], compile_s_l2=b["compile_s"], layers_compiled=[L1, L2],
-                   compile_s_scaled=scale(a["compile_s"], b["compile_s"]),
+                   # None where the deeper compile took no longer (the host's load varied)
+                   compile_s_scaled=(scale(a["compile_s"], b["compile_s"]) if b["compile_s"] > a["compile_s"]
+                                     else None),
                    n_layers=full.n_layers, hbm_bytes=target.hbm_bytes,
                    argument_bytes=rec_full["argument_bytes"], temp_bytes=rec_full["temp_bytes"],
                    output_bytes=rec_full["output_bytes"], alias_bytes=rec_full["alias_bytes"],
