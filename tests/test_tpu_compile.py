@@ -109,7 +109,7 @@ def _step(kind: aot.StepKind, cfg=WIDE, target="v5e-1", kv_dtype="bfloat16"):
 @pytest.mark.parametrize("target,kind", [
     ("v5e-1", aot.StepKind("decode", rows=8)),
     ("v5e-1", aot.StepKind("mixed", rows=4, prefill=64)),
-    ("v5e-1", aot.StepKind("mixed-long", rows=4, prefill=1024)),
+    pytest.param("v5e-1", aot.StepKind("mixed-long", rows=4, prefill=1024), marks=pytest.mark.slow),
     ("v5e-1", aot.StepKind("chain", rows=8, chain=2)),
     ("v6e-1", aot.StepKind("decode", rows=8)),
 ], ids=lambda x: x if isinstance(x, str) else x.name)
