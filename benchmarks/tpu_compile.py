@@ -19,6 +19,8 @@ layer-dependent figures to the model's depth (``scaled``). Figures per chip:
   step's tables name (every decode row at the full context of ``--context``), as their DMAs read them;
 * ``ideal_bytes``: the weights on the chip + the KV the rows read (the same pages) + the KV
   they write + the logits;
+* ``compile_s`` at the first depth, ``compile_s_scaled`` the two depths' times scaled to the
+  model's depth (a compile's time grows with the layers it unrolls);
 * ``projected_step_ms`` = bytes_accessed / the chip's HBM bandwidth, ``projected_mbu`` =
   ideal_bytes / bytes_accessed. These are projections: a compile cannot tell real DMA overlap,
   ICI contention or the host's time between steps.
@@ -178,7 +180,15 @@ def main(argv=None):
                          "fit the chip's HBM beside the weights)")
     ap.add_argument("--layers", type=int, nargs=2, default=None, metavar=("L1", "L2"),
                     help="the two depths compiled (default: one and two periods of the layer pattern)")
+    ap.add_argument("--compilation-cache", type=Path, default=None,
+                    help="write each executable to JAX's persistent compilation cache here (as LLM keeps one "
+                         "under $JAXINFER_HOME). On a TPU host a second run loads them instead of compiling; a CPU "
+                         "host compiling for a TPU topology can write entries but not load them (loading needs a "
+                         "TPU client), so there a second run shows only that the keys repeat: no new entries")
     args = ap.parse_args(argv)
+    if args.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", str(args.compilation_cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
     target = aot.TARGETS[args.target]
     full = model_config(args.model)
@@ -230,6 +240,9 @@ def main(argv=None):
                    kernels=args.kernels, kv_dtype=kind.kv_dtype or work.kv_dtype, rows=kind.rows, q=kind.q,
                    prefill=kind.prefill, chain=kind.chain, context=work.context,
                    compile_s=a["compile_s"], compile_s_l2=b["compile_s"], layers_compiled=[L1, L2],
+                   # None where the deeper compile took no longer (the host's load varied)
+                   compile_s_scaled=(scale(a["compile_s"], b["compile_s"]) if b["compile_s"] > a["compile_s"]
+                                     else None),
                    n_layers=full.n_layers, hbm_bytes=target.hbm_bytes,
                    argument_bytes=rec_full["argument_bytes"], temp_bytes=rec_full["temp_bytes"],
                    output_bytes=rec_full["output_bytes"], alias_bytes=rec_full["alias_bytes"],

@@ -265,9 +265,46 @@ def key_pool_shape(P: int, K: int, H: int, page_size: int, transposed: bool) -> 
     return (P, K, H, page_size) if transposed else (P, K, page_size, H)
 
 
-def write_pages(pool, page: jax.Array, off: jax.Array, new: jax.Array, *, keys_transposed: bool = False):
+def write_pages(pool, page: jax.Array, off: jax.Array, new: jax.Array, *, keys_transposed: bool = False,
+                whole_pages: int | None = None):
     """``pool`` (float, or ``QuantKV``) with tokens new [1, N, K, H] written at slot off i32[N]
     of page i32[N]: a values pool, or a keys pool of either layout ([P, K, H, ps] when
-    keys_transposed)."""
+    keys_transposed).
+
+    whole_pages: None writes each token's [K, H] where it goes (one scatter over the page and
+    slot dims). An int M (an upper bound on the distinct pages the tokens touch) rewrites the
+    M pages whole instead: read, the new tokens merged in, written back by page alone. A TPU
+    needs that: a scatter over two dims of [P, K, ps, H] wants P and ps next to each other in
+    memory, so for a big write (a prompt chunk), or inside a loop (a chain of steps), XLA
+    relays out the whole pool around it; whole pages scatter over P alone. Only for pools
+    laid out [P, K, ps, ...] (keys not transposed)."""
+    if whole_pages is not None:
+        if keys_transposed:
+            raise ValueError("whole_pages writes need pools laid out [P, K, page_size, H]")
+        return _write_whole_pages(pool, page, off, new[0], whole_pages)
     s = slice(None)
     return _store(pool, (page[None], s, s, off[None]) if keys_transposed else (page[None], s, off[None]), new)
+
+
+def _write_whole_pages(pool, page: jax.Array, off: jax.Array, new: jax.Array, M: int):
+    """write_pages's whole-page write of new [N, K, H] (M: at most this many distinct pages)."""
+    N = page.shape[0]
+    P, ps = pool.shape[0], pool.shape[2]
+    M = min(M, N)
+    # the distinct pages, sorted; the unused entries hold P (no page), whose writes are dropped
+    pages = jnp.unique(page, size=M, fill_value=P)
+    slot = jnp.searchsorted(pages, page)
+    src = jnp.full((M, ps), -1, jnp.int32).at[slot, off].set(jnp.arange(N, dtype=jnp.int32))  # token at each slot
+    hit = src >= 0
+    take = jnp.maximum(src, 0)
+
+    def merge(buf, upd):  # buf [P, K, ps, ...], upd [N, K, ...] -> buf with its M pages rewritten
+        old = buf.at[pages].get(mode="fill", fill_value=0)  # [M, K, ps, ...]
+        put = jnp.moveaxis(upd[take], 1, 2)  # [M, ps, K, ...] -> [M, K, ps, ...]
+        mask = hit.reshape(M, 1, ps, *(1,) * (old.ndim - 3))
+        return buf.at[pages].set(jnp.where(mask, put.astype(buf.dtype), old), mode="drop", unique_indices=True)
+
+    if isinstance(pool, QuantKV):
+        q, scale = quantize_kv(new, axis=-1)
+        return QuantKV(merge(pool.values, q), merge(pool.scale, scale), pool.axis)
+    return merge(pool, new)

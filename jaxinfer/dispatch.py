@@ -444,6 +444,14 @@ def keys_transposed(k: Kernels, platform: str) -> bool:
     return platform == "cpu" and k.attention != Attention.PALLAS
 
 
+def whole_page_writes(k: Kernels, keys_transposed: bool) -> bool:
+    """Whether the engine writes its page pools a whole page at a time (``cache.write_pages``'s
+    ``whole_pages``) rather than a token at a time: on TPU, where a scatter over a pool's page
+    and slot dims makes XLA relay out the whole pool (a prompt chunk's write, or any write
+    inside a chain's loop)."""
+    return not keys_transposed and _common.resolve_platform(k.platform) == "tpu"
+
+
 def paged_path(k: Kernels, kpool, vpool, *, defer_writes: bool, sinks: bool = False,
                decode_only: bool = False, keys_transposed: bool = True) -> PagedPath:
     """The path of a packed step's layer over pools kpool [P, K, H, ps] (keys_transposed) or

@@ -157,6 +157,24 @@ def finish_softmax(l, acc):
     return acc / jnp.where(l == 0.0, 1.0, l)
 
 
+# The scoped VMEM a Mosaic kernel gets by default, by TPU generation (XLA's default
+# --xla_tpu_scoped_vmem_limit_kib): a kernel whose double-buffered blocks need more fails to
+# compile. v6e doubles it; an unknown chip (or none: interpret mode) gets the smaller.
+SCOPED_VMEM_BYTES = {"v5e": 16 << 20, "v5p": 16 << 20, "v4": 16 << 20, "v6e": 32 << 20}
+
+
+def scoped_vmem_bytes() -> int:
+    """The default scoped VMEM of the TPU being compiled for (the device kind Pallas reads:
+    the abstract mesh's inside a shard_map, else the default device's), at trace time."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    try:
+        version = pltpu.get_tpu_info().chip_version.name.lower()  # "tpu_v5e", ...
+    except (ValueError, RuntimeError, AttributeError):
+        return min(SCOPED_VMEM_BYTES.values())
+    return SCOPED_VMEM_BYTES.get(version.removeprefix("tpu_"), min(SCOPED_VMEM_BYTES.values()))
+
+
 def page_kernel_fits(page_size: int, dtype, *, platform: str | None = None) -> bool:
     """Whether this platform's paged-attention variants take pages of page_size for pools of
     dtype (the checks they make, asked before calling): TPU tiles need a multiple of the

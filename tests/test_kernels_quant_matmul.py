@@ -190,6 +190,24 @@ def test_gpu_default_tiles_fit_shared_memory_and_divide_the_weight():
     assert_close(run_interpreted(lambda *a: qm.weight_only_matmul_gpu(*a, interpret=INTERPRET), x, w, ws), ref)
 
 
+def test_tpu_blocks_shrink_to_the_chips_scoped_vmem():
+    """fit_vmem: a 70B LM head per chip of 8 (I 8192, O 16032, which no multiple of 128
+    divides, so block_n is all of it) at 64 rows needed 19.8 MB of VMEM against v5e's 16 MB;
+    the contraction step shrinks (still dividing I), then the rows, until the blocks fit; blocks
+    that fit are left alone; a budget nothing fits stops at the smallest legal blocks."""
+    from pallas_kernels.quant_matmul.common import fit_vmem
+
+    def wo(m, k, bn=16032):  # weight-only, bf16 activations: double-buffered blocks + f32 accumulator
+        return 2 * (m * k * 2 + k * bn + 8 * bn * 4 + m * bn * 2) + m * bn * 4
+
+    budget = (16 << 20) * 3 // 4
+    bm, bk = fit_vmem(64, 512, I=8192, k_align=128, m_align=16, footprint=wo, budget=budget)
+    assert (bm, bk) == (32, 128) and wo(bm, bk) <= budget < wo(64, 512)
+    assert fit_vmem(64, 512, I=4096, k_align=128, m_align=16, footprint=lambda m, k: wo(m, k, 256),
+                    budget=budget) == (64, 512)
+    assert fit_vmem(64, 384, I=1152, k_align=128, m_align=16, footprint=wo, budget=1) == (16, 128)
+
+
 def test_dispatch_picks_reference_on_cpu_and_kernel_when_interpreting(monkeypatch):
     calls = []
     monkeypatch.setattr(qm, "int8_matmul_reference", lambda *a, **k: calls.append("ref"))

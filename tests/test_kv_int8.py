@@ -67,13 +67,15 @@ def test_int8_dense_cache_logits_close_to_float():
     assert (got.argmax(-1) == ref.argmax(-1)).mean() > 0.95
 
 
-@pytest.mark.parametrize("native,keys_transposed", [(False, True), (True, True), (False, False)])
-def test_int8_paged_cache_equals_int8_dense(native, keys_transposed):
+@pytest.mark.parametrize("native,keys_transposed,platform", [(False, True, None), (True, True, None),
+                                                               (False, False, None), (False, False, "tpu")])
+def test_int8_paged_cache_equals_int8_dense(native, keys_transposed, platform):
     """Same quantization per (token, head) in both layouts: decode rows over int8 pages (the
     engine's packed steps, XLA's readers or the native kernels) = decode over the dense int8 cache.
     The prefixes go in as decode rows, which read back their own quantized keys as the dense
     cache's prefill does (the prefill row attends to its own tokens unquantized). Keys pools
-    of either layout: [P, K, ps, H] ones keep their scales over the last axis, as values do."""
+    of either layout: [P, K, ps, H] ones keep their scales over the last axis, as values do;
+    and a TPU's writes of whole pages."""
     from jaxinfer import dispatch
     from tests.kernel_testing import packed_decode_logits
 
@@ -82,7 +84,7 @@ def test_int8_paged_cache_equals_int8_dense(native, keys_transposed):
     w = init_weights(llama.weight_specs(CFG), CFG, jax.random.key(3), scale=0.2)
     tokens = jax.random.randint(jax.random.key(4), (2, 13), 0, CFG.vocab_size)
     dense, _ = _decode_logits(w, tokens, kv.init_cache(CFG, 2, 16, "int8"))
-    kernels = dispatch.Kernels(dispatch.Attention.NATIVE) if native else dispatch.XLA
+    kernels = dispatch.Kernels(dispatch.Attention.NATIVE) if native else dispatch.Kernels(platform=platform)
     paged = packed_decode_logits(llama, CFG, w, np.asarray(tokens), [5, 5], 8, page_size=4, num_pages=12,
                                  kv_dtype="int8", kernels=kernels, prefill_row=False,
                                  keys_transposed=keys_transposed)

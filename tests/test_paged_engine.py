@@ -25,18 +25,41 @@ CFG = ModelConfig(family="llama", vocab_size=97, d_model=48, n_layers=2, n_heads
 
 
 # ----------------------------------------------------------------------------- paged attention
-@pytest.mark.parametrize("native,keys_transposed", [(False, True), (True, True), (False, False)])
-def test_packed_steps_over_poisoned_pages_equal_the_full_forward(native, keys_transposed):
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_whole_page_writes_equal_token_writes(kv_dtype):
+    """cache.write_pages writing whole pages (a TPU's) leaves every page as the token-by-token
+    scatter does: a decode row, a prompt segment from mid-page across three pages, a second
+    segment, and padding on the scratch page 0 (whose contents are anyone's)."""
+    from jaxinfer import cache as kv
+
+    pools = kv.init_paged_cache(CFG, 12, 4, kv_dtype, keys_transposed=False)
+    pool = jax.tree.map(lambda a: jax.random.normal(jax.random.key(1), a.shape).astype(a.dtype)
+                        if a.dtype != jnp.int8 else a, pools.v[0])
+    page = np.array([5, 7, 7, 8, 8, 8, 8, 9, 3, 3, 0, 0], np.int32)
+    pos = np.array([21, 2, 3, 4, 5, 6, 7, 8, 0, 1, 0, 0], np.int32)
+    new = jax.random.normal(jax.random.key(2), (1, len(page), CFG.n_kv_heads, CFG.head_dim))
+    want = kv.write_pages(pool, jnp.asarray(page), jnp.asarray(pos % 4), new)
+    got = kv.write_pages(pool, jnp.asarray(page), jnp.asarray(pos % 4), new, whole_pages=6)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g)[1:], np.asarray(w)[1:])
+    with pytest.raises(ValueError, match="whole_pages"):
+        kv.write_pages(pool, jnp.asarray(page), jnp.asarray(pos % 4), new, keys_transposed=True, whole_pages=6)
+
+
+@pytest.mark.parametrize("native,keys_transposed,platform", [(False, True, None), (True, True, None),
+                                                               (False, False, None), (False, False, "tpu")])
+def test_packed_steps_over_poisoned_pages_equal_the_full_forward(native, keys_transposed, platform):
     """Prompts written to scattered NaN-poisoned pages by one packed step, then decode rows of
     three queries each reading them back: every query's logits equal the full forward pass's
     (no cache) at its position, through XLA's readers and the native CPU kernels, over keys
-    pools of either layout (transposed: the CPU's; [P, K, ps, H]: a TPU's, read by XLA)."""
+    pools of either layout (transposed: the CPU's; [P, K, ps, H]: a TPU's, read by XLA), and
+    with a TPU's writes of whole pages."""
     from jaxinfer import dispatch
     from tests.kernel_testing import packed_decode_logits
 
     if native:
         require_native("paged_attention")
-    kernels = dispatch.Kernels(dispatch.Attention.NATIVE) if native else dispatch.XLA
+    kernels = dispatch.Kernels(dispatch.Attention.NATIVE) if native else dispatch.Kernels(platform=platform)
     w = init_weights(llama.weight_specs(CFG), CFG, jax.random.key(0), scale=0.2)
     lens, T = [5, 11, 2], 3
     rng = np.random.default_rng(0)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import dispatch
 from jaxinfer import sampling as smp
 from jaxinfer.cache import write_pages
 from jaxinfer.models import eagle as eagle_mod
@@ -104,9 +105,12 @@ def store_chosen(cache: PackedKV, batch: PackedBatch, chosen: jax.Array, W: int)
         page = batch.write_wpage if windowed else batch.write_page
         off = batch.positions % vs[layer].shape[2]
         k, v = (pick(a[0], chosen, R, W, Q)[None] for a in (k, v))
+        whole = (batch.pages_written(vs[layer].shape[2])
+                 if dispatch.whole_page_writes(cache.kernels, cache.keys_transposed) else None)
         if ks[layer] is not None:  # (a latent pool stores the latent once, as its values)
-            ks[layer] = write_pages(ks[layer], page, off, k, keys_transposed=cache.keys_transposed)
-        vs[layer] = write_pages(vs[layer], page, off, v)
+            ks[layer] = write_pages(ks[layer], page, off, k, keys_transposed=cache.keys_transposed,
+                                    whole_pages=whole)
+        vs[layer] = write_pages(vs[layer], page, off, v, whole_pages=whole)
     return PackedKV(ks, vs, batch, cache.windowed, cache.kernels, keys_transposed=cache.keys_transposed)
 
 

@@ -114,6 +114,16 @@ class PackedBatch:
     def prefill_len(self) -> int:  # Tp
         return self.seg.shape[0]
 
+    def pages_written(self, page_size: int) -> int:
+        """At most how many distinct pages (of one pool) the step's tokens write: each decode
+        row's q consecutive positions, each prefill segment's run of positions, and the
+        scratch page of the padding."""
+        R, Q, Tp = self.rows, self.q, self.prefill_len
+        segments = self.max_segments or Tp
+        per_row = min(Q, -(-(Q - 1) // page_size) + 1)
+        prefill = min(Tp, -(-Tp // page_size) + 2 * segments) + 1 if Tp else 0
+        return R * per_row + prefill + 1
+
     @property
     def decode_only(self) -> bool:
         """Decode rows of one query each and no prefill row (from shapes alone, so static):
@@ -164,9 +174,11 @@ class PackedKV:
             cache = self
         else:
             off = b.positions % ps
+            whole = b.pages_written(ps) if dispatch.whole_page_writes(self.kernels, self.keys_transposed) else None
             if ks[layer] is not None:  # (a latent pool: the latent is stored once, as the values)
-                ks[layer] = write_pages(ks[layer], page, off, k, keys_transposed=self.keys_transposed)
-            vs[layer] = write_pages(vs[layer], page, off, v)
+                ks[layer] = write_pages(ks[layer], page, off, k, keys_transposed=self.keys_transposed,
+                                        whole_pages=whole)
+            vs[layer] = write_pages(vs[layer], page, off, v, whole_pages=whole)
             cache = PackedKV(ks, vs, b, self.windowed, self.kernels, keys_transposed=self.keys_transposed)
         R, Q, Tp = b.rows, b.q, b.prefill_len
         table, base = (b.wtable, b.wbase) if self._is_windowed(layer) else (b.table, None)

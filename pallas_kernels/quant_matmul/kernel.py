@@ -26,10 +26,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import check, is_pow2, pad_axis, pick_variant, round_up, sublane
+from pallas_kernels._common import check, is_pow2, pad_axis, pick_variant, round_up, scoped_vmem_bytes, sublane
 from pallas_kernels.quant_matmul.common import (
     BlockSizes,
     fit_block,
+    fit_vmem,
     unpack_halves,
     validate_int8,
     validate_weight_only,
@@ -94,6 +95,12 @@ def _int8_tpu_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, acc_ref):
         o_ref[...] = out.astype(o_ref.dtype)
 
 
+def _budget() -> int:
+    """VMEM the automatic block sizes may fill: the chip's default scoped VMEM less room for
+    Mosaic's own scratch."""
+    return scoped_vmem_bytes() * 3 // 4
+
+
 def int8_matmul_tpu(
     x, x_scale, w, w_scale, *, out_dtype=jnp.float32, block_sizes=None, interpret=False
 ):
@@ -107,6 +114,11 @@ def int8_matmul_tpu(
     bm = min(bs.block_m, round_up(M, 32))
     bn = _tile(O, bs.block_n, 128, "block_n", given)
     bk = _tile(I, bs.block_k, 128, "block_k", given)
+    if not given:
+        ob = jnp.dtype(out_dtype).itemsize
+        bm, bk = fit_vmem(bm, bk, I=I, k_align=128, m_align=32, budget=_budget(),
+                          footprint=lambda m, k: 2 * (m * k + m * 128 * 4 + k * bn + 8 * bn * 4 + m * bn * ob)
+                          + m * bn * 4)
     Mp = round_up(M, bm)
     out = pl.pallas_call(
         _int8_tpu_kernel,
@@ -230,6 +242,11 @@ def weight_only_matmul_tpu(x, w, w_scale, *, block_sizes=None, interpret=False):
         s_spec = pl.BlockSpec((nb, 1, bn), lambda i, j, kk: (kk, 0, j))
     else:
         bk = _tile(I, bs.block_k, 128, "block_k", given)
+        if not given:
+            xb = x.dtype.itemsize
+            bm, bk = fit_vmem(bm, bk, I=I, k_align=128, m_align=sub, budget=_budget(),
+                              footprint=lambda m, k: 2 * (m * k * xb + k * bn + 8 * bn * 4 + m * bn * xb)
+                              + m * bn * 4)
         w_in, s_in = w, w_scale.astype(jnp.float32)[None, :]
         w_spec = pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))
         s_spec = pl.BlockSpec((1, bn), lambda i, j, kk: (0, j))
