@@ -358,7 +358,7 @@ def test_quantized_model_through_the_kernels_equals_xla(tiny_gguf, monkeypatch, 
     sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
     prompt = "The quick brown fox"
     calls = []
-    for name in ("int8_gemv", "wo8_gemv", "wo8_gemm", "int8_amx"):
+    for name in ("int8_gemv", "wo8_gemv", "wo8_gemm", "s8_gemm", "int8_amx"):
         real = getattr(ck, name)
         monkeypatch.setattr(ck, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     native = LLM(str(tiny_gguf), quantization=scheme, progress=False, max_num_seqs=2, kernels=kernels).generate(prompt, sp)[0]
