@@ -108,7 +108,8 @@ def test_weight_only_gemm_is_one_fma_chain_per_output(M, O):
         np.testing.assert_array_equal(got[t], want)
 
 
-@pytest.mark.parametrize("M,I,O", WO8_SHAPES + [(3, 2048, 40)])
+# 1-4 rows: blocks of 64 / 32 / 16 columns, then 16, then the scalar tail
+@pytest.mark.parametrize("M,I,O", WO8_SHAPES + [(3, 2048, 40), (1, 31, 85), (2, 96, 90), (4, 65, 33)])
 @pytest.mark.parametrize("threads", [1, 3])
 @needs_int8
 def test_s8_gemm_equals_xla_s8_dot(M, I, O, threads):

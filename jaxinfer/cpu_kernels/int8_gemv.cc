@@ -612,6 +612,79 @@ using S8Rows = void (*)(const int16_t*, const int16_t*, int32_t*, int64_t, int64
 constexpr S8Rows kS8Rows[kG + 1] = {nullptr,         s8_rows_avx2<1>, s8_rows_avx2<2>, s8_rows_avx2<3>,
                                     s8_rows_avx2<4>, s8_rows_avx2<5>, s8_rows_avx2<6>};
 
+// Up to 4 rows (batch-1 decode, small batches): no panel. Each pair of weight rows is widened to
+// int16 pairs in registers (the two rows' 16 bytes interleaved: columns 0-7 and 8-15 in order),
+// NV of those 16-column pieces per block (4 at one row: 64 columns, one cache line of each row,
+// 8 accumulators), prefetched a few blocks ahead, as wo8's few-row path does.
+template <int G, int NV>
+__attribute__((target("avx2"))) void s8_direct_avx2(const int16_t* x2, const int8_t* w, int32_t* out, int64_t ldx,
+                                                    int64_t I, int64_t O, int64_t o, int64_t k0, int64_t k1,
+                                                    const int8_t* pf) {
+  static_assert(G >= 1 && G * NV * 2 <= 12);
+  __m256i acc[G][2 * NV];
+#pragma GCC unroll 8
+  for (int m = 0; m < G; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * NV; ++j)
+      acc[m][j] = k0 == 0 ? _mm256_setzero_si256()
+                          : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + m * O + o + 8 * j));
+  for (int64_t k = k0; k < k1; k += 2) {  // k1 <= I rounded up to even; a row past I is zeros
+    const int8_t* a = w + k * O + o;
+    _mm_prefetch(reinterpret_cast<const char*>(pf + k * O), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pf + (k + 1) * O), _MM_HINT_T0);
+    __m256i xb[G];
+#pragma GCC unroll 8
+    for (int m = 0; m < G; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x2 + m * ldx + k, sizeof(pair));
+      xb[m] = _mm256_set1_epi32(pair);
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 16 * v));
+      const __m128i r1 = k + 1 < I ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + O + 16 * v))
+                                   : _mm_setzero_si128();
+      const __m256i p0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(r0, r1));
+      const __m256i p1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(r0, r1));
+#pragma GCC unroll 8
+      for (int m = 0; m < G; ++m) {
+        acc[m][2 * v] = _mm256_add_epi32(acc[m][2 * v], _mm256_madd_epi16(xb[m], p0));
+        acc[m][2 * v + 1] = _mm256_add_epi32(acc[m][2 * v + 1], _mm256_madd_epi16(xb[m], p1));
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < G; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * NV; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * O + o + 8 * j), acc[m][j]);
+}
+
+// Columns [o, c1) of G rows in blocks of 16 NV columns; returns the first column left.
+template <int G, int NV>
+int64_t s8_direct_blocks(const int16_t* x2, const int8_t* w, int32_t* out, int64_t ldx, int64_t I, int64_t O,
+                         int64_t o, int64_t c1) {
+  constexpr int64_t CB = 16 * NV, KC = 32;  // KC: weight rows (16 pairs) per pass
+  const int64_t I2 = (I + 1) & ~int64_t(1), nb = (c1 - o) / CB, ahead = (kAheadDirect + CB - 1) / CB;
+  for (int64_t k0 = 0; k0 < I2 && nb; k0 += KC) {
+    const int64_t k1 = std::min(k0 + KC, I2);
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* pf = b + ahead < nb ? w + o + (b + ahead) * CB : w + (k1 - k0) * O + o + (b + ahead - nb) * CB;
+      s8_direct_avx2<G, NV>(x2, w, out, ldx, I, O, o + b * CB, k0, k1, pf);
+    }
+  }
+  return o + nb * CB;
+}
+
+template <int G>
+int64_t s8_direct_rows(const int16_t* x2, const int8_t* w, int32_t* out, int64_t ldx, int64_t I, int64_t O,
+                       int64_t c0, int64_t c1) {
+  constexpr int NV = G == 1 ? 4 : G == 2 ? 2 : 1;
+  int64_t o = s8_direct_blocks<G, NV>(x2, w, out, ldx, I, O, c0, c1);
+  if constexpr (NV > 1) o = s8_direct_blocks<G, 1>(x2, w, out, ldx, I, O, o, c1);
+  return o;
+}
+
 __attribute__((target("avx2"))) void run_s8_avx2(const Job& j) {  // c0 a multiple of kW
   const auto* x = static_cast<const int8_t*>(j.x);
   const auto* w = static_cast<const int8_t*>(j.w);
@@ -623,6 +696,17 @@ __attribute__((target("avx2"))) void run_s8_avx2(const Job& j) {  // c0 a multip
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t k = 0; k < I; ++k) x2[m * I2 + k] = x[m * I + k];
       if (I2 != I) x2[m * I2 + I] = 0;
+    }
+    if (M <= 4 && I > 0) {
+      int64_t o = j.c0;
+      switch (M) {
+        case 1: o = s8_direct_rows<1>(x2.get(), w, out, I2, I, O, j.c0, j.c1); break;
+        case 2: o = s8_direct_rows<2>(x2.get(), w, out, I2, I, O, j.c0, j.c1); break;
+        case 3: o = s8_direct_rows<3>(x2.get(), w, out, I2, I, O, j.c0, j.c1); break;
+        default: o = s8_direct_rows<4>(x2.get(), w, out, I2, I, O, j.c0, j.c1); break;
+      }
+      if (o < j.c1) gemv_scalar(x, w, out, M, I, O, O, 0, o, j.c1);
+      return;
     }
     alignas(64) int16_t panel[2 * kKc2 * kW];
     for (int64_t m0 = 0; m0 < M; m0 += kMc) {
