@@ -323,9 +323,9 @@ def s8_dot(w, xq: jax.Array) -> jax.Array:
     if native and few and cpu_kernels.available() and (
             cpu_kernels.int8_isa(xq.shape[0]) == "avx512bw" or not cpu_kernels.s8_gemm_available()):
         # a few rows (batch-1 decode): the native kernel streams the weight as stored, where
-        # XLA's dot would repack all of it first. On AVX2 s8_gemm takes them instead: its
-        # panels ran SmolLM2's projections at 1 / 2 / 4 rows in 14.8 / 21.3 / 18.5 ms of CPU
-        # against int8_gemv's 29.3 / 28.1 / 37.7 (benchmarks/kernel_cpu_time.cc, Zen 3)
+        # XLA's dot would repack all of it first. On AVX2 s8_gemm takes them instead: it ran
+        # SmolLM2's projections at 1 / 2 / 4 rows in 9.3 / 9.9 / 16.5 ms of CPU against
+        # int8_gemv's 29.3 / 28.1 / 37.7 (benchmarks/kernel_cpu_time.cc, Zen 3)
         _ran("s8_dot", f"int8_gemv/{cpu_kernels.int8_isa(xq.shape[0])}")
         return cpu_kernels.int8_gemv(xq, w.values_io())
     if native and cpu_kernels.s8_gemm_available() and (few or not cpu_kernels.has_vnni()):
