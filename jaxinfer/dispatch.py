@@ -323,15 +323,19 @@ def s8_dot(w, xq: jax.Array) -> jax.Array:
     if w.layout == "amx" and native and cpu_kernels.amx_available():
         _ran("s8_dot", "int8_amx")
         return cpu_kernels.int8_amx(xq, w.values)  # the weight was packed once, by bind
-    if native and xq.shape[0] <= cpu_kernels.MAX_ROWS and cpu_kernels.available():
+    few = xq.shape[0] <= cpu_kernels.MAX_ROWS
+    if native and few and cpu_kernels.available() and (
+            cpu_kernels.int8_isa(xq.shape[0]) == "avx512bw" or not cpu_kernels.s8_gemm_available()):
         # a few rows (batch-1 decode): the native kernel streams the weight as stored, where
-        # XLA's dot would repack all of it first
+        # XLA's dot would repack all of it first. On AVX2 s8_gemm takes them instead: it ran
+        # SmolLM2's projections at 1 / 2 / 4 rows in 9.3 / 9.9 / 16.5 ms of CPU against
+        # int8_gemv's 29.3 / 28.1 / 37.7 (benchmarks/kernel_cpu_time.cc, Zen 3)
         _ran("s8_dot", f"int8_gemv/{cpu_kernels.int8_isa(xq.shape[0])}")
         return cpu_kernels.int8_gemv(xq, w.values_io())
-    if native and cpu_kernels.s8_gemm_available() and not cpu_kernels.has_vnni():
+    if native and cpu_kernels.s8_gemm_available() and (few or not cpu_kernels.has_vnni()):
         # more rows on a CPU without VNNI (AVX2 only: AMD Zen 2/3, older Intel): the native
         # kernel's vpmaddwd streams the weight once per block of rows; XLA's dot repacks it per call.
-        # With VNNI, XLA's dot (YNNPACK's vpdpbusd) keeps them.
+        # With VNNI, XLA's dot (YNNPACK's vpdpbusd) keeps them (a few rows: see above).
         _ran("s8_dot", "s8_gemm/avx2")
         return cpu_kernels.s8_gemm(xq, w.values_io())
     _ran("s8_dot", "xla")

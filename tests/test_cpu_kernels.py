@@ -84,14 +84,17 @@ def test_weight_only_gemm_equals_its_reference(M, I, O):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("M", [1, 3, 8, 64, 200, 512])
+# O = 149: one row's 64-column blocks, a few rows' 32- or 24-column ones, a 16-column block and a
+# tail; 7-16 rows: groups of up to 4 rows on 24-column blocks, then a 16-column block (O = 40, 43)
+@pytest.mark.parametrize("M,O", [(1, 37), (1, 149), (2, 149), (3, 37), (3, 149), (4, 149), (5, 149), (8, 37),
+                                 (8, 149), (10, 43), (16, 40), (64, 37), (200, 37), (512, 37)])
 @needs_int8
-def test_weight_only_gemm_is_one_fma_chain_per_output(M):
+def test_weight_only_gemm_is_one_fma_chain_per_output(M, O):
     """Every output is one FMA chain over the input channels in order, whatever code computes
     it (registers, panel, scalar tail, AVX-512 or AVX2) and however many threads share the call:
     the bits of that chain computed here in numpy, and the same bits at 1, 2 and 4 threads."""
     rng = np.random.default_rng(M)
-    I, O = 70, 37
+    I = 70
     x = rng.normal(size=(M, I)).astype(np.float32)
     w = rng.integers(-128, 128, (I, O)).astype(np.int8)
     got = {t: np.asarray(jax.jit(lambda x, w, t=t: ck.wo8_gemm(x, w, threads=t))(x, w)) for t in (1, 2, 4)}
@@ -105,7 +108,8 @@ def test_weight_only_gemm_is_one_fma_chain_per_output(M):
         np.testing.assert_array_equal(got[t], want)
 
 
-@pytest.mark.parametrize("M,I,O", WO8_SHAPES + [(3, 2048, 40)])
+# 1-4 rows: blocks of 64 / 32 / 16 columns, then 16, then the scalar tail
+@pytest.mark.parametrize("M,I,O", WO8_SHAPES + [(3, 2048, 40), (1, 31, 85), (2, 96, 90), (4, 65, 33)])
 @pytest.mark.parametrize("threads", [1, 3])
 @needs_int8
 def test_s8_gemm_equals_xla_s8_dot(M, I, O, threads):
@@ -355,7 +359,7 @@ def test_quantized_model_through_the_kernels_equals_xla(tiny_gguf, monkeypatch, 
     sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
     prompt = "The quick brown fox"
     calls = []
-    for name in ("int8_gemv", "wo8_gemv", "wo8_gemm", "int8_amx"):
+    for name in ("int8_gemv", "wo8_gemv", "wo8_gemm", "s8_gemm", "int8_amx"):
         real = getattr(ck, name)
         monkeypatch.setattr(ck, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     native = LLM(str(tiny_gguf), quantization=scheme, progress=False, max_num_seqs=2, kernels=kernels).generate(prompt, sp)[0]

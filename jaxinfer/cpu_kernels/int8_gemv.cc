@@ -274,7 +274,8 @@ __attribute__((target("avx512f,avx512bw"))) void run_wo8_avx512(const Job& j) { 
 }
 
 // ----------------------------------------------------------------------------- AVX2
-// Weight-only int8 for any number of rows in AVX2 + FMA (16 ymm registers of 8 lanes). The
+// Weight-only int8 for any number of rows in AVX2 + FMA (16 ymm registers of 8 lanes). Up to
+// kDirectMax rows widen the weight in registers ("Few rows", below). More rows: the
 // columns go in blocks of 16 (two vectors); a block's int8 weight rows [k0, k1) are widened to
 // float32 once, into a small panel that stays in L1 (kKc x 16 floats: 8 KB), and every group of
 // up to kG rows of the current row block then runs its FMAs from the panel: kG x 2 accumulators,
@@ -302,14 +303,10 @@ __attribute__((target("avx2,fma"))) void widen_panel(const int8_t* w, int64_t O,
 // The accumulators are named variables, not an array: g++ kept an array's 12 vectors on the
 // stack as well, storing them all on every k (half the speed).
 #define JAXINFER_WO8_ROWS(X)   X(0) X(1) X(2) X(3) X(4) X(5)
-// kDirect: no panel; the int8 weight rows are read and widened in registers (one group of
-// rows, so nothing would share a panel): w points at the weight's column o.
-template <int G, bool kDirect>
-__attribute__((target("avx2,fma"))) void wo8_rows_avx2(const float* x, const void* src, float* out, int64_t I,
+template <int G>
+__attribute__((target("avx2,fma"))) void wo8_rows_avx2(const float* x, const float* panel, float* out, int64_t I,
                                                        int64_t O, int64_t o, int64_t k0, int64_t k1) {
   static_assert(G >= 1 && G <= 6);
-  const auto* panel = static_cast<const float*>(src);
-  const auto* w = static_cast<const int8_t*>(src) + k0 * O;
   __m256 a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5;
 #define LOAD(m)                                                                    \
   if constexpr (m < G) {                                                           \
@@ -320,15 +317,8 @@ __attribute__((target("avx2,fma"))) void wo8_rows_avx2(const float* x, const voi
 #undef LOAD
   const float* p = panel;
   const float* xk = x + k0;
-  for (int64_t k = k0; k < k1; ++k, p += kW, w += O, ++xk) {
-    __m256 w0, w1;
-    if constexpr (kDirect) {
-      w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
-      w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8))));
-    } else {
-      w0 = _mm256_load_ps(p);
-      w1 = _mm256_load_ps(p + 8);
-    }
+  for (int64_t k = k0; k < k1; ++k, p += kW, ++xk) {
+    const __m256 w0 = _mm256_load_ps(p), w1 = _mm256_load_ps(p + 8);
 #define FMA(m)                                          \
   if constexpr (m < G) {                                \
     const __m256 xb = _mm256_broadcast_ss(xk + m * I);  \
@@ -348,15 +338,9 @@ __attribute__((target("avx2,fma"))) void wo8_rows_avx2(const float* x, const voi
 }
 #undef JAXINFER_WO8_ROWS
 
-using Wo8Rows = void (*)(const float*, const void*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
-template <bool D>
-constexpr Wo8Rows kWo8Rows[kG + 1] = {nullptr,
-                                      wo8_rows_avx2<1, D>,
-                                      wo8_rows_avx2<2, D>,
-                                      wo8_rows_avx2<3, D>,
-                                      wo8_rows_avx2<4, D>,
-                                      wo8_rows_avx2<5, D>,
-                                      wo8_rows_avx2<6, D>};
+using Wo8Rows = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+constexpr Wo8Rows kWo8Rows[kG + 1] = {nullptr,          wo8_rows_avx2<1>, wo8_rows_avx2<2>, wo8_rows_avx2<3>,
+                                      wo8_rows_avx2<4>, wo8_rows_avx2<5>, wo8_rows_avx2<6>};
 
 // The scalar chain for columns [o0, o1): the same FMA chain as the vector lanes.
 void wo8_scalar(const float* x, const int8_t* w, float* out, int64_t M, int64_t I, int64_t O, int64_t o0,
@@ -369,19 +353,164 @@ void wo8_scalar(const float* x, const int8_t* w, float* out, int64_t M, int64_t 
     }
 }
 
+// Few rows (G <= kG: batch-1 decode, a small batch, a verification step's rows): no panel, the
+// int8 weight widened in registers, NV vectors of 8 columns per block (G * NV <= 12
+// accumulators). One row takes 8 (a block of 64 columns: one cache line of each weight row), so
+// that 8 independent FMA chains cover the FMA's latency; the two 16-column chains of the panel
+// path left one row latency-bound. A block runs kKcDirect weight rows per pass (64 for the
+// 16-column blocks of 4-6 rows, whose accumulators would otherwise go back and forth to `out`
+// more often than they compute) and prefetches the same rows kAheadDirect bytes of columns
+// ahead: a block's int8 rows are O bytes apart, and without it every pass waited on its misses.
+// Measured on the Zen 3 box (one thread, its CPU time, SmolLM2's 30 layers of projections,
+// ms), M = 1 / 2 / 4 / 6 / 8 / 12: the panel path 19.6 / 22.2 / 22.6 / 28.8 / 49.6 / 57.9, this
+// (and wo8_direct_groups from 7 rows) 9.6 / 10.7 / 13.6 / 20.9 / 30.8 / 38.4, f32_gemv on the
+// float32 weights 33.5 / 29.9 / 34.2 / 35.5 / 41.6 / 54.1.
+// Each output is still one FMA chain over k in order.
+constexpr int64_t kKcDirect = 16;
+constexpr int64_t kAheadDirect = 256;
+
+__attribute__((target("avx2,fma"))) inline __m256 widen8(const int8_t* p) {  // 8 int8 -> 8 float32
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int G, int NV>
+__attribute__((target("avx2,fma"))) void wo8_direct_avx2(const float* x, const int8_t* w, float* out, int64_t I,
+                                                         int64_t O, int64_t o, int64_t k0, int64_t k1,
+                                                         const int8_t* pf) {
+  static_assert(G >= 1 && G * NV <= 12);
+  __m256 acc[G][NV];
+#pragma GCC unroll 8
+  for (int m = 0; m < G; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j)
+      acc[m][j] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * O + o + 8 * j);
+  const int8_t* row = w + k0 * O + o;
+  for (int64_t k = k0; k < k1; ++k, row += O) {
+    for (int64_t p = 0; p < 8 * NV; p += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + k * O + p), _MM_HINT_T0);
+    if constexpr (G * NV + G + 1 <= 16) {  // the G broadcasts held, one weight vector at a time
+      __m256 xb[G];
+#pragma GCC unroll 8
+      for (int m = 0; m < G; ++m) xb[m] = _mm256_broadcast_ss(x + m * I + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) {
+        const __m256 wv = widen8(row + 8 * j);
+#pragma GCC unroll 8
+        for (int m = 0; m < G; ++m) acc[m][j] = _mm256_fmadd_ps(xb[m], wv, acc[m][j]);
+      }
+    } else {  // the NV weight vectors held, one broadcast at a time (else 6 rows would spill)
+      __m256 wv[NV];
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) wv[j] = widen8(row + 8 * j);
+#pragma GCC unroll 8
+      for (int m = 0; m < G; ++m) {
+        const __m256 xb = _mm256_broadcast_ss(x + m * I + k);
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; ++j) acc[m][j] = _mm256_fmadd_ps(xb, wv[j], acc[m][j]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < G; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + m * O + o + 8 * j, acc[m][j]);
+}
+
+using Wo8Direct = void (*)(const float*, const int8_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           const int8_t*);
+
+// Columns [o, c1) of G rows in blocks of NV vectors; returns the first column left (fewer than
+// 8 * NV).
+template <int G, int NV>
+int64_t wo8_direct_blocks(const float* x, const int8_t* w, float* out, int64_t I, int64_t O, int64_t o, int64_t c1) {
+  constexpr int64_t CB = 8 * NV;
+  const int64_t nb = (c1 - o) / CB, ahead = (kAheadDirect + CB - 1) / CB;
+  constexpr int64_t KC = NV == 2 ? 64 : kKcDirect;
+  for (int64_t k0 = 0; k0 < I && nb; k0 += KC) {
+    const int64_t k1 = std::min(k0 + KC, I);
+    for (int64_t b = 0; b < nb; ++b) {
+      // the same rows a few blocks ahead, or the next pass's rows near the end of this one (a
+      // prefetch past the weight's end does not fault)
+      const int8_t* pf = b + ahead < nb ? w + o + (b + ahead) * CB : w + (k1 - k0) * O + o + (b + ahead - nb) * CB;
+      wo8_direct_avx2<G, NV>(x, w, out, I, O, o + b * CB, k0, k1, pf);
+    }
+  }
+  return o + nb * CB;
+}
+
+// G rows: 64-column blocks where G allows, then 16-column ones, then scalar (the caller).
+template <int G>
+int64_t wo8_direct_rows(const float* x, const int8_t* w, float* out, int64_t I, int64_t O, int64_t c0, int64_t c1) {
+  constexpr int NV = G == 1 ? 8 : G <= 3 ? 4 : G == 4 ? 3 : 2;
+  int64_t o = wo8_direct_blocks<G, NV>(x, w, out, I, O, c0, c1);
+  if constexpr (NV > 2) o = wo8_direct_blocks<G, 2>(x, w, out, I, O, o, c1);
+  return o;
+}
+
+// M <= kG rows of columns [c0, c1): returns the first column left for the scalar loop.
+int64_t wo8_direct(const float* x, const int8_t* w, float* out, int M, int64_t I, int64_t O, int64_t c0,
+                   int64_t c1) {
+  if (I == 0) return c0;  // the scalar loop writes the zeros
+  switch (M) {
+    case 1: return wo8_direct_rows<1>(x, w, out, I, O, c0, c1);
+    case 2: return wo8_direct_rows<2>(x, w, out, I, O, c0, c1);
+    case 3: return wo8_direct_rows<3>(x, w, out, I, O, c0, c1);
+    case 4: return wo8_direct_rows<4>(x, w, out, I, O, c0, c1);
+    case 5: return wo8_direct_rows<5>(x, w, out, I, O, c0, c1);
+    default: return wo8_direct_rows<6>(x, w, out, I, O, c0, c1);
+  }
+}
+
+// 7 to kDirectMax rows (a small decode batch): groups of 2 to 4 rows as even as they go, each
+// with 24-column blocks (G x 3 accumulators), every group of a block re-reading the int8 rows
+// the first brought into L1 and widening them again. The panel path below would leave the last
+// group of a batch of 8 (6 + 2) with four FMA chains, bound by their latency. Returns the first
+// column left.
+constexpr int64_t kDirectMax = 16;
+
+int64_t wo8_direct_groups(const float* x, const int8_t* w, float* out, int M, int64_t I, int64_t O, int64_t c0,
+                          int64_t c1) {
+  constexpr int64_t CB = 24;
+  const int n = (M + 3) / 4;
+  int size[kDirectMax / 2];
+  for (int i = 0, left = M; i < n; ++i) left -= size[i] = (left + (n - i) - 1) / (n - i);
+  const int64_t nb = (c1 - c0) / CB, ahead = (kAheadDirect + CB - 1) / CB;
+  for (int64_t k0 = 0; k0 < I && nb; k0 += 64) {
+    const int64_t k1 = std::min<int64_t>(k0 + 64, I);
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t o = c0 + b * CB;
+      const int8_t* pf = b + ahead < nb ? w + o + ahead * CB : w + (k1 - k0) * O + c0 + (b + ahead - nb) * CB;
+      for (int i = 0, m = 0; i < n; m += size[i++]) {
+        const float* xm = x + m * I;
+        float* om = out + m * O;
+        switch (size[i]) {
+          case 2: wo8_direct_avx2<2, 3>(xm, w, om, I, O, o, k0, k1, pf); break;
+          case 3: wo8_direct_avx2<3, 3>(xm, w, om, I, O, o, k0, k1, pf); break;
+          default: wo8_direct_avx2<4, 3>(xm, w, om, I, O, o, k0, k1, pf); break;
+        }
+      }
+    }
+  }
+  int64_t o = c0 + nb * CB;
+  if (I > 0 && o + kW <= c1) {  // fewer than 24 columns left: a 16-column block at most
+    for (int m = 0; m < M; m += kG) {
+      const int g = std::min(kG, M - m);
+      wo8_direct(x + m * I, w, out + m * O, g, I, O, o, o + kW);
+    }
+    o += kW;
+  }
+  return I > 0 ? o : c0;
+}
+
 __attribute__((target("avx2,fma"))) void run_wo8_avx2(const Job& j) {  // c0 a multiple of kW
   const auto* x = static_cast<const float*>(j.x);
   const auto* w = static_cast<const int8_t*>(j.w);
   auto* out = static_cast<float*>(j.out);
   const int64_t M = j.M, I = j.I, O = j.O;
   const int64_t nb = (j.c1 - j.c0) / kW;
-  if (M <= kG) {  // one group of rows: widen in registers, no panel
-    for (int64_t k0 = 0; k0 < I || k0 == 0; k0 += kKc)
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t o = j.c0 + b * kW;
-        kWo8Rows<true>[M](x, w + o, out, I, O, o, k0, std::min(k0 + kKc, I));
-      }
-    wo8_scalar(x, w, out, M, I, O, j.c0 + nb * kW, j.c1);
+  if (M <= kDirectMax) {  // widen in registers, no panel
+    const int m = static_cast<int>(M);
+    const int64_t o = m <= kG ? wo8_direct(x, w, out, m, I, O, j.c0, j.c1) : wo8_direct_groups(x, w, out, m, I, O, j.c0, j.c1);
+    wo8_scalar(x, w, out, M, I, O, o, j.c1);
     return;
   }
   alignas(64) float panel[kKc * kW];
@@ -394,7 +523,7 @@ __attribute__((target("avx2,fma"))) void run_wo8_avx2(const Job& j) {  // c0 a m
         widen_panel(w, O, o, k0, k1, panel);
         for (int64_t m = m0; m < m1; m += kG) {
           const int g = static_cast<int>(std::min<int64_t>(kG, m1 - m));
-          kWo8Rows<false>[g](x + m * I, panel, out + m * O, I, O, o, k0, k1);
+          kWo8Rows[g](x + m * I, panel, out + m * O, I, O, o, k0, k1);
         }
       }
     }
@@ -483,6 +612,79 @@ using S8Rows = void (*)(const int16_t*, const int16_t*, int32_t*, int64_t, int64
 constexpr S8Rows kS8Rows[kG + 1] = {nullptr,         s8_rows_avx2<1>, s8_rows_avx2<2>, s8_rows_avx2<3>,
                                     s8_rows_avx2<4>, s8_rows_avx2<5>, s8_rows_avx2<6>};
 
+// Up to 4 rows (batch-1 decode, small batches): no panel. Each pair of weight rows is widened to
+// int16 pairs in registers (the two rows' 16 bytes interleaved: columns 0-7 and 8-15 in order),
+// NV of those 16-column pieces per block (4 at one row: 64 columns, one cache line of each row,
+// 8 accumulators), prefetched a few blocks ahead, as wo8's few-row path does.
+template <int G, int NV>
+__attribute__((target("avx2"))) void s8_direct_avx2(const int16_t* x2, const int8_t* w, int32_t* out, int64_t ldx,
+                                                    int64_t I, int64_t O, int64_t o, int64_t k0, int64_t k1,
+                                                    const int8_t* pf) {
+  static_assert(G >= 1 && G * NV * 2 <= 12);
+  __m256i acc[G][2 * NV];
+#pragma GCC unroll 8
+  for (int m = 0; m < G; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * NV; ++j)
+      acc[m][j] = k0 == 0 ? _mm256_setzero_si256()
+                          : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + m * O + o + 8 * j));
+  for (int64_t k = k0; k < k1; k += 2) {  // k1 <= I rounded up to even; a row past I is zeros
+    const int8_t* a = w + k * O + o;
+    _mm_prefetch(reinterpret_cast<const char*>(pf + k * O), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pf + (k + 1) * O), _MM_HINT_T0);
+    __m256i xb[G];
+#pragma GCC unroll 8
+    for (int m = 0; m < G; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x2 + m * ldx + k, sizeof(pair));
+      xb[m] = _mm256_set1_epi32(pair);
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 16 * v));
+      const __m128i r1 = k + 1 < I ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + O + 16 * v))
+                                   : _mm_setzero_si128();
+      const __m256i p0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(r0, r1));
+      const __m256i p1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(r0, r1));
+#pragma GCC unroll 8
+      for (int m = 0; m < G; ++m) {
+        acc[m][2 * v] = _mm256_add_epi32(acc[m][2 * v], _mm256_madd_epi16(xb[m], p0));
+        acc[m][2 * v + 1] = _mm256_add_epi32(acc[m][2 * v + 1], _mm256_madd_epi16(xb[m], p1));
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < G; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * NV; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * O + o + 8 * j), acc[m][j]);
+}
+
+// Columns [o, c1) of G rows in blocks of 16 NV columns; returns the first column left.
+template <int G, int NV>
+int64_t s8_direct_blocks(const int16_t* x2, const int8_t* w, int32_t* out, int64_t ldx, int64_t I, int64_t O,
+                         int64_t o, int64_t c1) {
+  constexpr int64_t CB = 16 * NV, KC = 32;  // KC: weight rows (16 pairs) per pass
+  const int64_t I2 = (I + 1) & ~int64_t(1), nb = (c1 - o) / CB, ahead = (kAheadDirect + CB - 1) / CB;
+  for (int64_t k0 = 0; k0 < I2 && nb; k0 += KC) {
+    const int64_t k1 = std::min(k0 + KC, I2);
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* pf = b + ahead < nb ? w + o + (b + ahead) * CB : w + (k1 - k0) * O + o + (b + ahead - nb) * CB;
+      s8_direct_avx2<G, NV>(x2, w, out, ldx, I, O, o + b * CB, k0, k1, pf);
+    }
+  }
+  return o + nb * CB;
+}
+
+template <int G>
+int64_t s8_direct_rows(const int16_t* x2, const int8_t* w, int32_t* out, int64_t ldx, int64_t I, int64_t O,
+                       int64_t c0, int64_t c1) {
+  constexpr int NV = G == 1 ? 4 : G == 2 ? 2 : 1;
+  int64_t o = s8_direct_blocks<G, NV>(x2, w, out, ldx, I, O, c0, c1);
+  if constexpr (NV > 1) o = s8_direct_blocks<G, 1>(x2, w, out, ldx, I, O, o, c1);
+  return o;
+}
+
 __attribute__((target("avx2"))) void run_s8_avx2(const Job& j) {  // c0 a multiple of kW
   const auto* x = static_cast<const int8_t*>(j.x);
   const auto* w = static_cast<const int8_t*>(j.w);
@@ -494,6 +696,17 @@ __attribute__((target("avx2"))) void run_s8_avx2(const Job& j) {  // c0 a multip
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t k = 0; k < I; ++k) x2[m * I2 + k] = x[m * I + k];
       if (I2 != I) x2[m * I2 + I] = 0;
+    }
+    if (M <= 4 && I > 0) {
+      int64_t o = j.c0;
+      switch (M) {
+        case 1: o = s8_direct_rows<1>(x2.get(), w, out, I2, I, O, j.c0, j.c1); break;
+        case 2: o = s8_direct_rows<2>(x2.get(), w, out, I2, I, O, j.c0, j.c1); break;
+        case 3: o = s8_direct_rows<3>(x2.get(), w, out, I2, I, O, j.c0, j.c1); break;
+        default: o = s8_direct_rows<4>(x2.get(), w, out, I2, I, O, j.c0, j.c1); break;
+      }
+      if (o < j.c1) gemv_scalar(x, w, out, M, I, O, O, 0, o, j.c1);
+      return;
     }
     alignas(64) int16_t panel[2 * kKc2 * kW];
     for (int64_t m0 = 0; m0 < M; m0 += kMc) {
