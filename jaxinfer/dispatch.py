@@ -396,14 +396,16 @@ def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, group_offset=0) -
 class LoRAWeight:
     """A projection weight with the LoRA adapters of a packed step (``jaxinfer.lora``): the
     product of token m with it is base's plus ``(x[m] @ A[s]) @ B[s]`` for the token's adapter
-    slot s = slots[m] (-1: none). Made inside the step, so model code sees a weight like any
-    other; the stacks hold every device slot, so loading an adapter changes their contents,
-    never an executable."""
+    slot s = active[index[m]] (index -1: none). Made inside the step, so model code sees a
+    weight like any other; the stacks hold every device slot, so loading an adapter changes
+    their contents, never an executable, and the delta is computed over the n active slots only
+    (n, a bucket of the adapters the step uses, is part of the executable's shapes)."""
 
     base: object  # the weight as bound (array, QuantArray, Dense, ...): [contracted..., free...]
     a: jax.Array  # [I, S, R] every slot's down-projection (I: the contracted axes' product)
     b: jax.Array  # [S, R, O] every slot's up-projection, scale folded in (O: the free axes' product)
-    slots: jax.Array  # i32[M] each token's slot (M: the activation's leading axes' product)
+    active: jax.Array  # i32[n] the device slots the step's tokens use (padded to a bucket)
+    index: jax.Array  # i32[M] each token's index into active, -1: none (M: the activation's leading axes' product)
     kernels: Kernels = dataclasses.field(default=XLA, metadata={"static": True})
 
     def add_delta(self, eq: str, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -416,16 +418,18 @@ class LoRAWeight:
                              f"leading ones, got {eq!r}")
         keep = x.shape[: -len(c)]
         xm = x.reshape(-1, self.a.shape[0])
-        d = lora_delta(xm, self.a, self.b, self.slots.reshape(xm.shape[0]), self.kernels)
+        d = lora_delta(xm, self.a, self.b, self.active, self.index.reshape(xm.shape[0]), self.kernels)
         return y + d.reshape(*keep, *y.shape[len(keep):]).astype(y.dtype)
 
 
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array, k: Kernels = XLA) -> jax.Array:
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, active: jax.Array, index: jax.Array,
+               k: Kernels = XLA) -> jax.Array:
     """Each row's LoRA term (``pallas_kernels.lora``): x [M, I], a [I, S, R], b [S, R, O],
-    slots i32[M] -> [M, O]; the Pallas kernel under the Pallas matmul choice, else XLA's."""
+    active i32[n], index i32[M] -> [M, O]; the Pallas kernel under the Pallas matmul choice,
+    else XLA's."""
     if k.matmul == Matmul.PALLAS and k.mesh is None:
-        return lora_kernels.lora_delta_kernel(x, a, b, slots, interpret=k.interpret)
-    return lora_kernels.lora_delta_reference(x, a, b, slots)
+        return lora_kernels.lora_delta_kernel(x, a, b, active, index, interpret=k.interpret)
+    return lora_kernels.lora_delta_reference(x, a, b, active, index)
 
 
 # ----------------------------------------------------------------------------- attention

@@ -11,11 +11,15 @@ layers). Each projection of a token computes ``base(x) + scale * (x A) B``, with
 
 On device every target projection of every layer holds a stack of ``max_loras`` slots, A as
 [I, S, R] and B (the scale folded in) as [S, R, O], R = ``max_lora_rank`` (a smaller rank is
-zero-padded, which changes nothing). A packed step takes each token's slot (-1: no adapter) as
-an int32 array (``PackedBatch.lora_slots``) and wraps each target weight in a
-``dispatch.LoRAWeight``, so every family's projections (``layers.dot``) add the term without
-knowing of adapters. Loading an adapter into a slot writes the stacks' contents through one
-jitted, donated update: the step's executable never changes.
+zero-padded, which changes nothing). A packed step takes the distinct slots its tokens use,
+padded to a bucket n of 1, 2, 4, ..., max_loras (``PackedBatch.lora_active``), and each
+token's index into them (``PackedBatch.lora_index``, -1: no adapter; ``engine.batch.lora_arrays``), and
+wraps each target weight in a ``dispatch.LoRAWeight``, so every family's projections
+(``layers.dot``) add the term without knowing of adapters. The delta is computed over the n
+active slots' n*R columns, so a step costs what its adapters need, not what max_loras allows;
+a step with no adapter rows carries none and does no adapter work. Loading an adapter into a
+slot writes the stacks' contents through one jitted, donated update: no new executable beyond
+the bucket variants (at most log2(max_loras) + 1 per step shape, compiled by warm-up).
 
 Rows of up to ``max_loras`` distinct adapters run together; a request for one more waits in the
 queue until a slot's last row finishes (``LoRAManager.acquire``, called at admission), while
@@ -342,12 +346,13 @@ def _write_slot(stacks: dict, slot: jax.Array, new: dict) -> dict:
     return {"layers": [{w: one(p, n[w]) for w, p in layer.items()} for layer, n in zip(stacks["layers"], new["layers"])]}
 
 
-def attach(weights: dict, stacks: dict, slots: jax.Array, kernels: Kernels = XLA) -> dict:
+def attach(weights: dict, stacks: dict, active: jax.Array, index: jax.Array, kernels: Kernels = XLA) -> dict:
     """weights with every target projection a ``dispatch.LoRAWeight`` over the stacks, for
-    tokens whose slots are ``slots`` i32[N] (inside a jitted step)."""
+    tokens whose adapters are ``active[index]`` (active i32[n] device slots, index i32[N], -1:
+    none; inside a jitted step)."""
     layers = []
     for w, st in zip(weights["layers"], stacks["layers"]):
-        layers.append(w | {name: LoRAWeight(w[name], a, b, slots, kernels) for name, (a, b) in st.items()})
+        layers.append(w | {name: LoRAWeight(w[name], a, b, active, index, kernels) for name, (a, b) in st.items()})
     return weights | {"layers": layers}
 
 

@@ -81,7 +81,14 @@ def check_mixed(base, adapters, refs, **kw):
     for j, n in enumerate(names):
         ft.assert_matches(got[j * P : (j + 1) * P], refs["base" if n is None else n], what=f"adapter {n} in a mixed batch")
     assert llm.engine.lora.swaps == len(adapters)
+    # the steps ran over active sets of the buckets only (1, 2, 3 for max_loras=3)
+    assert set(lora_sizes(llm.engine)) <= {1, 2, 3}, llm.engine.shapes_run
     return llm
+
+
+def lora_sizes(eng) -> list[int]:
+    """The active-set sizes of the steps an engine ran (``Engine.shapes_run``)."""
+    return [t[1] for s in eng.shapes_run for t in s if isinstance(t, tuple) and t[:1] == ("lora",)]
 
 
 def test_mixed_batch_equals_peft(llama, tmp_path):
@@ -125,13 +132,17 @@ def test_more_adapters_than_slots_wait_for_one(llama):
     assert max(started[2 * P :]) < min(started[P : 2 * P]), "the base rows should not wait for adapter b's slot"
     assert [o.lora_request.lora_name if o.lora_request else None for o in outs] == ["a"] * P + ["b"] * P + [None] * P
     assert llm.engine.lora.swaps == 2
+    # max_loras=1: one active-set bucket, so each step shape has one variant with adapters
+    assert set(lora_sizes(llm.engine)) == {1}, llm.engine.shapes_run
+    shapes = set(llm.engine.shapes_run)
     n, writes = llm.engine.num_compilations(), llm.engine.lora._write._cache_size()
     # the same again: each adapter swapped into the one slot anew, new contents and no new
-    # executable (neither the step's nor the slot write's)
+    # executable (neither the step's nor the slot write's), and no new step variant
     again = ft.outputs_of(llm.generate([list(p) for p in ft.PROMPTS] * 3, _greedy(), use_tqdm=False,
                                        lora_request=reqs))
     assert again == got
     assert llm.engine.lora.swaps == 4 and llm.engine.num_compilations() == n
+    assert set(llm.engine.shapes_run) == shapes
     assert llm.engine.lora._write._cache_size() == writes
 
 

@@ -73,8 +73,9 @@ def _kernel_cases():
         "int8_matmul_lm_head": (int8_matmul_tpu, [((64, 8192), jnp.int8), ((64,), jnp.float32),
                                                   ((8192, 16032), jnp.int8), ((16032,), jnp.float32)]),
         "grouped_matmul": (grouped_matmul_tpu, [((128, 512), bf), ((4, 512, 256), bf), ((4,), i32)]),
-        # 64 rows over 8 adapter slots of rank 16
-        "lora_delta": (lora_delta_kernel, [((64, 512), bf), ((512, 8, 16), bf), ((8, 16, 512), bf), ((64,), i32)]),
+        # 64 rows over 4 active of 8 adapter slots of rank 16
+        "lora_delta": (lora_delta_kernel, [((64, 512), bf), ((512, 8, 16), bf), ((8, 16, 512), bf), ((4,), i32),
+                                           ((64,), i32)]),
         "spec_verify": (lambda *a: VERIFY["tpu"](*a, None, VerifyBlocks(), False),
                         [((B, 5, 1024), jnp.float32), ((B, 5), jnp.float32), ((B, 4), i32), ((B,), i32),
                          ((B, 5, 3), jnp.float32), ((B,), jnp.bool_)]),

@@ -44,10 +44,24 @@ def plan_shape(plan: StepPlan, sched: Scheduler, *, q: int, pages_per_seq: int, 
                        pages_per_seq=pages_per_seq, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk)
 
 
+def lora_arrays(slots: np.ndarray, max_loras: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A step's LoRA adapters from its tokens' device slots i32[N] (-1: none): (active i32[n],
+    the distinct slots in use, sorted, padded to ``buckets.lora_bucket`` by repeating the last;
+    index i32[N], each token's position in active, -1: none), or (None, None) when no token
+    uses one (the step then does no adapter work)."""
+    used = np.unique(slots[slots >= 0]).astype(np.int32)
+    if used.size == 0:
+        return None, None
+    n = buckets.lora_bucket(used.size, max_loras)
+    active = np.concatenate([used, np.full(n - used.size, used[-1], np.int32)])
+    index = np.where(slots >= 0, np.searchsorted(used, slots), -1).astype(np.int32)
+    return active, index
+
+
 def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_per_seq: int,
                 max_num_seqs: int, prefill_chunk: int, want_targets: bool,
                 drafts: dict[int, list[int]] | None = None, next_tokens: bool = False,
-                shape: tuple[int, int, int] | None = None, chain: int = 1, lora: bool = False) -> PackedBatch:
+                shape: tuple[int, int, int] | None = None, chain: int = 1, max_loras: int = 0) -> PackedBatch:
     """The host arrays of one step (numpy; jit moves them). Inflight bookkeeping is the
     caller's: this only reads the sequences. With ``drafts`` (slot -> the row's drafted
     tokens, at most q - 1), a decode row carries its last token then its drafts at the
@@ -57,8 +71,8 @@ def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_
     ``next_tokens``: every prefill token's next token goes in ``targets`` (an EAGLE head's
     entries need it), not only those of sequences that want prompt logprobs. ``chain``: the
     decode steps the batch is chained over (``chaining.chained_decode``), so the window tables
-    cover each row's last chained position. ``lora``: the engine runs adapters, so the batch
-    carries each token's adapter slot (``PackedBatch.lora_slots``)."""
+    cover each row's last chained position. ``max_loras``: the engine's LoRA device slots (0:
+    it runs no adapters); a step whose tokens use any carries them (``lora_arrays``)."""
     ps, W = sched.page_size, sched.window
     hist = plan.prefill[0] if plan.prefill and plan.prefill[0].start > 0 else None
     R, width, Tp = shape or plan_shape(plan, sched, q=q, pages_per_seq=pages_per_seq, max_num_seqs=max_num_seqs,
@@ -77,6 +91,7 @@ def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_
     wbase = np.zeros(R + 1, np.int32)
     seg = np.full(Tp, -1, np.int32)
     targets = np.full(Tp, -1, np.int32)
+    lora = max_loras > 0
     lora_slots = np.full(N, -1, np.int32) if lora else None
 
     def put_window(r, seq):
@@ -133,7 +148,8 @@ def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_
             row = hist.seq.window_pages[lo : -(-hist.start // ps)]
             wbase[R] = lo
             wtable[R, : len(row)] = row
+    lora_active, lora_index = lora_arrays(lora_slots, max_loras) if lora else (None, None)
     return PackedBatch(tokens=tokens, positions=positions, write_page=wpage, write_wpage=wwpage,
                        active=active, use_prev=use_prev, last_q=last_q, table=table, wtable=wtable, wbase=wbase, seg=seg,
                        hist_end=np.int32(hist_end), targets=targets, rows=R, q=q,
-                       max_segments=min(Tp, max_num_seqs), lora_slots=lora_slots)
+                       max_segments=min(Tp, max_num_seqs), lora_active=lora_active, lora_index=lora_index)

@@ -1,5 +1,5 @@
 """The one set of shape buckets the engine uses, so the number of executables is small and
-known: batch rows, page-table widths, prefill-row tokens, logprobs."""
+known: batch rows, page-table widths, prefill-row tokens, logprobs, LoRA adapters in use."""
 
 from __future__ import annotations
 
@@ -38,3 +38,17 @@ def logprob_bucket(wanted: Sequence[int | None]) -> int:
         return -1
     top = max(asked)
     return 0 if top == 0 else 5 if top <= 5 else 20
+
+
+def lora_bucket(n: int, max_loras: int) -> int:
+    """The active-set size of a step whose tokens use n distinct LoRA adapters (1 <= n <=
+    max_loras): the next power of two, capped at max_loras, so a step shape has at most
+    log2(max_loras) + 1 variants with adapters."""
+    if not 1 <= n <= max_loras:
+        raise ValueError(f"{n=} adapters must be between 1 and {max_loras=}")
+    return min(1 << (n - 1).bit_length(), max_loras)
+
+
+def lora_buckets(max_loras: int) -> list[int]:
+    """Every active-set size a step may take: 1, 2, 4, ..., max_loras."""
+    return sorted({lora_bucket(n, max_loras) for n in range(1, max_loras + 1)})

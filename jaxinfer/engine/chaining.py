@@ -59,7 +59,7 @@ def chained_decode(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotSta
     min_tokens are generated) or after remaining i32[R] tokens (max_tokens). The loop ends
     after n steps, when every row stopped, or, with exit_on_finish (bool[]: requests are
     waiting for a slot), after the first step in which a row stopped. lora: the LoRA adapters'
-    stacks (``packed_step``'s), each row on the slot ``batch.lora_slots`` gives it all along."""
+    stacks (``packed_step``'s), each row on the adapter ``batch.lora_index`` gives it all along."""
     R = batch.rows
     assert R and batch.q == 1 and batch.prefill_len == 0, (R, batch.q, batch.prefill_len)
     pos0 = batch.positions[:R]
@@ -197,7 +197,8 @@ class Chainer:
     def run(self, batch: PackedBatch, remaining: np.ndarray, n: int, exit_on_finish: bool, num_lp: int):
         """Run ``chained_decode`` on the engine's pools and slots (donated); returns its ChainOutput."""
         eng = self.eng
-        eng.shapes_run.add((batch.rows, batch.table.shape[1], 0, 1, num_lp, -1, ("chain", self.steps)))
+        lora = (("lora", len(batch.lora_active)),) if batch.lora_active is not None else ()
+        eng.shapes_run.add((batch.rows, batch.table.shape[1], 0, 1, num_lp, -1, *lora, ("chain", self.steps)))
         out, eng.k_pages, eng.v_pages, eng.slots = self._fn(
             eng.weights, batch, eng.k_pages, eng.v_pages, eng.slots, remaining, np.int32(n), np.bool_(exit_on_finish),
             **({"lora": eng.lora.stacks} if eng.lora is not None else {}), cfg=eng.cfg, num_logprobs=num_lp, kernels=eng.kernels)

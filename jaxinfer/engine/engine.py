@@ -240,8 +240,9 @@ class Engine:
         return sum(sc.allocator.num_used for sc in self.scheds) / max(self.D * (self.allocator.num_pages - 1), 1)
 
     # ------------------------------------------------------------------ warm-up
-    def idle_batch(self, rows: int, width: int, prefill: int, q: int = 1) -> PackedBatch:
-        """A batch of the given shape (every replica's) that touches only the scratch page."""
+    def idle_batch(self, rows: int, width: int, prefill: int, q: int = 1, loras: int = 0) -> PackedBatch:
+        """A batch of the given shape (every replica's) that touches only the scratch page;
+        loras: the size of its LoRA active set (0: none; its tokens use none of them)."""
         ww = window_width(width, q + self.chainer.window_ahead(), self.window, self.allocator.page_size)
         N = rows * q + prefill
         z = lambda *shape: np.zeros(shape, np.int32)
@@ -251,7 +252,8 @@ class Engine:
                           seg=np.full(prefill, -1, np.int32), hist_end=np.int32(0),
                           targets=np.full(prefill, -1, np.int32), rows=rows, q=q,
                           max_segments=min(prefill, self.max_num_seqs),
-                          lora_slots=np.full(N, -1, np.int32) if self.lora is not None else None)
+                          lora_active=z(loras) if loras else None,
+                          lora_index=np.full(N, -1, np.int32) if loras else None)
         return one if self.D == 1 else replicas.stack([one] * self.D)
 
     def warmup(self, max_prompt_len: int | None = None, max_len: int | None = None) -> int:
@@ -402,7 +404,7 @@ class Engine:
         if self.D == 1:
             return build_batch(plans[0], self.sched, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
                                drafts=drafts, next_tokens=eagle, chain=1 + self.chainer.window_ahead(),
-                               lora=self.lora is not None, **kw)
+                               max_loras=self.lora.config.max_loras if self.lora is not None else 0, **kw)
         shape = tuple(int(x) for x in np.max([plan_shape(p, s, **kw) for p, s in zip(plans, self.scheds)], axis=0))
         return replicas.stack([build_batch(p, s, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
                                            shape=shape, **kw) for p, s in zip(plans, self.scheds)])
@@ -411,7 +413,8 @@ class Engine:
         """Run one plain step on the engine's pools and slots (donated); returns its StepOutput.
         guide: None, or (bitmask i32[R, V/32], has_mask bool[R]) for the decode rows."""
         self.shapes_run.add((batch.rows, batch.table.shape[-1], batch.seg.shape[-1], batch.q, num_logprobs,
-                             prompt_logprobs) + (("guided",) if guide is not None else ()))
+                             prompt_logprobs) + (("guided",) if guide is not None else ())
+                            + ((("lora", len(batch.lora_active)),) if batch.lora_active is not None else ()))
         extra = self.drafter.plain_extras(batch) if self.drafter is not None else ()
         out, self.k_pages, self.v_pages, self.slots, *eagle_kv = self._step(
             self.weights, batch, self.k_pages, self.v_pages, self.slots, guide, *extra,

@@ -77,7 +77,9 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
     pipeline stages over micro-batches, with weights and pools stacked by stage.
 
     lora: None, or the LoRA adapters' device stacks (``lora.LoRAManager.stacks``): each token's
-    projections then add its adapter's term (slot ``batch.lora_slots``; ``lora.attach``).
+    projections then add its adapter's term (slot ``batch.lora_active[batch.lora_index]``;
+    ``lora.attach``), over the batch's active slots only; a batch without lora_active (no
+    token on an adapter) does no adapter work.
 
     keys_transposed: the keys pools' layout, the engine's and its drafter's alike
     (``cache.PagedKVCache.keys_transposed``, static).
@@ -91,8 +93,8 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
     this step runs)."""
     with jax.named_scope("packed_step"):
         mod = model_family(cfg.family)
-        if lora is not None:
-            weights = lora_mod.attach(weights, lora, batch.lora_slots, kernels)
+        if lora is not None and batch.lora_active is not None:
+            weights = lora_mod.attach(weights, lora, batch.lora_active, batch.lora_index, kernels)
         R, Q = batch.rows, batch.q
         tokens = batch.tokens
         if R:

@@ -25,13 +25,18 @@ def warmup_shapes(eng, max_prompt_len: int | None = None, max_len: int | None = 
 
 
 def warm(eng, max_prompt_len: int | None = None, max_len: int | None = None) -> int:
-    """Compile every step of ``warmup_shapes`` (chained and verification steps included) and
-    every slot-insert bucket; returns the number of executables compiled."""
+    """Compile every step of ``warmup_shapes`` (chained and verification steps included, and
+    with LoRA enabled every adapter bucket of each) and every slot-insert bucket; returns the
+    number of executables compiled."""
     before = eng.num_compilations()
+    # with LoRA adapters, each shape once without adapter rows and once per active-set bucket
+    # (1, 2, 4, ..., max_loras: ``buckets.lora_buckets``), its tokens on none of them
+    loras = [0] + (buckets.lora_buckets(eng.lora.config.max_loras) if eng.lora is not None else [])
     for R, w, Tp in warmup_shapes(eng, max_prompt_len, max_len):
-        eng.run_step(eng.idle_batch(R, w, Tp))
-        if R and not Tp and eng.chainer.enabled:
-            eng.chainer.run(eng.idle_batch(R, w, 0), np.zeros(R, np.int32), 0, False, -1)
+        for n in loras:
+            eng.run_step(eng.idle_batch(R, w, Tp, loras=n))
+            if R and not Tp and eng.chainer.enabled:
+                eng.chainer.run(eng.idle_batch(R, w, 0, loras=n), np.zeros(R, np.int32), 0, False, -1)
         if eng.drafter is not None:
             eng.drafter.warm(R, w, Tp)
     eng.slots = eng._fresh_slots()  # warm-up sampled into idle slots

@@ -107,8 +107,11 @@ class PackedBatch:
     q: int = dataclasses.field(metadata={"static": True})
     # most segments the prefill row may hold (0: Tp); the kernel path sizes its work list by it
     max_segments: int = dataclasses.field(default=0, metadata={"static": True})
-    # i32[N] each token's LoRA adapter slot (-1: none); None in an engine without adapters
-    lora_slots: jax.Array | None = None
+    # i32[n] the LoRA device slots the step's tokens use, padded to a bucket n of 1, 2, 4, ...,
+    # max_loras (``engine.batch.lora_arrays``); None: no token uses an adapter (no adapter work)
+    lora_active: jax.Array | None = None
+    # i32[N] each token's index into lora_active (-1: none); None with lora_active
+    lora_index: jax.Array | None = None
 
     @property
     def prefill_len(self) -> int:  # Tp
