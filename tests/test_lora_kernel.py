@@ -35,6 +35,10 @@ def test_reference_by_hand():
     # row 1 on none; row 2 on index 1 = slot 1 -> x[2, 1] = 6 -> [-6, 0, 6]
     out = lora_delta_reference(x, a, b, jnp.array([2, 1]), jnp.array([0, -1, 1]))
     np.testing.assert_array_equal(out, [[0.0, 30.0, 0.0], [0.0, 0.0, 0.0], [-6.0, 0.0, 6.0]])
+    # every slot active but out of order, [2, 0, 1] (the stacks are read in place, each row
+    # pointed at its slot): row 0 on slot 2 -> [0, 30, 0]; row 1 on index 2 = slot 1 -> [-4, 0, 4]
+    out = lora_delta_reference(x, a, b, jnp.array([2, 0, 1]), jnp.array([0, 2, -1]))
+    np.testing.assert_array_equal(out, [[0.0, 30.0, 0.0], [-4.0, 0.0, 4.0], [0.0, 0.0, 0.0]])
     # one slot, padded to two by repeating it (no row points at the padding)
     out = lora_delta_reference(x, a, b, jnp.array([0, 0]), jnp.array([0, 0, -1]))
     np.testing.assert_array_equal(out, [[1.0, 2.0, 3.0], [3.0, 6.0, 9.0], [0.0, 0.0, 0.0]])
