@@ -5,7 +5,8 @@ layer, in three cases against the same rows on an engine without adapters:
 
 * rows over 8 adapters (row r on adapter r % 8; ``max_loras=8``);
 * every row on one adapter;
-* no row on an adapter (the adapters' engine, every slot -1).
+* no row on an adapter (the adapters' engine; such a step carries no active set and does
+  no adapter work).
 
 Interleaved rounds in one process, min and median. Then the time to write an adapter into a
 device slot (host dispatch, and until the stacks are ready), and whether the step compiled
@@ -25,6 +26,7 @@ import numpy as np
 
 from jaxinfer import LLM
 from jaxinfer.engine import buckets
+from jaxinfer.engine.batch import lora_arrays
 from jaxinfer.lora import Adapter, LoRARequest, target_shapes
 from jaxinfer.models.registry import model_family
 
@@ -44,8 +46,8 @@ def _decode_batch(eng, ctx: int, rng, slots=None, rows: int = 64):
     b.write_page[:] = pages[:, ctx // ps]
     b.active[:] = True
     b.tokens[:] = rng.integers(100, 40000, rows)
-    if slots is not None:
-        b.lora_slots[:] = slots
+    if slots is not None:  # the step's adapters as the engine passes them: its active slots, bucketed
+        b.lora_active, b.lora_index = lora_arrays(np.asarray(slots, np.int32), eng.lora.config.max_loras)
     return b
 
 
