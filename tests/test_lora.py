@@ -86,9 +86,14 @@ def check_mixed(base, adapters, refs, **kw):
     return llm
 
 
+def lora_sizes_of(shape: tuple) -> list[int]:
+    """The active-set size of one ``Engine.shapes_run`` entry ([]: a step without adapters)."""
+    return [t[1] for t in shape if isinstance(t, tuple) and t[:1] == ("lora",)]
+
+
 def lora_sizes(eng) -> list[int]:
     """The active-set sizes of the steps an engine ran (``Engine.shapes_run``)."""
-    return [t[1] for s in eng.shapes_run for t in s if isinstance(t, tuple) and t[:1] == ("lora",)]
+    return [n for s in eng.shapes_run for n in lora_sizes_of(s)]
 
 
 def test_mixed_batch_equals_peft(llama, tmp_path):
@@ -368,3 +373,27 @@ def test_cli_lora_flags_are_checked_before_the_model_loads(capsys, tmp_path):
         assert main(args) == 2, args
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow  # warm-up compiles every step shape three times: a minute or more
+def test_warmup_compiles_each_adapter_bucket(llama):
+    """With max_loras=2, warm-up compiles each step shape without adapters and with active
+    sets of 1 and 2, so rows of two adapters and base rows together compile nothing more."""
+    from jaxinfer import LLM
+    from jaxinfer.engine.warmup import warmup_shapes
+
+    # the prompts below arrive together and pack one prefill row of up to max_num_batched_tokens,
+    # so warm-up covers the whole model length (a prefill row of 128 tokens)
+    llm = LLM(str(llama["base"]), enable_lora=True, max_loras=2, max_lora_rank=8,
+              **(KW | {"max_num_batched_tokens": 128}))
+    eng = llm.engine
+    eng.warmup()
+    shapes = set(warmup_shapes(eng))
+    by_size = {n: {s[:3] for s in eng.shapes_run if lora_sizes_of(s) == ([n] if n else [])} for n in (0, 1, 2)}
+    assert by_size == {0: shapes, 1: shapes, 2: shapes}, by_size
+    compiled = eng.num_compilations()
+    reqs = [lora("a", 1, llama["a"]), lora("b", 2, llama["b"]), None]
+    llm.generate([list(p) for _ in reqs for p in ft.PROMPTS], _sp(), use_tqdm=False,
+                 lora_request=[r for r in reqs for _ in ft.PROMPTS])
+    assert eng.num_compilations() == compiled, sorted(map(str, eng.shapes_run))
+    assert set(lora_sizes(eng)) == {1, 2}
