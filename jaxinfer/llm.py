@@ -382,7 +382,7 @@ class LLM:
         """Yield a RequestOutput as soon as each request finishes (completion order).
 
         requests: an iterable of (request_id, prompt_text_or_None, prompt_token_ids,
-        SamplingParams), already validated (``encode_prompt``/``encode_chat``). It is consumed
+        SamplingParams[, LoRARequest or None]), already validated (``encode_prompt``/``encode_chat``). It is consumed
         lazily, ``window`` requests at a time (default 4 x max_num_seqs), so a stream of any
         length runs in bounded memory.
         """

@@ -56,7 +56,7 @@ class InstantLLM:
         while chunk := list(islice(it, self.window)):
             self.in_flight += len(chunk)
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
-            for rid, text, ids, p in chunk:
+            for rid, text, ids, p, *_lora in chunk:
                 now = time.perf_counter()
                 self.in_flight -= 1
                 c = CompletionOutput(0, "y", [7], None, None, "length")
