@@ -29,6 +29,7 @@ from jaxinfer.engine import buckets
 from jaxinfer.engine.batch import lora_arrays
 from jaxinfer.lora import Adapter, LoRARequest, target_shapes
 from jaxinfer.models.registry import model_family
+from timing import step_seconds
 
 
 def _llm(model, lora: bool, **kw):
@@ -65,16 +66,6 @@ def _adapter(cfg, i: int, rank: int, rng) -> Adapter:
     return Adapter(LoRARequest(f"bench{i}", i + 1, f"random:{i}"), rank, 1.0, pairs)
 
 
-def _time(eng, batch, n: int):
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        res = eng.run_step(batch)
-        jax.block_until_ready((res.tokens, eng.k_pages))
-        out.append(time.perf_counter() - t)
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=200)
@@ -103,12 +94,12 @@ def main():
         "adapters' engine, no row on one": (eng, _decode_batch(eng, a.context, rng, -np.ones(64, np.int32))),
     }
     for e, b in cases.values():
-        _time(e, b, 2)
+        step_seconds(e, b, 2)
     compiled = eng.num_compilations()
     times: dict[str, list[float]] = {}
     for _ in range(a.rounds):
         for name, (e, b) in cases.items():
-            times.setdefault(name, []).extend(_time(e, b, 2))
+            times.setdefault(name, []).extend(step_seconds(e, b, 2))
     # swapping: an adapter into a slot another adapter held (its rows released first)
     swaps, ready = [], []
     for i in range(8):
@@ -121,7 +112,7 @@ def main():
         jax.block_until_ready(eng.lora.stacks)
         ready.append(time.perf_counter() - t)
         eng.lora.release(eng.lora.slot_of[ad.key])
-    after = _time(eng, cases["8 adapters, row r on r % 8"][1], 2)
+    after = step_seconds(eng, cases["8 adapters, row r on r % 8"][1], 2)
     base_min = min(times["no adapters (base engine)"])
     print(f"SmolLM2-135M{' (random weights)' if a.random else ''} {cfg.dtype}, 64 decode rows at context {a.context}, "
           f"rank-16 adapters on q/k/v/o/gate/up/down; ms per step")

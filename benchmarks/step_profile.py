@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-import jax
 import numpy as np
 
 import jaxinfer.models.packed as packed
 from jaxinfer import LLM, cpu_kernels, dispatch
 from jaxinfer.engine import buckets
+from timing import step_seconds
 
 REAL = (packed.paged_rows_attention, packed.prefill_row_attention)
 
@@ -69,16 +68,6 @@ def _prefill_batch(eng, rng, tokens: int = 512, prompts: int = 4):
     return b
 
 
-def _time(eng, batch, n: int):
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        res = eng.run_step(batch)
-        jax.block_until_ready((res.tokens, eng.k_pages))
-        out.append(time.perf_counter() - t)
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=200)
@@ -100,14 +89,14 @@ def main():
         eng = _engine(ps, attention, native, opts, amx)
         batches = {"decode, 64 rows": _decode_batch(eng, a.context, rng), "prefill row, 512": _prefill_batch(eng, rng)}
         for b in batches.values():
-            _time(eng, b, 2)  # traced and compiled now, with this variant's attention
+            step_seconds(eng, b, 2)  # traced and compiled now, with this variant's attention
         cases[name] = (eng, batches)
     packed.paged_rows_attention, packed.prefill_row_attention = REAL
     times = {}
     for _ in range(a.rounds):
         for name, (eng, batches) in cases.items():
             for kind, b in batches.items():
-                times.setdefault((kind, name), []).extend(_time(eng, b, 2))
+                times.setdefault((kind, name), []).extend(step_seconds(eng, b, 2))
     print(f"context {a.context}, quantization {a.quantization}, KV {a.kv_cache_dtype}; ms per step")
     for (kind, name), ts in sorted(times.items()):
         print(f"  {kind:18s} {name:28s} min {min(ts) * 1e3:7.1f}  median {statistics.median(ts) * 1e3:7.1f}")

@@ -18,3 +18,15 @@ def median_seconds(fn, *args, reps: int) -> float:
         jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
+
+
+def step_seconds(eng, batch, n: int) -> list[float]:
+    """Seconds of each of n runs of the engine's jitted step on ``batch``, each waited for
+    (its tokens and the donated pools); no warm call: the caller decides what compiles."""
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        res = eng.run_step(batch)
+        jax.block_until_ready((res.tokens, eng.k_pages))
+        out.append(time.perf_counter() - t)
+    return out

@@ -97,15 +97,22 @@ def reference(path: Path, prompts=PROMPTS, max_tokens: int = MAX_TOKENS) -> list
 
     config = transformers.AutoConfig.from_pretrained(path)
     model = auto_class(config).from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return model_outputs(model, prompts, max_tokens)
+
+
+def model_outputs(model, prompts=PROMPTS, max_tokens: int = MAX_TOKENS) -> list[dict]:
+    """A loaded torch model's ``reference`` dicts: per prompt, the log-prob of each prompt token
+    after the first, and greedy tokens with the top-2 margin of each step."""
+    torch = require("torch")
     out = []
     with torch.no_grad():
         for prompt in prompts:
             ids = list(prompt)
-            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+            lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
             plp = [float(lp[t, ids[t + 1]]) for t in range(len(ids) - 1)]
             toks, margins = [], []
             for _ in range(max_tokens):
-                logits = model(torch.tensor([ids])).logits[0, -1].double()
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
                 top = torch.topk(logits, 2)
                 toks.append(int(top.indices[0]))
                 margins.append(float(top.values[0] - top.values[1]))

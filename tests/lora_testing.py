@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.conftest import require
-from tests.family_testing import MAX_TOKENS, PROMPTS
+from tests.family_testing import MAX_TOKENS, PROMPTS, model_outputs
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -58,18 +58,4 @@ def peft_reference(base: Path, adapter: Path | None, prompts=PROMPTS, max_tokens
     if adapter is not None:
         peft = require("peft")
         model = peft.PeftModel.from_pretrained(model, adapter).eval()
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = list(prompt)
-            lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
-            plp = [float(lp[t, ids[t + 1]]) for t in range(len(ids) - 1)]
-            toks, margins = [], []
-            for _ in range(max_tokens):
-                logits = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
-                top = torch.topk(logits, 2)
-                toks.append(int(top.indices[0]))
-                margins.append(float(top.values[0] - top.values[1]))
-                ids.append(toks[-1])
-            out.append({"prompt_logprobs": plp, "tokens": toks, "margins": margins})
-    return out
+    return model_outputs(model, prompts, max_tokens)
