@@ -311,7 +311,8 @@ def analyse(compiled, info: dict, *, hbm_bytes: int | None = None, hbm_bw: float
     ops = list(hlo_ops(text))
     for name, typ, *_ in ops:
         types[name] = typ
-    pool_elems = {int(np.prod(s)) for leaves in info["pools"] for s, dt in leaves if len(s) >= 3}
+    # every array of a pool (an int8 pool's flat scales [P, K * ps] too)
+    pool_elems = {int(np.prod(s)) for leaves in info["pools"] for s, dt in leaves if len(s) >= 2}
     pool_bytes = sum(np.prod(s) * dt.itemsize for leaves in info["pools"] for s, dt in leaves)
     collectives: dict[str, dict] = {}
     copies, staged, pallas_calls, attention_calls, pallas_bytes = [], [], 0, 0, 0.0

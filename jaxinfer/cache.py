@@ -29,7 +29,11 @@ pool after every layer's write.
 
 int8 KV (``dtype="int8"``): every buffer is a ``QuantKV`` pytree, int8 keys/values with one
 float32 scale per (token, head) beside them (``quant.quantize_kv``), written quantized and
-read back dequantized to float32, in both caches and both layer kinds.
+read back dequantized to float32, in both caches and both layer kinds. A page pool keeps its
+scales flat, [P, K * page_size] (128 wide at 8 KV heads of 16-token pages), and readers split a
+page's row back into [K, page_size] after gathering it: [P, K, page_size] has a minor dimension
+of 16, and on a TPU XLA gave those pools a layout with the pages minor and copied the whole
+scale pool to row-major and back around every layer's write and read. On CPU the split is free.
 """
 
 from __future__ import annotations
@@ -60,10 +64,11 @@ def kv_storage_dtype(kv_cache_dtype: str | None, cfg: ModelConfig) -> str:
 @dataclasses.dataclass
 class QuantKV:
     """One int8 key or value buffer with a float32 scale per (token, head): the shape of
-    the float buffer it replaces, and that shape without the head-dim ``axis``."""
+    the float buffer it replaces, and that shape without the head-dim ``axis``, or (a page
+    pool's) with its last two dims merged: flat, [P, K * page_size] (module doc)."""
 
     values: jax.Array  # int8, e.g. keys [B, K, H, S] or values [P, K, ps, H]
-    scale: jax.Array  # f32, e.g. [B, K, S] or [P, K, ps]
+    scale: jax.Array  # f32, e.g. [B, K, S] or [P, K, ps]; flat [P, K * ps]
     axis: int = dataclasses.field(metadata={"static": True})  # head-dim axis of values: -2 transposed keys, else -1
 
     @property
@@ -74,12 +79,32 @@ class QuantKV:
     def nbytes(self) -> int:
         return self.values.nbytes + self.scale.nbytes
 
+    @property
+    def flat(self) -> bool:
+        """Whether the scales' last two dims (K and the positions) are stored merged."""
+        return self.scale.ndim == self.values.ndim - 2
 
-def _zeros(shape, dt, axis: int):
-    """A float buffer, or a QuantKV one when dt is int8 (head-dim ``axis`` scaled away)."""
+    def unflatten(self, s: jax.Array) -> jax.Array:
+        """Scales s (the leading entries of ``scale``, e.g. some pages of it) with their last
+        dim split back into (K, positions) when flat: [..., K * ps] -> [..., K, ps]."""
+        if not self.flat:
+            return s
+        full = _scale_shape(self.values.shape, self.axis)
+        return s.reshape(*s.shape[:-1], *full[-2:])
+
+
+def _scale_shape(shape, axis: int, flat: bool = False) -> tuple[int, ...]:
+    """The scales' shape of an int8 buffer of ``shape``: without its head-dim ``axis``, and with
+    the last two dims merged when ``flat``."""
+    out = tuple(n for i, n in enumerate(shape) if i != len(shape) + axis)
+    return (*out[:-2], out[-2] * out[-1]) if flat else out
+
+
+def _zeros(shape, dt, axis: int, *, flat_scale: bool = False):
+    """A float buffer, or a QuantKV one when dt is int8 (head-dim ``axis`` scaled away, the
+    scales flat with ``flat_scale``)."""
     if dt == jnp.int8:
-        scale_shape = tuple(n for i, n in enumerate(shape) if i != len(shape) + axis)
-        return QuantKV(jnp.zeros(shape, jnp.int8), jnp.ones(scale_shape, jnp.float32), axis)
+        return QuantKV(jnp.zeros(shape, jnp.int8), jnp.ones(_scale_shape(shape, axis, flat_scale), jnp.float32), axis)
     return jnp.zeros(shape, dt)
 
 
@@ -90,7 +115,8 @@ def _store(buf, index, new: jax.Array, mode=None):
     if isinstance(buf, QuantKV):
         q, scale = quantize_kv(new, axis=-1)
         sindex = (index[0], slice(None), index[-1])
-        return QuantKV(buf.values.at[index].set(q, mode=mode), buf.scale.at[sindex].set(scale, mode=mode), buf.axis)
+        scales = buf.unflatten(buf.scale).at[sindex].set(scale, mode=mode).reshape(buf.scale.shape)
+        return QuantKV(buf.values.at[index].set(q, mode=mode), scales, buf.axis)
     return buf.at[index].set(new.astype(buf.dtype), mode=mode)
 
 
@@ -98,7 +124,7 @@ def _load(buf, table=None):
     """The buffer (its pages ``table`` when given) as floats: float32 for a QuantKV."""
     if isinstance(buf, QuantKV):
         values, scale = (buf.values, buf.scale) if table is None else (buf.values[table], buf.scale[table])
-        return dequantize_kv(values, scale, jnp.float32, axis=buf.axis)
+        return dequantize_kv(values, buf.unflatten(scale), jnp.float32, axis=buf.axis)
     return buf if table is None else buf[table]
 
 
@@ -254,8 +280,8 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=Non
     keys = not cfg.latent_attention
     return PagedKVCache(
         [None if p is None or not keys else _zeros(key_pool_shape(*p, page_size, keys_transposed), dt,
-                                                   -2 if keys_transposed else -1) for p in pools],
-        [None if p is None else _zeros((p[0], p[1], page_size, p[2]), dt, -1) for p in pools],
+                                                   -2 if keys_transposed else -1, flat_scale=True) for p in pools],
+        [None if p is None else _zeros((p[0], p[1], page_size, p[2]), dt, -1, flat_scale=True) for p in pools],
         windowed=windowed, keys_transposed=keys_transposed,
     )
 
@@ -298,13 +324,16 @@ def _write_whole_pages(pool, page: jax.Array, off: jax.Array, new: jax.Array, M:
     hit = src >= 0
     take = jnp.maximum(src, 0)
 
-    def merge(buf, upd):  # buf [P, K, ps, ...], upd [N, K, ...] -> buf with its M pages rewritten
-        old = buf.at[pages].get(mode="fill", fill_value=0)  # [M, K, ps, ...]
+    def merge(buf, upd, view=lambda a: a):
+        """buf [P, K, ps, ...] (flat scales [P, K * ps]: ``view`` splits a page's K * ps), upd
+        [N, K, ...] -> buf with its M pages rewritten"""
+        old = view(buf.at[pages].get(mode="fill", fill_value=0))  # [M, K, ps, ...]
         put = jnp.moveaxis(upd[take], 1, 2)  # [M, ps, K, ...] -> [M, K, ps, ...]
         mask = hit.reshape(M, 1, ps, *(1,) * (old.ndim - 3))
-        return buf.at[pages].set(jnp.where(mask, put.astype(buf.dtype), old), mode="drop", unique_indices=True)
+        merged = jnp.where(mask, put.astype(buf.dtype), old).reshape(M, *buf.shape[1:])
+        return buf.at[pages].set(merged, mode="drop", unique_indices=True)
 
     if isinstance(pool, QuantKV):
         q, scale = quantize_kv(new, axis=-1)
-        return QuantKV(merge(pool.values, q), merge(pool.scale, scale), pool.axis)
+        return QuantKV(merge(pool.values, q), merge(pool.scale, scale, pool.unflatten), pool.axis)
     return merge(pool, new)

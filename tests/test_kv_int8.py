@@ -93,13 +93,17 @@ def test_int8_paged_cache_equals_int8_dense(native, keys_transposed, platform):
 
 def test_paged_int8_pools_of_both_keys_layouts():
     """int8 page pools: transposed keys [P, K, H, ps] scale over axis -2, [P, K, ps, H] keys over
-    the last axis as values do; scales [P, K, ps] either way."""
+    the last axis as values do; scales flat, [P, K * ps], either way (a page's row is its heads'
+    slots in order: ``unflatten`` splits it into [K, ps] without moving anything)."""
     H = CFG.head_dim
     for transposed, shape, axis in ((True, (5, 2, H, 4), -2), (False, (5, 2, 4, H), -1)):
         pools = kv.init_paged_cache(CFG, 5, 4, "int8", keys_transposed=transposed)
         k = pools.k[0]
-        assert (k.values.shape, k.axis, k.scale.shape) == (shape, axis, (5, 2, 4))
+        assert (k.values.shape, k.axis, k.scale.shape, k.flat) == (shape, axis, (5, 8), True)
         assert pools.keys_transposed == transposed
+        scale = jnp.arange(40, dtype=jnp.float32).reshape(5, 8)
+        view = kv.QuantKV(k.values, scale, k.axis).unflatten(scale[jnp.array([[3, 1]])])
+        np.testing.assert_array_equal(view, np.arange(40).reshape(5, 2, 4)[[[3, 1]]])
 
 
 def test_kv_bytes_per_token_int8():

@@ -374,7 +374,8 @@ def _kernel_pools(kpool, vpool):
     """The pools as the native kernels take them: (k, v) arrays, and int8 pools' scales as
     keyword arguments (none for float pools)."""
     if isinstance(kpool, QuantKV):
-        return (kpool.values, vpool.values), {"k_scale": kpool.scale, "v_scale": vpool.scale}
+        return (kpool.values, vpool.values), {"k_scale": kpool.unflatten(kpool.scale),
+                                              "v_scale": vpool.unflatten(vpool.scale)}
     return (kpool, vpool), {}
 
 
