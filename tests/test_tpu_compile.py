@@ -100,12 +100,12 @@ def test_every_kernel_compiles_for_tpu(kernel, target):
 WIDE = dataclasses.replace(TINY, n_heads=8, n_kv_heads=8)
 
 
-def _step(kind: aot.StepKind, cfg=WIDE, target="v5e-1", kv_dtype="bfloat16"):
+def _step(kind: aot.StepKind, cfg=WIDE, target="v5e-1", kv_dtype="bfloat16", context=16384):
     mesh = aot.target_mesh(target, model=1)
     kernels = aot.target_kernels(mesh, "pallas")
     weights, _ = aot.abstract_weights(cfg, mesh, kernels)
     with jax.set_mesh(mesh):
-        lowered, info = aot.lower_step(cfg, weights, mesh, kernels, kind, aot.Workload(context=16384, kv_dtype=kv_dtype))
+        lowered, info = aot.lower_step(cfg, weights, mesh, kernels, kind, aot.Workload(context=context, kv_dtype=kv_dtype))
         compiled = lowered.compile()
     return aot.analyse(compiled, info), compiled
 
@@ -127,6 +127,17 @@ def test_packed_step_compiles_for_tpu_with_the_kernels_in_place(target, kind):
     assert rec["alias_bytes"] >= rec["pool_bytes"], rec
     assert rec["pool_copies"] == []
     assert rec["temp_bytes"] < rec["pool_bytes"], rec
+
+
+def test_int8_kv_decode_step_reads_and_writes_its_pools_in_place():
+    """int8 pools (XLA's readers; the Pallas kernels take float pools): the int8 values and the
+    float32 scales, stored flat [P, K * ps] (128 wide here: 8 KV heads of 16-token pages), come
+    back aliased with no whole-pool copy. Scales stored [P, K, ps] took a layout with the pages
+    minor, and every layer copied both scale pools to row-major and back."""
+    rec, _ = _step(aot.StepKind("decode", rows=64), kv_dtype="int8", context=2048)
+    assert rec["alias_bytes"] >= rec["pool_bytes"], rec
+    assert rec["pool_copies"] == []
+    assert rec["temp_bytes"] < rec["pool_bytes"] / 10, rec
 
 
 def test_the_transposed_keys_layout_copies_a_pool_per_layer():
