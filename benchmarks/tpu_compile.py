@@ -67,6 +67,29 @@ HF_CONFIGS = {
                           num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                           rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
                           tie_word_embeddings=False, hidden_act="silu", bos_token_id=151643, eos_token_id=151645),
+    # the experts dequantized from the checkpoint's MXFP4 when loaded (``models.gpt_oss``): held as
+    # bfloat16, or as int8/int4 with --quantization
+    "gpt-oss-20b": dict(architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880,
+                        intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12,
+                        attention_bias=True, rms_norm_eps=1e-5, rope_theta=150000.0,
+                        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                          original_max_position_embeddings=4096, truncate=False),
+                        max_position_embeddings=131072, swiglu_limit=7.0, tie_word_embeddings=False,
+                        hidden_act="silu", eos_token_id=200002, pad_token_id=199999),
+    # as a bfloat16 conversion of the FP8 release (the family loads no FP8 checkpoint)
+    "deepseek-v3": dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168,
+                        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+                        num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+                        n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+                        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+                        num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True,
+                        rms_norm_eps=1e-6, rope_theta=10000.0,
+                        rope_scaling=dict(type="yarn", factor=40.0, beta_fast=32, beta_slow=1, mscale=1.0,
+                                          mscale_all_dim=1.0, original_max_position_embeddings=4096),
+                        max_position_embeddings=163840, tie_word_embeddings=False, hidden_act="silu",
+                        bos_token_id=0, eos_token_id=1),
     # a toy of Llama's shape, for checking this script in seconds
     "llama-tiny": dict(architectures=["LlamaForCausalLM"], vocab_size=2048, hidden_size=256, intermediate_size=512,
                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
@@ -99,20 +122,29 @@ def model_config(name: str, dtype: str = "bfloat16") -> ModelConfig:
     raise SystemExit(f"unknown model {name!r}; known: {', '.join([*HF_CONFIGS, *PRESETS])}")
 
 
-def period(cfg: ModelConfig) -> int:
-    """Layers of one repeat of the model's layer pattern (Gemma 3: 5 local + 1 global)."""
-    kinds = [cfg.layer_window(i) for i in range(cfg.n_layers)]
-    for p in range(1, cfg.n_layers + 1):
-        if all(kinds[i] == kinds[i % p] for i in range(cfg.n_layers)):
+def period(cfg: ModelConfig, first: int = 0) -> int:
+    """Layers of one repeat of the model's layer pattern from layer ``first`` on (Gemma 3: 5 local
+    + 1 global; gpt-oss: sliding, full)."""
+    kinds = [(cfg.layer_window(i), i in cfg.dense_layers) for i in range(first, cfg.n_layers)]
+    for p in range(1, len(kinds) + 1):
+        if all(kinds[i] == kinds[i % p] for i in range(len(kinds))):
             return p
-    return cfg.n_layers
+    return len(kinds)
 
 
 def cut(cfg: ModelConfig, n: int) -> ModelConfig:
-    from jaxinfer.models import gemma3
+    """The model's first n layers (the layer pattern and the leading dense layers as in the model)."""
+    kw = {"layer_kinds": cfg.layer_kinds[:n]} if cfg.layer_kinds else {}
+    return dataclasses.replace(cfg, n_layers=n, dense_layers=tuple(i for i in cfg.dense_layers if i < n), **kw)
 
-    kw = {"layer_kinds": gemma3.layer_kinds(n)} if cfg.layer_kinds else {}
-    return dataclasses.replace(cfg, n_layers=n, **kw)
+
+def default_depths(cfg: ModelConfig) -> tuple[int, int]:
+    """The two depths compiled: the leading dense layers (DeepSeek-V3's first 3) and one period of
+    the layer pattern, then one period more, so that the difference is one period of the layers
+    that repeat."""
+    lead = len(cfg.dense_layers) if cfg.dense_layers == tuple(range(len(cfg.dense_layers))) else 0
+    p = period(cfg, lead)
+    return lead + p, lead + 2 * p
 
 
 def tree_bytes(tree) -> float:
@@ -143,7 +175,7 @@ def fitting_context(cfg: ModelConfig, kind: aot.StepKind, mesh, target: aot.Targ
     """The longest context (a multiple of 256, at most ``context``) at which every decode row of
     ``kind`` has its pages in HBM beside the weights, within 90% of the chip (as the engine
     sizes its pools from gpu_memory_utilization)."""
-    cut_cfg = cut(cfg, period(cfg))
+    cut_cfg = cut(cfg, default_depths(cfg)[0])
     pools = aot.abstract_pools(cut_cfg, mesh, 2, 16, kind.kv_dtype or "bfloat16")
     info = dict(pools=aot.pool_shapes(pools), page_size=16)
     per_token = sum(aot.kv_bytes_per_token(cut_cfg, info)) * cfg.n_layers / cut_cfg.n_layers
@@ -195,8 +227,7 @@ def main(argv=None):
     mesh = aot.target_mesh(args.target, model=args.tp)
     tp = mesh.shape["model"]
     kernels = aot.target_kernels(mesh, args.kernels)
-    p = period(full)
-    L1, L2 = args.layers or (p, 2 * p)
+    L1, L2 = args.layers or default_depths(full)
     full_weights, _ = aot.abstract_weights(full, mesh, kernels, quantization=args.quantization,
                                            expert_parallel=args.enable_expert_parallel)
     weights_chip = tree_bytes(full_weights)

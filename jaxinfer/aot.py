@@ -62,6 +62,9 @@ TARGETS = {
     "v6e-8": Target("v6e:2x4", (2, 4, 1), 32 * GiB, 1640e9),
     # v5p-N counts TensorCores: v5p-8 is 4 chips of 2 cores (one device each), 95 GiB per chip
     "v5p-8": Target("v5p:2x2x1", (2, 2, 1), 95 * GiB, 2765e9),
+    # slices of several hosts of 4 chips each (DeepSeek-V3's 671B parameters need them)
+    "v5p-16": Target("v5p:2x2x2", (2, 2, 1), 95 * GiB, 2765e9),
+    "v5p-32": Target("v5p:2x2x4", (2, 2, 1), 95 * GiB, 2765e9),
 }
 
 

@@ -174,6 +174,29 @@ def test_tpu_compile_script_writes_a_report(tmp_path):
         assert r["pool_copies"] == 0
 
 
+def _tpu_compile_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tpu_compile", ROOT / "benchmarks" / "tpu_compile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("model,depths", [("llama-3-8b", (1, 2)), ("gemma-3-27b", (6, 12)), ("gpt-oss-20b", (2, 4)),
+                                          ("deepseek-v3", (4, 5))])
+def test_tpu_compile_script_compiles_whole_periods_of_each_model(model, depths):
+    """The two depths differ by one period of the layers that repeat (Gemma 3's 5 local + 1
+    global, gpt-oss's sliding + full), after DeepSeek-V3's 3 leading dense layers, so that
+    their difference scales to the model's depth; a cut keeps the model's own pattern."""
+    tc = _tpu_compile_script()
+    cfg = tc.model_config(model)
+    assert tc.default_depths(cfg) == depths
+    deep = tc.cut(cfg, depths[1])
+    for i in range(deep.n_layers):
+        assert (deep.layer_window(i), i in deep.dense_layers) == (cfg.layer_window(i), i in cfg.dense_layers)
+
+
 def test_gemma3_image_encoder_compiles_for_v5e():
     """Gemma 3's SigLIP tower and projector at the published width (1152, 16 heads, 896 x 896
     pixels in 4,096 patches pooled to 256 soft tokens of the 4B's 2560), two of its 27 layers,
