@@ -221,6 +221,23 @@ def test_kernel_default_tiles_and_int4_dispatch():
                  gm.grouped_matmul_reference(x, qa.values, gs, **kw))
 
 
+def test_default_tiles_of_an_output_no_multiple_of_128_divides():
+    """gpt-oss's experts are 2,880 wide, which no multiple of 128 divides: a whole-width block
+    overflowed a TPU's scoped VMEM, so the TPU kernel's automatic blocks take 128 columns and
+    the last runs past O (here 320: blocks of 128, 128 and 64). NaN weights of an empty group
+    stay out of the result."""
+    skip_unless_runs_here("tpu")
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(24, 192)), jnp.float32)
+    w = rng.normal(size=(3, 192, 320)) / 8
+    gs = jnp.array([10, 0, 14])
+    ref = gm.grouped_matmul_reference(x, jnp.asarray(w, jnp.float32), gs)
+    w[1] = np.nan
+    out = run_interpreted(lambda a, b: gm.grouped_matmul_tpu(a, b, gs, interpret=INTERPRET), x,
+                          jnp.asarray(w, jnp.float32))
+    assert_close(out, ref)
+
+
 def test_dispatch_picks_reference_on_cpu_and_kernel_when_interpreting(monkeypatch):
     calls = []
     monkeypatch.setattr(gm, "grouped_matmul_reference", lambda *a, **k: calls.append("ref"))

@@ -27,7 +27,8 @@ from pallas_kernels._common import cdiv, check
 class BlockSizes:
     """Tiles: block_m rows of the sorted x per work item, output columns block_n at a time,
     the contraction in steps of block_k. block_n and block_k must divide O and I (weights are
-    never padded per call); rows are padded to block_m."""
+    never padded per call); rows are padded to block_m. Chosen automatically for float weights
+    whose O no multiple of 128 divides, the last output block runs past O (TPU)."""
 
     block_m: int = 128
     block_n: int = 128

@@ -92,13 +92,19 @@ def grouped_matmul_tpu(x, w, group_sizes, *, w_scale=None, out_size=None, group_
     sub = sublane(x.dtype)
     bm = bs.block_m if given else default_block_m(M, G, lo=sub)
     check(bm % sub == 0, f"block_m={bm} must be a multiple of {sub} for {x.dtype} on TPU")
+    quant = bool(layout.quant)
     bn = _tile(O, bs.block_n, 128, "block_n", given)
+    if not (given or quant) and bn == O > bs.block_n:
+        # no multiple of 128 divides O (gpt-oss's 2,880): a whole-O block of a wide contraction
+        # overflows scoped VMEM (2 x 2880 x 2880 bf16, 33 MB), so the last block runs past O
+        # instead; Pallas pads its reads and drops its writes there. (An int8 weight's groups
+        # sit side by side in its columns, so its blocks must divide O.)
+        bn = max(128, bs.block_n - bs.block_n % 128)
     bk = _tile(I, bs.block_k, 128, "block_k", given)
     items = work_items(group_sizes, group_offset, G, M, bm)
     W = items.group.shape[0]
     Mp = round_up(M, bm)
-    quant = bool(layout.quant)
-    nb = O // bn
+    nb = -(-O // bn)
     if quant:  # [I, G*O]: group g's output tile j is column block g * O/bn + j
         w_spec = pl.BlockSpec((bk, bn), lambda j, it, kk, g, t, lo, hi: (kk, g[it] * nb + j))
         extra = ([pl.BlockSpec((1, bn), lambda j, it, kk, g, t, lo, hi: (0, g[it] * nb + j))],
