@@ -34,6 +34,8 @@ scales flat, [P, K * page_size] (128 wide at 8 KV heads of 16-token pages), and 
 page's row back into [K, page_size] after gathering it: [P, K, page_size] has a minor dimension
 of 16, and on a TPU XLA gave those pools a layout with the pages minor and copied the whole
 scale pool to row-major and back around every layer's write and read. On CPU the split is free.
+A row narrower than 128 on a chip (fewer than 8 KV heads a chip under tensor parallelism, at
+16-token pages) still gets that layout and those copies.
 """
 
 from __future__ import annotations
