@@ -241,6 +241,123 @@ struct Queries {
 // floats) in AVX-512's 32 registers, one in AVX2's 16.
 constexpr int kWideChunks = kAvx512 ? 4 : 1;
 
+// ---------------------------------------------------------------- AVX2's hot loops
+// GCC 12 keeps a v16f (two ymm registers under AVX2) of a loop's accumulators in the stack
+// and moves it through general registers on every step (vmovq / vpinsrq around each FMA), so
+// the AVX2 variant runs its score and value loops on explicit __m256 halves instead. int8 keys
+// and values widen to float32 in registers, 8 at a time (vpmovsxbd from memory, vcvtdq2ps),
+// and every widened vector serves all QG queries; their scales apply once per block to the
+// scores and to the softmax weights (Keys16::kscale, vscale), never per element.
+
+// Lanes [at, at + 16) of a key or value row, float32 or int8, as two 8-lane halves.
+template <bool kInt8>
+__attribute__((always_inline)) inline void load8x2(const void* p, int64_t at, __m256* lo, __m256* hi) {
+  if constexpr (kInt8) {
+    const int8_t* b = static_cast<const int8_t*>(p) + at;
+    *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+    *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8))));
+  } else {
+    const float* f = static_cast<const float*>(p) + at;
+    *lo = _mm256_loadu_ps(f);
+    *hi = _mm256_loadu_ps(f + 8);
+  }
+}
+
+__attribute__((always_inline)) inline v16f join8(__m256 lo, __m256 hi) {
+  v16f v;
+  std::memcpy(&v, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  return v;
+}
+
+// Chains per (query, half) the AVX2 loops keep: two (even and odd steps) while the QG x 2 x 2
+// accumulators, a loaded pair and a broadcast fit AVX2's 16 registers (QG <= 3), else one.
+template <int QG>
+constexpr int kChains = QG <= 3 ? 2 : 1;
+
+// The QG queries' scores (qm rows from q0, H wide) against the block's 16 keys, into s[QG].
+template <int QG, bool kInt8>
+__attribute__((always_inline)) inline void scores_avx2(const Keys16& kb, const float* q0, int64_t H, v16f* s) {
+  constexpr int E = kChains<QG>;
+  const int64_t ks = kb.kstride;
+  __m256 a[E][QG][2];
+  for (int e = 0; e < E; ++e)
+    for (int j = 0; j < QG; ++j) a[e][j][0] = a[e][j][1] = _mm256_setzero_ps();
+  const int64_t per = (kb.pf_bytes + 32 * H - 1) / (32 * H);  // as block16: spread over H / 2 steps
+  int64_t pf = 0;
+  for (int64_t h = 0; h < H; h += 2) {
+    for (int64_t u = 0; u < per && pf < kb.pf_bytes; ++u, pf += 64) {
+      __builtin_prefetch(kb.pfk + pf);
+      __builtin_prefetch(kb.pfv + pf);
+    }
+    for (int d = 0; d < 2; ++d) {
+      __m256 lo, hi;
+      load8x2<kInt8>(kb.k, (h + d) * ks, &lo, &hi);
+      const int e = d % E;
+      for (int j = 0; j < QG; ++j) {
+        const __m256 b = _mm256_broadcast_ss(q0 + j * H + h + d);
+        a[e][j][0] = _mm256_fmadd_ps(b, lo, a[e][j][0]);
+        a[e][j][1] = _mm256_fmadd_ps(b, hi, a[e][j][1]);
+      }
+    }
+  }
+  for (int j = 0; j < QG; ++j) {
+    if constexpr (E == 2) {
+      s[j] = join8(_mm256_add_ps(a[0][j][0], a[1][j][0]), _mm256_add_ps(a[0][j][1], a[1][j][1]));
+    } else {
+      s[j] = join8(a[0][j][0], a[0][j][1]);
+    }
+  }
+}
+
+// Columns [c, c + 16) of the QG queries' accumulators from m0: rescaled by alpha, plus the
+// block's values weighted by pw.
+template <int QG, bool kInt8>
+__attribute__((always_inline)) inline void values_avx2(const Keys16& kb, const Queries& qs, int64_t m0, int64_t c,
+                                                       const float (*pw)[16], const float* alpha) {
+  constexpr int E = kChains<QG>;
+  const int64_t H = qs.H;
+  __m256 a[E][QG][2];
+  for (int j = 0; j < QG; ++j) {
+    const __m256 al = _mm256_set1_ps(alpha[j]);
+    float* at = qs.acc + (m0 + j) * H + c;
+    a[0][j][0] = _mm256_mul_ps(_mm256_loadu_ps(at), al);
+    a[0][j][1] = _mm256_mul_ps(_mm256_loadu_ps(at + 8), al);
+    for (int e = 1; e < E; ++e) a[e][j][0] = a[e][j][1] = _mm256_setzero_ps();
+  }
+  int64_t o = 0;
+  for (; o + E <= kb.rows; o += E) {
+    for (int e = 0; e < E; ++e) {
+      __m256 lo, hi;
+      load8x2<kInt8>(kb.v, (o + e) * kb.vstride + c, &lo, &hi);
+      for (int j = 0; j < QG; ++j) {
+        const __m256 w = _mm256_broadcast_ss(&pw[j][o + e]);
+        a[e][j][0] = _mm256_fmadd_ps(w, lo, a[e][j][0]);
+        a[e][j][1] = _mm256_fmadd_ps(w, hi, a[e][j][1]);
+      }
+    }
+  }
+  for (; o < kb.rows; ++o) {
+    __m256 lo, hi;
+    load8x2<kInt8>(kb.v, o * kb.vstride + c, &lo, &hi);
+    for (int j = 0; j < QG; ++j) {
+      const __m256 w = _mm256_broadcast_ss(&pw[j][o]);
+      a[0][j][0] = _mm256_fmadd_ps(w, lo, a[0][j][0]);
+      a[0][j][1] = _mm256_fmadd_ps(w, hi, a[0][j][1]);
+    }
+  }
+  for (int j = 0; j < QG; ++j) {
+    float* at = qs.acc + (m0 + j) * H + c;
+    if constexpr (E == 2) {
+      _mm256_storeu_ps(at, _mm256_add_ps(a[0][j][0], a[1][j][0]));
+      _mm256_storeu_ps(at + 8, _mm256_add_ps(a[0][j][1], a[1][j][1]));
+    } else {
+      _mm256_storeu_ps(at, a[0][j][0]);
+      _mm256_storeu_ps(at + 8, a[0][j][1]);
+    }
+  }
+}
+
 // Columns [c, c + 16 CW) of the QG queries' accumulators from m0: rescaled by alpha, plus the
 // block's values weighted by pw.
 template <int QG, int CW, bool kInt8>
@@ -266,37 +383,45 @@ __attribute__((always_inline)) inline void values16(const Keys16& kb, const Quer
 template <int QG, bool kInt8>
 __attribute__((always_inline)) inline void block16(const Keys16& kb, const Queries& qs, int64_t m0) {
   const int64_t H = qs.H, ks = kb.kstride;
-  // two partial sums per query (even and odd h), named so they stay in registers
   const float* q0 = qs.qm + m0 * H;
-  v16f s0a{}, s0b{}, s1a{}, s1b{}, s2a{}, s2b{}, s3a{}, s3b{};
-  // the page ahead's lines, a few per step of h: no burst of prefetches waits on the fill buffers
-  const int64_t per = (kb.pf_bytes + 32 * H - 1) / (32 * H);  // lines per step, H / 2 steps
-  int64_t pf = 0;
-  for (int64_t h = 0; h < H; h += 2) {
-    for (int64_t u = 0; u < per && pf < kb.pf_bytes; ++u, pf += 64) {
-      __builtin_prefetch(kb.pfk + pf);
-      __builtin_prefetch(kb.pfv + pf);
+  v16f s[4] = {};
+  if constexpr (!kAvx512) {
+    scores_avx2<QG, kInt8>(kb, q0, H, s);
+  } else {
+    // two partial sums per query (even and odd h), named so they stay in registers
+    v16f s0a{}, s0b{}, s1a{}, s1b{}, s2a{}, s2b{}, s3a{}, s3b{};
+    // the page ahead's lines, a few per step of h: no burst of prefetches waits on the fill buffers
+    const int64_t per = (kb.pf_bytes + 32 * H - 1) / (32 * H);  // lines per step, H / 2 steps
+    int64_t pf = 0;
+    for (int64_t h = 0; h < H; h += 2) {
+      for (int64_t u = 0; u < per && pf < kb.pf_bytes; ++u, pf += 64) {
+        __builtin_prefetch(kb.pfk + pf);
+        __builtin_prefetch(kb.pfv + pf);
+      }
+      const v16f ka = kInt8 ? load16(static_cast<const int8_t*>(kb.k) + h * ks)
+                            : load16(static_cast<const float*>(kb.k) + h * ks);
+      const v16f kz = kInt8 ? load16(static_cast<const int8_t*>(kb.k) + (h + 1) * ks)
+                            : load16(static_cast<const float*>(kb.k) + (h + 1) * ks);
+      s0a += q0[h] * ka;
+      s0b += q0[h + 1] * kz;
+      if constexpr (QG > 1) {
+        s1a += q0[H + h] * ka;
+        s1b += q0[H + h + 1] * kz;
+      }
+      if constexpr (QG > 2) {
+        s2a += q0[2 * H + h] * ka;
+        s2b += q0[2 * H + h + 1] * kz;
+      }
+      if constexpr (QG > 3) {
+        s3a += q0[3 * H + h] * ka;
+        s3b += q0[3 * H + h + 1] * kz;
+      }
     }
-    const v16f ka = kInt8 ? load16(static_cast<const int8_t*>(kb.k) + h * ks)
-                          : load16(static_cast<const float*>(kb.k) + h * ks);
-    const v16f kz = kInt8 ? load16(static_cast<const int8_t*>(kb.k) + (h + 1) * ks)
-                          : load16(static_cast<const float*>(kb.k) + (h + 1) * ks);
-    s0a += q0[h] * ka;
-    s0b += q0[h + 1] * kz;
-    if constexpr (QG > 1) {
-      s1a += q0[H + h] * ka;
-      s1b += q0[H + h + 1] * kz;
-    }
-    if constexpr (QG > 2) {
-      s2a += q0[2 * H + h] * ka;
-      s2b += q0[2 * H + h + 1] * kz;
-    }
-    if constexpr (QG > 3) {
-      s3a += q0[3 * H + h] * ka;
-      s3b += q0[3 * H + h + 1] * kz;
-    }
+    s[0] = s0a + s0b;
+    s[1] = s1a + s1b;
+    s[2] = s2a + s2b;
+    s[3] = s3a + s3b;
   }
-  const v16f s[4] = {s0a + s0b, s1a + s1b, s2a + s2b, s3a + s3b};
   const v16i kpos = kb.pos;
   alignas(64) float pw[QG][16];
   float alpha[QG];
@@ -325,6 +450,10 @@ __attribute__((always_inline)) inline void block16(const Keys16& kb, const Queri
   // The values: CW 16-wide chunks of the head dim at a time, so that QG x CW multiply-add
   // chains run side by side (one chunk's QG chains alone wait on the FMA latency).
   int64_t c = 0;
+  if constexpr (!kAvx512) {
+    for (; c < H; c += 16) values_avx2<QG, kInt8>(kb, qs, m0, c, pw, alpha);
+    return;
+  }
   if constexpr (kWideChunks > 1) {
     for (; c + 16 * kWideChunks <= H; c += 16 * kWideChunks) values16<QG, kWideChunks, kInt8>(kb, qs, m0, c, pw, alpha);
   }
