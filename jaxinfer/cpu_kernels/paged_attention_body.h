@@ -263,11 +263,29 @@ __attribute__((always_inline)) inline void load8x2(const void* p, int64_t at, __
   }
 }
 
-__attribute__((always_inline)) inline v16f join8(__m256 lo, __m256 hi) {
-  v16f v;
-  std::memcpy(&v, &lo, sizeof lo);
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+template <typename V>
+__attribute__((always_inline)) inline V half8(const void* p, int l) {  // lanes [8 l, 8 l + 8) of 16
+  V v;
+  std::memcpy(&v, static_cast<const char*>(p) + 32 * l, sizeof v);
   return v;
+}
+__attribute__((always_inline)) inline float hmax8(v8f v) {
+  v8f t = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v = v > t ? v : t;
+  t = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v = v > t ? v : t;
+  t = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  v = v > t ? v : t;
+  return v[0];
+}
+__attribute__((always_inline)) inline float hsum8(v8f v) {
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  return v[0];
 }
 
 // Chains per (query, half) the AVX2 loops keep: two (even and odd steps) while the QG x 2 x 2
@@ -275,9 +293,10 @@ __attribute__((always_inline)) inline v16f join8(__m256 lo, __m256 hi) {
 template <int QG>
 constexpr int kChains = QG <= 3 ? 2 : 1;
 
-// The QG queries' scores (qm rows from q0, H wide) against the block's 16 keys, into s[QG].
+// The QG queries' scores (qm rows from q0, H wide) against the block's 16 keys, into s[QG]
+// (lanes 0-7, 8-15).
 template <int QG, bool kInt8>
-__attribute__((always_inline)) inline void scores_avx2(const Keys16& kb, const float* q0, int64_t H, v16f* s) {
+__attribute__((always_inline)) inline void scores_avx2(const Keys16& kb, const float* q0, int64_t H, v8f (*s)[2]) {
   constexpr int E = kChains<QG>;
   const int64_t ks = kb.kstride;
   __m256 a[E][QG][2];
@@ -302,11 +321,7 @@ __attribute__((always_inline)) inline void scores_avx2(const Keys16& kb, const f
     }
   }
   for (int j = 0; j < QG; ++j) {
-    if constexpr (E == 2) {
-      s[j] = join8(_mm256_add_ps(a[0][j][0], a[1][j][0]), _mm256_add_ps(a[0][j][1], a[1][j][1]));
-    } else {
-      s[j] = join8(a[0][j][0], a[0][j][1]);
-    }
+    for (int l = 0; l < 2; ++l) s[j][l] = E == 2 ? _mm256_add_ps(a[0][j][l], a[E - 1][j][l]) : a[0][j][l];
   }
 }
 
@@ -358,6 +373,50 @@ __attribute__((always_inline)) inline void values_avx2(const Keys16& kb, const Q
   }
 }
 
+// block16 (below) for AVX2: the same steps, on 8-lane halves.
+template <int QG, bool kInt8>
+__attribute__((always_inline)) inline void block16_avx2(const Keys16& kb, const Queries& qs, int64_t m0) {
+  const int64_t H = qs.H;
+  v8f s[QG][2];
+  scores_avx2<QG, kInt8>(kb, qs.qm + m0 * H, H, s);
+  alignas(64) float pw[QG][16];
+  float alpha[QG];
+  for (int j = 0; j < QG; ++j) {
+    const int64_t m = m0 + j;
+    const int32_t qp = qs.qpos[m / qs.G];
+    v8f sj[2];
+    v8i ok[2];
+    for (int l = 0; l < 2; ++l) {
+      const v8i kpos = half8<v8i>(&kb.pos, l);
+      ok[l] = half8<v8i>(&kb.ok, l) & (kpos <= qp);
+      if (qs.window > 0) ok[l] &= (qp - kpos) < static_cast<int32_t>(qs.window);
+      if (kb.segments) ok[l] &= half8<v8i>(&kb.kseg, l) == qs.qseg[m / qs.G];
+      sj[l] = kInt8 ? s[j][l] * half8<v8f>(kb.kscale, l) : s[j][l];
+    }
+    if (qs.softcap > 0.0f) {
+      alignas(64) float t[16];
+      std::memcpy(t, sj, sizeof t);
+      for (int o = 0; o < 16; ++o) t[o] = qs.softcap * std::tanh(t[o] / qs.softcap);
+      std::memcpy(sj, t, sizeof t);
+    }
+    for (int l = 0; l < 2; ++l) sj[l] = ok[l] ? sj[l] : v8f{} + kNeg;
+    const float top = std::max(qs.mx[m], hmax8(sj[0] > sj[1] ? sj[0] : sj[1]));
+    alpha[j] = exp_nonpos(qs.mx[m] - top);
+    v8f p[2];
+    for (int l = 0; l < 2; ++l) {
+      p[l] = exp_poly<v8f, v8i>(sj[l] - top);
+      p[l] = ok[l] ? p[l] : v8f{};
+    }
+    qs.sum[m] = qs.sum[m] * alpha[j] + hsum8(p[0] + p[1]);
+    qs.mx[m] = top;
+    for (int l = 0; l < 2; ++l) {
+      const v8f w = kInt8 ? p[l] * half8<v8f>(kb.vscale, l) : p[l];
+      std::memcpy(&pw[j][8 * l], &w, sizeof w);
+    }
+  }
+  for (int64_t c = 0; c < H; c += 16) values_avx2<QG, kInt8>(kb, qs, m0, c, pw, alpha);
+}
+
 // Columns [c, c + 16 CW) of the QG queries' accumulators from m0: rescaled by alpha, plus the
 // block's values weighted by pw.
 template <int QG, int CW, bool kInt8>
@@ -382,46 +441,42 @@ __attribute__((always_inline)) inline void values16(const Keys16& kb, const Quer
 // and accumulators.
 template <int QG, bool kInt8>
 __attribute__((always_inline)) inline void block16(const Keys16& kb, const Queries& qs, int64_t m0) {
-  const int64_t H = qs.H, ks = kb.kstride;
-  const float* q0 = qs.qm + m0 * H;
-  v16f s[4] = {};
   if constexpr (!kAvx512) {
-    scores_avx2<QG, kInt8>(kb, q0, H, s);
-  } else {
-    // two partial sums per query (even and odd h), named so they stay in registers
-    v16f s0a{}, s0b{}, s1a{}, s1b{}, s2a{}, s2b{}, s3a{}, s3b{};
-    // the page ahead's lines, a few per step of h: no burst of prefetches waits on the fill buffers
-    const int64_t per = (kb.pf_bytes + 32 * H - 1) / (32 * H);  // lines per step, H / 2 steps
-    int64_t pf = 0;
-    for (int64_t h = 0; h < H; h += 2) {
-      for (int64_t u = 0; u < per && pf < kb.pf_bytes; ++u, pf += 64) {
-        __builtin_prefetch(kb.pfk + pf);
-        __builtin_prefetch(kb.pfv + pf);
-      }
-      const v16f ka = kInt8 ? load16(static_cast<const int8_t*>(kb.k) + h * ks)
-                            : load16(static_cast<const float*>(kb.k) + h * ks);
-      const v16f kz = kInt8 ? load16(static_cast<const int8_t*>(kb.k) + (h + 1) * ks)
-                            : load16(static_cast<const float*>(kb.k) + (h + 1) * ks);
-      s0a += q0[h] * ka;
-      s0b += q0[h + 1] * kz;
-      if constexpr (QG > 1) {
-        s1a += q0[H + h] * ka;
-        s1b += q0[H + h + 1] * kz;
-      }
-      if constexpr (QG > 2) {
-        s2a += q0[2 * H + h] * ka;
-        s2b += q0[2 * H + h + 1] * kz;
-      }
-      if constexpr (QG > 3) {
-        s3a += q0[3 * H + h] * ka;
-        s3b += q0[3 * H + h + 1] * kz;
-      }
-    }
-    s[0] = s0a + s0b;
-    s[1] = s1a + s1b;
-    s[2] = s2a + s2b;
-    s[3] = s3a + s3b;
+    block16_avx2<QG, kInt8>(kb, qs, m0);
+    return;
   }
+  const int64_t H = qs.H, ks = kb.kstride;
+  // two partial sums per query (even and odd h), named so they stay in registers
+  const float* q0 = qs.qm + m0 * H;
+  v16f s0a{}, s0b{}, s1a{}, s1b{}, s2a{}, s2b{}, s3a{}, s3b{};
+  // the page ahead's lines, a few per step of h: no burst of prefetches waits on the fill buffers
+  const int64_t per = (kb.pf_bytes + 32 * H - 1) / (32 * H);  // lines per step, H / 2 steps
+  int64_t pf = 0;
+  for (int64_t h = 0; h < H; h += 2) {
+    for (int64_t u = 0; u < per && pf < kb.pf_bytes; ++u, pf += 64) {
+      __builtin_prefetch(kb.pfk + pf);
+      __builtin_prefetch(kb.pfv + pf);
+    }
+    const v16f ka = kInt8 ? load16(static_cast<const int8_t*>(kb.k) + h * ks)
+                          : load16(static_cast<const float*>(kb.k) + h * ks);
+    const v16f kz = kInt8 ? load16(static_cast<const int8_t*>(kb.k) + (h + 1) * ks)
+                          : load16(static_cast<const float*>(kb.k) + (h + 1) * ks);
+    s0a += q0[h] * ka;
+    s0b += q0[h + 1] * kz;
+    if constexpr (QG > 1) {
+      s1a += q0[H + h] * ka;
+      s1b += q0[H + h + 1] * kz;
+    }
+    if constexpr (QG > 2) {
+      s2a += q0[2 * H + h] * ka;
+      s2b += q0[2 * H + h + 1] * kz;
+    }
+    if constexpr (QG > 3) {
+      s3a += q0[3 * H + h] * ka;
+      s3b += q0[3 * H + h + 1] * kz;
+    }
+  }
+  const v16f s[4] = {s0a + s0b, s1a + s1b, s2a + s2b, s3a + s3b};
   const v16i kpos = kb.pos;
   alignas(64) float pw[QG][16];
   float alpha[QG];
@@ -450,10 +505,6 @@ __attribute__((always_inline)) inline void block16(const Keys16& kb, const Queri
   // The values: CW 16-wide chunks of the head dim at a time, so that QG x CW multiply-add
   // chains run side by side (one chunk's QG chains alone wait on the FMA latency).
   int64_t c = 0;
-  if constexpr (!kAvx512) {
-    for (; c < H; c += 16) values_avx2<QG, kInt8>(kb, qs, m0, c, pw, alpha);
-    return;
-  }
   if constexpr (kWideChunks > 1) {
     for (; c + 16 * kWideChunks <= H; c += 16 * kWideChunks) values16<QG, kWideChunks, kInt8>(kb, qs, m0, c, pw, alpha);
   }
