@@ -12,7 +12,10 @@ Workload (``jaxinfer.bench.make_workload``): 128 requests, prompts of 25-250 tok
 tokens each, greedy, EOS ignored, all requests submitted at once. Each engine runs in its own
 subprocess, one after another, on the machine's cores (2 threads where the engine takes a
 count): one whole untimed pass first (compilation, kernel selection, allocator), then
-``--repeats`` timed passes; the median is reported, with the 1-minute load average before it.
+``--repeats`` timed passes; the median is reported, with the 1-minute load average before it,
+and beside it output tokens per second of the worker process's CPU time (user + sys of all its
+threads over each timed pass; an engine process vLLM forks apart is not counted): on a shared
+box other work moves wall time by 2-5x, an engine's own CPU time far less.
 
 Weights: the registry's GGUF (Q4_1 for SmolLM2), as stored for llama.cpp and dequantized to
 float32 for everyone else: once into a Hugging Face directory (safetensors) under
@@ -115,17 +118,20 @@ def parse_selection(name: str) -> tuple[str, dict]:
 
 # ------------------------------------------------------------------------------- workers
 def run_passes(one_pass, repeats: int) -> dict:
-    """One untimed pass, then `repeats` timed ones; median output tokens per second."""
+    """One untimed pass, then `repeats` timed ones; median output tokens per second, and per
+    second of the worker process's CPU time (user + sys of all its threads over each timed pass)."""
     t0 = time.perf_counter()
     one_pass()
     warm = time.perf_counter() - t0
-    walls, outs = [], None
+    walls, cpus, outs = [], [], None
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = one_pass()
         walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
     n = sum(len(o) for o in outs)
-    return {"out_tok_s": n / statistics.median(walls), "walls": walls, "first_pass_s": warm,
+    return {"out_tok_s": n / statistics.median(walls), "walls": walls, "cpu_s": cpus,
+            "out_tok_per_cpu_s": n / statistics.median(cpus), "first_pass_s": warm,
             "out_tokens": n, "tokens": outs}
 
 
@@ -616,6 +622,7 @@ def main(argv=None) -> int:
                 print(f"{key:34s} FAILED: {r['error']}", flush=True)
             else:
                 print(f"{key:34s} {r['out_tok_s']:7.1f} tok/s  walls {[round(w, 1) for w in r['walls']]}  "
+                      f"{r['out_tok_per_cpu_s']:6.1f} tok per CPU s  cpu {[round(c, 1) for c in r['cpu_s']]}  "
                       f"load {r['load_before']:.1f}" + (f"  ({r['order']})" if "order" in r else ""), flush=True)
             report(a, argv, work, started, results, final=False)
     finally:

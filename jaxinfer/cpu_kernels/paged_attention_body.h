@@ -241,6 +241,182 @@ struct Queries {
 // floats) in AVX-512's 32 registers, one in AVX2's 16.
 constexpr int kWideChunks = kAvx512 ? 4 : 1;
 
+// ---------------------------------------------------------------- AVX2's hot loops
+// GCC 12 keeps a v16f (two ymm registers under AVX2) of a loop's accumulators in the stack
+// and moves it through general registers on every step (vmovq / vpinsrq around each FMA), so
+// the AVX2 variant runs its score and value loops on explicit __m256 halves instead. int8 keys
+// and values widen to float32 in registers, 8 at a time (vpmovsxbd from memory, vcvtdq2ps),
+// and every widened vector serves all QG queries; their scales apply once per block to the
+// scores and to the softmax weights (Keys16::kscale, vscale), never per element.
+
+// Lanes [at, at + 16) of a key or value row, float32 or int8, as two 8-lane halves.
+template <bool kInt8>
+__attribute__((always_inline)) inline void load8x2(const void* p, int64_t at, __m256* lo, __m256* hi) {
+  if constexpr (kInt8) {
+    const int8_t* b = static_cast<const int8_t*>(p) + at;
+    *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+    *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8))));
+  } else {
+    const float* f = static_cast<const float*>(p) + at;
+    *lo = _mm256_loadu_ps(f);
+    *hi = _mm256_loadu_ps(f + 8);
+  }
+}
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+template <typename V>
+__attribute__((always_inline)) inline V half8(const void* p, int l) {  // lanes [8 l, 8 l + 8) of 16
+  V v;
+  std::memcpy(&v, static_cast<const char*>(p) + 32 * l, sizeof v);
+  return v;
+}
+__attribute__((always_inline)) inline float hmax8(v8f v) {
+  v8f t = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v = v > t ? v : t;
+  t = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v = v > t ? v : t;
+  t = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  v = v > t ? v : t;
+  return v[0];
+}
+__attribute__((always_inline)) inline float hsum8(v8f v) {
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  return v[0];
+}
+
+// Chains per (query, half) the AVX2 loops keep: two (even and odd steps) while the QG x 2 x 2
+// accumulators, a loaded pair and a broadcast fit AVX2's 16 registers (QG <= 3), else one.
+template <int QG>
+constexpr int kChains = QG <= 3 ? 2 : 1;
+
+// The QG queries' scores (qm rows from q0, H wide) against the block's 16 keys, into s[QG]
+// (lanes 0-7, 8-15).
+template <int QG, bool kInt8>
+__attribute__((always_inline)) inline void scores_avx2(const Keys16& kb, const float* q0, int64_t H, v8f (*s)[2]) {
+  constexpr int E = kChains<QG>;
+  const int64_t ks = kb.kstride;
+  __m256 a[E][QG][2];
+  for (int e = 0; e < E; ++e)
+    for (int j = 0; j < QG; ++j) a[e][j][0] = a[e][j][1] = _mm256_setzero_ps();
+  const int64_t per = (kb.pf_bytes + 32 * H - 1) / (32 * H);  // as block16: spread over H / 2 steps
+  int64_t pf = 0;
+  for (int64_t h = 0; h < H; h += 2) {
+    for (int64_t u = 0; u < per && pf < kb.pf_bytes; ++u, pf += 64) {
+      __builtin_prefetch(kb.pfk + pf);
+      __builtin_prefetch(kb.pfv + pf);
+    }
+    for (int d = 0; d < 2; ++d) {
+      __m256 lo, hi;
+      load8x2<kInt8>(kb.k, (h + d) * ks, &lo, &hi);
+      const int e = d % E;
+      for (int j = 0; j < QG; ++j) {
+        const __m256 b = _mm256_broadcast_ss(q0 + j * H + h + d);
+        a[e][j][0] = _mm256_fmadd_ps(b, lo, a[e][j][0]);
+        a[e][j][1] = _mm256_fmadd_ps(b, hi, a[e][j][1]);
+      }
+    }
+  }
+  for (int j = 0; j < QG; ++j) {
+    for (int l = 0; l < 2; ++l) s[j][l] = E == 2 ? _mm256_add_ps(a[0][j][l], a[E - 1][j][l]) : a[0][j][l];
+  }
+}
+
+// Columns [c, c + 16) of the QG queries' accumulators from m0: rescaled by alpha, plus the
+// block's values weighted by pw.
+template <int QG, bool kInt8>
+__attribute__((always_inline)) inline void values_avx2(const Keys16& kb, const Queries& qs, int64_t m0, int64_t c,
+                                                       const float (*pw)[16], const float* alpha) {
+  constexpr int E = kChains<QG>;
+  const int64_t H = qs.H;
+  __m256 a[E][QG][2];
+  for (int j = 0; j < QG; ++j) {
+    const __m256 al = _mm256_set1_ps(alpha[j]);
+    float* at = qs.acc + (m0 + j) * H + c;
+    a[0][j][0] = _mm256_mul_ps(_mm256_loadu_ps(at), al);
+    a[0][j][1] = _mm256_mul_ps(_mm256_loadu_ps(at + 8), al);
+    for (int e = 1; e < E; ++e) a[e][j][0] = a[e][j][1] = _mm256_setzero_ps();
+  }
+  int64_t o = 0;
+  for (; o + E <= kb.rows; o += E) {
+    for (int e = 0; e < E; ++e) {
+      __m256 lo, hi;
+      load8x2<kInt8>(kb.v, (o + e) * kb.vstride + c, &lo, &hi);
+      for (int j = 0; j < QG; ++j) {
+        const __m256 w = _mm256_broadcast_ss(&pw[j][o + e]);
+        a[e][j][0] = _mm256_fmadd_ps(w, lo, a[e][j][0]);
+        a[e][j][1] = _mm256_fmadd_ps(w, hi, a[e][j][1]);
+      }
+    }
+  }
+  for (; o < kb.rows; ++o) {
+    __m256 lo, hi;
+    load8x2<kInt8>(kb.v, o * kb.vstride + c, &lo, &hi);
+    for (int j = 0; j < QG; ++j) {
+      const __m256 w = _mm256_broadcast_ss(&pw[j][o]);
+      a[0][j][0] = _mm256_fmadd_ps(w, lo, a[0][j][0]);
+      a[0][j][1] = _mm256_fmadd_ps(w, hi, a[0][j][1]);
+    }
+  }
+  for (int j = 0; j < QG; ++j) {
+    float* at = qs.acc + (m0 + j) * H + c;
+    if constexpr (E == 2) {
+      _mm256_storeu_ps(at, _mm256_add_ps(a[0][j][0], a[1][j][0]));
+      _mm256_storeu_ps(at + 8, _mm256_add_ps(a[0][j][1], a[1][j][1]));
+    } else {
+      _mm256_storeu_ps(at, a[0][j][0]);
+      _mm256_storeu_ps(at + 8, a[0][j][1]);
+    }
+  }
+}
+
+// block16 (below) for AVX2: the same steps, on 8-lane halves.
+template <int QG, bool kInt8>
+__attribute__((always_inline)) inline void block16_avx2(const Keys16& kb, const Queries& qs, int64_t m0) {
+  const int64_t H = qs.H;
+  v8f s[QG][2];
+  scores_avx2<QG, kInt8>(kb, qs.qm + m0 * H, H, s);
+  alignas(64) float pw[QG][16];
+  float alpha[QG];
+  for (int j = 0; j < QG; ++j) {
+    const int64_t m = m0 + j;
+    const int32_t qp = qs.qpos[m / qs.G];
+    v8f sj[2];
+    v8i ok[2];
+    for (int l = 0; l < 2; ++l) {
+      const v8i kpos = half8<v8i>(&kb.pos, l);
+      ok[l] = half8<v8i>(&kb.ok, l) & (kpos <= qp);
+      if (qs.window > 0) ok[l] &= (qp - kpos) < static_cast<int32_t>(qs.window);
+      if (kb.segments) ok[l] &= half8<v8i>(&kb.kseg, l) == qs.qseg[m / qs.G];
+      sj[l] = kInt8 ? s[j][l] * half8<v8f>(kb.kscale, l) : s[j][l];
+    }
+    if (qs.softcap > 0.0f) {
+      alignas(64) float t[16];
+      std::memcpy(t, sj, sizeof t);
+      for (int o = 0; o < 16; ++o) t[o] = qs.softcap * std::tanh(t[o] / qs.softcap);
+      std::memcpy(sj, t, sizeof t);
+    }
+    for (int l = 0; l < 2; ++l) sj[l] = ok[l] ? sj[l] : v8f{} + kNeg;
+    const float top = std::max(qs.mx[m], hmax8(sj[0] > sj[1] ? sj[0] : sj[1]));
+    alpha[j] = exp_nonpos(qs.mx[m] - top);
+    v8f p[2];
+    for (int l = 0; l < 2; ++l) {
+      p[l] = exp_poly<v8f, v8i>(sj[l] - top);
+      p[l] = ok[l] ? p[l] : v8f{};
+    }
+    qs.sum[m] = qs.sum[m] * alpha[j] + hsum8(p[0] + p[1]);
+    qs.mx[m] = top;
+    for (int l = 0; l < 2; ++l) {
+      const v8f w = kInt8 ? p[l] * half8<v8f>(kb.vscale, l) : p[l];
+      std::memcpy(&pw[j][8 * l], &w, sizeof w);
+    }
+  }
+  for (int64_t c = 0; c < H; c += 16) values_avx2<QG, kInt8>(kb, qs, m0, c, pw, alpha);
+}
+
 // Columns [c, c + 16 CW) of the QG queries' accumulators from m0: rescaled by alpha, plus the
 // block's values weighted by pw.
 template <int QG, int CW, bool kInt8>
@@ -265,6 +441,10 @@ __attribute__((always_inline)) inline void values16(const Keys16& kb, const Quer
 // and accumulators.
 template <int QG, bool kInt8>
 __attribute__((always_inline)) inline void block16(const Keys16& kb, const Queries& qs, int64_t m0) {
+  if constexpr (!kAvx512) {
+    block16_avx2<QG, kInt8>(kb, qs, m0);
+    return;
+  }
   const int64_t H = qs.H, ks = kb.kstride;
   // two partial sums per query (even and odd h), named so they stay in registers
   const float* q0 = qs.qm + m0 * H;
