@@ -36,11 +36,11 @@ def _llm(path, **kw):
     return LLM(str(path), dtype="float32", **(opts | kw))
 
 
-def _sp(max_tokens=5, plp=True):
+def _sp(max_tokens=5, plp=True, **kw):
     from jaxinfer import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                          prompt_logprobs=0 if plp else None)
+                          prompt_logprobs=0 if plp else None, **kw)
 
 
 def _run(llm, prompts, images, **kw):
@@ -88,7 +88,9 @@ def test_a_batch_of_eight_with_0_to_2_images_equals_each_alone_and_transformers(
     batched = _run(llm, prompts, images)
     assert llm.engine.images.stats["images_encoded"] == sum(counts)
     for ids, imgs, got in zip(prompts, images, batched):
-        assert _run(llm, [ids], [imgs]) == [got]
+        (alone,) = _run(llm, [ids], [imgs])
+        assert alone["tokens"] == got["tokens"]
+        np.testing.assert_allclose(alone["prompt_logprobs"], got["prompt_logprobs"], rtol=0, atol=1e-5)
         _check_against_transformers(ref, ids, imgs, got, proc)
 
 
@@ -132,12 +134,19 @@ def test_the_prefix_cache_shares_pages_for_the_same_image_only(ckpt):
     llm = _llm(path)
     cold = _llm(path, enable_prefix_caching=False)
     stats = llm.engine.sched.stats
-    first = _run(llm, [ids], [[a]], plp=False)
+
+    def run(llm, image):  # greedy tokens and their summed log-prob
+        (o,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image}},
+                            _sp(plp=False, logprobs=0), use_tqdm=False)
+        return o.outputs[0].token_ids, o.outputs[0].cumulative_logprob
+
+    first = run(llm, a)
     assert stats["cached_prompt_tokens"] == 0
-    same = _run(llm, [ids], [[a]], plp=False)
+    same = run(llm, a)
     assert stats["cached_prompt_tokens"] == 28  # every full page of the 31-token prompt
-    other = _run(llm, [ids], [[b]], plp=False)
+    other = run(llm, b)
     assert stats["cached_prompt_tokens"] == 28 + 12  # the 3 pages before the image's first token
-    assert first == same == _run(cold, [ids], [[a]], plp=False)
-    assert other == _run(cold, [ids], [[b]], plp=False) != first
+    for got, want in ((first, run(cold, a)), (same, run(cold, a)), (other, run(cold, b))):
+        assert list(got[0]) == list(want[0]) and got[1] == pytest.approx(want[1], abs=1e-5)
+    assert abs(other[1] - first[1]) > 1e-3  # the image is seen
     assert llm.engine.images.stats["images_encoded"] == 3  # per request, cached pages or not
