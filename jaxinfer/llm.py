@@ -407,6 +407,8 @@ class LLM:
         from jaxinfer.beam import beam_search
 
         encoded = [self.encode_prompt(p, i)[1] for i, p in enumerate(_normalize_prompts(prompts))]
+        if any(getattr(toks, "images", None) is not None for toks in encoded):
+            raise InvalidRequest("beam_search takes text prompts only, not multi_modal_data")
         return beam_search(self, encoded, params)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None, *, chat: bool = False):

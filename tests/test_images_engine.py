@@ -149,4 +149,37 @@ def test_the_prefix_cache_shares_pages_for_the_same_image_only(ckpt):
     for got, want in ((first, run(cold, a)), (same, run(cold, a)), (other, run(cold, b))):
         assert list(got[0]) == list(want[0]) and got[1] == pytest.approx(want[1], abs=1e-5)
     assert abs(other[1] - first[1]) > 1e-3  # the image is seen
-    assert llm.engine.images.stats["images_encoded"] == 3  # per request, cached pages or not
+    # the second request found every page of its image cached: its image was never encoded
+    assert llm.engine.images.stats["images_encoded"] == 2
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_prefill_row_image_mask_equals_the_attention_reference(monkeypatch, window):
+    """The prefill row's XLA reader with attend_to (an image's tokens see their whole image,
+    here across query blocks of 4) against ``layers.attention`` on each segment alone."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.models import packed
+    from jaxinfer.models.layers import attention
+
+    monkeypatch.setattr(packed, "PREFILL_QUERY_BLOCK", 4)
+    T, N, K, H, ps = 24, 4, 2, 8, 4
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (1, T, N, H))
+    k = jax.random.normal(kk, (1, T, K, H))
+    v = jax.random.normal(kv, (1, T, K, H))
+    seg = np.array([0] * 11 + [1] * 10 + [-1] * 3, np.int32)
+    pos = np.concatenate([np.arange(11), np.arange(10), np.zeros(3)]).astype(np.int32)
+    to = pos.copy()
+    to[2:7] = 6  # segment 0: an image at positions 2..6 (query blocks 0 and 1)
+    to[11 + 3:11 + 9] = 8  # segment 1: an image at positions 3..8 (blocks 3 and 4)
+    kpool, vpool = jnp.zeros((4, K, H, ps)), jnp.zeros((4, K, ps, H))
+    got = packed.prefill_row_attention(q, k, v, jnp.asarray(pos), jnp.asarray(seg), kpool, vpool,
+                                       jnp.zeros((1, 2), jnp.int32), None, jnp.int32(0), jnp.asarray(to),
+                                       scale=H ** -0.5, window=window)
+    for lo, hi in ((0, 11), (11, 21)):
+        p = jnp.asarray(pos[lo:hi])[None]
+        want = attention(q[:, lo:hi], k[:, lo:hi].transpose(0, 2, 3, 1), v[:, lo:hi].transpose(0, 2, 1, 3), p, p[0],
+                         scale=H ** -0.5, window=window, attend_to=jnp.asarray(to[lo:hi])[None])
+        np.testing.assert_allclose(np.asarray(got[:, lo:hi]), np.asarray(want), rtol=0, atol=1e-5)
