@@ -175,7 +175,7 @@ REFUSALS = [
     ("chat", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content", "invalid_value",
      "surrogate"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[0].content[0].image_url.url", "missing_required_parameter", "'url'"),
+     "messages[0].content[0].image_url.image_url.url", "invalid_value", "Field required"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "audio", "audio": "x"}]}]},
      "messages[0].content[0]", "invalid_value", "'text', 'image_url'"),
     ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0]", "invalid_value", "tool_call_id"),
