@@ -31,7 +31,7 @@ BOI, IMG, EOI = 4000, 4001, 4002
 def write_checkpoint(path: Path, vision_layers: int, image_size: int) -> Path:
     import torch
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     text = dict(vocab_size=V, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
                 num_key_value_heads=1, head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
@@ -46,6 +46,7 @@ def write_checkpoint(path: Path, vision_layers: int, image_size: int) -> Path:
         size={"height": image_size, "width": image_size}).save_pretrained(path)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t3"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "t1", "eos_token": "t2", "pad_token": "t0", "unk_token": "t3",
