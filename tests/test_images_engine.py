@@ -183,3 +183,25 @@ def test_prefill_row_image_mask_equals_the_attention_reference(monkeypatch, wind
         want = attention(q[:, lo:hi], k[:, lo:hi].transpose(0, 2, 3, 1), v[:, lo:hi].transpose(0, 2, 1, 3), p, p[0],
                          scale=H ** -0.5, window=window, attend_to=jnp.asarray(to[lo:hi])[None])
         np.testing.assert_allclose(np.asarray(got[:, lo:hi]), np.asarray(want), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_with_pallas_kernels_image_steps_read_with_the_reference(ckpt):
+    """Pallas kernels (interpret mode on CPU): the ragged kernel has no image mask, so a step
+    with image tokens reads its pages with the XLA readers; the results equal transformers."""
+    from jaxinfer.images import ImageProcessor
+
+    path, ref = ckpt
+    llm = _llm(path, kernels="pallas")
+    ids = _prompt(np.random.default_rng(3), 2)
+    imgs = _images(2, seed=1)
+    (got,) = _run(llm, [ids], [imgs], max_tokens=3)
+    _check_against_transformers(ref, ids, imgs, got, ImageProcessor.from_dir(path))
+
+
+def test_images_with_speculative_decoding_are_refused(ckpt):
+    from jaxinfer.errors import InvalidRequest
+
+    llm = _llm(ckpt[0], speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(InvalidRequest, match="image inputs are not supported with .*speculative decoding"):
+        _run(llm, [_prompt(np.random.default_rng(1), 1)], [_images(1)])
