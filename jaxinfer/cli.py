@@ -82,7 +82,25 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank an adapter may have")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="LoRA adapters kept read in host memory (default: --max-loras)")
+    p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help='the most images one prompt may carry, e.g. \'{"image": 2}\' (default: no limit)')
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="image_url parts may read file:// URLs under this directory (default: none)")
     _add_parallel(p)
+
+
+def _mm_limit(a):
+    """--limit-mm-per-prompt's JSON object (LLM checks its keys and counts)."""
+    import json
+
+    from jaxinfer.errors import InvalidRequest
+
+    if a.limit_mm_per_prompt is None:
+        return None
+    try:
+        return json.loads(a.limit_mm_per_prompt)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"--limit-mm-per-prompt: not JSON ({e.msg}), e.g. '{{\"image\": 2}}'") from None
 
 
 def _lora_modules(a) -> dict:
@@ -120,7 +138,8 @@ def _engine_kwargs(a) -> dict:
                 max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.enable_prefix_caching,
                 scheduling_policy=a.scheduling_policy, speculative_config=a.speculative_config,
                 num_scheduler_steps=a.num_scheduler_steps, enable_lora=a.enable_lora, max_loras=a.max_loras,
-                max_lora_rank=a.max_lora_rank, max_cpu_loras=a.max_cpu_loras, **_parallel_kwargs(a))
+                max_lora_rank=a.max_lora_rank, max_cpu_loras=a.max_cpu_loras, limit_mm_per_prompt=_mm_limit(a),
+                allowed_local_media_path=a.allowed_local_media_path, **_parallel_kwargs(a))
 
 
 def _parallel_kwargs(a) -> dict:

@@ -95,7 +95,8 @@ class LLM:
                  revision: str | None = None, download_dir: str | None = None, generation_config: str = "auto",
                  enable_expert_parallel: bool = False, kernels: str | dispatch.Kernels = "auto",
                  num_scheduler_steps: int | None = None, enable_lora: bool = False, max_loras: int = 1,
-                 max_lora_rank: int = 16, max_cpu_loras: int | None = None):
+                 max_lora_rank: int = 16, max_cpu_loras: int | None = None,
+                 limit_mm_per_prompt: dict | None = None, allowed_local_media_path: str | None = None):
         dtype = dtype or default_dtype()
         if dtype == "auto":
             dtype = default_dtype()
@@ -196,6 +197,14 @@ class LLM:
                              pools=pools, model_names=(str(model) if not isinstance(model, checkpoint.Loaded) else "",
                                                        str(self.model_path), self.cfg.name),
                              download_dir=download_dir)
+        self.limit_mm_per_prompt = _check_mm_limit(limit_mm_per_prompt)
+        from jaxinfer.media import MediaConfig
+
+        self.media = MediaConfig(allowed_local_media_path=allowed_local_media_path)
+        if not isinstance(model, checkpoint.Loaded):  # a multimodal checkpoint's image encoder
+            from jaxinfer.engine import multimodal
+
+            self.engine.images = multimodal.load(self.model_path, self.tokenizer, dtype=dtype)
         if self.engine.pipeline is not None:  # the weights now live stacked by stage
             self.weights = self.engine.weights
             self.parallel = dict(self.parallel, **self.engine.pipeline.report())
@@ -282,9 +291,7 @@ class LLM:
             text, toks = p, self.tokenizer.encode(p)
         elif isinstance(p, dict):
             if p.get("multi_modal_data"):
-                from jaxinfer.openai_schema import IMAGES_NOT_RUN
-
-                raise InvalidRequest(f"prompt {i}: {IMAGES_NOT_RUN}")
+                return self._encode_with_images(p, i)
             if "prompt_token_ids" in p:
                 toks, text = list(p["prompt_token_ids"]), p.get("prompt")
             elif "prompt" in p and isinstance(p["prompt"], str):
@@ -302,13 +309,78 @@ class LLM:
         return text, toks
 
     def encode_chat(self, conv, i: int | str = 0, *, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-        """(rendered text, token ids) of one conversation through the chat template."""
-        conv = _plain_conversation(conv, i)
+        """(rendered text, token ids) of one conversation through the chat template. Image
+        parts ({"type": "image_url", "image_url": {"url": ...}}, or vLLM's {"type": "image_pil",
+        "image_pil": PIL.Image}) become the model's image marker where they stand; the ids then
+        carry the images (``multimodal.ImagePrompt``)."""
+        images = self.engine.images
+        conv, sources = _plain_conversation(conv, i, None if images is None else images.boi)
+        if sources:
+            self._check_images(len(sources), f"conversation {i}")
         text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+        if sources:
+            text = images.expand(text)
         # the template writes the special tokens itself: do not add BOS a second time
         toks = self.tokenizer.encode(text, add_special_tokens=not _starts_with_bos(self.tokenizer, text))
         self.check_prompt_len(toks, i)
+        if sources:
+            toks = self._image_prompt(toks, [self._read_image(s, f"conversation {i}") for s in sources],
+                                      f"conversation {i}")
         return text, toks
+
+    def _check_images(self, n: int, what: str) -> None:
+        """Images are run by this model, and n of them are within limit_mm_per_prompt."""
+        from jaxinfer.engine import multimodal
+
+        if self.engine.images is None:
+            raise InvalidRequest(f"{what}: this model takes no images (its checkpoint has no image encoder "
+                                 "jaxinfer runs); send text content")
+        multimodal.limit_images(n, self.limit_mm_per_prompt, what)
+
+    def _read_image(self, source, what: str):
+        """A PIL image or encoded bytes from an image part's source (a URL, or an image)."""
+        if not isinstance(source, str):
+            return source
+        from jaxinfer.media import MediaError, fetch
+
+        try:
+            return fetch(source, self.media)
+        except MediaError as e:
+            raise InvalidRequest(f"{what}: {e}") from None
+
+    def _image_prompt(self, toks: list[int], images: list, what: str):
+        from jaxinfer.engine import multimodal
+
+        imgs = self.engine.images.prompt_images(toks, images, what)
+        multimodal.validate(self.engine, imgs)
+        return multimodal.ImagePrompt(toks, imgs)
+
+    def _encode_with_images(self, p: dict, i) -> tuple[str | None, list[int]]:
+        """vLLM's {"prompt" or "prompt_token_ids", "multi_modal_data": {"image": an image or a
+        list}}: prompt text holds the model's image marker (Gemma 3: ``<start_of_image>``) once
+        per image; prompt_token_ids hold each image's soft tokens already."""
+        mm = p["multi_modal_data"]
+        what = f"prompt {i}"
+        if not isinstance(mm, dict) or set(mm) - {"image"}:
+            raise InvalidRequest(f"{what}: multi_modal_data takes 'image' only, got "
+                                 f"{sorted(mm) if isinstance(mm, dict) else type(mm).__name__}")
+        images = mm["image"] if isinstance(mm["image"], (list, tuple)) else [mm["image"]]
+        self._check_images(len(images), what)
+        if "prompt_token_ids" in p:
+            toks, text = list(p["prompt_token_ids"]), p.get("prompt")
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.cfg.vocab_size for t in toks):
+                raise InvalidRequest(f"{what}: token ids must be ints in [0, {self.cfg.vocab_size})")
+        elif isinstance(p.get("prompt"), str):
+            text = p["prompt"]
+            marks = text.count(self.engine.images.boi)
+            if marks != len(images):
+                raise InvalidRequest(f"{what}: {len(images)} image(s) need {len(images)} "
+                                     f"{self.engine.images.boi!r} in the prompt, found {marks}")
+            toks = self.tokenizer.encode(self.engine.images.expand(text))
+        else:
+            raise InvalidRequest(f"{what}: a dict prompt needs 'prompt' (str) or 'prompt_token_ids'")
+        self.check_prompt_len(toks, i)
+        return text, self._image_prompt(toks, images, what)
 
     def check_prompt_len(self, toks, i: int | str = 0) -> None:
         if not toks:
@@ -335,6 +407,8 @@ class LLM:
         from jaxinfer.beam import beam_search
 
         encoded = [self.encode_prompt(p, i)[1] for i, p in enumerate(_normalize_prompts(prompts))]
+        if any(getattr(toks, "images", None) is not None for toks in encoded):
+            raise InvalidRequest("beam_search takes text prompts only, not multi_modal_data")
         return beam_search(self, encoded, params)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None, *, chat: bool = False):
@@ -415,6 +489,7 @@ class LLM:
             row = self._make_row(toks, _sample_params(p, j, default_seed_for(self.seed, index)), index * 1024 + j)
             row.owner = req
             row.lora = lora
+            row.images = getattr(toks, "images", None)  # (one object for all samples: encoded once)
             req.rows.append(row)
         if p.guided_decoding is not None:
             for row, m in zip(req.rows, self.guided_matchers(p.guided_decoding, p.n)):
@@ -669,32 +744,65 @@ def _starts_with_bos(tok, text: str) -> bool:
     return text.startswith(tok.id_to_piece(tok.bos_id))
 
 
-def _plain_conversation(conv, i) -> list[dict]:
-    """The conversation with each message's content one string: a list of content parts (vLLM's
-    and OpenAI's) has its text parts joined with newlines, as vLLM joins them; image parts are
-    refused (``IMAGES_NOT_RUN``)."""
-    from jaxinfer.openai_schema import IMAGES_NOT_RUN
+_IMAGE_PARTS = {"image_url", "image_pil"}
 
+
+def _check_mm_limit(limit):
+    if limit is None:
+        return None
+    if not isinstance(limit, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                                              and v >= 0 for k, v in limit.items()):
+        raise InvalidRequest(f"limit_mm_per_prompt must map a modality to a count >= 0, e.g. {{'image': 2}}, "
+                             f"got {limit!r}")
+    if set(limit) - {"image"}:
+        raise InvalidRequest(f"limit_mm_per_prompt: only 'image' inputs are run, got {sorted(limit)}")
+    return dict(limit)
+
+
+def _image_source(p: dict, i):
+    """What an image part names: its URL (image_url) or its image (image_pil)."""
+    if p["type"] == "image_pil":
+        return p.get("image_pil")
+    url = p.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str):
+        raise InvalidRequest(f"conversation {i}: an image_url part needs {{'image_url': {{'url': str}}}}")
+    return url
+
+
+def _plain_conversation(conv, i, boi: str | None = None) -> tuple[list[dict], list]:
+    """The conversation with each message's content one string, and the images its parts name
+    (URLs or images), in order. A list of content parts (vLLM's and OpenAI's) has its text parts
+    joined with newlines, as vLLM joins them; with image parts (boi: the model's image marker;
+    None: the model takes no images), the parts are joined in order as Gemma 3's chat template
+    joins them: each image as its marker, each text stripped, nothing between."""
     if not isinstance(conv, list) or not conv:
         raise InvalidRequest(f"conversation {i} must be a non-empty list of messages")
-    out = []
+    out, sources = [], []
     for m in conv:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise InvalidRequest(f"conversation {i}: each message needs 'role' and 'content', got {m!r}")
         content = m["content"]
         if isinstance(content, list) and content and all(isinstance(p, dict) for p in content):
             kinds = {p.get("type") for p in content}
-            if kinds & {"image_url", "image", "image_pil", "image_embeds"}:
-                raise InvalidRequest(f"conversation {i}: {IMAGES_NOT_RUN}")
-            if kinds != {"text"} or not all(isinstance(p.get("text"), str) for p in content):
-                raise InvalidRequest(f"conversation {i}: content parts must be {{'type': 'text', 'text': str}}, "
-                                     f"got types {sorted(map(str, kinds))}")
-            m = {**m, "content": "\n".join(p["text"] for p in content)}
+            texts = [p for p in content if p.get("type") == "text"]
+            if kinds - {"text"} - _IMAGE_PARTS or not all(isinstance(p.get("text"), str) for p in texts):
+                raise InvalidRequest(f"conversation {i}: content parts must be {{'type': 'text', 'text': str}} or "
+                                     f"{{'type': 'image_url', 'image_url': {{'url': str}}}}, got types "
+                                     f"{sorted(map(str, kinds))}")
+            if kinds & _IMAGE_PARTS:
+                if boi is None:
+                    raise InvalidRequest(f"conversation {i}: this model takes no images (its checkpoint has no "
+                                         "image encoder jaxinfer runs); send text content")
+                sources += [_image_source(p, i) for p in content if p["type"] in _IMAGE_PARTS]
+                m = {**m, "content": "".join(p["text"].strip() if p["type"] == "text" else boi for p in content)}
+            else:
+                m = {**m, "content": "\n".join(p["text"] for p in content)}
         elif not isinstance(content, str):
             raise InvalidRequest(f"conversation {i}: message content must be a string or a list of content parts, "
                                  f"got {type(content).__name__}")
         out.append(m)
-    return out
+    return out, sources
 
 
 def _normalize_prompts(prompts) -> list:

@@ -102,17 +102,12 @@ class ImageUrl(BaseModel):
 
 
 class ImageUrlPart(BaseModel):
-    """An image in a chat message, as OpenAI and vLLM write it. Declared so that a request
-    carrying one is refused for what it is (``IMAGES_NOT_RUN``), not for its part's type."""
+    """An image in a chat message, as OpenAI and vLLM write it: a data: URL, a file:// URL
+    under the server's allowed_local_media_path, or an http(s) URL."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["image_url"]
     image_url: ImageUrl
-
-
-# the one refusal of a request with images (the chat API's image_url parts, a prompt's multi_modal_data)
-IMAGES_NOT_RUN = ("image inputs are not supported yet: the engine runs the text of a multimodal "
-                  "checkpoint only; send text content")
 
 
 class Message(BaseModel):
@@ -127,8 +122,6 @@ class Message(BaseModel):
 
     @model_validator(mode="after")
     def _only_null_extras(self):
-        if not isinstance(self.content, str) and any(p.type == "image_url" for p in self.content):
-            raise PydanticCustomError("unsupported_parameter", IMAGES_NOT_RUN)
         if self.role == "tool" and self.tool_call_id is None:
             raise PydanticCustomError("invalid_value", "a tool message needs tool_call_id")
         for key, v in (self.model_extra or {}).items():
@@ -142,8 +135,11 @@ class Message(BaseModel):
         return "\n".join(p.text for p in self.content)  # vLLM joins text parts with newlines
 
     def for_template(self) -> dict:
-        """The message as the chat template takes it (developer is read as system)."""
-        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        """The message as the chat template takes it (developer is read as system); one with
+        image parts keeps its parts (``LLM.encode_chat`` reads them)."""
+        images = not isinstance(self.content, str) and any(p.type == "image_url" for p in self.content)
+        content = [p.model_dump(exclude_none=True) for p in self.content] if images else self.text()
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content}
         return out if self.tool_call_id is None else {**out, "tool_call_id": self.tool_call_id}
 
 

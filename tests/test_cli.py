@@ -302,3 +302,18 @@ def test_speculation_runs_at_every_batch_size_by_default():
     assert spec.disable_by_batch_size is None and spec.speculates(1024) and spec.max_rows(64) == 64
     capped = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 4}')
     assert capped.speculates(4) and not capped.speculates(5) and capped.max_rows(64) == 4
+
+
+def test_image_flags_reach_the_llm_and_bad_json_is_named():
+    from jaxinfer.cli import _engine_kwargs, build_parser
+    from jaxinfer.errors import InvalidRequest
+
+    for cmd in (["serve"], ["batch", "in.jsonl", "-o", "out.jsonl"]):
+        a = build_parser().parse_args(cmd + ["--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path",
+                                             "/srv/images"])
+        kw = _engine_kwargs(a)
+        assert kw["limit_mm_per_prompt"] == {"image": 2} and kw["allowed_local_media_path"] == "/srv/images"
+        assert _engine_kwargs(build_parser().parse_args(cmd))["limit_mm_per_prompt"] is None
+    a = build_parser().parse_args(["serve", "--limit-mm-per-prompt", "image=2"])
+    with pytest.raises(InvalidRequest, match="--limit-mm-per-prompt: not JSON"):
+        _engine_kwargs(a)

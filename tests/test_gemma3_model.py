@@ -696,7 +696,8 @@ def test_cli_generate_and_batch_on_gemma3(tmp_path, gemma3_gguf, capsys):
 
 def test_chat_takes_content_parts_and_refuses_images(tmp_path, gemma3_gguf):
     """vLLM's content parts: text parts joined with newlines render as the same prompt as the
-    joined string; an image part, or a prompt's multi_modal_data, gets one clear refusal."""
+    joined string; on a checkpoint without an image encoder (a GGUF text model), an image part,
+    or a prompt's multi_modal_data, gets one clear refusal."""
     from PIL import Image
 
     from jaxinfer import LLM
@@ -709,9 +710,9 @@ def test_chat_takes_content_parts_and_refuses_images(tmp_path, gemma3_gguf):
     assert llm.encode_chat(parts) == llm.encode_chat([{"role": "user", "content": "Hi\nthere"}])
     image = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
                                           {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]
-    with pytest.raises(InvalidRequest, match="conversation 0: image inputs are not supported yet"):
+    with pytest.raises(InvalidRequest, match="conversation 0: this model takes no images"):
         llm.chat(image, use_tqdm=False)
-    with pytest.raises(InvalidRequest, match="prompt 0: image inputs are not supported yet"):
+    with pytest.raises(InvalidRequest, match="prompt 0: this model takes no images"):
         llm.generate({"prompt": "Hi", "multi_modal_data": {"image": Image.new("RGB", (4, 4))}}, use_tqdm=False)
     with pytest.raises(InvalidRequest, match="content parts must be"):
         llm.chat([{"role": "user", "content": [{"type": "text", "text": 5}]}], use_tqdm=False)

@@ -30,7 +30,7 @@ from jaxinfer import cache as kv
 from jaxinfer import dispatch
 from jaxinfer import sampling as smp
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import buckets, replicas
+from jaxinfer.engine import buckets, multimodal, replicas
 from jaxinfer.engine.batch import build_batch, plan_shape, window_width
 from jaxinfer.engine.chaining import Chainer
 from jaxinfer.engine.compiles import CompileCounter
@@ -133,6 +133,7 @@ class Engine:
         self.chainer = Chainer(self, scheduler_steps(config),
                                "data_parallel" if D > 1 else "pipeline" if self.pipeline is not None
                                else "speculative" if self.spec is not None else None)
+        self.images = None  # the checkpoint's image encoder (``multimodal.ImageInputs``), where it runs one
         self.drafter = None
         if self.spec is not None:
             from jaxinfer.engine.drafting import Drafter
@@ -273,6 +274,8 @@ class Engine:
                 f"a sequence of {n} tokens needs {need} KV pages but the pool has only "
                 f"{self.allocator.num_pages - 1}; raise kv_cache_memory_bytes or num_gpu_blocks_override, "
                 "or lower max_tokens")
+        if row.images is not None:
+            multimodal.validate(self, row.images)
         if row.lora is not None and self.lora is None:
             raise InvalidRequest("a LoRA request needs an engine started with enable_lora=True")
         ids = tuple(row.params.stop_token_ids) + (() if row.params.ignore_eos else tuple(self.tokenizer.eos_ids))
@@ -402,9 +405,10 @@ class Engine:
               "prefill_chunk": self.config.max_num_batched_tokens}
         eagle = self.drafter is not None and self.drafter.eagle is not None
         if self.D == 1:
-            return build_batch(plans[0], self.sched, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
-                               drafts=drafts, next_tokens=eagle, chain=1 + self.chainer.window_ahead(),
-                               max_loras=self.lora.config.max_loras if self.lora is not None else 0, **kw)
+            batch = build_batch(plans[0], self.sched, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
+                                drafts=drafts, next_tokens=eagle, chain=1 + self.chainer.window_ahead(),
+                                max_loras=self.lora.config.max_loras if self.lora is not None else 0, **kw)
+            return batch if self.images is None else self.images.attach(batch, plans[0])
         shape = tuple(int(x) for x in np.max([plan_shape(p, s, **kw) for p, s in zip(plans, self.scheds)], axis=0))
         return replicas.stack([build_batch(p, s, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
                                            shape=shape, **kw) for p, s in zip(plans, self.scheds)])

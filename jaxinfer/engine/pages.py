@@ -24,7 +24,7 @@ SCRATCH_PAGE = 0
 def page_hash(parent: bytes, tokens) -> bytes:
     """Hash-chain name of a full page: depends on every token before it too."""
     h = hashlib.blake2b(parent, digest_size=16)
-    h.update(struct.pack(f"<{len(tokens)}i", *tokens))
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))  # (64-bit: an image's tokens are named by its hash)
     return h.digest()
 
 

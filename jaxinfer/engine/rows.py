@@ -35,6 +35,7 @@ class Row:
     spec_drafted: int = 0  # speculative decoding: tokens drafted for this row
     spec_accepted: int = 0  # and accepted
     lora: object = None  # the row's LoRA adapter (``lora.Adapter``), None: the base model
+    images: object = None  # the prompt's images (``engine.multimodal.PromptImages``), None: text only
 
 
 def record_token(r: Row, tok: int, host_lp, b: int, now: float, tokenizer) -> bool:

@@ -77,6 +77,13 @@ class Seq:
         return self.row.prompt_ids + self.row.token_ids
 
     @property
+    def hash_tokens(self) -> list[int]:
+        """The tokens that name its pages in the prefix cache: its tokens, an image's soft
+        tokens replaced by its image's hash (``multimodal.PromptImages.hash_tokens``)."""
+        toks = self.tokens
+        return toks if self.row.images is None else self.row.images.hash_tokens(toks)
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         return self.row.params.prompt_logprobs is not None
 
@@ -176,7 +183,7 @@ class Scheduler:
             if seq.row.lora is not None and not self.lora.can_acquire(seq.row.lora):
                 blocked.add(id(seq))
                 continue
-            toks = seq.tokens
+            toks = seq.hash_tokens
             # prompt logprobs need every prompt position computed, so they skip the prefix cache
             cached, chain = ([], seq.root) if seq.wants_prompt_logprobs else self.allocator.lookup_prefix(toks, seq.root)
             window_cached: list[int] = []
@@ -237,6 +244,10 @@ class Scheduler:
             if segments and seq.computed > 0:
                 continue  # only segment 0 may read history from its pages; next step
             n = min(len(seq.tokens) - 1 - seq.computed, budget)
+            if seq.row.images is not None:  # an image's tokens lie whole in one chunk
+                n = seq.row.images.cut(seq.computed, n)
+                if n == 0:
+                    break
             segments.append(Segment(seq, seq.computed, n))
             self._window_grow(seq, seq.computed + n - 1)
             seq.computed += n
@@ -317,7 +328,7 @@ class Scheduler:
         then trim the window to what a later query can still see."""
         ps = self.page_size
         computed = seq.computed if computed is None else computed
-        toks = seq.tokens
+        toks = seq.hash_tokens
         while (seq.registered + 1) * ps <= computed and (seq.registered + 1) * ps <= len(toks):
             i = seq.registered
             if self.window and i < len(seq.window_pages) and seq.window_pages[i]:

@@ -102,7 +102,9 @@ def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState,
             tokens = tokens.at[0 : R * Q : Q].set(first)
         if pipeline is None:
             cache = PackedKV(k_pages, v_pages, batch, windowed, kernels, keys_transposed=keys_transposed)
-            h, cache = mod.forward(weights, tokens[None], None, cache, cfg=cfg, positions=batch.positions[None])
+            images = {} if batch.image_index is None else {"embeds": (batch.image_index[None], batch.image_embeds)}
+            h, cache = mod.forward(weights, tokens[None], None, cache, cfg=cfg, positions=batch.positions[None],
+                                   **images)
             k_pages, v_pages = cache.k, cache.v
         else:
             h, k_pages, v_pages = pipeline_forward(pipeline, weights, tokens, batch, k_pages, v_pages, cfg=cfg,

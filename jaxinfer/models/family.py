@@ -47,12 +47,17 @@ class ImageEncoder:
     engine see it: ``config_from_hf(hf dict, *, dtype) -> config`` (a frozen dataclass with
     ``dtype`` and ``mm_tokens``); ``weight_specs(config)``; ``checkpoint_names(stored tensor
     names) -> {our path: (HF name, "", transpose)}`` (the layout the checkpoint was written in);
-    ``encode(weights, pixels f32[B, C, S, S], *, cfg) -> [B, mm_tokens, D_text]``."""
+    ``encode(weights, pixels f32[B, C, S, S], *, cfg) -> [B, mm_tokens, D_text]``;
+    ``expand(text, mm_tokens, boi, image, eoi) -> text``: a prompt as the family's processor
+    writes it, each image marker (boi) grown into the image's soft tokens; ``markers``: the
+    config.json keys of the (boi, image, eoi) token ids."""
 
     config_from_hf: Callable
     weight_specs: Callable
     checkpoint_names: Callable
     encode: Callable
+    expand: Callable | None = None
+    markers: tuple[str, str, str] = ("boi_token_index", "image_token_index", "eoi_token_index")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # one object per family: compared and hashed by identity
@@ -177,15 +182,20 @@ def decoder(embed, decoder_layers):
 
     forward(weights, tokens i32[B, T], start i32[B] (position of tokens[:, 0]), cache, *, cfg,
     read_cache=True (False when every row starts at 0: attend over the new tokens only),
-    positions=None (i32[B, T] explicit positions, a packed step's; default start + t))
+    positions=None (i32[B, T] explicit positions, a packed step's; default start + t),
+    embeds=None (or (index i32[B, T], rows [n, D]): a token whose index is >= 0 takes that
+    row as its embedding instead of its token's, as an image's soft tokens do))
     -> (hidden [B, T, D] before the final norm, cache). With a cache, each layer first writes
     its new keys/values at their positions, then attends over the cache."""
 
     def forward(weights: dict, tokens: jax.Array, start: jax.Array, cache, *, cfg: ModelConfig,
-                read_cache: bool = True, positions: jax.Array | None = None):
+                read_cache: bool = True, positions: jax.Array | None = None, embeds=None):
         if positions is None:
             positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
         x = embed(weights, tokens, cfg)
+        if embeds is not None:
+            index, rows = embeds
+            x = jnp.where((index >= 0)[..., None], rows[jnp.maximum(index, 0)].astype(x.dtype), x)
         return decoder_layers(weights["layers"], x, positions, start, cache, cfg=cfg, read_cache=read_cache)
 
     return forward

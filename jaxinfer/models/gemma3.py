@@ -148,11 +148,12 @@ def forward_with_images(weights: dict, tokens: jax.Array, soft: jax.Array, start
 BOI, IMAGE, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 
 
-def expand_images(text: str, mm_tokens: int) -> str:
+def expand_images(text: str, mm_tokens: int, boi: str = BOI, image: str = IMAGE, eoi: str = EOI) -> str:
     """A prompt as Gemma 3's processor writes it before tokenizing: each ``<start_of_image>``
     (where the chat template puts an image) becomes "\n\n<start_of_image>", ``mm_tokens``
-    ``<image_soft_token>``s, "<end_of_image>\n\n"."""
-    return text.replace(BOI, f"\n\n{BOI}{IMAGE * mm_tokens}{EOI}\n\n")
+    ``<image_soft_token>``s, "<end_of_image>\n\n" (boi, image, eoi: the tokenizer's spelling
+    of the three markers)."""
+    return text.replace(boi, f"\n\n{boi}{image * mm_tokens}{eoi}\n\n")
 
 
 # Where each weight lives in the two external formats: our path -> (HF name, GGUF name,
@@ -336,11 +337,13 @@ def config_from_hf(hf: dict, *, dtype: str) -> ModelConfig:
         final_logit_softcap=hf.get("final_logit_softcapping"),
     )
 
+IMAGE_ENCODER = dataclasses.replace(siglip.ENCODER, expand=expand_images)
+
 FAMILY = ModelFamily(
     name="gemma3", weight_specs=weight_specs, embed=embed, decoder_layers=decoder_layers, forward=forward,
     unembed=unembed, checkpoint_names=CHECKPOINT_NAMES,
     hf_architectures=HF_ARCHITECTURES, config_from_hf=config_from_hf, hf_activations=HF_ACTIVATIONS,
-    hf_text_towers=HF_TEXT_TOWERS, image_encoders={"Gemma3ForConditionalGeneration": siglip.ENCODER},
+    hf_text_towers=HF_TEXT_TOWERS, image_encoders={"Gemma3ForConditionalGeneration": IMAGE_ENCODER},
     gguf_architectures=GGUF_ARCHITECTURES, config_from_gguf=config_from_gguf, gguf_tensor=gguf_tensor,
     norm_offset=1.0,
 )

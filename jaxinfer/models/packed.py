@@ -112,6 +112,14 @@ class PackedBatch:
     lora_active: jax.Array | None = None
     # i32[N] each token's index into lora_active (-1: none); None with lora_active
     lora_index: jax.Array | None = None
+    # images (``engine.multimodal``): the step's image soft tokens [n, D] (n bucketed), each
+    # token's row in them i32[N] (-1: a text token, its own embedding), and attend_to i32[Tp],
+    # the last position each prefill-row token sees (its own, or its image's last for an image's
+    # token: bidirectional within an image, which lies whole in one chunk). All None in a step
+    # without images: no extra work, and the executable of a text-only step.
+    image_embeds: jax.Array | None = None
+    image_index: jax.Array | None = None
+    attend_to: jax.Array | None = None
 
     @property
     def prefill_len(self) -> int:  # Tp
@@ -193,7 +201,7 @@ class PackedKV:
         if path == dispatch.PagedPath.DECODE:
             return decode_kernel_attention(q, ks[layer], vs[layer], b, table, base, kernels=self.kernels,
                                            **opts), cache
-        if path == dispatch.PagedPath.RAGGED:
+        if path == dispatch.PagedPath.RAGGED and b.attend_to is None:  # (the kernel has no image mask term)
             return ragged_kernel_attention(q, ks[layer], vs[layer], b, table, base, page, kernels=self.kernels,
                                            **opts), cache
         native = path == dispatch.PagedPath.NATIVE
@@ -214,7 +222,8 @@ class PackedKV:
             qp, kp, vp = q[:, R * Q :], k[:, R * Q :], v[:, R * Q :]
             outs.append(prefill_row_attention(
                 qp, kp, vp, b.positions[R * Q :], b.seg, ks[layer], vs[layer], table[R:],
-                None if base is None else base[R:], b.hist_end, native=native, **opts))
+                None if base is None else base[R:], b.hist_end, attend_to=b.attend_to,
+                native=native and b.attend_to is None, **opts))
         return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)), cache
 
 
@@ -417,8 +426,8 @@ def _as_stored(a, pool):
 
 
 @_reader
-def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end, *, scale, window=None,
-                          softcap=None, native=False, sinks=None, keys_transposed=True):
+def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end, attend_to=None, *, scale,
+                          window=None, softcap=None, native=False, sinks=None, keys_transposed=True):
     """The packed prefill row: q [1, T, N, H], its own keys/values k, v [1, T, K, H] at
     positions pos i32[T] in segments seg i32[T] (-1: padding). A token sees the earlier
     tokens of its segment, and segment 0 also the positions < hist_end of the pages in
@@ -429,9 +438,12 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
     up to its own that still hold its first token's segment, and the pages only when that
     token is in segment 0; the rest is skipped at run time (``lax.cond``). sinks: f32[N]
     per-head attention sinks (not taken by the native kernel), or None. Pools as for
-    ``paged_rows_attention``."""
+    ``paged_rows_attention``. attend_to: None, or i32[T] the last position each token sees
+    where that is past its own (an image's tokens see their whole image, which lies in the
+    row: ``PackedBatch.attend_to``); the window still counts back from the token's own
+    position, as in ``layers.attention``. The native kernel takes none."""
     _, T, N, H = q.shape
-    if native and sinks is None and cpu_kernels.prefill_row_fits(T, H, vpool.shape[2]):
+    if native and sinks is None and attend_to is None and cpu_kernels.prefill_row_fits(T, H, vpool.shape[2]):
         assert keys_transposed, "the native kernel reads transposed keys only"
         pools, scales = _kernel_pools(kpool, vpool)
         out = cpu_kernels.prefill_row(q[0], k[0], v[0], pos, seg, *pools, table, None if base is None else base[0],
@@ -448,11 +460,16 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
     nb = T // C
     # one query block's body, traced once and mapped over the blocks (unrolled, the 30 layers'
     # blocks and their branches made the executable several times larger and slower to build)
+    to = pos if attend_to is None else attend_to
+    # the last key block each query block reads: its own, or a later one its image reaches into
+    reach = jnp.arange(T, dtype=jnp.int32) + to - pos
+    last = jnp.arange(nb) if attend_to is None else jnp.maximum(jnp.arange(nb), reach.reshape(nb, C).max(1) // C)
     xs = (jnp.arange(nb), qm.reshape(1, K, nb, C * G, H).transpose(2, 0, 1, 3, 4),
-          jnp.repeat(pos.reshape(nb, 1, C), G, axis=2), jnp.repeat(seg.reshape(nb, C), G, axis=1), seg[::C])
+          jnp.repeat(pos.reshape(nb, 1, C), G, axis=2), jnp.repeat(seg.reshape(nb, C), G, axis=1), seg[::C],
+          jnp.repeat(to.reshape(nb, 1, C), G, axis=2), last)
 
     def block(x):
-        i, qc, qpos, qseg, first = x  # first: the block's earliest segment (-1: all padding)
+        i, qc, qpos, qseg, first, qto, j_last = x  # first: the block's earliest segment (-1: all padding)
         acc = _RunningSoftmax()
         acc.start(1, K, C * G, H)
         # segment 0's earlier positions, from its pages
@@ -472,7 +489,12 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
             def local():
                 kseg, kpos = (jax.lax.dynamic_slice_in_dim(a, j * C, C) for a in (seg, pos))
                 same = (qseg[:, None] == kseg[None, :]) & (kseg[None, :] >= 0)
-                ok = _visible(qpos, kpos[None], window)[0] & same
+                if attend_to is None:
+                    ok = _visible(qpos, kpos[None], window)[0] & same
+                else:
+                    delta = qpos[0][:, None] - kpos[None, :]
+                    ok = (qto[0][:, None] >= kpos[None, :]) & same
+                    ok = ok if window is None else ok & (delta < window)
                 kb = jax.lax.dynamic_slice_in_dim(keys, j * C, C, axis=3)
                 vb = jax.lax.dynamic_slice_in_dim(values, j * C, C, axis=2)
                 return _scores(qc, kb, softcap), ok[None, None], vb
@@ -480,12 +502,12 @@ def prefill_row_attention(q, k, v, pos, seg, kpool, vpool, table, base, hist_end
             acc.m, acc.l, acc.o = state
             # a block that still holds the first segment (block i itself may end in padding;
             # an earlier one never does)
-            acc.maybe_add((seg[(j + 1) * C - 1] >= first) | (j == i), local)
+            acc.maybe_add((seg[(j + 1) * C - 1] >= first) | (j >= i), local)
             return acc.m, acc.l, acc.o
 
-        # key blocks 0..i, one traced body (unrolled, the blocks' branches in 30 layers made the
+        # key blocks 0..i (or to the block its images end in), one traced body (unrolled, the blocks' branches in 30 layers made the
         # step's executable larger and slower to load); none when the query block is all padding
-        acc.m, acc.l, acc.o = jax.lax.fori_loop(0, jnp.where(first >= 0, i + 1, 0), local_block,
+        acc.m, acc.l, acc.o = jax.lax.fori_loop(0, jnp.where(first >= 0, j_last + 1, 0), local_block,
                                                 (acc.m, acc.l, acc.o))
         return acc.result(None if sinks is None else sink_rows(sinks, K, C))  # f32[1, K, C*G, H]
 

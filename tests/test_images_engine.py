@@ -1,0 +1,207 @@
+"""Images through the paged engine (``engine.multimodal``) on the tiny random
+Gemma3ForConditionalGeneration of ``test_gemma3_vision``, against transformers float32: the
+log-probs of the text after each image and the greedy tokens; a batch of 8 prompts with 0-2
+images each, chunked and packed together, equal to each alone; each image encoded once per
+request, preemption included; the prefix cache naming an image's pages by the image."""
+
+import numpy as np
+import pytest
+
+from tests import family_testing as ft
+from tests.conftest import require
+from tests.test_gemma3_vision import IMG, MARKERS, SIGLIP, TEXT, _images, _prompt, _reference, _text_positions
+
+pytestmark = pytest.mark.reference
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """The checkpoint (with its preprocessor_config.json) and its transformers float32 model."""
+    torch = require("torch")
+    transformers = require("transformers")
+    path = ft.write_tiny(tmp_path_factory.mktemp("g3img") / "ckpt", "gemma3", TEXT,
+                         outer={"vision_config": SIGLIP, "mm_tokens_per_image": 4} | MARKERS)
+    transformers.models.gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil(
+        size={"height": 56, "width": 56}).save_pretrained(path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    return path, ref
+
+
+def _llm(path, **kw):
+    from jaxinfer import LLM
+
+    opts = dict(max_model_len=96, progress=False, max_num_seqs=8, block_size=4, max_num_batched_tokens=16,
+                num_gpu_blocks_override=256)
+    return LLM(str(path), dtype="float32", **(opts | kw))
+
+
+def _sp(max_tokens=5, plp=True, **kw):
+    from jaxinfer import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          prompt_logprobs=0 if plp else None, **kw)
+
+
+def _run(llm, prompts, images, **kw):
+    reqs = [{"prompt_token_ids": p} | ({"multi_modal_data": {"image": im}} if im else {})
+            for p, im in zip(prompts, images)]
+    return ft.outputs_of(llm.generate(reqs, _sp(**kw), use_tqdm=False))
+
+
+def _check_against_transformers(ref, ids, imgs, got, proc):
+    pixels = np.stack([proc(i) for i in imgs]) if imgs else np.zeros((0, 3, 56, 56), np.float32)
+    want, toks, margins = _reference(ref, ids, pixels, steps=len(got["tokens"]))
+    pos = _text_positions(ids)
+    np.testing.assert_allclose([got["prompt_logprobs"][t] for t in pos], [want[t, ids[t + 1]] for t in pos],
+                               rtol=0, atol=ft.PLP_ATOL)
+    for step, (mine, tok, margin) in enumerate(zip(got["tokens"], toks, margins)):
+        assert mine == tok, f"step {step}: {mine}, transformers {tok}"
+        if margin < ft.NEAR_TIE:
+            break
+
+
+def test_one_prompt_with_two_images_equals_transformers(ckpt):
+    from jaxinfer.images import ImageProcessor
+
+    path, ref = ckpt
+    llm = _llm(path)
+    ids = _prompt(np.random.default_rng(3), 2)
+    imgs = _images(2, seed=1)
+    (got,) = _run(llm, [ids], [imgs])
+    _check_against_transformers(ref, ids, imgs, got, ImageProcessor.from_dir(path))
+    assert llm.engine.images.stats == {"images_encoded": 2, "encoder_calls": 1}
+
+
+def test_a_batch_of_eight_with_0_to_2_images_equals_each_alone_and_transformers(ckpt):
+    """Prefill chunks of 16 tokens: prompts are cut between images and packed with others'."""
+    from jaxinfer.images import ImageProcessor
+
+    path, ref = ckpt
+    proc = ImageProcessor.from_dir(path)
+    rng = np.random.default_rng(5)
+    counts = [0, 1, 2, 1, 0, 2, 1, 1]
+    prompts = [_prompt(rng, n) for n in counts]
+    pool = iter(_images(sum(counts), seed=9))
+    images = [[next(pool) for _ in range(n)] for n in counts]
+    llm = _llm(path)
+    batched = _run(llm, prompts, images)
+    assert llm.engine.images.stats["images_encoded"] == sum(counts)
+    for ids, imgs, got in zip(prompts, images, batched):
+        (alone,) = _run(llm, [ids], [imgs])
+        assert alone["tokens"] == got["tokens"]
+        np.testing.assert_allclose(alone["prompt_logprobs"], got["prompt_logprobs"], rtol=0, atol=1e-5)
+        _check_against_transformers(ref, ids, imgs, got, proc)
+
+
+def test_text_rows_do_no_image_work(ckpt):
+    """Text-only prompts on a model with an image encoder: no encoder call, and every step
+    the executable a text-only step runs (no image arrays on the batch)."""
+    path, ref = ckpt
+    llm = _llm(path)
+    prompts = [_prompt(np.random.default_rng(s), 0) for s in range(3)]
+    built = []
+    build = llm.engine.build
+    llm.engine.build = lambda *a, **k: built.append(build(*a, **k)) or built[-1]
+    got = _run(llm, prompts, [None] * 3, plp=False)
+    assert llm.engine.images.stats["encoder_calls"] == 0
+    assert built and all(b.image_index is None and b.attend_to is None for b in built)
+    assert [g["tokens"] for g in got] == [ft.model_outputs(ref, [p], 5)[0]["tokens"] for p in prompts]
+
+
+def test_an_image_is_encoded_once_across_preemption(ckpt):
+    """A pool too small for every row at once preempts rows; the preempted ones are recomputed
+    from their prompts without encoding their images again, to the same tokens."""
+    path, _ = ckpt
+    rng = np.random.default_rng(8)
+    prompts = [_prompt(rng, 1) for _ in range(6)]
+    images = [[im] for im in _images(6, seed=2)]
+    want = _run(_llm(path), prompts, images, max_tokens=24, plp=False)
+    llm = _llm(path, num_gpu_blocks_override=28, enable_prefix_caching=False)
+    got = llm.generate([{"prompt_token_ids": p, "multi_modal_data": {"image": im}} for p, im in zip(prompts, images)],
+                       _sp(max_tokens=24, plp=False), use_tqdm=False)
+    assert llm.engine.sched.stats["preemptions"] > 0
+    assert llm.engine.images.stats["images_encoded"] == 6
+    assert [list(o.outputs[0].token_ids) for o in got] == [w["tokens"] for w in want]
+
+
+def test_the_prefix_cache_shares_pages_for_the_same_image_only(ckpt):
+    """Two prompts with equal ids and the same image share their pages; with another image
+    they share only the pages before the image; each output equals its own run without a cache."""
+    path, _ = ckpt
+    ids = [1] + list(range(10, 22)) + [93] + [IMG] * 4 + [94] + list(range(30, 42))  # the image at 13..18
+    a, b = _images(2, seed=6)
+    llm = _llm(path)
+    cold = _llm(path, enable_prefix_caching=False)
+    stats = llm.engine.sched.stats
+
+    def run(llm, image):  # greedy tokens and their summed log-prob
+        (o,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image}},
+                            _sp(plp=False, logprobs=0), use_tqdm=False)
+        return o.outputs[0].token_ids, o.outputs[0].cumulative_logprob
+
+    first = run(llm, a)
+    assert stats["cached_prompt_tokens"] == 0
+    same = run(llm, a)
+    assert stats["cached_prompt_tokens"] == 28  # every full page of the 31-token prompt
+    other = run(llm, b)
+    assert stats["cached_prompt_tokens"] == 28 + 12  # the 3 pages before the image's first token
+    for got, want in ((first, run(cold, a)), (same, run(cold, a)), (other, run(cold, b))):
+        assert list(got[0]) == list(want[0]) and got[1] == pytest.approx(want[1], abs=1e-5)
+    assert abs(other[1] - first[1]) > 1e-3  # the image is seen
+    # the second request found every page of its image cached: its image was never encoded
+    assert llm.engine.images.stats["images_encoded"] == 2
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_prefill_row_image_mask_equals_the_attention_reference(monkeypatch, window):
+    """The prefill row's XLA reader with attend_to (an image's tokens see their whole image,
+    here across query blocks of 4) against ``layers.attention`` on each segment alone."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.models import packed
+    from jaxinfer.models.layers import attention
+
+    monkeypatch.setattr(packed, "PREFILL_QUERY_BLOCK", 4)
+    T, N, K, H, ps = 24, 4, 2, 8, 4
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (1, T, N, H))
+    k = jax.random.normal(kk, (1, T, K, H))
+    v = jax.random.normal(kv, (1, T, K, H))
+    seg = np.array([0] * 11 + [1] * 10 + [-1] * 3, np.int32)
+    pos = np.concatenate([np.arange(11), np.arange(10), np.zeros(3)]).astype(np.int32)
+    to = pos.copy()
+    to[2:7] = 6  # segment 0: an image at positions 2..6 (query blocks 0 and 1)
+    to[11 + 3:11 + 9] = 8  # segment 1: an image at positions 3..8 (blocks 3 and 4)
+    kpool, vpool = jnp.zeros((4, K, H, ps)), jnp.zeros((4, K, ps, H))
+    got = packed.prefill_row_attention(q, k, v, jnp.asarray(pos), jnp.asarray(seg), kpool, vpool,
+                                       jnp.zeros((1, 2), jnp.int32), None, jnp.int32(0), jnp.asarray(to),
+                                       scale=H ** -0.5, window=window)
+    for lo, hi in ((0, 11), (11, 21)):
+        p = jnp.asarray(pos[lo:hi])[None]
+        want = attention(q[:, lo:hi], k[:, lo:hi].transpose(0, 2, 3, 1), v[:, lo:hi].transpose(0, 2, 1, 3), p, p[0],
+                         scale=H ** -0.5, window=window, attend_to=jnp.asarray(to[lo:hi])[None])
+        np.testing.assert_allclose(np.asarray(got[:, lo:hi]), np.asarray(want), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_with_pallas_kernels_image_steps_read_with_the_reference(ckpt):
+    """Pallas kernels (interpret mode on CPU): the ragged kernel has no image mask, so a step
+    with image tokens reads its pages with the XLA readers; the results equal transformers."""
+    from jaxinfer.images import ImageProcessor
+
+    path, ref = ckpt
+    llm = _llm(path, kernels="pallas")
+    ids = _prompt(np.random.default_rng(3), 2)
+    imgs = _images(2, seed=1)
+    (got,) = _run(llm, [ids], [imgs], max_tokens=3)
+    _check_against_transformers(ref, ids, imgs, got, ImageProcessor.from_dir(path))
+
+
+def test_images_with_speculative_decoding_are_refused(ckpt):
+    from jaxinfer.errors import InvalidRequest
+
+    llm = _llm(ckpt[0], speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(InvalidRequest, match="image inputs are not supported with .*speculative decoding"):
+        _run(llm, [_prompt(np.random.default_rng(1), 1)], [_images(1)])
