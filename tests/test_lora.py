@@ -113,6 +113,39 @@ def test_mixed_batch_equals_peft_other_families(model_type, tmp_path):
     check_mixed(base, adapters, refs)
 
 
+# families whose checkpoints fuse projections, PEFT's target modules on them, and the fused ones
+FUSED = {"phi3": ({"partial_rotary_factor": 0.5},
+                  ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], ["qkv_proj", "gate_up_proj"]),
+         "glm4": (FAMILIES["glm4"],
+                  ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"], ["gate_up_proj", "v_proj"])}
+
+
+@pytest.mark.parametrize("model_type", ["phi3", pytest.param("glm4", marks=pytest.mark.slow)])  # ~40 s each
+def test_fused_projections_equal_peft(model_type, tmp_path):
+    """PEFT adapters on the fused modules of Phi-3 (qkv_proj, gate_up_proj) and GLM-4
+    (gate_up_proj), applied to our separate weights as slices of the fused output: each
+    adapter and base rows in one batch equal transformers + PEFT."""
+    overrides, every, fused = FUSED[model_type]
+    base = ft.write_tiny(tmp_path / "base", model_type, overrides)
+    adapters = {"a": write_adapter(base, tmp_path / "a", r=4, alpha=8, seed=1, targets=every),
+                "b": write_adapter(base, tmp_path / "b", r=8, alpha=4, rslora=True, seed=2, targets=fused)}
+    refs = {"base": peft_reference(base, None)} | {n: peft_reference(base, p) for n, p in adapters.items()}
+    for n in adapters:  # each adapter changes the outputs
+        assert np.abs(np.subtract(refs[n][0]["prompt_logprobs"], refs["base"][0]["prompt_logprobs"])).max() > 0.05
+    llm = check_mixed(base, adapters, refs)
+    # the fused module's A is every slice's, its B split by the slices' rows
+    from safetensors.numpy import load_file
+
+    lo = llm.engine.lora.host[2]
+    b = next(v for k, v in load_file(adapters["b"] / "adapter_model.safetensors").items()
+             if "layers.1." in k and "gate_up_proj.lora_B" in k)
+    F = b.shape[0] // 2
+    scale = 4 / np.sqrt(8)
+    np.testing.assert_allclose(lo.pairs[(1, "w_gate")][1].T, b[:F] * scale, rtol=1e-6)
+    np.testing.assert_allclose(lo.pairs[(1, "w_up")][1].T, b[F:] * scale, rtol=1e-6)
+    assert lo.pairs[(1, "w_gate")][0] is lo.pairs[(1, "w_up")][0]
+
+
 def _sp(**kw):
     from jaxinfer import SamplingParams
 
