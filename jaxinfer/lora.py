@@ -171,6 +171,23 @@ def _module_map(family, cfg) -> dict[str, tuple[int, tuple[str, ...]]]:
     return out
 
 
+def check_base(weights: dict) -> None:
+    """Refuse base weights no adapter can be added to: w8a8 projections whose SmoothQuant
+    smoothing was folded into the norm or matmul before them (a w8a8 checkpoint saved
+    quantized) read x / s, while an adapter's A was trained on x."""
+    from jaxinfer import quant
+
+    for i, layer in enumerate(weights["layers"]):
+        for name in TARGETS.values():
+            w = layer.get(name)
+            if isinstance(w, quant.QuantArray) and w.scheme == quant.QuantScheme.W8A8 and w.smooth is None:
+                raise InvalidRequest(
+                    f"LoRA adapters (enable_lora) cannot run over these w8a8 weights: layer {i} {name} reads an "
+                    "activation its smoothing was folded into (a checkpoint saved quantized), not the one an "
+                    "adapter was trained on; load the float checkpoint with quantization='w8a8', which keeps the "
+                    "smoothing at run time under enable_lora")
+
+
 def resolve_path(request: LoRARequest, download_dir=None) -> Path:
     """The adapter's local directory: its path, or a Hub id downloaded through huggingface_hub."""
     p = Path(request.lora_path).expanduser()

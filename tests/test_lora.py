@@ -348,6 +348,59 @@ def test_chained_decode_and_int8_base_compose(llama):
             assert llm.engine.stats["chains"] > 0
 
 
+@pytest.mark.parametrize("scheme", ["int4", "w8a8"])
+def test_quantized_base_equals_peft_over_it(llama, scheme):
+    """Adapters over int4 and w8a8 base weights (the adapter stays float) equal PEFT over the
+    same weights dequantized, w8a8's activations rounded to int8 per token as its matmuls round
+    them. Under enable_lora w8a8 keeps its smoothing at run time: each projection reads the
+    model's own activation, as the adapter's A expects."""
+    from jaxinfer import LLM, quant
+    from jaxinfer.lora import TARGETS
+    from tests.lora_testing import quantized_base
+
+    adapters = {"a": llama["a"], "b": llama["b"]}
+    names = [None, *adapters]
+    reqs = [None if n is None else lora(n, names.index(n), adapters[n]) for n in names for _ in ft.PROMPTS]
+    llm = LLM(str(llama["base"]), enable_lora=True, max_loras=2, max_lora_rank=8, quantization=scheme, **KW)
+    layer = llm.engine.weights["layers"][1]
+    assert all(isinstance(layer[w], quant.QuantArray) for w in TARGETS.values())
+    if scheme == "w8a8":
+        assert all(layer[w].smooth is not None for w in TARGETS.values())
+    got = ft.outputs_of(llm.generate([list(p) for _ in names for p in ft.PROMPTS], _greedy(), use_tqdm=False,
+                                     lora_request=reqs))
+    deq = quantized_base(llm)
+    P = len(ft.PROMPTS)
+    for j, n in enumerate(names):
+        ref = peft_reference(llama["base"], None if n is None else adapters[n], quantized=deq)
+        check = ft.assert_matches if scheme == "int4" else _assert_matches_rounded
+        check(got[j * P : (j + 1) * P], ref, what=f"{scheme} {n}")
+
+
+def _assert_matches_rounded(got, ref, *, what):
+    """Prompt log-probs of a model that rounds its activations to int8: a value on a rounding
+    boundary may round either way under float noise, and one flip moves later log-probs by up
+    to ~0.1 here (measured: the reference itself, its smoothing perturbed by 1e-6, moves that
+    much). So most positions within PLP_ATOL, the median far below it (an adapter applied
+    wrongly moves every position), all within 0.2; greedy tokens to the int8 near-tie."""
+    for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+        d = np.abs(np.subtract(g["prompt_logprobs"], r["prompt_logprobs"]))
+        assert np.median(d) < 1e-5 and np.mean(d <= ft.PLP_ATOL) >= 0.85 and d.max() < 0.2, (what, i, d)
+    ft.assert_matches([dict(g, prompt_logprobs=None) for g in got], ref, near_tie=ft.INT8_NEAR_TIE, what=what)
+
+
+def test_w8a8_with_folded_smoothing_refuses_adapters(llama):
+    """A w8a8 model whose smoothing is folded into its norms (as a checkpoint saved quantized
+    holds it) cannot take adapters: one error, at start-up."""
+    from jaxinfer import LLM, quant
+    from jaxinfer.errors import InvalidRequest
+    from jaxinfer.loaders import checkpoint
+
+    folded = checkpoint.load(str(llama["base"]), dtype="float32", quantize=quant.quant_config("w8a8"))
+    with pytest.raises(InvalidRequest, match="smoothing was folded") as e:
+        LLM(folded, enable_lora=True, **KW)
+    assert "\n" not in str(e.value)
+
+
 _TP_SCRIPT = r"""
 import json, sys
 from tests import family_testing as ft
