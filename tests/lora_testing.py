@@ -101,12 +101,12 @@ def peft_reference(base: Path, adapter: Path | None, prompts=PROMPTS, max_tokens
         for name, (kind, *arrays) in (quantized or {}).items():
             m = model.get_submodule(name)
             if kind == "float":
-                m.weight.copy_(torch.from_numpy(arrays[0]))
+                m.weight.copy_(torch.tensor(arrays[0]))
                 continue
             values, scale, smooth = arrays
             m.__class__ = W8A8Linear  # still a torch Linear: PEFT wraps it as one
-            m.values, m.wscale = torch.from_numpy(values), torch.from_numpy(scale)
-            m.smooth = None if smooth is None else torch.from_numpy(smooth)
+            m.values, m.wscale = torch.tensor(values), torch.tensor(scale)
+            m.smooth = None if smooth is None else torch.tensor(smooth)
     if adapter is not None:
         peft = require("peft")
         model = peft.PeftModel.from_pretrained(model, adapter).eval()
