@@ -109,6 +109,10 @@ class LLM:
         if generation_config not in ("auto", "vllm"):
             raise InvalidRequest(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
         qcfg = _quant_config(quantization, quant_group)  # bad options fail before the download
+        if enable_lora and qcfg is not None and qcfg.scheme == quant.QuantScheme.W8A8:
+            # an adapter's A reads each projection's input: the model's activation, not one
+            # divided by a smoothing folded into the norm before it
+            qcfg = dataclasses.replace(qcfg, fold_smoothing=False)
         spec = SpeculativeConfig.parse(speculative_config)  # likewise (layer count checked once loaded)
         mesh = _parallel_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, mesh)
         # which kernel runs each attention and matmul: chosen once, carried by the weights and the steps

@@ -6,7 +6,9 @@ cache of them, and the device slots a packed step reads.
 
 An adapter is a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``, local or
 a Hub id) whose LoRA pairs target the q, k, v, o, gate, up and down projections (any subset, any
-layers). Each projection of a token computes ``base(x) + scale * (x A) B``, with PEFT's scale:
+layers), or the fused modules of families whose checkpoints fuse them (Phi-3's ``qkv_proj`` and
+``gate_up_proj``, GLM-4's ``gate_up_proj``): as in vLLM, a fused module's adapter applies to each
+of its slices, the A shared and B's rows split as the base weight's rows are. Each projection of a token computes ``base(x) + scale * (x A) B``, with PEFT's scale:
 ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` under rsLoRA.
 
 On device every target projection of every layer holds a stack of ``max_loras`` slots, A as
@@ -46,7 +48,8 @@ import numpy as np
 from jaxinfer.dispatch import XLA, Kernels, LoRAWeight
 from jaxinfer.errors import InvalidRequest
 
-# the projections an adapter may target: PEFT's module name -> our layer weight
+# the projections an adapter may target: PEFT's module name (unfused) -> our layer weight;
+# a family's own checkpoint names say which modules its adapters name (``_module_map``)
 TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w_gate",
            "up_proj": "w_up", "down_proj": "w_down"}
 CONFIG_FILE = "adapter_config.json"
@@ -143,19 +146,46 @@ def target_shapes(cfg, family) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _module_map(family, cfg) -> dict[str, tuple[int, str]]:
-    """PEFT module path (``model.layers.3.self_attn.q_proj``) -> (layer, our weight), from the
-    family's own checkpoint names."""
+def _module_map(family, cfg) -> dict[str, tuple[int, tuple[str, ...]]]:
+    """PEFT module path (``model.layers.3.self_attn.q_proj``) -> (layer, our weights), from the
+    family's own checkpoint names. A fused module (Phi-3's ``qkv_proj``, ``gate_up_proj``) maps
+    to the weights of its row blocks, in block order (``loaders.common.fused_block``): its
+    adapter's A is theirs alike and its B's rows split between them, as the base weight's are."""
+    from jaxinfer.loaders.common import fused_block
+
     shapes = target_shapes(cfg, family)
-    out = {}
+    blocks: dict[str, dict[int, str]] = collections.defaultdict(dict)
     for path, (hf, _, transpose) in family.checkpoint_names.items():
         if len(path) != 2 or path[0] != "layers" or path[1] not in shapes or not transpose:
             continue
-        if not hf.endswith(".weight") or hf.count("{") != 1:
+        tensor, block = fused_block(hf)
+        if not tensor.endswith(".weight") or tensor.count("{") != 1:
             continue
+        blocks[tensor[: -len(".weight")]][0 if block is None else block] = path[1]
+    out = {}
+    for module, by_block in blocks.items():
+        if sorted(by_block) != list(range(len(by_block))):
+            continue  # a fused tensor whose blocks are not all projections an adapter may target
         for i in range(cfg.n_layers):
-            out[hf[: -len(".weight")].format(i=i)] = (i, path[1])
+            out[module.format(i=i)] = (i, tuple(by_block[j] for j in range(len(by_block))))
     return out
+
+
+def check_base(weights: dict) -> None:
+    """Refuse base weights no adapter can be added to: w8a8 projections whose SmoothQuant
+    smoothing was folded into the norm or matmul before them (a w8a8 checkpoint saved
+    quantized) read x / s, while an adapter's A was trained on x."""
+    from jaxinfer import quant
+
+    for i, layer in enumerate(weights["layers"]):
+        for name in TARGETS.values():
+            w = layer.get(name)
+            if isinstance(w, quant.QuantArray) and w.scheme == quant.QuantScheme.W8A8 and w.smooth is None:
+                raise InvalidRequest(
+                    f"LoRA adapters (enable_lora) cannot run over these w8a8 weights: layer {i} {name} reads an "
+                    "activation its smoothing was folded into (a checkpoint saved quantized), not the one an "
+                    "adapter was trained on; load the float checkpoint with quantization='w8a8', which keeps the "
+                    "smoothing at run time under enable_lora")
 
 
 def resolve_path(request: LoRARequest, download_dir=None) -> Path:
@@ -235,38 +265,44 @@ def read_adapter(request: LoRARequest, *, cfg, family, config: LoRAConfig, model
     shapes = target_shapes(cfg, family)
     dtype = np.dtype(cfg.jnp_dtype)
     R = config.max_lora_rank
-    found: dict[tuple[int, str], dict[str, np.ndarray]] = collections.defaultdict(dict)
+    supported = ", ".join(dict.fromkeys(m.split(".")[-1] for m in modules))
+    found: dict[tuple[int, tuple[str, ...]], dict[str, np.ndarray]] = collections.defaultdict(dict)
     for key, value in _read_safetensors(where / WEIGHTS_FILE, what).items():
         module, part = _split_key(key)
         if any(f".{m}." in f".{key}" for m in ("embed_tokens", "lm_head")):
             raise InvalidRequest(f"{what}: tensor {key!r}: the embedding and the LM head are not supported as "
-                                 f"LoRA targets (supported: {', '.join(TARGETS)} of each decoder layer)")
+                                 f"LoRA targets (supported: {supported} of each decoder layer)")
         if part is None:
             raise InvalidRequest(f"{what}: tensor {key!r} is not a LoRA A/B weight (only LoRA pairs of "
-                                 f"the {', '.join(TARGETS)} projections are supported)")
+                                 f"the {supported} projections are supported)")
         if module not in modules:
             leaf = module.split(".")[-1]
             why = ("the embedding and the LM head are not supported as LoRA targets"
                    if leaf in ("embed_tokens", "lm_head") else
-                   f"supported targets: {', '.join(TARGETS)} of each decoder layer")
+                   f"supported targets: {supported} of each decoder layer")
             raise InvalidRequest(f"{what}: module {module!r} cannot take a LoRA adapter here ({why})")
         found[modules[module]][part] = value.astype(np.float32)
     if not found:
         raise InvalidRequest(f"{what}: {WEIGHTS_FILE} holds no LoRA weights")
     pairs = {}
     for (i, ours), got in sorted(found.items()):
+        what_w = f"layer {i} {'+'.join(ours)}"
         if set(got) != {"A", "B"}:
-            raise InvalidRequest(f"{what}: layer {i} {ours} has lora_{''.join(got)} without its pair")
+            raise InvalidRequest(f"{what}: {what_w} has lora_{''.join(got)} without its pair")
         a, b = got["A"], got["B"]  # torch Linear layouts: A [r, I], B [O, r]
-        I, O = shapes[ours]
+        I, O = shapes[ours[0]][0], sum(shapes[w][1] for w in ours)
         if a.ndim != 2 or b.ndim != 2 or a.shape != (r, I) or b.shape != (O, r):
-            raise InvalidRequest(f"{what}: layer {i} {ours}: lora_A {a.shape} and lora_B {b.shape} do not fit "
+            raise InvalidRequest(f"{what}: {what_w}: lora_A {a.shape} and lora_B {b.shape} do not fit "
                                  f"the base model's projection (rank {r}: want A ({r}, {I}) and B ({O}, {r}))")
         pa = np.zeros((I, R), dtype)
         pa[:, :r] = a.T
-        pb = np.zeros((R, O), dtype)
-        pb[:r] = (b.T * np.float32(scale))
-        pairs[(i, ours)] = (pa, pb)
+        start = 0
+        for w in ours:  # a fused projection: each block's weight takes its rows of B, and all of A
+            rows = shapes[w][1]
+            pb = np.zeros((R, rows), dtype)
+            pb[:r] = b[start : start + rows].T * np.float32(scale)
+            pairs[(i, w)] = (pa, pb)
+            start += rows
     return Adapter(request, r, scale, pairs)
 
 

@@ -535,6 +535,10 @@ class QuantConfig:
     scheme: QuantScheme
     group: int | None = None  # int4 rows per scale; None: the largest of INT4_GROUPS dividing each weight
     alpha: float = 0.5  # w8a8: SmoothQuant migration strength
+    # w8a8: fold the smoothing into the norms and producing matmuls (``loaders.quantize``);
+    # False keeps it in each weight, applied to x at run time, so every projection still reads
+    # the model's own activation (what a LoRA adapter's A was trained on)
+    fold_smoothing: bool = True
 
 
 def quant_config(quantize: str | QuantScheme | None, group: int | None = None) -> QuantConfig | None:

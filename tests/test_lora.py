@@ -113,6 +113,39 @@ def test_mixed_batch_equals_peft_other_families(model_type, tmp_path):
     check_mixed(base, adapters, refs)
 
 
+# families whose checkpoints fuse projections, PEFT's target modules on them, and the fused ones
+FUSED = {"phi3": ({"partial_rotary_factor": 0.5},
+                  ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], ["qkv_proj", "gate_up_proj"]),
+         "glm4": (FAMILIES["glm4"],
+                  ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"], ["gate_up_proj", "v_proj"])}
+
+
+@pytest.mark.parametrize("model_type", ["phi3", pytest.param("glm4", marks=pytest.mark.slow)])  # ~40 s each
+def test_fused_projections_equal_peft(model_type, tmp_path):
+    """PEFT adapters on the fused modules of Phi-3 (qkv_proj, gate_up_proj) and GLM-4
+    (gate_up_proj), applied to our separate weights as slices of the fused output: each
+    adapter and base rows in one batch equal transformers + PEFT."""
+    overrides, every, fused = FUSED[model_type]
+    base = ft.write_tiny(tmp_path / "base", model_type, overrides)
+    adapters = {"a": write_adapter(base, tmp_path / "a", r=4, alpha=8, seed=1, targets=every),
+                "b": write_adapter(base, tmp_path / "b", r=8, alpha=4, rslora=True, seed=2, targets=fused)}
+    refs = {"base": peft_reference(base, None)} | {n: peft_reference(base, p) for n, p in adapters.items()}
+    for n in adapters:  # each adapter changes the outputs
+        assert np.abs(np.subtract(refs[n][0]["prompt_logprobs"], refs["base"][0]["prompt_logprobs"])).max() > 0.05
+    llm = check_mixed(base, adapters, refs)
+    # the fused module's A is every slice's, its B split by the slices' rows
+    from safetensors.numpy import load_file
+
+    lo = llm.engine.lora.host[2]
+    b = next(v for k, v in load_file(adapters["b"] / "adapter_model.safetensors").items()
+             if "layers.1." in k and "gate_up_proj.lora_B" in k)
+    F = b.shape[0] // 2
+    scale = 4 / np.sqrt(8)
+    np.testing.assert_allclose(lo.pairs[(1, "w_gate")][1].T, b[:F] * scale, rtol=1e-6)
+    np.testing.assert_allclose(lo.pairs[(1, "w_up")][1].T, b[F:] * scale, rtol=1e-6)
+    assert lo.pairs[(1, "w_gate")][0] is lo.pairs[(1, "w_up")][0]
+
+
 def _sp(**kw):
     from jaxinfer import SamplingParams
 
@@ -313,6 +346,59 @@ def test_chained_decode_and_int8_base_compose(llama):
             ft.assert_matches(got[j * P : (j + 1) * P], refs[n], what=f"{kw} {n}")
         if "num_scheduler_steps" in kw:
             assert llm.engine.stats["chains"] > 0
+
+
+@pytest.mark.parametrize("scheme", ["int4", "w8a8"])
+def test_quantized_base_equals_peft_over_it(llama, scheme):
+    """Adapters over int4 and w8a8 base weights (the adapter stays float) equal PEFT over the
+    same weights dequantized, w8a8's activations rounded to int8 per token as its matmuls round
+    them. Under enable_lora w8a8 keeps its smoothing at run time: each projection reads the
+    model's own activation, as the adapter's A expects."""
+    from jaxinfer import LLM, quant
+    from jaxinfer.lora import TARGETS
+    from tests.lora_testing import quantized_base
+
+    adapters = {"a": llama["a"], "b": llama["b"]}
+    names = [None, *adapters]
+    reqs = [None if n is None else lora(n, names.index(n), adapters[n]) for n in names for _ in ft.PROMPTS]
+    llm = LLM(str(llama["base"]), enable_lora=True, max_loras=2, max_lora_rank=8, quantization=scheme, **KW)
+    layer = llm.engine.weights["layers"][1]
+    assert all(isinstance(layer[w], quant.QuantArray) for w in TARGETS.values())
+    if scheme == "w8a8":
+        assert all(layer[w].smooth is not None for w in TARGETS.values())
+    got = ft.outputs_of(llm.generate([list(p) for _ in names for p in ft.PROMPTS], _greedy(), use_tqdm=False,
+                                     lora_request=reqs))
+    deq = quantized_base(llm)
+    P = len(ft.PROMPTS)
+    for j, n in enumerate(names):
+        ref = peft_reference(llama["base"], None if n is None else adapters[n], quantized=deq)
+        check = ft.assert_matches if scheme == "int4" else _assert_matches_rounded
+        check(got[j * P : (j + 1) * P], ref, what=f"{scheme} {n}")
+
+
+def _assert_matches_rounded(got, ref, *, what):
+    """Prompt log-probs of a model that rounds its activations to int8: a value on a rounding
+    boundary may round either way under float noise, and one flip moves later log-probs by up
+    to ~0.1 here (measured: the reference itself, its smoothing perturbed by 1e-6, moves that
+    much). So most positions within PLP_ATOL, the median far below it (an adapter applied
+    wrongly moves every position), all within 0.2; greedy tokens to the int8 near-tie."""
+    for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+        d = np.abs(np.subtract(g["prompt_logprobs"], r["prompt_logprobs"]))
+        assert np.median(d) < 1e-5 and np.mean(d <= ft.PLP_ATOL) >= 0.85 and d.max() < 0.2, (what, i, d)
+    ft.assert_matches([dict(g, prompt_logprobs=None) for g in got], ref, near_tie=ft.INT8_NEAR_TIE, what=what)
+
+
+def test_w8a8_with_folded_smoothing_refuses_adapters(llama):
+    """A w8a8 model whose smoothing is folded into its norms (as a checkpoint saved quantized
+    holds it) cannot take adapters: one error, at start-up."""
+    from jaxinfer import LLM, quant
+    from jaxinfer.errors import InvalidRequest
+    from jaxinfer.loaders import checkpoint
+
+    folded = checkpoint.load(str(llama["base"]), dtype="float32", quantize=quant.quant_config("w8a8"))
+    with pytest.raises(InvalidRequest, match="smoothing was folded") as e:
+        LLM(folded, enable_lora=True, **KW)
+    assert "\n" not in str(e.value)
 
 
 _TP_SCRIPT = r"""

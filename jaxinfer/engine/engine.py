@@ -148,7 +148,7 @@ class Engine:
     def _lora_manager(self, config, model_names, download_dir):
         """The LoRA adapters' manager, its stacks placed with the weights; refused where a step
         would run without them."""
-        from jaxinfer.lora import LoRAManager
+        from jaxinfer.lora import LoRAManager, check_base
         from jaxinfer.models.registry import model_family
 
         if self.spec is not None:
@@ -160,6 +160,7 @@ class Engine:
             raise InvalidRequest("LoRA adapters (enable_lora) are not supported with data_parallel_size > 1")
         if self.mesh is not None and self.mesh.shape.get("stage", 1) > 1:
             raise InvalidRequest("LoRA adapters (enable_lora) are not supported with pipeline_parallel_size > 1")
+        check_base(self.weights)
         place = self.committed if self.mesh is None else _lora_placement(self.mesh, self.weights["layers"][0])
         return LoRAManager(self.cfg, model_family(self.cfg.family), config, place=place, model_names=model_names,
                            download_dir=download_dir)

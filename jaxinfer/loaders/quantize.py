@@ -27,6 +27,8 @@ largest row of any of them, and 1/s is folded into that norm's weight. ``w_down`
 read the output of another matmul channel for channel (``w_up`` through the gate product;
 ``wv`` through attention, query head n reading kv head n // G), so their 1/s is folded into
 that matmul's per-output-channel scale (and bias): exact, where a norm fold is not possible.
+With ``QuantConfig.fold_smoothing`` off (LoRA adapters: an adapter's A must read the model's own
+activation, not one divided by s) each weight keeps its s and multiplies x by it at run time.
 """
 
 from __future__ import annotations
@@ -321,9 +323,10 @@ def fold_smoothing(floats: dict, specs: dict, svec: dict, cfg) -> dict:
 
 
 def _smooth_layer(floats: dict, specs: dict, absmax: dict, qcfg: QuantConfig, cfg, *, name: str) -> dict:
-    """One layer under w8a8 with every smoothing the folds cover folded; a weight they do
-    not cover keeps run-time smoothing."""
-    out = fold_smoothing(floats, specs, smoothing_vectors(floats, specs, absmax, cfg, qcfg.alpha), cfg)
+    """One layer under w8a8 with every smoothing the folds cover folded (unless
+    ``qcfg.fold_smoothing`` is off); a weight they do not cover keeps run-time smoothing."""
+    out = (fold_smoothing(floats, specs, smoothing_vectors(floats, specs, absmax, cfg, qcfg.alpha), cfg)
+           if qcfg.fold_smoothing else {})
     for n, w in floats.items():
         if n not in out:
             out[n] = quantize_weight(f"{name}/{n}", specs[n], w, qcfg, act_absmax=absmax.get(n))
