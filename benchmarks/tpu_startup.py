@@ -15,9 +15,10 @@ spread over the set (its extremes included) and projects the whole set from thei
 
 ``--threads T`` compiles T executables at once, as ``Engine.warmup`` does on its host's cores
 (XLA compiles release the GIL). ``--compilation-cache DIR`` writes each executable to JAX's
-persistent compilation cache; a second run over the same DIR finds every key there. A TPU host
-loads them instead of compiling; a CPU host cannot (deserializing a TPU executable needs a TPU
-client), so there the report counts ``found_in_cache``: entries a TPU start would load.
+persistent compilation cache; a second run over the same DIR finds every key there
+(``found_in_cache``) and adds no entry (``new_cache_entries``). A TPU host loads them instead of
+compiling (``loaded``); a CPU host cannot (deserializing a TPU executable needs a TPU client),
+so there each is compiled again and written over its own entry.
 
 Writes ``OUT/report.json``: one record per executable (name, R, width, Tp, chain, lower_s,
 compile_s, cpu_s, cache outcome) and a summary (count of the set, compiled, wall, CPU and
@@ -50,6 +51,8 @@ from jaxinfer import cache as kv  # noqa: E402
 from jaxinfer.engine.config import EngineConfig, pool_sizes  # noqa: E402
 from jaxinfer.engine.warmup import step_shapes  # noqa: E402
 
+# JAX's events: an executable loaded from the cache, and one written to it (also when the key
+# was there but could not be loaded: it is compiled and written over the same entry)
 _CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "loaded", "/jax/compilation_cache/cache_misses": "written"}
 _NOT_LOADABLE = "Error reading persistent compilation cache entry"
 
@@ -174,6 +177,11 @@ def main(argv=None):
         print(json.dumps(rec), file=sys.stderr, flush=True)
         return rec
 
+    def entries() -> int:
+        d = args.compilation_cache
+        return len(list(d.glob("*-cache"))) if d and d.is_dir() else 0  # one file per executable
+
+    entries_before = entries()
     load_before = os.getloadavg()
     t0, c0 = time.perf_counter(), time.process_time()
     with concurrent.futures.ThreadPoolExecutor(max(1, args.threads)) as pool:
@@ -192,7 +200,7 @@ def main(argv=None):
         # the whole set at this sample's mean, on this many threads
         projected_set_wall_s=summed / max(len(records), 1) * n_set / max(1, args.threads),
         loaded=sum(r["loaded"] for r in records), written=sum(r["written"] for r in records),
-        found_in_cache=sum(r["found_in_cache"] for r in records),
+        found_in_cache=sum(r["found_in_cache"] for r in records), new_cache_entries=entries() - entries_before,
         load_avg_before=load_before, load_avg_after=os.getloadavg(), cpus=os.cpu_count(),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     args.out.mkdir(parents=True, exist_ok=True)

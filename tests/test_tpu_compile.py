@@ -167,7 +167,7 @@ def test_tpu_compile_script_writes_a_report(tmp_path):
 def test_tpu_startup_script_compiles_a_sample_of_the_warmup_set_and_finds_it_cached_again(tmp_path):
     """benchmarks/tpu_startup.py at a toy size: the engine's warm-up set counted, a sample of it
     compiled on two threads into a persistent compilation cache, and a second start over that
-    cache finds every executable there (a TPU host would load each) and writes nothing."""
+    cache finds every executable there (a TPU host would load each) and adds no entry."""
     from jaxinfer.engine.warmup import step_shapes
 
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -184,10 +184,11 @@ def test_tpu_startup_script_compiles_a_sample_of_the_warmup_set_and_finds_it_cac
     shapes = step_shapes(max_num_seqs=4, page_size=16, chunk=32, pages_per_seq=16, max_len=256, max_prompt=256)
     first, second = reports
     assert first["summary"]["executables_in_set"] == len(shapes)
-    assert first["summary"]["compiled"] == 2 and first["summary"]["written"] == 2
+    assert first["summary"]["compiled"] == 2 and first["summary"]["found_in_cache"] == 0
     assert [r["name"] for r in first["executables"]] == [r["name"] for r in second["executables"]]
     assert first["executables"][0]["name"] == "R0-w8-Tp32"  # the set's first and last shapes
-    assert second["summary"]["written"] == 0 and second["summary"]["found_in_cache"] == 2
+    assert first["summary"]["new_cache_entries"] == 2
+    assert second["summary"]["found_in_cache"] == 2 and second["summary"]["new_cache_entries"] == 0
     assert all(r["compile_s"] > 0 for r in first["executables"])
 
 
