@@ -114,6 +114,34 @@ def sample(kinds: list, n: int | None) -> list:
     return [kinds[round(i * (len(kinds) - 1) / (n - 1))] for i in range(n)]
 
 
+def sampler_times(args) -> list[dict]:
+    """Compile time of ``sample_step`` alone for the target, at each row count of ``--sampler``."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxinfer.engine.slots import make_slots
+    from jaxinfer.engine.step import sample_step
+
+    mesh = aot.target_mesh(args.target)
+    rep = NamedSharding(mesh, PartitionSpec())
+    V = model_config(args.model).vocab_size
+    records = []
+    for R in args.sampler:
+        slots = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
+                             jax.eval_shape(lambda: make_slots(V, R, 0, vocab_state=False)))
+        logits = jax.ShapeDtypeStruct((R, V), jax.numpy.float32, sharding=rep)
+        fn = jax.jit(lambda x, s: sample_step(x, s.sampling, s.generated, s.stop_ids, s.min_tokens, -1))
+        t0, c0 = time.perf_counter(), time.process_time()
+        with jax.set_mesh(mesh):
+            fn.lower(logits, slots).compile()
+        rec = dict(name=f"sampler-R{R}", rows=R, vocab=V, compile_s=time.perf_counter() - t0,
+                   cpu_s=time.process_time() - c0, load_avg=os.getloadavg())
+        print(json.dumps(rec), file=sys.stderr, flush=True)
+        records.append(rec)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "report.json").write_text(json.dumps(dict(sampler=records), indent=1))
+    return records
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="v6e-1", choices=sorted(aot.TARGETS))
@@ -130,7 +158,12 @@ def main(argv=None):
     ap.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     ap.add_argument("--num-scheduler-steps", type=int, default=1)
     ap.add_argument("--list", action="store_true", help="print the set's executables and stop")
+    ap.add_argument("--sampler", type=int, nargs="+", default=None, metavar="R",
+                    help="instead, compile the steps' sampler alone (engine.step.sample_step) at R rows over the "
+                         "model's vocabulary: how much of a step's compile time is its sampling")
     args = ap.parse_args(argv)
+    if args.sampler:
+        return sampler_times(args)
 
     kinds = warmup_set(args)
     chosen = [k for k in kinds if k.name in set(args.only)] if args.only else sample(kinds, args.sample)
