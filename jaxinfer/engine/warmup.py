@@ -2,7 +2,7 @@
 scratch page with every slot idle, so no executable is built mid-run (``Engine.warmup``).
 
 The executables are compiled first, several at a time on threads (XLA compiles release the
-GIL, and each builds one executable on one core), then run one after another: jit runs the
+GIL, and no two share any work), then run one after another: jit runs the
 executable compiled from ``lower(...).compile()`` on the same arguments, so the runs build
 nothing. On a TPU VM host with tens of cores this divides the warm-up's wall time
 (``benchmarks/tpu_startup.py`` measures it for a TPU target)."""
