@@ -195,6 +195,7 @@ class Workload:
     page_size: int = 16
     kv_dtype: str = "bfloat16"
     window_ahead: int = 4  # window pages beyond a windowed layer's window
+    num_pages: int | None = None  # the pools' pages (as the engine sizes them); None: what the step needs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +210,7 @@ class StepKind:
     chain: int = 0
     verify: bool = False
     kv_dtype: str | None = None  # None: the workload's
+    max_segments: int | None = None  # prompts the prefill row packs at most; None: min(prefill, 8)
 
     @property
     def tokens(self) -> int:
@@ -223,7 +225,7 @@ def lower_step(cfg: ModelConfig, weights, mesh: Mesh, kernels: dispatch.Kernels,
     ps = work.page_size
     width = -(-work.context // ps)
     rows_total = max(kind.rows, 1)
-    num_pages = rows_total * width + 1 + (-(-kind.prefill // ps))  # + the scratch page
+    num_pages = work.num_pages or rows_total * width + 1 + (-(-kind.prefill // ps))  # + the scratch page
     window = cfg.sliding_window if any(cfg.layer_window(i) for i in range(cfg.n_layers)) else None
     wwidth, num_window_pages = 1, None
     if window:
@@ -234,7 +236,7 @@ def lower_step(cfg: ModelConfig, weights, mesh: Mesh, kernels: dispatch.Kernels,
     pools = abstract_pools(cfg, mesh, num_pages, ps, kv_dtype, num_window_pages, keys_transposed=transposed)
     slots = abstract_slots(cfg, mesh, max(kind.rows, 1))
     batch = batch_for(mesh, rows=kind.rows, width=width, wwidth=wwidth, q=kind.q, prefill=kind.prefill,
-                      max_segments=min(kind.prefill, 8))
+                      max_segments=min(kind.prefill, 8) if kind.max_segments is None else kind.max_segments)
     statics = dict(cfg=cfg, windowed=pools.windowed, num_logprobs=-1, kernels=kernels, keys_transposed=transposed)
     if kind.verify:
         fn = jax.jit(functools.partial(spec_step, prompt_logprobs=-1, **statics), donate_argnames=("state",))

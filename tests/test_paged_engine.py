@@ -279,6 +279,60 @@ def test_warmup_with_one_slot(tiny_gguf):
     assert len(llm.generate("Hello there", sp)[0].outputs[0].token_ids) == 4
 
 
+def test_warmup_compiles_on_threads_the_executables_its_steps_run(tiny_gguf):
+    """Warm-up compiles its steps several at a time, then runs them: the runs build nothing
+    more (jit runs the executables compiled from lower on the same arguments), the count is
+    what compiling each as it first runs gives, and a workload after it compiles nothing."""
+    from jaxinfer.engine.warmup import warm
+
+    counts = {}
+    for threads in (1, 3):
+        llm = _paged(tiny_gguf, block_size=8, max_num_seqs=4, max_num_batched_tokens=32, num_scheduler_steps=2)
+        eng = llm.engine
+        counts[threads] = warm(eng, 8, 24, threads=threads)
+        shapes = warmup_shapes(eng, 8, 24)
+        chains = sum(1 for R, _, Tp in shapes if R and not Tp)
+        assert counts[threads] == len(shapes) + chains + len(eng.inserts_run), (threads, counts, shapes)
+        before = eng.num_compilations()
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        llm.generate(["Hello", "The capital of France"], sp, use_tqdm=False)
+        assert eng.num_compilations() == before
+    assert counts[1] == counts[3]
+
+
+def test_a_second_start_loads_every_warmup_executable_from_the_cache(tiny_gguf, tmp_path):
+    """With JAX's persistent compilation cache (LLM keeps one under $JAXINFER_HOME), a second
+    engine's warm-up compiles nothing: every executable it builds is loaded from the cache the
+    first one wrote."""
+    from jax import monitoring
+    from jax._src import compilation_cache
+
+    events: list[str] = []
+
+    def listen(event, **kwargs):
+        events.append(event)
+
+    saved = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    compilation_cache.reset_cache()
+    monitoring.register_event_listener(listen)
+    try:
+        kw = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=32)
+        first = _paged(tiny_gguf, **kw).engine.warmup(8, 24)
+        assert events.count("/jax/compilation_cache/cache_misses") >= first > 0  # each written
+        events.clear()
+        second = _paged(tiny_gguf, **kw).engine.warmup(8, 24)
+        assert second == first
+        assert events.count("/jax/compilation_cache/cache_misses") == 0  # nothing compiled
+        assert events.count("/jax/compilation_cache/cache_hits") >= second
+    finally:
+        monitoring.unregister_event_listener(listen)
+        for k, v in saved.items():
+            jax.config.update(k, v)
+        compilation_cache.reset_cache()
+
+
 def test_warmup_leaves_nothing_to_compile(tiny_gguf):
     from jaxinfer.bench import WorkloadSpec, run_bench
 

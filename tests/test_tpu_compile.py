@@ -200,6 +200,35 @@ def test_tpu_compile_script_compiles_whole_periods_of_each_model(model, depths):
         assert (deep.layer_window(i), i in deep.dense_layers) == (cfg.layer_window(i), i in cfg.dense_layers)
 
 
+@pytest.mark.slow  # two starts of libtpu and two compiles each: a minute and more
+def test_tpu_startup_script_compiles_a_sample_of_the_warmup_set_and_finds_it_cached_again(tmp_path):
+    """benchmarks/tpu_startup.py at a toy size: the engine's warm-up set counted, a sample of it
+    compiled on two threads into a persistent compilation cache, and a second start over that
+    cache finds every executable there (a TPU host would load each) and adds no entry."""
+    from jaxinfer.engine.warmup import step_shapes
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    opts = ["--target", "v5e-1", "--model", "llama-tiny", "--max-model-len", "256", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "32", "--sample", "2", "--threads", "2",
+            "--compilation-cache", str(tmp_path / "cache")]
+    reports = []
+    for run in ("first", "second"):
+        out = tmp_path / run
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tpu_startup.py"), *opts, "--out", str(out)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        reports.append(json.loads((out / "report.json").read_text()))
+    shapes = step_shapes(max_num_seqs=4, page_size=16, chunk=32, pages_per_seq=16, max_len=256, max_prompt=256)
+    first, second = reports
+    assert first["summary"]["executables_in_set"] == len(shapes)
+    assert first["summary"]["compiled"] == 2 and first["summary"]["found_in_cache"] == 0
+    assert [r["name"] for r in first["executables"]] == [r["name"] for r in second["executables"]]
+    assert first["executables"][0]["name"] == "R0-w8-Tp32"  # the set's first and last shapes
+    assert first["summary"]["new_cache_entries"] == 2
+    assert second["summary"]["found_in_cache"] == 2 and second["summary"]["new_cache_entries"] == 0
+    assert all(r["compile_s"] > 0 for r in first["executables"])
+
+
 def test_gemma3_image_encoder_compiles_for_v5e():
     """Gemma 3's SigLIP tower and projector at the published width (1152, 16 heads, 896 x 896
     pixels in 4,096 patches pooled to 256 soft tokens of the 4B's 2560), two of its 27 layers,

@@ -199,7 +199,15 @@ class Chainer:
         eng = self.eng
         lora = (("lora", len(batch.lora_active)),) if batch.lora_active is not None else ()
         eng.shapes_run.add((batch.rows, batch.table.shape[1], 0, 1, num_lp, -1, *lora, ("chain", self.steps)))
-        out, eng.k_pages, eng.v_pages, eng.slots = self._fn(
-            eng.weights, batch, eng.k_pages, eng.v_pages, eng.slots, remaining, np.int32(n), np.bool_(exit_on_finish),
-            **({"lora": eng.lora.stacks} if eng.lora is not None else {}), cfg=eng.cfg, num_logprobs=num_lp, kernels=eng.kernels)
+        args, kwargs = self.args(batch, remaining, n, exit_on_finish, num_lp)
+        out, eng.k_pages, eng.v_pages, eng.slots = self._fn(*args, **kwargs)
         return out
+
+    def args(self, batch: PackedBatch, remaining: np.ndarray, n: int, exit_on_finish: bool, num_lp: int):
+        """The (args, kwargs) ``run`` calls ``chained_decode`` with, on the engine's current pools
+        and slots."""
+        eng = self.eng
+        args = (eng.weights, batch, eng.k_pages, eng.v_pages, eng.slots, remaining, np.int32(n),
+                np.bool_(exit_on_finish))
+        return args, dict(**({"lora": eng.lora.stacks} if eng.lora is not None else {}), cfg=eng.cfg,
+                          num_logprobs=num_lp, kernels=eng.kernels)

@@ -27,7 +27,8 @@ def _on_event(event: str, secs: float, **kwargs) -> None:
     if event == LOWERING_EVENT:
         counter = getattr(_active, "counter", None)
         if counter is not None:
-            counter.count += 1
+            with _lock:  # warm-up lowers steps on several threads at once
+                counter.count += 1
 
 
 def _listen() -> None:
@@ -57,10 +58,18 @@ class _Counted:
         self._fn, self._counter = fn, counter
 
     def __call__(self, *args, **kwargs):
+        return self._counting(self._fn, *args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        """``jax.jit``'s ``lower``, counted: the executable compiled from it is the one a call
+        with the same arguments runs (jit shares it), so that call then counts nothing."""
+        return self._counting(self._fn.lower, *args, **kwargs)
+
+    def _counting(self, fn, *args, **kwargs):
         outer = getattr(_active, "counter", None)
         _active.counter = self._counter
         try:
-            return self._fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             _active.counter = outer
 

@@ -420,14 +420,19 @@ class Engine:
         self.shapes_run.add((batch.rows, batch.table.shape[-1], batch.seg.shape[-1], batch.q, num_logprobs,
                              prompt_logprobs) + (("guided",) if guide is not None else ())
                             + ((("lora", len(batch.lora_active)),) if batch.lora_active is not None else ()))
-        extra = self.drafter.plain_extras(batch) if self.drafter is not None else ()
-        out, self.k_pages, self.v_pages, self.slots, *eagle_kv = self._step(
-            self.weights, batch, self.k_pages, self.v_pages, self.slots, guide, *extra,
-            **({"lora": self.lora.stacks} if self.lora is not None else {}), cfg=self.cfg,
-            num_logprobs=num_logprobs, prompt_logprobs=prompt_logprobs, kernels=self.kernels)
+        args, kwargs = self.step_args(batch, num_logprobs=num_logprobs, prompt_logprobs=prompt_logprobs, guide=guide)
+        out, self.k_pages, self.v_pages, self.slots, *eagle_kv = self._step(*args, **kwargs)
         if eagle_kv:
             self.drafter.kv = eagle_kv[0]
         return out
+
+    def step_args(self, batch: PackedBatch, *, num_logprobs: int = -1, prompt_logprobs: int = -1, guide=None):
+        """The (args, kwargs) ``run_step`` calls the jitted step with, on the engine's current
+        pools and slots (warm-up lowers the step on them ahead of running it)."""
+        extra = self.drafter.plain_extras(batch) if self.drafter is not None else ()
+        args = (self.weights, batch, self.k_pages, self.v_pages, self.slots, guide, *extra)
+        return args, dict(**({"lora": self.lora.stacks} if self.lora is not None else {}), cfg=self.cfg,
+                          num_logprobs=num_logprobs, prompt_logprobs=prompt_logprobs, kernels=self.kernels)
 
     def _guide(self, decode: list[Seq], R: int):
         """The decode rows' structured-output masks (bitmask i32[R, V/32], has_mask bool[R]), or

@@ -1,7 +1,16 @@
 """Compiling ahead: every step shape a workload up to given lengths can hit, run once on the
-scratch page with every slot idle, so no executable is built mid-run (``Engine.warmup``)."""
+scratch page with every slot idle, so no executable is built mid-run (``Engine.warmup``).
+
+The executables are compiled first, several at a time on threads (XLA compiles release the
+GIL, and no two share any work), then run one after another: jit runs the
+executable compiled from ``lower(...).compile()`` on the same arguments, so the runs build
+nothing. On a TPU VM host with tens of cores this divides the warm-up's wall time
+(``benchmarks/tpu_startup.py`` measures it for a TPU target)."""
 
 from __future__ import annotations
+
+import concurrent.futures
+import os
 
 import jax
 import numpy as np
@@ -9,36 +18,63 @@ import numpy as np
 from jaxinfer.engine import buckets
 
 
-def warmup_shapes(eng, max_prompt_len: int | None = None, max_len: int | None = None) -> list[tuple]:
-    """Every (R, width, Tp) a workload whose prompts are at most max_prompt_len tokens and
-    whose sequences at most max_len can hit on ``eng`` (a cached prefix or a long prompt's
-    earlier chunks may give the prefill row history of up to max_prompt_len positions)."""
-    max_len = min(max_len or eng.max_model_len, eng.max_model_len)
-    max_prompt = min(max_prompt_len or max_len, max_len)
-    ps, chunk = eng.allocator.page_size, eng.config.max_num_batched_tokens
-    rows = sorted({0} | {buckets.bucket(n, buckets.BATCH_BUCKETS, eng.max_num_seqs)
-                         for n in range(1, eng.max_num_seqs + 1)})
+def step_shapes(*, max_num_seqs: int, page_size: int, chunk: int, pages_per_seq: int, max_len: int,
+                max_prompt: int) -> list[tuple[int, int, int]]:
+    """Every (R decode rows, table width in pages, Tp prefill-row tokens) an engine of
+    max_num_seqs slots, page_size-token pages, chunk-token prefill rows (max_num_batched_tokens)
+    and pages_per_seq pages a sequence can hit, for sequences of at most max_len tokens whose
+    prompts are at most max_prompt (a cached prefix or a long prompt's earlier chunks may give
+    the prefill row history of up to max_prompt positions)."""
+    rows = sorted({0} | {buckets.bucket(n, buckets.BATCH_BUCKETS, max_num_seqs) for n in range(1, max_num_seqs + 1)})
     top_tp = buckets.bucket(min(max_prompt, chunk), buckets.PREFILL_BUCKETS, chunk)
     tps = sorted({0} | {b for b in buckets.PREFILL_BUCKETS if b <= top_tp} | {top_tp})
-    widths = sorted({buckets.width_bucket(n, eng.pages_per_seq) for n in range(1, -(-max_len // ps) + 1)})
+    widths = sorted({buckets.width_bucket(n, pages_per_seq) for n in range(1, -(-max_len // page_size) + 1)})
     return [(R, w, Tp) for R in rows for w in widths for Tp in tps if R or Tp]
 
 
-def warm(eng, max_prompt_len: int | None = None, max_len: int | None = None) -> int:
+def warmup_shapes(eng, max_prompt_len: int | None = None, max_len: int | None = None) -> list[tuple]:
+    """``step_shapes`` of engine ``eng`` for a workload whose prompts are at most
+    max_prompt_len tokens and whose sequences at most max_len (default: max_model_len)."""
+    max_len = min(max_len or eng.max_model_len, eng.max_model_len)
+    return step_shapes(max_num_seqs=eng.max_num_seqs, page_size=eng.allocator.page_size,
+                       chunk=eng.config.max_num_batched_tokens, pages_per_seq=eng.pages_per_seq, max_len=max_len,
+                       max_prompt=min(max_prompt_len or max_len, max_len))
+
+
+def compile_threads() -> int:
+    """Executables warm-up compiles at once: one per core this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def warm(eng, max_prompt_len: int | None = None, max_len: int | None = None, *, threads: int | None = None) -> int:
     """Compile every step of ``warmup_shapes`` (chained and verification steps included, and
     with LoRA enabled every adapter bucket of each) and every slot-insert bucket; returns the
-    number of executables compiled."""
+    number of executables compiled. threads: plain and chained steps compiled at once
+    (default ``compile_threads()``; 1: each as it first runs)."""
     before = eng.num_compilations()
     # with LoRA adapters, each shape once without adapter rows and once per active-set bucket
     # (1, 2, 4, ..., max_loras: ``buckets.lora_buckets``), its tokens on none of them
     loras = [0] + (buckets.lora_buckets(eng.lora.config.max_loras) if eng.lora is not None else [])
+    runs = []  # (run it, (the jitted function, its args, its kwargs)) in warm-up's order
     for R, w, Tp in warmup_shapes(eng, max_prompt_len, max_len):
         for n in loras:
-            eng.run_step(eng.idle_batch(R, w, Tp, loras=n))
+            batch = eng.idle_batch(R, w, Tp, loras=n)
+            runs.append((lambda b=batch: eng.run_step(b), (eng._step, *eng.step_args(batch))))
             if R and not Tp and eng.chainer.enabled:
-                eng.chainer.run(eng.idle_batch(R, w, 0, loras=n), np.zeros(R, np.int32), 0, False, -1)
+                chain = (eng.idle_batch(R, w, 0, loras=n), np.zeros(R, np.int32), 0, False, -1)
+                runs.append((lambda c=chain: eng.chainer.run(*c), (eng.chainer._fn, *eng.chainer.args(*chain))))
         if eng.drafter is not None:
-            eng.drafter.warm(R, w, Tp)
+            runs.append((lambda s=(R, w, Tp): eng.drafter.warm(*s), None))
+    threads = compile_threads() if threads is None else threads
+    if threads > 1:
+        # the args are the pools and slots as they are now; each run donates and replaces them
+        # with arrays of the same shapes and placement, so the runs below find these executables
+        jobs = [job for _, job in runs if job is not None]
+        with concurrent.futures.ThreadPoolExecutor(min(threads, len(jobs) or 1)) as pool:
+            for f in [pool.submit(lambda j: j[0].lower(*j[1], **j[2]).compile(), job) for job in jobs]:
+                f.result()
+    for run, _ in runs:
+        run()
     eng.slots = eng._fresh_slots()  # warm-up sampled into idle slots
     if eng.D == 1:  # every row bucket of _insert_rows, host state as slot_states_for's, all padding
         for n in sorted({buckets.bucket(k, buckets.BATCH_BUCKETS, eng.max_num_seqs)
