@@ -115,8 +115,6 @@ class LLM:
         import jax
 
         self.kernels = dispatch.choose(kernels, mesh=mesh, devices=None if mesh is not None else jax.local_devices()[:1])
-        if mesh is not None and mesh.shape["data"] > 1 and spec is not None:
-            raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")
         try:
             sched = Scheduling(scheduling_policy)
         except ValueError:

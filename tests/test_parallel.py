@@ -54,7 +54,8 @@ _COMMON = textwrap.dedent("""
         print("size", size, rep, "max |dlogprob|", np.abs(lp - ref[1]).max(), "prompt", np.abs(plp - ref[2]).max())
         if not opt["hlo"]:
             continue
-        txt = e._step.lower(e.weights, e.idle_batch(4, 8, 0), e.k_pages, e.v_pages, e.slots, cfg=e.cfg,
+        from jaxinfer.engine.step import StepInputs
+        txt = e._step.lower(e.weights, StepInputs(e.idle_batch(4, 8, 0)), e.state, cfg=e.cfg,
                             num_logprobs=-1, prompt_logprobs=-1, kernels=e.kernels).compile().as_text()
         per = Counter()
         for line in txt.splitlines():

@@ -178,8 +178,8 @@ def test_chained_blocks_equal_host_built_ones(smollm2_gguf, smollm2_llm, monkeyp
             for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
     assert want[1][1] == "stop"
     chained = []
-    orig = drafting.Drafter.dispatch_chained
-    monkeypatch.setattr(drafting.Drafter, "dispatch_chained", lambda self, *a: chained.append(1) or orig(self, *a))
+    orig = drafting.Drafter.chained_block
+    monkeypatch.setattr(drafting.Drafter, "chained_block", lambda self, *a: chained.append(1) or orig(self, *a))
 
     def run(chain: bool):
         monkeypatch.setattr(drafting.Drafter, "chains", lambda self: chain)

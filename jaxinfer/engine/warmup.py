@@ -36,14 +36,15 @@ def warm(eng, max_prompt_len: int | None = None, max_len: int | None = None) -> 
         for n in loras:
             eng.run_step(eng.idle_batch(R, w, Tp, loras=n))
             if R and not Tp and eng.chainer.enabled:
-                eng.chainer.run(eng.idle_batch(R, w, 0, loras=n), np.zeros(R, np.int32), 0, False, -1)
-        if eng.drafter is not None:
-            eng.drafter.warm(R, w, Tp)
-    eng.slots = eng._fresh_slots()  # warm-up sampled into idle slots
+                _, eng.state = eng.chainer.run(eng.state, eng.idle_batch(R, w, 0, loras=n), np.zeros(R, np.int32), 0,
+                                               False, -1)
+        for batch, block in eng.drafter.warm_steps(R, w, Tp) if eng.drafter is not None else ():
+            eng.run_step(batch, drafts=block)
+    eng.reset_slots()  # warm-up sampled into idle slots
     if eng.D == 1:  # every row bucket of _insert_rows, host state as slot_states_for's, all padding
         for n in sorted({buckets.bucket(k, buckets.BATCH_BUCKETS, eng.max_num_seqs)
                          for k in range(1, eng.max_num_seqs + 1)}):
             pad = jax.tree.map(lambda a: jax.device_put(np.repeat(np.asarray(a[:1]), n, axis=0)), eng.slots)
             eng._insert_at(0, np.full(n, eng.max_num_seqs, np.int32), pad)
-    jax.block_until_ready(eng.k_pages)
+    jax.block_until_ready(eng.state)
     return eng.num_compilations() - before
