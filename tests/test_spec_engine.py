@@ -251,6 +251,41 @@ def test_bad_config_is_one_clear_error(cfg, msg):
         SpeculativeConfig.parse(cfg, 30)
 
 
+_EAGLE = {"method": "eagle", "num_speculative_tokens": 2, "model": "h"}
+
+
+@pytest.mark.parametrize("spec,mesh,lora,msg", [
+    (NGRAM, (2, 1, 1), False, "speculative decoding is not supported with data_parallel_size > 1"),
+    (EARLY, (1, 2, 1), False, "early_exit is not supported with pipeline_parallel_size > 1"),
+    (dict(_EAGLE, branches=2), (1, 2, 1), False, "branches > 1 is not supported with pipeline_parallel_size > 1"),
+    (_EAGLE, (1, 1, 2), False, "method eagle does not run with tensor parallelism yet"),
+    (NGRAM, None, True, "speculative decoding with LoRA adapters"),
+    (None, (2, 1, 1), True, "LoRA adapters .* data_parallel_size > 1"),
+    (None, (1, 2, 1), True, "LoRA adapters .* pipeline_parallel_size > 1"),
+])
+def test_options_that_do_not_compose_are_refused_in_one_place(spec, mesh, lora, msg):
+    """The engine step composes speculation, pipeline stages, tensor parallelism and adapters;
+    what it does not is refused by one check, with the reason."""
+    from types import SimpleNamespace
+
+    from jaxinfer.engine.config import check_combination
+
+    m = None if mesh is None else SimpleNamespace(shape=dict(zip(("data", "stage", "model"), mesh)))
+    with pytest.raises(InvalidRequest, match=msg):
+        check_combination(None if spec is None else SpeculativeConfig.parse(spec, 30), m, lora=lora)
+
+
+@pytest.mark.parametrize("spec,mesh", [(NGRAM, (1, 2, 1)), ({"method": "medusa", "num_speculative_tokens": 2,
+                                                             "model": "h"}, (1, 2, 2)), (NGRAM, (1, 1, 2))])
+def test_speculation_composes_with_pipeline_stages_and_tensor_parallelism(spec, mesh):
+    from types import SimpleNamespace
+
+    from jaxinfer.engine.config import check_combination
+
+    m = SimpleNamespace(shape=dict(zip(("data", "stage", "model"), mesh)))
+    check_combination(SpeculativeConfig.parse(spec, 30), m, lora=False)
+
+
 def test_early_exit_layers_checked_against_the_model(smollm2_gguf):
     with pytest.raises(InvalidRequest, match=r"num_layers must be in \[1, 29\]"):
         LLM(str(smollm2_gguf), progress=False, kv_cache_memory_bytes=KV_BYTES,

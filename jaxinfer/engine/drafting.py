@@ -277,7 +277,7 @@ class Drafter:
         return DraftBlock(chain=(fl.out.accepted, ahead, budget), history=history)
 
     def _history(self, decode: list[Seq], batch: PackedBatch, block) -> tuple:
-        """n-gram chaining's ``verify.SpecInputs.history``: each row's tokens as the host last
+        """n-gram chaining's ``verify.DraftBlock.history``: each row's tokens as the host last
         read them (i32[R, L], L the pages the batch's tables cover: room for the unread block
         and the next), their counts, and the unread block's tokens (block, still on device)."""
         L = batch.table.shape[1] * self.eng.allocator.page_size
