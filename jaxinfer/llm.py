@@ -430,8 +430,6 @@ class LLM:
         """A GuidedDecoding's grammar compiled against this model's vocabulary (cached)."""
         from jaxinfer.guided import GrammarCompiler
 
-        if not self.engine.supports_guided_decoding:
-            raise InvalidRequest("structured output (guided_decoding) is not supported with data_parallel_size > 1")
         key = repr(spec)
         if key not in self._grammars:
             if self._grammar_compiler is None:

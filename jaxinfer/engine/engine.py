@@ -139,7 +139,7 @@ class Engine:
                                else "speculative" if self.spec is not None else None)
         self._seqs: dict[int, tuple[int, Seq]] = {}  # id(row) -> (replica, its sequence), for abort
         self._inflight: InFlight | None = None
-        self._bitmask: np.ndarray | None = None  # i32[S, V/32] structured-output masks, made on first use
+        self._bitmask: np.ndarray | None = None  # i32[D, S, V/32] structured-output masks, made on first use
         self.shapes_run: set[tuple] = set()  # (R, width, Tp, q, logprobs, prompt logprobs) of every step run
         self.inserts_run: set[int] = set()  # the row buckets of every slot insert run (one device)
 
@@ -170,10 +170,6 @@ class Engine:
     def spec_stats(self):
         """Speculative decoding's acceptance counters (``speculative.SpecStats``), or None."""
         return self.drafter.stats if self.drafter is not None else None
-
-    @property
-    def supports_guided_decoding(self) -> bool:
-        return self.D == 1
 
     @property
     def last_cache_bytes(self) -> int:
@@ -219,8 +215,6 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def validate(self, row: Row) -> None:
         """Raise InvalidRequest if the row can never run on this engine."""
-        if row.guided is not None and not self.supports_guided_decoding:
-            raise InvalidRequest("structured output (guided_decoding) is not supported with data_parallel_size > 1")
         n = len(row.prompt_ids) + row.max_new
         need = -(-n // self.allocator.page_size)
         if need > self.allocator.num_pages - 1:
@@ -325,9 +319,9 @@ class Engine:
             guide = self.drafter.block_guide(decode, rows, batch.rows, q)
             block = self.drafter.block(batch.rows, q - 1, rows)
         else:
-            kind = StepKind.GUIDED if any(s.row.guided is not None for s in decode) else StepKind.PLAIN
             batch = self.build(plans, 1, want_targets=bool(want_plp))
-            guide = self._guide(decode, batch.rows) if self.D == 1 else None
+            guide = self._guide(plans, batch.rows)
+            kind = StepKind.GUIDED if guide is not None else StepKind.PLAIN
         out = self.run_step(batch, num_logprobs=num_lp, prompt_logprobs=plp, guide=guide, drafts=block)
         if kind.verifies and decode:
             self.drafter.stats.steps += 1
@@ -375,19 +369,21 @@ class Engine:
                                      prompt_logprobs=prompt_logprobs, kernels=self.kernels)
         return out
 
-    def _guide(self, decode: list[Seq], R: int):
-        """The decode rows' structured-output masks (bitmask i32[R, V/32], has_mask bool[R]), or
-        None when no row is constrained. Decode row r is slot r."""
-        guided = [s for s in decode if s.row.guided is not None]
+    def _guide(self, plans, R: int):
+        """The decode rows' structured-output masks (bitmask i32[R, V/32], has_mask bool[R];
+        [D, ...] with replicas, each replica's own), or None when no row is constrained. Decode
+        row r is slot r."""
+        guided = [(d, s) for d, p in enumerate(plans) for s in p.decode if s.row.guided is not None]
         if not guided:
             return None
         if self._bitmask is None:
-            self._bitmask = np.full((self.max_num_seqs, -(-self.cfg.vocab_size // 32)), -1, np.int32)
-        has = np.zeros(R, np.bool_)
-        for s in guided:
-            s.row.guided.fill_bitmask(self._bitmask[s.slot])
-            has[s.slot] = True
-        return self._bitmask[:R].copy(), has
+            self._bitmask = np.full((self.D, self.max_num_seqs, -(-self.cfg.vocab_size // 32)), -1, np.int32)
+        has = np.zeros((self.D, R), np.bool_)
+        for d, s in guided:
+            s.row.guided.fill_bitmask(self._bitmask[d, s.slot])
+            has[d, s.slot] = True
+        bitmask = self._bitmask[:, :R].copy()
+        return (bitmask[0], has[0]) if self.D == 1 else (bitmask, has)
 
     # ------------------------------------------------------------------ slots
     def committed(self, tree):
