@@ -133,7 +133,7 @@ class Engine:
             fn, insert = functools.partial(replicas.replicas_step, mesh=mesh, **statics), replicas.insert_replica
         self._step = self._compiles.counted(jax.jit(fn, static_argnames=("cfg", "num_logprobs", "prompt_logprobs",
                                                                          "kernels"), donate_argnames=("state",)))
-        self._insert = self._compiles.counted(jax.jit(insert, donate_argnames=("slots",)))
+        self._insert = self._compiles.counted(jax.jit(functools.partial(insert), donate_argnames=("slots",)))
         self.chainer = Chainer(self, scheduler_steps(config),
                                "data_parallel" if D > 1 else "pipeline" if self.pipeline is not None
                                else "speculative" if self.spec is not None else None)
