@@ -241,11 +241,11 @@ def run_one(a, B: int) -> dict:
         engine_run(S)  # the first generate builds its step shapes (counted, not timed)
     bare_run()
     dev = device_split(eng, B, a.new)
-    eng.slots = eng._fresh_slots()  # the bare steps sampled into the slots
+    eng.reset_slots()  # the bare steps sampled into the slots
     runs = []
     for _ in range(a.repeats):  # interleaved: same noise
         runs.append(({S: engine_run(S) for S in steps}, bare_run()))
-    eng.slots = eng._fresh_slots()
+    eng.reset_slots()
     bare = statistics.median(p[1] for p in runs)
     engines = {S: statistics.median(p[0][S] for p in runs) for S in steps}
     # tokens a chain samples are read (and stamped) together, so first-to-last token time

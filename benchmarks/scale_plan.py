@@ -30,7 +30,8 @@ from jaxinfer import cache as kv
 from jaxinfer import dispatch
 from jaxinfer.config import ModelConfig, RopeConfig, RopeKind
 from jaxinfer.engine.slots import make_slots
-from jaxinfer.engine.step import packed_step
+from jaxinfer.engine.state import EngineState
+from jaxinfer.engine.step import StepInputs, packed_step
 from jaxinfer.models import gemma3
 from jaxinfer.models.packed import PackedBatch
 from jaxinfer.models.registry import model_family
@@ -128,10 +129,9 @@ def step_collectives(cfg: ModelConfig, tp: int, n_layers: int) -> dict:
                         table=z(ROWS + 1, width), wtable=z(ROWS + 1, ww), wbase=z(ROWS + 1),
                         seg=np.full(0, -1, np.int32), hist_end=np.int32(0), targets=np.full(0, -1, np.int32),
                         rows=ROWS, q=1)
-    step = jax.jit(lambda w_, b, k, v, s: packed_step(w_, b, k, v, s, None, cfg=small, windowed=cache.windowed,
-                                                      num_logprobs=-1, prompt_logprobs=-1,
-                                                      kernels=dispatch.XLA))
-    compiled = step.lower(weights, batch, kp, vp, slots).compile()
+    step = jax.jit(lambda w_, b, st: packed_step(w_, StepInputs(b), st, cfg=small, windowed=cache.windowed,
+                                                 num_logprobs=-1, prompt_logprobs=-1, kernels=dispatch.XLA))
+    compiled = step.lower(weights, batch, EngineState(kp, vp, slots)).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     per_layer: dict = {}

@@ -37,7 +37,7 @@ def _take_out(parts) -> None:
         verify_step._eagle_drafts = lambda eagle, weights, g0, start, batch, eagle_kv, k, **kw: (
             jnp.zeros((batch.rows, k), jnp.int32) + g0[:, :1].astype(jnp.int32), eagle_kv)
     if "entries" in parts:
-        verify_step._eagle_entry_pass = lambda eagle, weights, h, batch, nxt, eagle_kv, **kw: (h[0], eagle_kv)
+        verify_step.eagle_entry_pass = lambda eagle, weights, h, batch, nxt, eagle_kv, **kw: (h[0], eagle_kv)
     if "verification" in parts:
         def verify_block(logits, drafts, num_drafts, state, *a, **k):
             amax = jnp.argmax(logits[:, :, :64], -1).astype(jnp.int32)
@@ -59,33 +59,28 @@ def main() -> None:
     args = ap.parse_args()
 
     from jaxinfer import LLM, SamplingParams
-    from jaxinfer.engine import drafting, engine
+    from jaxinfer.engine import engine
 
     _take_out(args.without)
     captured = {}
-    E, Dr = engine.Engine, drafting.Drafter
-    run_step, run_spec = E.run_step, Dr.run
+    E = engine.Engine
+    run_step = E.run_step
 
-    def capture_plain(self, batch, **kw):
-        if "plain" not in captured and self.spec is None and self.stats["decode_steps"] > 40:
+    def capture(self, batch, **kw):  # the one engine step: a verification step carries drafts
+        which = "plain" if kw.get("drafts") is None else "spec"
+        if which not in captured and (which == "spec") == (self.spec is not None) and self.stats["decode_steps"] > 40:
             host = jax.tree.map(np.asarray, batch)
-            captured["plain"] = (lambda: run_step(self, host, **kw), self, host)
+            captured[which] = (lambda: run_step(self, host, **dict(kw, guide=None)), self, host)
         return run_step(self, batch, **kw)
 
-    def capture_spec(self, batch, guide, **kw):  # self: the engine's Drafter
-        if "spec" not in captured and self.eng.stats["decode_steps"] > 40:
-            host = jax.tree.map(np.asarray, batch)
-            captured["spec"] = (lambda: run_spec(self, host, None, **kw), self.eng, host)
-        return run_spec(self, batch, guide, **kw)
-
-    E.run_step, Dr.run = capture_plain, capture_spec
+    E.run_step = capture
     spec = {"method": "eagle", "num_speculative_tokens": args.k, "model": args.eagle,
             "quantization": None if args.quantization == "none" else args.quantization}
     llms = {"plain": LLM(args.model, progress=False, max_model_len=1024, max_num_seqs=16),
             "spec": LLM(args.model, progress=False, max_model_len=1024, max_num_seqs=16, speculative_config=spec)}
     for llm in llms.values():
         llm.chat([[{"role": "user", "content": PROMPT}]], SamplingParams(temperature=0, max_tokens=128), use_tqdm=False)
-    E.run_step, Dr.run = run_step, run_spec
+    E.run_step = run_step
 
     def rate(which: str) -> float:
         call, eng, _ = captured[which]

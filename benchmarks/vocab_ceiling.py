@@ -54,7 +54,7 @@ def machine_rows():
 
 
 def batch_rows(B: int, iters: int):
-    from jaxinfer.engine.step import packed_step, sample_step
+    from jaxinfer.engine.step import StepInputs, packed_step, sample_step
     from jaxinfer.models.registry import model_family
 
     llm = tiny_llm(B)
@@ -90,30 +90,26 @@ def batch_rows(B: int, iters: int):
     step = functools.partial(packed_step, windowed=eng.windowed, pipeline=eng.pipeline, cfg=cfg, num_logprobs=-1,
                              prompt_logprobs=-1, kernels=eng.kernels)
 
-    @functools.partial(jax.jit, static_argnames="n", donate_argnames=("k", "v", "slots"))
-    def steps(w, batch, k, v, slots, n):
-        def body(_, c):
-            _, k, v, slots = step(w, batch, *c)
-            return k, v, slots
-        return jax.lax.fori_loop(0, n, body, (k, v, slots))
+    @functools.partial(jax.jit, static_argnames="n", donate_argnames=("state",))
+    def steps(w, batch, state, n):
+        return jax.lax.fori_loop(0, n, lambda _, st: step(w, StepInputs(batch), st)[1], state)
 
-    state = {"pools": (eng.k_pages, eng.v_pages, slots)}
+    held = {"state": dataclasses.replace(eng.state, slots=slots)}
     jb = jax.device_put(batch)
 
     def run_steps():
-        k, v, s = state["pools"]
         t0 = time.perf_counter()
-        state["pools"] = jax.block_until_ready(steps(w, jb, k, v, s, n=iters))
+        held["state"] = jax.block_until_ready(steps(w, jb, held["state"], n=iters))
         return time.perf_counter() - t0
 
     def run_dispatched():
-        eng.k_pages, eng.v_pages, eng.slots = state["pools"]
+        eng.state = held["state"]
         t0 = time.perf_counter()
         for _ in range(iters):
             out = eng.run_step(batch)
         jax.block_until_ready(out.tokens)
         dt = time.perf_counter() - t0
-        state["pools"] = (eng.k_pages, eng.v_pages, eng.slots)
+        held["state"] = eng.state
         return dt
 
     timed(head, w, h0, n=iters), timed(head_sampler, w, h0, sub, n=iters), run_steps(), run_dispatched()

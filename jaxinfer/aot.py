@@ -30,8 +30,9 @@ from jaxinfer import dispatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.chaining import chained_decode
 from jaxinfer.engine.slots import make_slots
-from jaxinfer.engine.step import packed_step
-from jaxinfer.engine.verify import SpecInputs, SpecState, spec_step
+from jaxinfer.engine.state import EngineState
+from jaxinfer.engine.step import StepInputs, packed_step
+from jaxinfer.engine.verify import DraftBlock
 from jaxinfer.models.packed import PackedBatch
 from jaxinfer.models.registry import model_family
 from jaxinfer.specs import is_spec, spec_dtype
@@ -238,21 +239,19 @@ def lower_step(cfg: ModelConfig, weights, mesh: Mesh, kernels: dispatch.Kernels,
     batch = batch_for(mesh, rows=kind.rows, width=width, wwidth=wwidth, q=kind.q, prefill=kind.prefill,
                       max_segments=min(kind.prefill, 8) if kind.max_segments is None else kind.max_segments)
     statics = dict(cfg=cfg, windowed=pools.windowed, num_logprobs=-1, kernels=kernels, keys_transposed=transposed)
-    if kind.verify:
-        fn = jax.jit(functools.partial(spec_step, prompt_logprobs=-1, **statics), donate_argnames=("state",))
-        lowered = fn.lower(weights, SpecInputs(batch), SpecState(pools.k, pools.v, slots))
-    elif kind.chain:
+    state = EngineState(pools.k, pools.v, slots)
+    if kind.chain:
         rep = NamedSharding(mesh, PartitionSpec())
         fn = jax.jit(functools.partial(chained_decode, steps=kind.chain, page_size=ps, **statics),
-                     donate_argnames=("k_pages", "v_pages", "slots"))
-        lowered = fn.lower(weights, batch, pools.k, pools.v, slots,
+                     donate_argnames=("state",))
+        lowered = fn.lower(weights, batch, state,
                            jax.ShapeDtypeStruct((kind.rows,), jnp.int32, sharding=rep),
                            jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
                            jax.ShapeDtypeStruct((), jnp.bool_, sharding=rep))
     else:
-        fn = jax.jit(functools.partial(packed_step, prompt_logprobs=-1, **statics),
-                     donate_argnames=("k_pages", "v_pages", "slots"))
-        lowered = fn.lower(weights, batch, pools.k, pools.v, slots)
+        # a verification step is the one step with a draft block
+        fn = jax.jit(functools.partial(packed_step, prompt_logprobs=-1, **statics), donate_argnames=("state",))
+        lowered = fn.lower(weights, StepInputs(batch, drafts=DraftBlock() if kind.verify else None), state)
     info = dict(pools=pool_shapes(pools), width=width, wwidth=wwidth, page_size=ps,
                 windowed=pools.windowed, kv_dtype=kv_dtype)
     return lowered, info

@@ -120,8 +120,6 @@ class LLM:
         import jax
 
         self.kernels = dispatch.choose(kernels, mesh=mesh, devices=None if mesh is not None else jax.local_devices()[:1])
-        if mesh is not None and mesh.shape["data"] > 1 and spec is not None:
-            raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")
         try:
             sched = Scheduling(scheduling_policy)
         except ValueError:
@@ -511,8 +509,6 @@ class LLM:
         """A GuidedDecoding's grammar compiled against this model's vocabulary (cached)."""
         from jaxinfer.guided import GrammarCompiler
 
-        if not self.engine.supports_guided_decoding:
-            raise InvalidRequest("structured output (guided_decoding) is not supported with data_parallel_size > 1")
         key = repr(spec)
         if key not in self._grammars:
             if self._grammar_compiler is None:

@@ -270,8 +270,8 @@ def _ngram_runs(llm, monkeypatch, prompts, params):
     from jaxinfer.engine import drafting
 
     dispatched = []
-    orig = drafting.Drafter.dispatch_chained
-    monkeypatch.setattr(drafting.Drafter, "dispatch_chained", lambda self, *a: dispatched.append(1) or orig(self, *a))
+    orig = drafting.Drafter.chained_block
+    monkeypatch.setattr(drafting.Drafter, "chained_block", lambda self, *a: dispatched.append(1) or orig(self, *a))
 
     def run(chain: bool):
         monkeypatch.setattr(drafting.Drafter, "chains", lambda self: chain)

@@ -3,12 +3,16 @@ a row's tokens, seeds do not depend on batch position, stops and lengths end eac
 own, logprobs are consistent, and plain and verification steps donate the page pools and
 slots."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 from jaxinfer import SamplingParams
 from jaxinfer.engine.slots import slots_with_vocab_state
+from jaxinfer.engine.step import StepInputs
+from jaxinfer.engine.verify import DraftBlock
 from jaxinfer.errors import InvalidRequest
 
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog and keeps running", "1 2 3",
@@ -114,13 +118,14 @@ def test_packed_step_donates_pools_and_slots(tiny_llm):
     # with the [S, V] penalty statistics, the largest per-slot buffers
     slots_old = slots_with_vocab_state(eng.slots, tiny_llm.cfg.vocab_size, True)
     k_old, v_old = eng.k_pages, eng.v_pages
-    out = eng._step(tiny_llm.weights, eng.idle_batch(8, 8, 32), k_old, v_old, slots_old, cfg=tiny_llm.cfg,
+    old = dataclasses.replace(eng.state, slots=slots_old)
+    out = eng._step(tiny_llm.weights, StepInputs(eng.idle_batch(8, 8, 32)), old, cfg=tiny_llm.cfg,
                     num_logprobs=-1, prompt_logprobs=-1, kernels=eng.kernels)
     jax.block_until_ready(out)
     assert all(a.is_deleted() for a in k_old + v_old)  # the page pools were donated
     assert all(a.is_deleted() for a in jax.tree.leaves(slots_old))
-    _, eng.k_pages, eng.v_pages, slots = out
-    eng.slots = slots_with_vocab_state(slots, tiny_llm.cfg.vocab_size, False)
+    _, state = out
+    eng.state = dataclasses.replace(state, slots=slots_with_vocab_state(state.slots, tiny_llm.cfg.vocab_size, False))
     assert not any(a.is_deleted() for a in eng.k_pages + eng.v_pages)
 
 
@@ -130,9 +135,9 @@ def test_verification_step_donates_pools_slots_and_draft_pools(tiny_gguf):
     llm = LLM(str(tiny_gguf), progress=False, max_num_seqs=2, kv_cache_memory_bytes=8 << 20,
               speculative_config={"method": "early_exit", "num_speculative_tokens": 2, "num_layers": 1})
     eng = llm.engine  # with the [S, V] penalty statistics, the largest per-slot buffers
-    eng.slots = slots_with_vocab_state(eng.slots, llm.cfg.vocab_size, True)
+    eng.state = dataclasses.replace(eng.state, slots=slots_with_vocab_state(eng.slots, llm.cfg.vocab_size, True))
     k_old, v_old, slots_old = eng.k_pages, eng.v_pages, eng.slots
-    out = eng.drafter.run(eng.idle_batch(2, 8, 0, q=3), None, num_logprobs=-1, prompt_logprobs=-1, draft_layers=1)
+    out = eng.run_step(eng.idle_batch(2, 8, 0, q=3), drafts=DraftBlock())
     jax.block_until_ready(out)
     assert all(a.is_deleted() for a in k_old + v_old)
     assert slots_old.sampling.output_counts.is_deleted() and slots_old.last_tokens.is_deleted()

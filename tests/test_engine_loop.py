@@ -44,8 +44,6 @@ PAGE = 16
 class ScriptedEngine:
     """The incremental engine interface on the host (see the module docstring)."""
 
-    supports_guided_decoding = True
-
     def __init__(self, tokenizer, vocab_size: int, *, max_num_seqs: int = 4, num_pages: int = 64):
         self.tokenizer, self.vocab_size, self.max_num_seqs = tokenizer, vocab_size, max_num_seqs
         self.num_pages = num_pages

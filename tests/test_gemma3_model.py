@@ -455,7 +455,8 @@ def _poison_released_pages(engine):
             if idx.size:
                 nan = lambda pool: [a.at[idx].set(jnp.nan) if w == windowed else a
                                     for a, w in zip(pool, engine.windowed, strict=True)]
-                engine.k_pages, engine.v_pages = nan(engine.k_pages), nan(engine.v_pages)
+                engine.state = dataclasses.replace(engine.state, k_pages=nan(engine.k_pages),
+                                                   v_pages=nan(engine.v_pages))
 
         alloc.release = poisoned
 

@@ -49,7 +49,9 @@ def _step_pallas_calls(llm) -> int:
     """pallas_call equations in the jaxpr of the engine's plain step, traced on an idle batch."""
     eng = llm.engine
     step = functools.partial(eng._step, cfg=eng.cfg, num_logprobs=-1, prompt_logprobs=-1, kernels=eng.kernels)
-    jaxpr = jax.make_jaxpr(step)(eng.weights, eng.idle_batch(4, 8, 0), eng.k_pages, eng.v_pages, eng.slots, None)
+    from jaxinfer.engine.step import StepInputs
+
+    jaxpr = jax.make_jaxpr(step)(eng.weights, StepInputs(eng.idle_batch(4, 8, 0)), eng.state)
     return str(jaxpr).count("pallas_call")
 
 

@@ -67,7 +67,8 @@ _SCRIPT = textwrap.dedent("""
         info = {"calls": dict(calls), "kernels_mesh": e.kernels.mesh is not None,
                 "kv_spec": [str(a) for a in getattr(jax.tree.leaves(e.k_pages[0])[0].sharding, "spec", ())]}
         if dp == 1:  # the traced decode step: its Pallas calls, and the shard_maps they sit in
-            jaxpr = str(e._step.trace(e.weights, e.idle_batch(4, 8, 0), e.k_pages, e.v_pages, e.slots, cfg=e.cfg,
+            from jaxinfer.engine.step import StepInputs
+            jaxpr = str(e._step.trace(e.weights, StepInputs(e.idle_batch(4, 8, 0)), e.state, cfg=e.cfg,
                                       num_logprobs=-1, prompt_logprobs=-1, kernels=e.kernels).jaxpr)
             info |= {"pallas_calls": jaxpr.count("pallas_call"), "shard_maps": jaxpr.count("shard_map")}
         print("RUN " + json.dumps({"run": run, "out": got, "info": info}), flush=True)

@@ -168,7 +168,8 @@ _EP_SCRIPT = textwrap.dedent(r"""
         gate = e.weights["layers"][0]["moe"]["w_gate"]
         res["gate_spec"] = [str(s) for s in gate.specs] if isinstance(gate, Placed) else None
         n = len(jax.devices())
-        txt = e._step.lower(e.weights, e.idle_batch(4, 8, 0), e.k_pages, e.v_pages, e.slots, cfg=e.cfg,
+        from jaxinfer.engine.step import StepInputs
+        txt = e._step.lower(e.weights, StepInputs(e.idle_batch(4, 8, 0)), e.state, cfg=e.cfg,
                             num_logprobs=-1, prompt_logprobs=-1, kernels=e.kernels).compile().as_text()
         res["collectives"] = []
         for op, shape, groups, line in collectives(txt, n):

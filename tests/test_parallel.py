@@ -26,13 +26,21 @@ _COMMON = textwrap.dedent("""
     path, opt = sys.argv[1], json.loads(sys.argv[2])
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1, logprobs=0)
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time there was"]
-    ref = None
+    # structured output: each replica's rows masked by their own grammars in the one step
+    choices = ["yes", "no", "maybe so", "blue"]
+    gsp = SamplingParams(temperature=0, max_tokens=6, guided_decoding={"choice": choices})
+    ref = gref = None
     for size in opt["sizes"]:
         dp, tp = (int(x) for x in size.split("x")) if "x" in size else (1, int(size))
         llm = LLM(path, progress=False, max_model_len=256, max_num_seqs=4, tensor_parallel_size=tp,
                   data_parallel_size=dp, **opt["llm"])
         outs = llm.generate(prompts, sp, use_tqdm=False)
         toks = [o.outputs[0].token_ids for o in outs]
+        if opt["guided"]:
+            got = [o.outputs[0].text for o in llm.generate(prompts * 2, gsp, use_tqdm=False)]
+            assert all(t in choices for t in got), got
+            gref = gref or got
+            assert got == gref, (size, got, gref)
         lp = np.array([[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs])
         plp = np.array([[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs[:1]])
         if ref is None:
@@ -54,7 +62,8 @@ _COMMON = textwrap.dedent("""
         print("size", size, rep, "max |dlogprob|", np.abs(lp - ref[1]).max(), "prompt", np.abs(plp - ref[2]).max())
         if not opt["hlo"]:
             continue
-        txt = e._step.lower(e.weights, e.idle_batch(4, 8, 0), e.k_pages, e.v_pages, e.slots, cfg=e.cfg,
+        from jaxinfer.engine.step import StepInputs
+        txt = e._step.lower(e.weights, StepInputs(e.idle_batch(4, 8, 0)), e.state, cfg=e.cfg,
                             num_logprobs=-1, prompt_logprobs=-1, kernels=e.kernels).compile().as_text()
         per = Counter()
         for line in txt.splitlines():
@@ -74,10 +83,10 @@ _COMMON = textwrap.dedent("""
 """)
 
 
-def _run(path, sizes: str, timeout=900, *, llm=None, plp_atol=2e-4, lp_atol=2e-4, hlo=True):
+def _run(path, sizes: str, timeout=900, *, llm=None, plp_atol=2e-4, lp_atol=2e-4, hlo=True, guided=False):
     """sizes: "1,3,2x3": tensor-parallel sizes or DATAxTENSOR, the first the reference."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    opt = dict(sizes=sizes.split(","), llm=llm or {}, plp_atol=plp_atol, lp_atol=lp_atol, hlo=hlo)
+    opt = dict(sizes=sizes.split(","), llm=llm or {}, plp_atol=plp_atol, lp_atol=lp_atol, hlo=hlo, guided=guided)
     p = subprocess.run([sys.executable, "-c", _COMMON, str(path), json.dumps(opt)], env=env, capture_output=True,
                        text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
@@ -87,8 +96,9 @@ def _run(path, sizes: str, timeout=900, *, llm=None, plp_atol=2e-4, lp_atol=2e-4
 
 def test_tiny_tensor_parallel_2_and_4_equal_one_device(tiny_gguf):
     """4 query heads, 2 KV heads: TP 2 splits the KV heads, TP 4 replicates them; DP 2 x TP 2
-    runs two replicas of TP 2 (the 3 prompts spread over both, each replica taking work)."""
-    out = _run(tiny_gguf, "1,2,4,2x2")
+    runs two replicas of TP 2 (the 3 prompts spread over both, each replica taking work), with
+    structured output as on one device."""
+    out = _run(tiny_gguf, "1,2,4,2x2", guided=True)
     assert "'kv_heads': 'split'" in out and "'kv_heads': 'replicated'" in out
 
 

@@ -79,7 +79,8 @@ _COMMON = textwrap.dedent("""
         assert old.is_deleted()  # the stacked pools are donated to the pipelined step
         if check_hlo:  # a step with decode rows and a prefill row: 2 decode micro-batches + 1
             batch = e.idle_batch(4, 8, 32)
-            txt = e._step.lower(e.weights, batch, e.k_pages, e.v_pages, e.slots, cfg=e.cfg, num_logprobs=-1,
+            from jaxinfer.engine.step import StepInputs
+            txt = e._step.lower(e.weights, StepInputs(batch), e.state, cfg=e.cfg, num_logprobs=-1,
                                 prompt_logprobs=-1, kernels=e.kernels).compile().as_text()
             ids = [d.id for d in e.mesh.devices.reshape(-1)]
             cross = []

@@ -300,7 +300,9 @@ def test_smollm2_int8_greedy_agrees_with_float(smollm2_int8):
 def test_engine_decode_step_w8a8_is_int8_dots(tiny_gguf):
     llm = LLM(str(tiny_gguf), quantization="w8a8", progress=False, max_num_seqs=4, max_model_len=64)
     e, B = llm.engine, 4
-    lowered = e._step.lower(e.weights, e.idle_batch(B, e.pages_per_seq, 32), e.k_pages, e.v_pages, e.slots,
+    from jaxinfer.engine.step import StepInputs
+
+    lowered = e._step.lower(e.weights, StepInputs(e.idle_batch(B, e.pages_per_seq, 32)), e.state,
                             cfg=e.cfg, num_logprobs=-1, prompt_logprobs=-1, kernels=e.kernels)
     hlo = lowered.compile().as_text()
     types = dict(re.findall(r"(%[\w.-]+) = (\w+)\[", hlo))

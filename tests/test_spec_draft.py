@@ -148,7 +148,7 @@ def test_draft_model_samples_the_exact_distribution(tiny_vocab, setting):
     verification step that accepted some drafts and resampled after a rejection)."""
     target, draft, w = tiny_vocab
     llm = _tiny_llm(target, _spec("draft_model", draft))
-    pool = llm.engine.drafter.kv[0][0]
+    pool = llm.engine.state.draft_kv[0][0]
     got = _sample_tokens(llm, SETTINGS[setting], BATCH)
     assert pool.is_deleted()  # the draft's pools are donated to the steps, never copied
     st = llm.engine.spec_stats

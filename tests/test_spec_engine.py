@@ -178,8 +178,8 @@ def test_chained_blocks_equal_host_built_ones(smollm2_gguf, smollm2_llm, monkeyp
             for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
     assert want[1][1] == "stop"
     chained = []
-    orig = drafting.Drafter.dispatch_chained
-    monkeypatch.setattr(drafting.Drafter, "dispatch_chained", lambda self, *a: chained.append(1) or orig(self, *a))
+    orig = drafting.Drafter.chained_block
+    monkeypatch.setattr(drafting.Drafter, "chained_block", lambda self, *a: chained.append(1) or orig(self, *a))
 
     def run(chain: bool):
         monkeypatch.setattr(drafting.Drafter, "chains", lambda self: chain)
@@ -249,6 +249,40 @@ def test_sampled_rows_run_and_report_acceptance(ngram_llm):
 def test_bad_config_is_one_clear_error(cfg, msg):
     with pytest.raises(InvalidRequest, match=msg):
         SpeculativeConfig.parse(cfg, 30)
+
+
+_EAGLE = {"method": "eagle", "num_speculative_tokens": 2, "model": "h"}
+
+
+@pytest.mark.parametrize("spec,mesh,lora,msg", [
+    (NGRAM, (2, 1, 1), False, "speculative decoding is not supported with data_parallel_size > 1"),
+    (NGRAM, (1, 2, 1), False, "speculative decoding with pipeline_parallel_size > 1 is not supported"),
+    (_EAGLE, (1, 1, 2), False, "method eagle does not run with tensor parallelism yet"),
+    (NGRAM, None, True, "speculative decoding with LoRA adapters"),
+    (None, (2, 1, 1), True, "LoRA adapters .* data_parallel_size > 1"),
+    (None, (1, 2, 1), True, "LoRA adapters .* pipeline_parallel_size > 1"),
+])
+def test_options_that_do_not_compose_are_refused_in_one_place(spec, mesh, lora, msg):
+    """The engine step composes speculation, pipeline stages, tensor parallelism and adapters;
+    what it does not is refused by one check, with the reason."""
+    from types import SimpleNamespace
+
+    from jaxinfer.engine.config import check_combination
+
+    m = None if mesh is None else SimpleNamespace(shape=dict(zip(("data", "stage", "model"), mesh)))
+    with pytest.raises(InvalidRequest, match=msg):
+        check_combination(None if spec is None else SpeculativeConfig.parse(spec, 30), m, lora=lora)
+
+
+@pytest.mark.parametrize("spec,mesh", [({"method": "medusa", "num_speculative_tokens": 2, "model": "h"}, (1, 1, 2)),
+                                       (NGRAM, (1, 1, 2))])
+def test_speculation_composes_with_tensor_parallelism(spec, mesh):
+    from types import SimpleNamespace
+
+    from jaxinfer.engine.config import check_combination
+
+    m = SimpleNamespace(shape=dict(zip(("data", "stage", "model"), mesh)))
+    check_combination(SpeculativeConfig.parse(spec, 30), m, lora=False)
 
 
 def test_early_exit_layers_checked_against_the_model(smollm2_gguf):

@@ -18,12 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.dispatch import Kernels
-from jaxinfer.engine.consume import InFlight
+from jaxinfer.engine.consume import InFlight, StepKind
 from jaxinfer.engine.pages import SCRATCH_PAGE
 from jaxinfer.engine.rows import Row
 from jaxinfer.engine.scheduler import Seq
-from jaxinfer.engine.slots import STOP_ID_WIDTH, SlotState
-from jaxinfer.engine.step import packed_step
+from jaxinfer.engine.slots import STOP_ID_WIDTH
+from jaxinfer.engine.state import EngineState
+from jaxinfer.engine.step import StepInputs, packed_step
 from jaxinfer.models.packed import PackedBatch
 
 # why a decode step ran unchained although num_scheduler_steps > 1 (``Engine.stats``:
@@ -45,11 +46,11 @@ class ChainOutput:
     steps: jax.Array  # i32[] steps the chain ran
 
 
-def chained_decode(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, remaining, n, exit_on_finish,
+def chained_decode(weights, batch: PackedBatch, state: EngineState, remaining, n, exit_on_finish,
                    lora=None, *, cfg, windowed, num_logprobs: int, kernels: Kernels, steps: int,
                    page_size: int, keys_transposed: bool = True):
     """Up to n (i32[], at most the static ``steps``) decode steps in one ``lax.while_loop``
-    -> (ChainOutput, k_pages, v_pages, slots), pools and slots donated.
+    -> (ChainOutput, state), the engine's device state donated.
 
     batch: a pure-decode batch (q = 1, no prefill row) of the chain's first step, whose page
     tables already hold every page the chain may write. Step i runs ``packed_step`` on it with
@@ -70,11 +71,11 @@ def chained_decode(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotSta
            tuple(jnp.zeros(s, d) for s, d in zip(lp_shapes, (jnp.float32, jnp.int32, jnp.int32, jnp.float32))))
 
     def cond(c):
-        i, done, finished_any = c[0], c[4], c[5]
+        i, done, finished_any = c[0], c[2], c[3]
         return (i < n) & ~jnp.all(done) & ~(exit_on_finish & finished_any)
 
     def body(c):
-        i, k, v, sl, done, finished_any, taken, toks, lp = c
+        i, st, done, finished_any, taken, toks, lp = c
         live = batch.active & ~done
         pos = pos0 + taken  # a stopped row stays at its last position, writing nowhere
         logical = pos // page_size
@@ -84,10 +85,10 @@ def chained_decode(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotSta
             batch, positions=pos, write_page=jnp.where(live, page, SCRATCH_PAGE),
             write_wpage=jnp.where(live, wpage, SCRATCH_PAGE), active=live,
             use_prev=jnp.where(i == 0, batch.use_prev, batch.active))
-        gen, mins, stop_ids = sl.generated[:R], sl.min_tokens[:R], sl.stop_ids[:R]
-        out, k, v, sl = packed_step(weights, step_batch, k, v, sl, lora=lora, cfg=cfg, windowed=windowed,
-                                    num_logprobs=num_logprobs, prompt_logprobs=-1, kernels=kernels,
-                                    keys_transposed=keys_transposed)
+        gen, mins, stop_ids = st.slots.generated[:R], st.slots.min_tokens[:R], st.slots.stop_ids[:R]
+        out, st = packed_step(weights, StepInputs(step_batch, lora=lora), st, cfg=cfg, windowed=windowed,
+                              num_logprobs=num_logprobs, prompt_logprobs=-1, kernels=kernels,
+                              keys_transposed=keys_transposed)
         tok = out.tokens
         stop = (gen + 1 > mins) & jnp.any(tok[:, None] == stop_ids, axis=1)
         fin = live & (stop | (taken + 1 >= remaining))
@@ -95,14 +96,14 @@ def chained_decode(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotSta
         if lp is not None:
             lp = tuple(b.at[i].set(x) for b, x in zip(lp, out.logprobs))
         taken = taken + live.astype(jnp.int32)
-        return (i + 1, k, v, sl, done | fin, finished_any | jnp.any(fin), taken, toks, lp)
+        return (i + 1, st, done | fin, finished_any | jnp.any(fin), taken, toks, lp)
 
     with jax.named_scope("chain"):
         done0 = ~batch.active | (remaining <= 0)
-        init = (jnp.int32(0), k_pages, v_pages, slots, done0, jnp.bool_(False), jnp.zeros(R, jnp.int32),
+        init = (jnp.int32(0), state, done0, jnp.bool_(False), jnp.zeros(R, jnp.int32),
                 jnp.full((steps, R), -1, jnp.int32), lp0)
-        i, k_pages, v_pages, slots, *_, toks, lp = jax.lax.while_loop(cond, body, init)
-    return ChainOutput(toks, lp, i), k_pages, v_pages, slots
+        i, state, *_, toks, lp = jax.lax.while_loop(cond, body, init)
+    return ChainOutput(toks, lp, i), state
 
 
 class Chainer:
@@ -116,7 +117,7 @@ class Chainer:
         self._fn = eng._compiles.counted(jax.jit(
             functools.partial(chained_decode, windowed=eng.windowed, steps=steps, page_size=eng.config.block_size,
                               keys_transposed=eng.keys_transposed),
-            static_argnames=("cfg", "num_logprobs", "kernels"), donate_argnames=("k_pages", "v_pages", "slots")))
+            static_argnames=("cfg", "num_logprobs", "kernels"), donate_argnames=("state",)))
 
     @property
     def enabled(self) -> bool:
@@ -180,34 +181,31 @@ class Chainer:
                 sched.reserve(s, last(s, n))
         return n
 
-    def dispatch(self, plan, n: int, num_lp: int) -> InFlight:
-        """Dispatch a chain of up to n decode steps over the plan's rows (pages reserved)."""
+    def dispatch(self, plan, n: int, num_lp: int, state):
+        """Dispatch a chain of up to n decode steps over the plan's rows (pages reserved) on the
+        engine's device state (donated) -> (InFlight, the new state)."""
         eng = self.eng
         batch = eng.build([plan], 1, want_targets=False)
         remaining = np.zeros(batch.rows, np.int32)
         for s in plan.decode:
             remaining[s.slot] = self.left(s)
         waiting = bool(eng.sched.waiting)
-        out = self.run(batch, remaining, n, waiting, num_lp)
+        out, state = self.run(state, batch, remaining, n, waiting, num_lp)
         self.stats["chains"] += 1
-        fl = InFlight([plan.decode], [[]], out, chain=n)
-        fl.chain_exit = waiting
-        return fl
+        return InFlight([plan.decode], [[]], out, StepKind.CHAIN, steps=n, exit_on_finish=waiting), state
 
-    def run(self, batch: PackedBatch, remaining: np.ndarray, n: int, exit_on_finish: bool, num_lp: int):
-        """Run ``chained_decode`` on the engine's pools and slots (donated); returns its ChainOutput."""
+    def run(self, state, batch: PackedBatch, remaining: np.ndarray, n: int, exit_on_finish: bool, num_lp: int):
+        """Run ``chained_decode`` on the engine's device state (donated) -> (ChainOutput, the new state)."""
         eng = self.eng
         lora = (("lora", len(batch.lora_active)),) if batch.lora_active is not None else ()
         eng.shapes_run.add((batch.rows, batch.table.shape[1], 0, 1, num_lp, -1, *lora, ("chain", self.steps)))
-        args, kwargs = self.args(batch, remaining, n, exit_on_finish, num_lp)
-        out, eng.k_pages, eng.v_pages, eng.slots = self._fn(*args, **kwargs)
-        return out
+        args, kwargs = self.args(state, batch, remaining, n, exit_on_finish, num_lp)
+        return self._fn(*args, **kwargs)
 
-    def args(self, batch: PackedBatch, remaining: np.ndarray, n: int, exit_on_finish: bool, num_lp: int):
-        """The (args, kwargs) ``run`` calls ``chained_decode`` with, on the engine's current pools
-        and slots."""
+    def args(self, state, batch: PackedBatch, remaining: np.ndarray, n: int, exit_on_finish: bool, num_lp: int):
+        """The (args, kwargs) ``run`` calls ``chained_decode`` with (warm-up lowers the chain on
+        them ahead of running it)."""
         eng = self.eng
-        args = (eng.weights, batch, eng.k_pages, eng.v_pages, eng.slots, remaining, np.int32(n),
-                np.bool_(exit_on_finish))
+        args = (eng.weights, batch, state, remaining, np.int32(n), np.bool_(exit_on_finish))
         return args, dict(**({"lora": eng.lora.stacks} if eng.lora is not None else {}), cfg=eng.cfg,
                           num_logprobs=num_lp, kernels=eng.kernels)

@@ -150,3 +150,35 @@ def start_pools(cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> c
     future.made_for = (cfg, config, max_model_len)
     pool.shutdown(wait=False)
     return future
+
+
+def check_combination(spec, mesh, *, lora: bool) -> None:
+    """Refuse, in one place and with the reason, the options that do not run together: the
+    engine step composes them otherwise. spec: the parsed ``SpeculativeConfig`` or None; mesh:
+    the (data, stage, model) mesh or None; lora: whether LoRA adapters are enabled."""
+    from jaxinfer.engine.speculative import SpecMethod
+
+    data = mesh.shape["data"] if mesh is not None else 1
+    stages = mesh.shape.get("stage", 1) if mesh is not None else 1
+    if spec is not None:
+        if data > 1:  # the drafter proposes, plans and reads one scheduler's rows
+            raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")
+        if stages > 1:
+            # the pipelined step takes a draft block, but its verification rows' tokens differ
+            # from one device's (the stages' micro-batched attention over a row's several new
+            # queries is not yet proven for them)
+            raise InvalidRequest("speculative decoding with pipeline_parallel_size > 1 is not supported")
+        if mesh is not None and spec.method in (SpecMethod.DRAFT_MODEL, SpecMethod.EAGLE):
+            # their weights and pools live on one device
+            raise InvalidRequest(f"speculative_config method {spec.method.value} does not run with "
+                                 "tensor parallelism yet")
+    if lora:
+        if spec is not None:
+            # drafts and their verification run the base weights (and a draft model or head
+            # trained on them): an adapter's rows would be verified against the wrong model
+            raise InvalidRequest("speculative decoding with LoRA adapters (enable_lora) is not supported: "
+                                 "drafting and verification run the base model's weights only")
+        if data > 1:
+            raise InvalidRequest("LoRA adapters (enable_lora) are not supported with data_parallel_size > 1")
+        if stages > 1:
+            raise InvalidRequest("LoRA adapters (enable_lora) are not supported with pipeline_parallel_size > 1")

@@ -1,8 +1,8 @@
 """Reading a dispatched step back into rows: the one path for plain and verification steps,
 one replica or several.
 
-A plain step gives each decode row one token (``step.StepOutput``), a verification step its
-accepted drafts and then a new token (``verify.SpecOutput``); both are read as tokens [D, R, q]
+A plain step gives each decode row one token, a verification step its accepted drafts and
+then a new token (both ``step.StepOutput``); both are read as tokens [D, R, q]
 with the number accepted per row (0 for a plain step), so every row takes its tokens through
 ``rows.record_token`` the same way, and its pages are registered for prefix caching or
 released when it finishes.
@@ -11,6 +11,7 @@ released when it finishes.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 
 import jax
@@ -21,24 +22,43 @@ from jaxinfer.engine.rows import Row, position_logprobs, record_token
 from jaxinfer.engine.scheduler import Seq
 
 
+class StepKind(enum.Enum):
+    """What a dispatched step is, which says how it is read and whether the next step may be
+    dispatched before it is."""
+
+    PLAIN = "plain"  # one token per decode row
+    GUIDED = "guided"  # plain, with a constrained row, whose next mask needs this step's token
+    VERIFY = "verify"  # decode rows carry drafts the host made (InFlight.drafted)
+    VERIFY_CHAINED = "verify_chained"  # drafts from the unread step before it, on device (engine.drafting)
+    CHAIN = "chain"  # up to InFlight.steps decode steps in one call (engine.chaining)
+
+    @property
+    def verifies(self) -> bool:
+        return self in (StepKind.VERIFY, StepKind.VERIFY_CHAINED)
+
+    @property
+    def read_first(self) -> bool:
+        """Whether the host reads this step before dispatching the next."""
+        return self in (StepKind.GUIDED, StepKind.CHAIN)
+
+
 @dataclasses.dataclass
 class InFlight:
     """A dispatched step the host has not read yet (lists per replica)."""
 
     decode: list[list[Seq]]  # each replica's decode rows
     segments: list[list]  # (seq, start, n, offset in the prefill row) whose prompt logprobs come back
-    out: object  # StepOutput or SpecOutput (device arrays)
-    spec: bool = False  # a verification step
-    drafted: dict | None = None  # verification: slot -> drafts its row verifies; None: chained
-    guided: bool = False  # a constrained row's next mask needs this step's token
-    chain: int = 0  # a chain of up to this many decode steps (chaining.ChainOutput); 0: one step
-    chain_exit: bool = False  # the chain ends after the first step in which a row finishes
+    out: object  # step.StepOutput or chaining.ChainOutput (device arrays)
+    kind: StepKind = StepKind.PLAIN
+    drafted: dict | None = None  # VERIFY: slot -> the drafts its row verifies
+    steps: int = 1  # CHAIN: the most steps it may run
+    exit_on_finish: bool = False  # CHAIN: it ends after the first step in which a row finishes
 
 
 def consume(eng, fl: InFlight) -> list[Row]:
     """Read a step: each decode row's tokens (a plain step's one, or a verification step's
     accepted drafts and new token) and logprobs, each prompt segment's prompt logprobs."""
-    if fl.chain:
+    if fl.kind == StepKind.CHAIN:
         return consume_chain(eng, fl)
     live = any(s.slot >= 0 and not s.row.checker.finished for dec in fl.decode for s in dec)
     if not live and not any(fl.segments):
@@ -51,13 +71,14 @@ def consume(eng, fl: InFlight) -> list[Row]:
             record_prompt_logprobs(segs, tuple(x[d] for x in plp), eng.tokenizer)
     if not live:
         return []
-    per_query = (lambda x: x) if fl.spec else (lambda x: x[:, :, None])  # [D, R, q, ...]
+    spec = fl.kind.verifies
+    per_query = (lambda x: x) if spec else (lambda x: x[:, :, None])  # [D, R, q, ...]
     toks = per_query(one(np.asarray(out.tokens)))
-    accepted = one(np.asarray(out.accepted)) if fl.spec else np.zeros(toks.shape[:2], np.int32)
+    accepted = one(np.asarray(out.accepted)) if spec else np.zeros(toks.shape[:2], np.int32)
     lp = None if out.logprobs is None else tuple(per_query(one(np.asarray(x)))
                                                  for x in jax.device_get(out.logprobs))
-    nxt = np.asarray(out.next_drafts) if fl.spec and out.next_drafts is not None else None
-    carried = np.asarray(out.drafted) if fl.spec and out.drafted is not None else None
+    nxt = np.asarray(out.next_drafts) if spec and out.next_drafts is not None else None
+    carried = np.asarray(out.drafted) if spec and out.drafted is not None else None
     now = time.perf_counter()
     done = []
     for d, (decode, sched) in enumerate(zip(fl.decode, eng.scheds)):
@@ -66,7 +87,7 @@ def consume(eng, fl: InFlight) -> list[Row]:
                 continue  # preempted or aborted (recomputed later, or dropped), or finished already
             r, b = seq.row, seq.slot
             a = int(accepted[d, b])
-            if fl.spec:
+            if spec:
                 eng.drafter.took(seq, fl.drafted, a, None if nxt is None else nxt[b],
                                  None if carried is None else int(carried[b]))
             else:
@@ -117,7 +138,7 @@ def consume_chain(eng, fl: InFlight) -> list[Row]:
             done.append(r)
         else:
             running = True
-    if fl.chain_exit and running and steps < fl.chain:
+    if fl.exit_on_finish and running and steps < fl.steps:
         eng.chainer.stats["chain_cut_arrivals"] += 1
     return done
 

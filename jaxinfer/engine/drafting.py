@@ -1,21 +1,20 @@
 """Speculative decoding's host side inside the engine loop: what the drafter holds (Medusa heads,
-a draft model and its pools, an EAGLE head and its pools), which drafts each decoding row
-carries, the verification step's inputs, and what a read verification step teaches each row.
+a draft model, an EAGLE head; their pools are the engine state's ``draft_kv``), which drafts each
+decoding row carries, the draft block that makes a step a verification step, and what a read
+verification step teaches each row.
 
-``Engine.step`` asks ``propose`` for drafts; with any, it dispatches a verification step through
-``run`` (``verify.spec_step``: each decode row carries its last token and its drafts), else a plain
-step (``plain_extras`` then keeps a draft model's or EAGLE head's pages in step). The engine's one
+``Engine.step`` asks ``propose`` for drafts; with any, it dispatches the one engine step with a
+draft block (``block``: each decode row carries its last token and its drafts), else a plain
+step (whose ``models`` keep a draft model's or EAGLE head's pages in step). The engine's one
 consume path reads both kinds of step; ``took`` records a row's acceptance. With Medusa, EAGLE or
 n-gram drafts (``can_chain``), the next verification step is dispatched from the unread one's
-device outputs (``dispatch_chained``), so reading it overlaps the device's work: Medusa's and
+device outputs (``chained_block``), so reading it overlaps the device's work: Medusa's and
 EAGLE's next drafts come out of the unread step, and n-gram drafts are looked up on device in
 each row's history (the host's, extended by the unread block's tokens). Methods and their
 configuration: ``engine.speculative``.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,9 @@ from jaxinfer.engine import buckets
 from jaxinfer.engine.rows import Row
 from jaxinfer.engine.scheduler import Seq
 from jaxinfer.engine.speculative import SpecMethod, SpecStats, SpeculativeConfig, ngram_propose
-from jaxinfer.engine.verify import SpecInputs, SpecState, draft_kv_step, spec_step
+from jaxinfer.engine.consume import StepKind
+from jaxinfer.engine.state import committed
+from jaxinfer.engine.verify import DraftBlock, DraftModels, Drafting
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.packed import PackedBatch
 
@@ -37,15 +38,17 @@ _CHAINS = (*_DRAFTS_FROM_PREVIOUS_STEP, SpecMethod.NGRAM)
 
 
 class Drafter:
-    """The speculative state of one engine (one replica, no pipeline). ``eng`` is the engine
-    whose pools, slots and scheduler the verification steps use and advance."""
+    """The speculative host state of one engine (one replica). ``eng`` is the engine whose
+    scheduler and sizes it reads; the device state, its pools included, is the engine's."""
 
     def __init__(self, eng, spec: SpeculativeConfig, *, num_pages: int, draft=None):
+        """Loads what drafts (heads, a draft model, an EAGLE head); the pools it drafts into
+        are the engine's (``state.EngineState.draft_kv``), made by ``pools``."""
         self.eng, self.spec = eng, spec
         self.stats = SpecStats(spec.num_speculative_tokens)
         self._drafted_seen = 0  # stats.drafted when can_chain last looked (n-gram)
         self.heads = self.draft_cfg = self.draft_weights = self.eagle = None
-        self.kv = None  # the draft model's or the EAGLE head's page pools (k, v), donated to each step
+        self._pools = None  # the draft model's or the EAGLE head's page pools, until the engine takes them
         if spec.method == SpecMethod.MEDUSA:
             from jaxinfer.models import medusa
 
@@ -57,15 +60,17 @@ class Drafter:
             self._init_draft(draft, num_pages)
         elif spec.method == SpecMethod.EAGLE:
             self._init_eagle(num_pages)
-        counted = eng._compiles.counted
-        self._spec_step = counted(jax.jit(
-            functools.partial(spec_step, windowed=eng.windowed, keys_transposed=eng.keys_transposed),
-            static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "kernels", "draft_layers", "draft_cfg",
-                             "lookup"),
-            donate_argnames=("state",)))
-        self._draft_step = counted(jax.jit(functools.partial(draft_kv_step, keys_transposed=eng.keys_transposed),
-                                           static_argnames=("draft_cfg", "kernels"),
-                                           donate_argnames=("draft_kv",)))
+        # the static options of every step of the engine (one executable per shape for both kinds)
+        self.drafting = Drafting(
+            cfg=self.draft_cfg, layers=spec.num_layers if spec.method == SpecMethod.EARLY_EXIT else 0,
+            lookup=(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == SpecMethod.NGRAM else None,
+            page_size=eng.config.block_size)
+
+    def take_pools(self):
+        """The draft model's or EAGLE head's page pools (k, v), or None: the engine's state holds
+        them from then on."""
+        pools, self._pools = self._pools, None
+        return pools
 
     def _init_draft(self, draft, num_pages: int) -> None:
         """The draft model of speculative draft_model and its page pools: as many pages as the
@@ -82,13 +87,11 @@ class Drafter:
             raise InvalidRequest(f"speculative_config draft model {self.spec.model} has a vocabulary of "
                                  f"{dcfg.vocab_size} tokens; the target's has {eng.cfg.vocab_size} "
                                  "(a draft model must share the target's vocabulary)")
-        if eng.mesh is not None:
-            raise InvalidRequest("speculative_config method draft_model does not run with tensor parallelism yet")
         pools = kv.init_paged_cache(dcfg, num_pages, eng.config.block_size,
                                     kv.kv_storage_dtype(eng.config.kv_cache_dtype, dcfg),
                                     keys_transposed=eng.keys_transposed)
         self.draft_cfg, self.draft_weights = dcfg, dweights
-        self.kv = eng.committed((pools.k, pools.v))
+        self._pools = committed((pools.k, pools.v), eng.weights)
 
     def _init_eagle(self, num_pages: int) -> None:
         """The EAGLE draft head (its layer, fc, and the LM-head rows of its draft vocabulary)
@@ -96,8 +99,6 @@ class Drafter:
         from jaxinfer.models import eagle
 
         eng = self.eng
-        if eng.mesh is not None:
-            raise InvalidRequest("speculative_config method eagle does not run with tensor parallelism yet")
         head, vocab, _ = eagle.load_head(self.spec.model, eng.cfg)
         rows = eagle.readout_rows(eng.weights, vocab, eng.cfg)
         if self.spec.quantization == "int8":  # weight-only int8 matmul weights (norms stay float):
@@ -113,7 +114,7 @@ class Drafter:
         self.eagle = {"head": head, "rows": rows, "vocab": vocab}
         pools = kv.init_paged_cache(eagle.layer_cfg(eng.cfg), num_pages, eng.config.block_size, jnp.float32,
                                     keys_transposed=eng.keys_transposed)
-        self.kv = eng.committed((pools.k, pools.v))
+        self._pools = committed((pools.k, pools.v), eng.weights)
 
     # ------------------------------------------------------------------ plain steps
     def max_rows(self) -> int:
@@ -121,18 +122,14 @@ class Drafter:
         n = self.eng.max_num_seqs
         return buckets.bucket(self.spec.max_rows(n), buckets.BATCH_BUCKETS, n)
 
-    def plain_extras(self, batch: PackedBatch) -> tuple:
-        """Before a plain step: the draft model writes its keys and values of the same tokens
-        (before the target's step, which donates the slots whose last tokens a use_prev row
-        reads). The extra arguments of ``step.packed_step``: the EAGLE head and its pools where
-        speculation may run (rows up to ``max_rows``; a row that decoded in a larger batch
-        keeps stale entries for those positions, which can only lower its acceptance later)."""
-        if self.draft_cfg is not None:
-            self.kv = self._draft_step(self.draft_weights, batch, self.kv, self.eng.slots.last_tokens,
-                                       draft_cfg=self.draft_cfg, kernels=self.eng.kernels)
-        if self.eagle is not None and batch.rows <= self.max_rows():
-            return self.eagle, self.kv
-        return ()
+    def models(self, rows: int, verifies: bool) -> DraftModels:
+        """The drafter's weights a step of ``rows`` decode rows reads: the draft model's in every
+        step (a plain step writes its keys and values of the same tokens); the EAGLE head's where
+        speculation may run (rows up to ``max_rows``; a row that decoded in a larger batch keeps
+        stale entries for those positions, which can only lower its acceptance later); Medusa
+        heads in verification steps."""
+        eagle = self.eagle if verifies or rows <= self.max_rows() else None
+        return DraftModels(heads=self.heads if verifies else None, draft_weights=self.draft_weights, eagle=eagle)
 
     # ------------------------------------------------------------------ drafts
     def propose(self, decoding: list[Seq]) -> dict:
@@ -185,6 +182,10 @@ class Drafter:
             has[s.slot] = True
         return masks, has
 
+    def block(self, R: int, k: int, rows: dict) -> DraftBlock:
+        """The draft block of a verification step whose drafts the host made (slot -> drafts)."""
+        return DraftBlock(branch_drafts=self.branch_drafts(R, k, rows))
+
     def branch_drafts(self, R: int, k: int, rows: dict):
         """i32[R, W - 1, k]: the chains of EAGLE branches 1..W-1 of each row, cut to as many
         drafts as its branch 0 carries (None without branches)."""
@@ -198,49 +199,29 @@ class Drafter:
                 out[b, i, : len(d)] = chain[: len(d)]
         return out
 
-    def draft_layers(self) -> int:
-        return self.spec.num_layers if self.spec.method == SpecMethod.EARLY_EXIT else 0
-
-    # ------------------------------------------------------------------ the verification step
-    def run(self, batch: PackedBatch, guide, *, num_logprobs: int, prompt_logprobs: int, draft_layers: int,
-            branch_drafts=None, chain=None, history=None):
-        """One verification step on the engine's pools and slots and the drafter's pools (all
-        donated). branch_drafts: i32[R, W - 1, k] with EAGLE branches (zeros when None). chain,
-        history: see ``verify.spec_step``."""
-        eng, W = self.eng, self.spec.branches
-        if W > 1 and branch_drafts is None:
-            branch_drafts = np.zeros((batch.rows, W - 1, batch.q - 1), np.int32)
-        inputs = SpecInputs(batch=batch, guide=guide, branch_drafts=branch_drafts, chain=chain, history=history,
-                            heads=self.heads, draft_weights=self.draft_weights, eagle=self.eagle)
-        lookup = None if history is None else (self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
-        state = SpecState(eng.k_pages, eng.v_pages, eng.slots, self.kv)
-        out, state = self._spec_step(eng.weights, inputs, state, cfg=eng.cfg, num_logprobs=num_logprobs,
-                                     prompt_logprobs=prompt_logprobs, kernels=eng.kernels,
-                                     draft_layers=draft_layers, draft_cfg=self.draft_cfg, lookup=lookup)
-        eng.k_pages, eng.v_pages, eng.slots, self.kv = state.k_pages, state.v_pages, state.slots, state.draft_kv
-        return out
-
-    def warm(self, R: int, width: int, Tp: int) -> None:
-        """Compile the verification step of this shape, and its chained form (``warmup``)."""
+    def warm_steps(self, R: int, width: int, Tp: int) -> list:
+        """(batch, draft block) of the verification steps of this shape, and of its chained form,
+        for ``warmup`` to compile."""
         if not 0 < R <= self.max_rows():
-            return
+            return []
         q = self.spec.num_speculative_tokens + 1
-        self.run(self.eng.idle_batch(R, width, Tp, q=q), None, num_logprobs=-1, prompt_logprobs=-1,
-                 draft_layers=self.draft_layers())
+        out = [(self.eng.idle_batch(R, width, Tp, q=q), self.block(R, q - 1, {}))]
         if Tp == 0 and self.chains():
             K = self.heads["w"].shape[0] if self.heads is not None else q - 1
-            z = lambda *shape: jnp.zeros(shape, jnp.int32)
+            z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
             ngram = self.spec.method == SpecMethod.NGRAM
             history = (z(R, width * self.eng.allocator.page_size), z(R), z(R, q)) if ngram else None
-            self.run(self.eng.idle_batch(R, width, 0, q=q), None, num_logprobs=-1, prompt_logprobs=-1,
-                     draft_layers=0, chain=(z(R), None if ngram else z(R, K), z(R)), history=history)
+            out.append((self.eng.idle_batch(R, width, 0, q=q),
+                        DraftBlock(chain=(z(R), None if ngram else z(R, K), z(R)), history=history)))
+        return out
 
     # ------------------------------------------------------------------ chaining
     def chains(self) -> bool:
-        """Whether verification steps may be chained at all (see ``can_chain``)."""
-        eng = self.eng
-        return (self.spec.method in _CHAINS and self.spec.branches == 1 and not eng.window
-                and eng.mesh is None)
+        """Whether verification steps may be chained at all (see ``can_chain``): one chain per
+        row (branches draft on the host), and no window pools (a windowed row's window table
+        follows its position, which only the unread step knows). On a mesh too: the chained
+        block is moved on inside the one step, wherever it runs."""
+        return self.spec.method in _CHAINS and self.spec.branches == 1 and not self.eng.window
 
     def can_chain(self, fl) -> bool:
         """Whether the next verification step can be dispatched before the unread ``fl`` is read:
@@ -250,14 +231,14 @@ class Drafter:
         follows its position, which only the unread step knows."""
         eng, k = self.eng, self.spec.num_speculative_tokens
         (decode,) = fl.decode
-        if not fl.spec or not decode or not self.chains():
+        if not fl.kind.verifies or not decode or not self.chains():
             return False
         if self.spec.method == SpecMethod.NGRAM:
             # a chained n-gram step verifies k + 1 queries per row whether or not its lookup
             # finds drafts; when the last block read drafted nothing, go back to the host,
             # which runs a plain step while no row finds a draft
             seen, self._drafted_seen = self._drafted_seen, self.stats.drafted
-            if fl.drafted is None and self.stats.drafted == seen:
+            if fl.kind == StepKind.VERIFY_CHAINED and self.stats.drafted == seen:
                 return False
         running = eng.sched.running()
         if len(running) != len(decode) or not self.spec.speculates(len(running)):
@@ -276,35 +257,27 @@ class Drafter:
             need += max(0, last // ps + 1 - len(s.pages))
         return need <= eng.allocator.num_free
 
-    def dispatch_chained(self, fl, in_flight):
-        """The next verification step of fl's rows, from fl's device outputs (``can_chain``);
-        ``in_flight(decode, segments, out, drafted)`` makes the engine's record of it (lists per
-        replica; drafted None: chained)."""
-        eng, k = self.eng, self.spec.num_speculative_tokens
+    def chained_lookahead(self, fl) -> dict:
+        """What the next step of fl's rows writes past each row's last read token: the unread
+        block's k + 1 positions, then its own k drafts."""
         (decode,) = fl.decode
-        for s in decode:
-            s.lookahead = 2 * k + 1
-        plan = eng.sched.plan()
-        for s in decode:
-            s.lookahead = 0
-        assert not plan.inserted and not plan.prefill and plan.decode == decode
-        batch = eng.build([plan], k + 1, want_targets=False)
+        return {s: 2 * self.spec.num_speculative_tokens + 1 for s in decode}
+
+    def chained_block(self, fl, decode: list[Seq], batch: PackedBatch) -> DraftBlock:
+        """The draft block of the verification step chained to the unread ``fl`` (``can_chain``),
+        from fl's device outputs: its rows move on by what fl accepted, within what each row's
+        max_tokens leaves after fl's block; Medusa's and EAGLE's drafts are fl's next drafts,
+        n-gram's are looked up on device in each row's history."""
+        assert decode == fl.decode[0], "a chained step runs the unread step's rows"
         budget = np.zeros(batch.rows, np.int32)  # room after the unread block's last token
-        for s in plan.decode:
+        for s in decode:
             budget[s.slot] = draft_room(s.row) - 1
-        num_lp = buckets.logprob_bucket([s.row.params.logprobs for s in plan.decode])
-        eng.shapes_run.add((batch.rows, batch.table.shape[1], 0, k + 1, num_lp, -1, "chained"))
-        history = self._history(plan.decode, batch, fl.out.tokens) if self.spec.method == SpecMethod.NGRAM else None
+        history = self._history(decode, batch, fl.out.tokens) if self.spec.method == SpecMethod.NGRAM else None
         ahead = None if history is not None else fl.out.next_drafts  # n-gram: looked up on device
-        out = self.run(batch, None, num_logprobs=num_lp, prompt_logprobs=-1, draft_layers=0,
-                       chain=(fl.out.accepted, ahead, budget), history=history)
-        eng.sched.stats["decode_steps"] += 1
-        self.stats.steps += 1
-        self.stats.chained_steps += 1
-        return in_flight([plan.decode], [[]], out, None)
+        return DraftBlock(chain=(fl.out.accepted, ahead, budget), history=history)
 
     def _history(self, decode: list[Seq], batch: PackedBatch, block) -> tuple:
-        """n-gram chaining's ``verify.SpecInputs.history``: each row's tokens as the host last
+        """n-gram chaining's ``verify.DraftBlock.history``: each row's tokens as the host last
         read them (i32[R, L], L the pages the batch's tables cover: room for the unread block
         and the next), their counts, and the unread block's tokens (block, still on device)."""
         L = batch.table.shape[1] * self.eng.allocator.page_size

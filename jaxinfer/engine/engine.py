@@ -1,16 +1,18 @@
 """The engine: continuous batching over a paged KV cache, one packed step per scheduler iteration.
 
-    LLM -> Engine.step -> Scheduler.plan -> batch.build_batch -> step.packed_step / verify.spec_step -> model
+    LLM -> Engine.step -> Scheduler.plan -> batch.build_batch -> step.packed_step -> model
 
 Each iteration the scheduler (``engine.scheduler``) decides what to compute, and one jitted call
 runs every decoding sequence and a row of packed prompt chunks together, so the weights are read
-once per iteration and the matmuls see every token of the step. The page pools and the per-slot
-device state are donated to every step. The next step is dispatched before the host reads the
-current one's tokens, so detokenizing and stop checks overlap device work. With speculative
-decoding (``engine.drafting``) a step may be a verification step: its decode rows carry drafts
-and it may emit several tokens per row; the same consume path reads both kinds. With data
-parallelism (``engine.replicas``) the engine holds D replicas, each with its own scheduler,
-slots and pools, and one step runs them all.
+once per iteration and the matmuls see every token of the step. The device state
+(``state.EngineState``: page pools, per-slot state, the drafter's pools) is held here only,
+donated to every step and replaced by what it returns. The next step is dispatched before the
+host reads the current one's tokens, so detokenizing and stop checks overlap device work. With
+speculative decoding (``engine.drafting``) a step may carry a draft block: its decode rows carry
+drafts and it may emit several tokens per row (``consume.StepKind`` says which kind a dispatched
+step is); the same consume path reads both kinds. With data parallelism (``engine.replicas``)
+the engine holds D replicas, each with its own scheduler, slots and pools, and one step runs
+them all. Options that do not run together are refused once, in ``config.check_combination``.
 
 The interface is vLLM's LLMEngine's: ``add(row)``, ``abort(row)``, ``step()`` (returns the rows
 that finished), ``has_unfinished()``; ``run(rows)`` drives them for a batch.
@@ -19,6 +21,7 @@ that finished), ``has_unfinished()``; ``run(rows)`` drives them for a batch.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 from collections.abc import Iterator
 
@@ -31,23 +34,20 @@ from jaxinfer import dispatch
 from jaxinfer import sampling as smp
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import buckets, multimodal, replicas
+from jaxinfer.engine import state as dstate
+from jaxinfer.engine.adapters import lora_manager
 from jaxinfer.engine.batch import build_batch, plan_shape, window_width
 from jaxinfer.engine.chaining import Chainer
 from jaxinfer.engine.compiles import CompileCounter
-from jaxinfer.engine.config import EngineConfig, kv_budget, pool_sizes, scheduler_steps
-from jaxinfer.engine.consume import InFlight, consume, prompt_logprob_segments
+from jaxinfer.engine.config import EngineConfig, check_combination, kv_budget, pool_sizes, scheduler_steps
+from jaxinfer.engine.consume import InFlight, StepKind, consume, prompt_logprob_segments
 from jaxinfer.engine.rows import Row
 from jaxinfer.engine.scheduler import Scheduler, Seq
+from jaxinfer.engine.slots import STOP_ID_WIDTH, SlotState, insert_step, slot_states_for, slots_with_vocab_state
 from jaxinfer.engine.speculative import SpeculativeConfig
-from jaxinfer.engine.slots import (
-    STOP_ID_WIDTH,
-    SlotState,
-    insert_step,
-    make_slots,
-    slot_states_for,
-    slots_with_vocab_state,
-)
-from jaxinfer.engine.step import packed_step
+from jaxinfer.engine.state import EngineState
+from jaxinfer.engine.step import StepInputs, packed_step
+from jaxinfer.engine.verify import NO_DRAFTING, DraftBlock
 from jaxinfer.engine.warmup import warm
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.packed import PackedBatch
@@ -88,118 +88,74 @@ class Engine:
         self.max_model_len, self.config, self.seed, self.mesh = max_model_len, config, seed, mesh
         self.max_num_seqs = config.max_num_seqs
         self.D = D = mesh.shape["data"] if mesh is not None else 1
+        self.spec = SpeculativeConfig.parse(speculative, cfg.n_layers)
+        check_combination(self.spec, mesh, lora=config.lora is not None)
         # which kernels run attention (the weights carry the matmuls' choice, ``dispatch.bind``)
         # (they follow the engine's devices: its mesh, or the weights' one device)
-        self.kernels = dispatch.choose(config.kernels, mesh=mesh, devices=None if mesh is not None else _devices(weights))
+        self.kernels = dispatch.choose(config.kernels, mesh=mesh,
+                                       devices=None if mesh is not None else dstate.devices(weights))
         # the keys pools' layout, for the engine's and its drafter's pools alike (cache module doc)
         self.keys_transposed = dispatch.keys_transposed(self.kernels, self.kernels.platform)
-        self.spec = SpeculativeConfig.parse(speculative, cfg.n_layers)
-        if D > 1 and self.spec is not None:
-            raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")
         ps = config.block_size
         self.pages_per_seq = -(-max_model_len // ps)
-        self.kv_dtype = kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
-        budget = kv_budget(config, mesh.devices[0].flat if mesh is not None else _devices(weights))
-        self.window, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, self.pages_per_seq, budget)
+        self.kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
+        budget = kv_budget(config, mesh.devices[0].flat if mesh is not None else dstate.devices(weights))
+        self.window, num_pages, num_window_pages = pool_sizes(cfg, config, self.kv_dtype, self.pages_per_seq, budget)
         self.scheds = [Scheduler(max_num_seqs=config.max_num_seqs, page_size=ps, num_pages=num_pages,
                                  prefill_chunk=config.max_num_batched_tokens,
                                  prefix_caching=config.enable_prefix_caching, scheduling=config.scheduling_policy,
                                  window=self.window, num_window_pages=num_window_pages) for _ in range(D)]
         self.sched = self.scheds[0]  # page sizes and counts, the same in every replica
         self.allocator, self.window_allocator = self.sched.allocator, self.sched.window_allocator
-        self.pipeline = None
         self.lora = None
         if config.lora is not None:
-            self.lora = self._lora_manager(config.lora, model_names, download_dir)
+            self.lora = lora_manager(cfg, config.lora, weights, mesh, self.committed, model_names, download_dir)
         for s in self.scheds:
             s.lora = self.lora
-        self._init_pools(num_pages, num_window_pages, pools)
-        self.slots = self._fresh_slots()
-        # one partial per engine, so each engine's jit caches are its own; the counter counts
-        # the executables they build (engine.compiles)
-        self._compiles = CompileCounter()
-        statics = ("cfg", "num_logprobs", "prompt_logprobs", "kernels")
-        donate = ("k_pages", "v_pages", "slots")
-        if D > 1:
-            fn = functools.partial(replicas.replicas_step, mesh=mesh, windowed=self.windowed,
-                                   keys_transposed=self.keys_transposed)
-            insert = replicas.insert_replica
-        else:
-            fn = functools.partial(packed_step, windowed=self.windowed, pipeline=self.pipeline,
-                                   keys_transposed=self.keys_transposed)
-            insert, donate = insert_step, (*donate, "eagle_kv")
-        self._step = self._compiles.counted(jax.jit(fn, static_argnames=statics, donate_argnames=donate))
-        self._insert = self._compiles.counted(jax.jit(functools.partial(insert), donate_argnames=("slots",)))
-        self.chainer = Chainer(self, scheduler_steps(config),
-                               "data_parallel" if D > 1 else "pipeline" if self.pipeline is not None
-                               else "speculative" if self.spec is not None else None)
-        self.images = None  # the checkpoint's image encoder (``multimodal.ImageInputs``), where it runs one
+        made = dstate.make_pools(cfg, config, weights, mesh, D, self.kv_dtype, self.keys_transposed, num_pages,
+                                 num_window_pages, pools, max_model_len)
+        self.weights, self.windowed, self.pipeline = made.weights, made.windowed, made.pipeline
         self.drafter = None
         if self.spec is not None:
             from jaxinfer.engine.drafting import Drafter
 
             self.drafter = Drafter(self, self.spec, num_pages=num_pages, draft=draft)
+        # the one owner of the device state: every jitted call takes it (donated) and returns it
+        self.state = EngineState(made.k, made.v, self._fresh_slots(),
+                                 self.drafter.take_pools() if self.drafter is not None else None)
+        # one partial per engine, so each engine's jit caches are its own; the counter counts
+        # the executables they build (engine.compiles)
+        self._compiles = CompileCounter()
+        statics = dict(windowed=self.windowed, keys_transposed=self.keys_transposed, pipeline=self.pipeline,
+                       drafting=self.drafter.drafting if self.drafter is not None else NO_DRAFTING)
+        fn, insert = functools.partial(packed_step, **statics), insert_step
+        if D > 1:  # the one step, per replica
+            fn, insert = functools.partial(replicas.replicas_step, mesh=mesh, **statics), replicas.insert_replica
+        self._step = self._compiles.counted(jax.jit(fn, static_argnames=("cfg", "num_logprobs", "prompt_logprobs",
+                                                                         "kernels"), donate_argnames=("state",)))
+        self._insert = self._compiles.counted(jax.jit(functools.partial(insert), donate_argnames=("slots",)))
+        self.chainer = Chainer(self, scheduler_steps(config),
+                               "data_parallel" if D > 1 else "pipeline" if self.pipeline is not None
+                               else "speculative" if self.spec is not None else None)
+        self.images = None  # the checkpoint's image encoder (``multimodal.ImageInputs``), where it runs one
         self._seqs: dict[int, tuple[int, Seq]] = {}  # id(row) -> (replica, its sequence), for abort
         self._inflight: InFlight | None = None
-        self._bitmask: np.ndarray | None = None  # i32[S, V/32] structured-output masks, made on first use
+        self._bitmask: np.ndarray | None = None  # i32[D, S, V/32] structured-output masks, made on first use
         self.shapes_run: set[tuple] = set()  # (R, width, Tp, q, logprobs, prompt logprobs) of every step run
         self.inserts_run: set[int] = set()  # the row buckets of every slot insert run (one device)
 
-    def _lora_manager(self, config, model_names, download_dir):
-        """The LoRA adapters' manager, its stacks placed with the weights; refused where a step
-        would run without them."""
-        from jaxinfer.lora import LoRAManager, check_base
-        from jaxinfer.models.registry import model_family
+    # ------------------------------------------------------------------ the device state, read-only views
+    @property
+    def k_pages(self) -> list:
+        return self.state.k_pages
 
-        if self.spec is not None:
-            # drafts and their verification run the base weights (and a draft model or head
-            # trained on them): an adapter's rows would be verified against the wrong model
-            raise InvalidRequest("speculative decoding with LoRA adapters (enable_lora) is not supported: "
-                                 "drafting and verification run the base model's weights only")
-        if self.D > 1:
-            raise InvalidRequest("LoRA adapters (enable_lora) are not supported with data_parallel_size > 1")
-        if self.mesh is not None and self.mesh.shape.get("stage", 1) > 1:
-            raise InvalidRequest("LoRA adapters (enable_lora) are not supported with pipeline_parallel_size > 1")
-        check_base(self.weights)
-        place = self.committed if self.mesh is None else _lora_placement(self.mesh, self.weights["layers"][0])
-        return LoRAManager(self.cfg, model_family(self.cfg.family), config, place=place, model_names=model_names,
-                           download_dir=download_dir)
+    @property
+    def v_pages(self) -> list:
+        return self.state.v_pages
 
-    def _init_pools(self, num_pages: int, num_window_pages: int | None, pools) -> None:
-        cfg, ps, mesh = self.cfg, self.config.block_size, self.mesh
-        if mesh is not None and mesh.shape.get("stage", 1) > 1:
-            # pipeline parallel: each stage's devices hold only their layers' weights and pools
-            if self.spec is not None:
-                raise InvalidRequest("speculative decoding with pipeline_parallel_size > 1 is not supported")
-            from jaxinfer.engine import pipeline as pp
-
-            pp.check_pipeline(cfg)
-            self.windowed = tuple(num_window_pages is not None and cfg.layer_window(i) is not None
-                                  for i in range(cfg.n_layers))
-            self.pipeline = pp.PipelineLayout.make(mesh, cfg.n_layers, self.windowed)
-            self.weights = pp.stack_weights(self.weights, self.pipeline)
-            self.k_pages, self.v_pages = pp.init_pools(cfg, self.pipeline, num_pages, ps, self.kv_dtype, num_window_pages,
-                                                       self.keys_transposed)
-            return
-        if pools is not None and pools.made_for != (cfg, self.config, self.max_model_len):
-            raise ValueError("the page pools were started for another model or engine configuration")
-        cache = (pools.result() if pools is not None else
-                 kv.init_paged_cache(cfg, num_pages, ps, self.kv_dtype, num_window_pages=num_window_pages,
-                                     keys_transposed=self.keys_transposed))
-        if cache.keys_transposed != self.keys_transposed:
-            raise ValueError("the page pools were started with another keys layout than this engine's")
-        self.k_pages, self.v_pages, self.windowed = cache.k, cache.v, cache.windowed
-        if mesh is None:
-            self.k_pages, self.v_pages = self.committed((self.k_pages, self.v_pages))
-            return
-        # tensor parallel: pools split over KV heads (or replicated)
-        from jaxinfer.sharding import kv_pool_shardings
-
-        pools_ = (self.k_pages, self.v_pages)
-        if self.D > 1:
-            pools_ = jax.tree.map(lambda a: jnp.broadcast_to(a, (self.D,) + a.shape), pools_)
-        pool = kv_pool_shardings(mesh, cfg, leading=("data",) if self.D > 1 else ())
-        self.k_pages, self.v_pages = jax.device_put(pools_, (pool, pool))
+    @property
+    def slots(self) -> SlotState:
+        return self.state.slots
 
     # ------------------------------------------------------------------ reports
     @property
@@ -217,14 +173,8 @@ class Engine:
         return self.drafter.stats if self.drafter is not None else None
 
     @property
-    def supports_guided_decoding(self) -> bool:
-        return self.D == 1
-
-    @property
     def last_cache_bytes(self) -> int:
-        extra = self.drafter.kv if self.drafter is not None else None
-        pools = self.k_pages + self.v_pages + (list(extra[0]) + list(extra[1]) if extra else [])
-        return sum(a.nbytes for a in pools if a is not None)
+        return dstate.cache_bytes(self.state)
 
     def num_compilations(self) -> int:
         """Executables built so far by the engine's jitted steps (each compiled, or loaded from
@@ -266,8 +216,6 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def validate(self, row: Row) -> None:
         """Raise InvalidRequest if the row can never run on this engine."""
-        if row.guided is not None and not self.supports_guided_decoding:
-            raise InvalidRequest("structured output (guided_decoding) is not supported with data_parallel_size > 1")
         n = len(row.prompt_ids) + row.max_new
         need = -(-n // self.allocator.page_size)
         if need > self.allocator.num_pages - 1:
@@ -324,34 +272,31 @@ class Engine:
     def step(self) -> list[Row]:
         """One scheduler iteration: dispatch the next step, then read the previous one's tokens
         while it runs. The previous step is read first when the next depends on its tokens: a
-        constrained row's mask, or speculation's drafts (unless the drafter can chain the next
-        verification step from the unread one's device outputs). Returns the rows that finished."""
+        constrained row's mask, a chain's rows, or speculation's drafts (unless the drafter can
+        chain the next verification step from the unread one's device outputs). Returns the rows
+        that finished."""
         done = []
         fl, self._inflight = self._inflight, None
-        if fl is not None and (fl.guided or fl.chain or (self.drafter is not None and not self.drafter.can_chain(fl))):
+        if fl is not None and (fl.kind.read_first or (self.drafter is not None and not self.drafter.can_chain(fl))):
             done, fl = consume(self, fl), None  # (a chain's rows advanced by as many steps as it ran)
-        if fl is not None and self.drafter is not None:
-            self._inflight = self.drafter.dispatch_chained(fl, self._record)
-            if self._inflight is not None and self._inflight.decode[0]:
-                self.chainer.refuse(self.chainer.off)
-        elif self._has_work():
-            self._inflight = self._dispatch()
+        after = fl if self.drafter is not None else None  # an unread verification step to chain to
+        if after is not None or self._has_work():
+            self._inflight = self._dispatch(after)
         if fl is not None:
             done = consume(self, fl)
         return done
 
-    def _dispatch(self) -> InFlight | None:
-        """Plan every replica and dispatch their step: a verification step where the drafter
-        has drafts, else a plain one."""
-        drafts = {}
-        if self.drafter is not None:
-            decoding = [s for s in self.sched.slots if s is not None and s.state.value == "decode"]
-            drafts = self.drafter.propose(decoding)
-        for s, d in drafts.items():
-            s.lookahead = len(d)
-        plans = [s.plan() for s in self.scheds]
-        for s in drafts:
-            s.lookahead = 0
+    def _dispatch(self, after: InFlight | None = None) -> InFlight | None:
+        """Plan every replica and dispatch their step: a chain of decode steps, a verification
+        step where the drafter has drafts, one chained to ``after`` (an unread verification
+        step the drafter can chain to), else a plain one."""
+        drafts, ahead = {}, {}
+        if after is not None:
+            ahead = self.drafter.chained_lookahead(after)
+        elif self.drafter is not None:
+            drafts = self.drafter.propose([s for s in self.sched.slots if s is not None and s.state.value == "decode"])
+            ahead = {s: len(d) for s, d in drafts.items()}
+        plans = [s.plan(ahead) for s in self.scheds]
         for d, plan in enumerate(plans):
             if plan.inserted:
                 self._insert_rows(d, plan.inserted)
@@ -362,41 +307,36 @@ class Engine:
         plp = buckets.logprob_bucket(want_plp)
         n = self.chainer.length(plans)
         if n > 1:
-            return self.chainer.dispatch(plans[0], n, num_lp)
-        if drafts:
-            (plan,) = plans
-            rows = {s.slot: drafts[s] for s in plan.decode if s in drafts}
-            q = self.spec.num_speculative_tokens + 1
+            fl, self.state = self.chainer.dispatch(plans[0], n, num_lp, self.state)
+            return fl
+        decode = plans[0].decode
+        q, guide, block, rows = 1, None, None, None
+        if after is not None:
+            kind, q = StepKind.VERIFY_CHAINED, self.spec.num_speculative_tokens + 1
+            batch = self.build(plans, q, want_targets=False)
+            block = self.drafter.chained_block(after, decode, batch)
+        elif drafts:
+            kind, q = StepKind.VERIFY, self.spec.num_speculative_tokens + 1
+            rows = {s.slot: drafts[s] for s in decode if s in drafts}
             batch = self.build(plans, q, want_targets=bool(want_plp), drafts=rows)
-            self.shapes_run.add((batch.rows, batch.table.shape[1], batch.prefill_len, q, num_lp, plp))
-            out = self.drafter.run(batch, self.drafter.block_guide(plan.decode, rows, batch.rows, q),
-                                   num_logprobs=num_lp, prompt_logprobs=plp, draft_layers=self.drafter.draft_layers(),
-                                   branch_drafts=self.drafter.branch_drafts(batch.rows, q - 1, rows))
-            if plan.decode:
-                self.drafter.stats.steps += 1
-            drafted = {b: len(d) for b, d in rows.items()}
+            guide = self.drafter.block_guide(decode, rows, batch.rows, q)
+            block = self.drafter.block(batch.rows, q - 1, rows)
         else:
             batch = self.build(plans, 1, want_targets=bool(want_plp))
-            guide = self._guide(plans[0].decode, batch.rows) if self.D == 1 else None
-            out = self.run_step(batch, num_logprobs=num_lp, prompt_logprobs=plp, guide=guide)
-            for p in plans:
-                for s in p.decode:
-                    s.inflight += 1
+            guide = self._guide(plans, batch.rows)
+            kind = StepKind.GUIDED if guide is not None else StepKind.PLAIN
+        out = self.run_step(batch, num_logprobs=num_lp, prompt_logprobs=plp, guide=guide, drafts=block)
+        if kind.verifies and decode:
+            self.drafter.stats.steps += 1
+            self.drafter.stats.chained_steps += kind == StepKind.VERIFY_CHAINED
         for p, sched in zip(plans, self.scheds):
+            for s in p.decode if not kind.verifies else ():
+                s.inflight += 1
             sched.prefill_done(p.prefill)
             if p.decode:
                 sched.stats["decode_steps"] += 1
-        fl = self._record([p.decode for p in plans], [prompt_logprob_segments(p) for p in plans], out,
-                          drafted if drafts else False)
-        fl.guided = not drafts and any(s.row.guided is not None for s in plans[0].decode)
-        return fl
-
-    @staticmethod
-    def _record(decode: list[list[Seq]], segments: list[list], out, drafted: dict | None | bool = False) -> InFlight:
-        """The in-flight record of a step: drafted False for a plain step; for a verification
-        step, slot -> its row's drafts, or None when chained."""
-        return InFlight(decode, segments, out, spec=drafted is not False,
-                         drafted=None if drafted is False else drafted)
+        drafted = {b: len(d) for b, d in rows.items()} if rows is not None else None
+        return InFlight([p.decode for p in plans], [prompt_logprob_segments(p) for p in plans], out, kind, drafted)
 
     def build(self, plans, q: int, *, want_targets: bool, drafts: dict | None = None) -> PackedBatch:
         """``batch.build_batch`` of every replica's plan with the engine's own sizes, padded to
@@ -414,67 +354,68 @@ class Engine:
         return replicas.stack([build_batch(p, s, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
                                            shape=shape, **kw) for p, s in zip(plans, self.scheds)])
 
-    def run_step(self, batch: PackedBatch, *, num_logprobs: int = -1, prompt_logprobs: int = -1, guide=None):
-        """Run one plain step on the engine's pools and slots (donated); returns its StepOutput.
-        guide: None, or (bitmask i32[R, V/32], has_mask bool[R]) for the decode rows."""
+    def run_step(self, batch: PackedBatch, *, num_logprobs: int = -1, prompt_logprobs: int = -1, guide=None,
+                 drafts: DraftBlock | None = None):
+        """Run the one engine step on the engine's device state (donated, replaced by the
+        step's); returns its StepOutput. guide: None, or the decode rows' structured-output
+        masks (``step.StepInputs``); drafts: a verification step's draft block, or None."""
+        tag = ()
+        if drafts is None:
+            tag = (("guided",) if guide is not None else ()) + (
+                (("lora", len(batch.lora_active)),) if batch.lora_active is not None else ())
+        elif drafts.chain is not None:
+            tag = ("chained",)
         self.shapes_run.add((batch.rows, batch.table.shape[-1], batch.seg.shape[-1], batch.q, num_logprobs,
-                             prompt_logprobs) + (("guided",) if guide is not None else ())
-                            + ((("lora", len(batch.lora_active)),) if batch.lora_active is not None else ()))
-        args, kwargs = self.step_args(batch, num_logprobs=num_logprobs, prompt_logprobs=prompt_logprobs, guide=guide)
-        out, self.k_pages, self.v_pages, self.slots, *eagle_kv = self._step(*args, **kwargs)
-        if eagle_kv:
-            self.drafter.kv = eagle_kv[0]
+                             prompt_logprobs) + tag)
+        args, kwargs = self.step_args(batch, num_logprobs=num_logprobs, prompt_logprobs=prompt_logprobs, guide=guide,
+                                      drafts=drafts)
+        out, self.state = self._step(*args, **kwargs)
         return out
 
-    def step_args(self, batch: PackedBatch, *, num_logprobs: int = -1, prompt_logprobs: int = -1, guide=None):
-        """The (args, kwargs) ``run_step`` calls the jitted step with, on the engine's current
-        pools and slots (warm-up lowers the step on them ahead of running it)."""
-        extra = self.drafter.plain_extras(batch) if self.drafter is not None else ()
-        args = (self.weights, batch, self.k_pages, self.v_pages, self.slots, guide, *extra)
-        return args, dict(**({"lora": self.lora.stacks} if self.lora is not None else {}), cfg=self.cfg,
-                          num_logprobs=num_logprobs, prompt_logprobs=prompt_logprobs, kernels=self.kernels)
+    def step_args(self, batch: PackedBatch, *, num_logprobs: int = -1, prompt_logprobs: int = -1, guide=None,
+                  drafts: DraftBlock | None = None):
+        """The (args, kwargs) ``run_step`` calls the jitted step with, on the engine's device
+        state (warm-up lowers the step on them ahead of running it)."""
+        models = self.drafter.models(batch.rows, drafts is not None) if self.drafter is not None else None
+        inputs = StepInputs(batch, guide, self.lora.stacks if self.lora is not None else None, drafts, models)
+        return (self.weights, inputs, self.state), dict(cfg=self.cfg, num_logprobs=num_logprobs,
+                                                        prompt_logprobs=prompt_logprobs, kernels=self.kernels)
 
-    def _guide(self, decode: list[Seq], R: int):
-        """The decode rows' structured-output masks (bitmask i32[R, V/32], has_mask bool[R]), or
-        None when no row is constrained. Decode row r is slot r."""
-        guided = [s for s in decode if s.row.guided is not None]
+    def _guide(self, plans, R: int):
+        """The decode rows' structured-output masks (bitmask i32[R, V/32], has_mask bool[R];
+        [D, ...] with replicas, each replica's own), or None when no row is constrained. Decode
+        row r is slot r."""
+        guided = [(d, s) for d, p in enumerate(plans) for s in p.decode if s.row.guided is not None]
         if not guided:
             return None
         if self._bitmask is None:
-            self._bitmask = np.full((self.max_num_seqs, -(-self.cfg.vocab_size // 32)), -1, np.int32)
-        has = np.zeros(R, np.bool_)
-        for s in guided:
-            s.row.guided.fill_bitmask(self._bitmask[s.slot])
-            has[s.slot] = True
-        return self._bitmask[:R].copy(), has
+            self._bitmask = np.full((self.D, self.max_num_seqs, -(-self.cfg.vocab_size // 32)), -1, np.int32)
+        has = np.zeros((self.D, R), np.bool_)
+        for d, s in guided:
+            s.row.guided.fill_bitmask(self._bitmask[d, s.slot])
+            has[d, s.slot] = True
+        bitmask = self._bitmask[:, :R].copy()
+        return (bitmask[0], has[0]) if self.D == 1 else (bitmask, has)
 
     # ------------------------------------------------------------------ slots
     def committed(self, tree):
-        """``tree`` committed to the device of the (one-device) weights, without a copy. jit keys
-        its executables on whether each argument is committed: a step's outputs are (its
-        weights are), so pools or slots left uncommitted (made by jnp.zeros or a bare
-        device_put) would make the first step shape's executable twice, once for them and
-        again for the outputs that replace them (a second lowering, 0.5-1 s, mid-run)."""
-        return jax.device_put(tree, _devices(self.weights)[0])
+        """``tree`` committed to the device of the (one-device) weights (``state.committed``)."""
+        return dstate.committed(tree, self.weights)
 
     def _fresh_slots(self) -> SlotState:
-        """Every slot idle, placed as the steps' own outputs will be: split over the replicas,
-        replicated over the mesh, or committed to the weights' device."""
-        slots = make_slots(self.cfg.vocab_size, self.max_num_seqs, self.seed, vocab_state=False)
-        if self.mesh is None:
-            return self.committed(slots)
-        from jax.sharding import NamedSharding, PartitionSpec
+        return dstate.fresh_slots(self.cfg.vocab_size, self.max_num_seqs, self.seed, self.weights, self.mesh, self.D)
 
-        if self.D > 1:
-            slots = jax.tree.map(lambda a: jnp.broadcast_to(a, (self.D,) + a.shape), slots)
-        return jax.device_put(slots, NamedSharding(self.mesh, PartitionSpec("data" if self.D > 1 else None)))
+    def reset_slots(self) -> None:
+        """Every slot idle again (after warm-up sampled into idle slots)."""
+        self.state = dataclasses.replace(self.state, slots=self._fresh_slots())
 
     def _insert_rows(self, replica: int, seqs: list[Seq]) -> None:
         """The slot state of the sequences one plan admitted: on one device in one call, padded
         to a batch bucket (a wave of 64 new rows was 64 calls); per row across replicas."""
         # [S, V] penalty statistics only while some running row (of any replica) has penalties
         need = any(s is not None and smp.needs_vocab_state(s.row.params) for sched in self.scheds for s in sched.slots)
-        self.slots = slots_with_vocab_state(self.slots, self.cfg.vocab_size, need)
+        self.state = dataclasses.replace(self.state, slots=slots_with_vocab_state(self.slots, self.cfg.vocab_size,
+                                                                                   need))
         state = functools.partial(slot_states_for, vocab_size=self.cfg.vocab_size, eos_ids=self.tokenizer.eos_ids,
                                   seed=self.seed, vocab_state=need)
         if self.D > 1:
@@ -490,52 +431,8 @@ class Engine:
         """slot: the slot number (several replicas; new has batch 1), or i32[n] slot numbers
         (one device; new has batch n)."""
         if self.D > 1:
-            self.slots = self._insert(self.slots, jnp.int32(replica), jnp.int32(slot), new)
+            slots = self._insert(self.slots, jnp.int32(replica), jnp.int32(slot), new)
         else:
             self.inserts_run.add(len(slot))
-            self.slots = self._insert(self.slots, slot, new)
-
-
-def _lora_placement(mesh, layer: dict):
-    """How LoRA stacks and slot contents are placed under tensor parallelism: each target's A
-    split over "model" like its base weight's input, its B like the base's output (replicated
-    where the base is), so each device computes its own part of the adapter's term as of the base
-    product. Trees of {"layers": [{weight: (a [I, ..., R], b [..., R, O])}]}."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from jaxinfer import quant
-    from jaxinfer.sharding import Placed
-
-    def split(w) -> tuple[bool, bool]:  # (input split, output split) of a base weight over "model"
-        w = w.value if isinstance(w, Placed) else w
-        arr = getattr(w, "values", w)
-        spec = tuple(getattr(getattr(arr, "sharding", None), "spec", ()) or ())
-        on = lambda a: a == "model" or (isinstance(a, tuple) and "model" in a)  # noqa: E731
-        if isinstance(w, quant.QuantArray):  # stored as the matrix [I, O]
-            spec = spec + (None, None)
-            return on(spec[0]), on(spec[1])
-        n = len(getattr(w, "contract", ())) or 1
-        return any(map(on, spec[:n])), any(map(on, spec[n:]))
-
-    def put(a, axis: int, split_: bool):
-        spec = [None] * a.ndim
-        spec[axis] = "model" if split_ else None
-        return jax.device_put(a, NamedSharding(mesh, PartitionSpec(*spec)))
-
-    def place(tree):
-        out = []
-        for layer_t in tree["layers"]:
-            one = {}
-            for w, (a, b) in layer_t.items():
-                ins, outs = split(layer[w])
-                one[w] = (put(a, 0, ins), put(b, b.ndim - 1, outs))
-            out.append(one)
-        return {"layers": out}
-
-    return place
-
-
-def _devices(weights) -> list:
-    """The device of (one-device) weights: the first committed leaf's, else the default one."""
-    leaf = next((a for a in jax.tree.leaves(weights) if getattr(a, "committed", False)), None)
-    return list(leaf.devices()) if leaf is not None else jax.local_devices()[:1]
+            slots = self._insert(self.slots, slot, new)
+        self.state = dataclasses.replace(self.state, slots=slots)

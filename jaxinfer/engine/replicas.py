@@ -14,30 +14,26 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxinfer.dispatch import Kernels
-from jaxinfer.engine.step import packed_step
+from jaxinfer.engine.state import EngineState
+from jaxinfer.engine.step import StepInputs, packed_step
 from jaxinfer.models.packed import PackedBatch
 
 
-def replicas_step(weights, batch: PackedBatch, k_pages, v_pages, slots, guide=None, *, mesh, cfg, windowed,
-                  num_logprobs: int, prompt_logprobs: int, kernels: Kernels, keys_transposed: bool = True):
-    """``step.packed_step`` of every replica at once: batch, pools and slots carry a leading
-    replica axis [D, ...] split over "data"; the weights are shared -> (StepOutput [D, ...],
-    pools, slots). A ``shard_map`` manual over "data" only (the "model" axis stays with the
-    partitioner, as in one replica): each data group runs its own replica and nothing crosses
-    replicas. (``jax.vmap`` over the replica axis let the partitioner all-gather the sampling
-    step's logits across replicas.) No structured output: guide must be None."""
-    assert guide is None
+def replicas_step(weights, inputs: StepInputs, state: EngineState, *, mesh, **statics):
+    """``step.packed_step`` of every replica at once: the step's inputs and the device state
+    carry a leading replica axis [D, ...] split over "data"; the weights are shared ->
+    (StepOutput [D, ...], state). A ``shard_map`` manual over "data" only (the "model" axis
+    stays with the partitioner, as in one replica): each data group runs its own replica and
+    nothing crosses replicas. (``jax.vmap`` over the replica axis let the partitioner all-gather
+    the sampling step's logits across replicas.) statics: ``packed_step``'s."""
 
-    def one(w, b, k, v, s):
-        b, k, v, s = jax.tree.map(lambda a: a[0], (b, k, v, s))
-        out, k, v, s = packed_step(w, b, k, v, s, None, cfg=cfg, windowed=windowed, num_logprobs=num_logprobs,
-                                   prompt_logprobs=prompt_logprobs, kernels=kernels, keys_transposed=keys_transposed)
-        return jax.tree.map(lambda a: a[None], (out, k, v, s))
+    def one(w, inputs, state):
+        inputs, state = jax.tree.map(lambda a: a[0], (inputs, state))
+        return jax.tree.map(lambda a: a[None], packed_step(w, inputs, state, **statics))
 
     rep, split = PartitionSpec(), PartitionSpec("data")
-    return jax.shard_map(one, mesh=mesh, in_specs=(rep, split, split, split, split), out_specs=split,
-                         axis_names={"data"}, check_vma=False)(weights, batch, k_pages, v_pages, slots)
+    return jax.shard_map(one, mesh=mesh, in_specs=(rep, split, split), out_specs=split,
+                         axis_names={"data"}, check_vma=False)(weights, inputs, state)
 
 
 def insert_replica(slots, replica, slot, row):

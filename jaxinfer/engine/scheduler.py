@@ -59,7 +59,6 @@ class Seq:
     window_lo: int = 0  # first logical page still held in window_pages
     chain: bytes = ROOT_HASH  # hash chain after the registered pages
     inflight: int = 0  # tokens sampled on device that the host has not read yet (0 or 1)
-    lookahead: int = 0  # drafted tokens this step writes past its last token (speculative decoding)
     drafts: list[int] = dataclasses.field(default_factory=list)  # medusa: the heads' drafts for the next step
     branch_drafts: list[list[int]] = dataclasses.field(default_factory=list)  # eagle branches 1..W-1: theirs
     preemptions: int = 0
@@ -150,13 +149,15 @@ class Scheduler:
         return bool(self.waiting) or any(s is not None for s in self.slots)
 
     # ------------------------------------------------------------------ one iteration
-    def plan(self) -> StepPlan:
+    def plan(self, lookahead: dict | None = None) -> StepPlan:
+        """The next step's rows. lookahead: seq -> the positions past its next one that the step
+        writes (speculative decoding's drafts), which need pages too."""
         inserted = self._admit()
         # a sequence whose prefill ends in this step decodes from the next one: its window is
         # trimmed only once the prefill row that still reads it has been dispatched
         decoding = [s for s in self.slots if s is not None and s.state == SeqState.DECODE]
         prefill = self._pack_prefill()
-        self._ensure_decode_pages(decoding)
+        self._ensure_decode_pages(decoding, lookahead or {})
         inserted = [s for s in inserted if s.slot >= 0]  # preempted again right away: re-inserted later
         decode = sorted((s for s in decoding if s.slot >= 0 and s.state == SeqState.DECODE), key=lambda s: s.slot)
         prefill = [g for g in prefill if g.seq.slot >= 0]
@@ -264,13 +265,13 @@ class Scheduler:
                 self.register_full_pages(g.seq)
 
     # ------------------------------------------------------------------ decode rows
-    def _ensure_decode_pages(self, decoding: list[Seq]) -> None:
+    def _ensure_decode_pages(self, decoding: list[Seq], lookahead: dict) -> None:
         """Every decoding sequence needs a page for the position it writes this step."""
         ps = self.page_size
         for seq in sorted(decoding, key=lambda s: s.arrival):
             if seq.slot < 0 or seq.state != SeqState.DECODE:
                 continue  # preempted below while making room for an earlier sequence
-            pos = len(seq.tokens) - 1 + seq.inflight + seq.lookahead
+            pos = len(seq.tokens) - 1 + seq.inflight + lookahead.get(seq, 0)
             while pos // ps >= len(seq.pages):
                 if self.allocator.num_free == 0:
                     victim = max(self.running(), key=lambda s: s.arrival)

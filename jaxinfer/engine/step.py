@@ -1,12 +1,16 @@
-"""The jitted plain engine step: one packed step per scheduler iteration and the one sampling step
-(the per-slot state they carry is ``slots.SlotState``; chains of decode steps: ``chaining``;
-the speculative verification step: ``verify``).
+"""The one jitted engine step (``packed_step``) and the one sampling step.
 
 ``packed_step`` runs the model once over a ``models.packed.PackedBatch`` (decode rows plus a
-packed prefill row), samples one token for every decode row, and returns the page pools and
-the per-slot device state, both donated. With an EAGLE head it also writes the head's entries
-of every token it computed (``_eagle_entry_pass``, which verification shares). The kernel
-choice (``dispatch.Kernels``) is a static argument, so it is part of the executable's cache key.
+packed prefill row) and takes the engine's device state (``state.EngineState``: page pools,
+per-slot state, the drafter's pools) donated, returning it advanced. A plain step samples one
+token for every decode row. A verification step is the same step with a draft block
+(``verify.DraftBlock``): each decode row carries drafts, which are made on device first where
+the method does so (``verify.draft``), verified instead of sampled (``verify.verify``), and
+then it may emit several tokens per row. Everything else is the one path: the forward pass
+(or its pipeline stages), the slot update, logprobs and their ranks, prompt logprobs, and the
+EAGLE head's entries of every token computed. Chains of decode steps (``chaining``) and
+data-parallel replicas (``replicas``) wrap it. The kernel choice (``dispatch.Kernels``) is a
+static argument, so it is part of the executable's cache key.
 """
 
 from __future__ import annotations
@@ -19,24 +23,54 @@ import jax.numpy as jnp
 from jaxinfer import lora as lora_mod
 from jaxinfer import sampling as smp
 from jaxinfer.dispatch import Kernels
+from jaxinfer.engine import branches, verify
 from jaxinfer.engine.pipeline import pipeline_forward
 from jaxinfer.engine.slots import SlotState
-from jaxinfer.models import eagle as eagle_mod
+from jaxinfer.engine.state import EngineState
 from jaxinfer.models.packed import PackedBatch, PackedKV
 from jaxinfer.models.registry import model_family
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    """What one step reads besides the target's weights and the device state (nothing here is
+    donated). guide: None (no row is constrained: no mask work at all), or the structured-output
+    masks of the decode rows: (bitmask i32[R, V/32], has_mask bool[R]) for a plain step, the
+    masks of every block position (bitmask i32[R, q, V/32], has_mask bool[R]) with a draft block.
+    None and arrays are different pytrees, so a step with no constrained row runs an executable
+    without the mask."""
+
+    batch: PackedBatch
+    guide: tuple | None = None
+    lora: dict | None = None  # the LoRA adapters' device stacks (``lora.LoRAManager.stacks``)
+    drafts: verify.DraftBlock | None = None  # a verification step's block; None: a plain step
+    drafter: verify.DraftModels | None = None  # the drafter's weights (speculative decoding)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepOutput:
-    tokens: jax.Array | None  # i32[R] the token sampled for each decode row
-    logprobs: tuple | None  # (chosen f32[R], rank i32[R], top ids i32[R, n], top logprobs f32[R, n])
-    row_logits: jax.Array | None  # f32[R, q, V] every query's logits, when q > 1 (verification)
+    tokens: jax.Array | None  # i32[R] each decode row's token; with drafts i32[R, q]: accepted drafts, new token, -1 after
+    logprobs: tuple | None  # (chosen, rank, top ids [.., n], top logprobs [.., n]) of each token of ``tokens``
     prompt_logprobs: tuple | None  # (chosen f32[Tp], rank i32[Tp], top ids, top logprobs) of the prefill row
+    accepted: jax.Array | None = None  # i32[R] drafts accepted per row (verification)
+    next_drafts: jax.Array | None = None  # i32[R, K] (EAGLE branches: [R, W, K]) each row's next block's drafts
+    drafted: jax.Array | None = None  # i32[R] drafts each row carried, where they were made on device (n-gram chained)
+
+
+def sampled_logprobs(logits, tokens, num_logprobs: int):
+    """logits f32[B, V], tokens i32[B] -> (chosen f32[B], rank i32[B], top ids i32[B, n], top
+    logprobs f32[B, n]); ranks under the raw model, as vLLM reports."""
+    chosen, top_ids, top_lp = smp.logprobs_of(logits, tokens, num_logprobs)
+    picked = jnp.take_along_axis(logits, tokens[:, None], axis=1)
+    rank = 1 + jnp.sum(logits > picked, axis=-1)
+    return chosen, rank, top_ids, top_lp
 
 
 def sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs, guide=None):
-    """The one sampling step of plain and verification steps: logits f32[B, V] -> tokens i32[B], logprobs
-    (or None when num_logprobs < 0), and the state with the new tokens counted.
+    """The one sampling step: logits f32[B, V] -> tokens i32[B], logprobs (or None when
+    num_logprobs < 0), and the state with the new tokens counted.
 
     guide: None (no row is constrained: no mask work at all), or (bitmask i32[B, V/32],
     has_mask bool[B]), the structured-output rows' allowed tokens."""
@@ -48,10 +82,7 @@ def sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs, guide=N
     state = smp.update_counts(state, tokens)
     if num_logprobs < 0:  # logprobs not requested by any row: skip the log-softmax
         return tokens, None, state
-    chosen, top_ids, top_lp = smp.logprobs_of(logits, tokens, num_logprobs)
-    picked = jnp.take_along_axis(logits, tokens[:, None], axis=1)
-    rank = 1 + jnp.sum(logits > picked, axis=-1)  # rank under the raw model, as vLLM reports
-    return tokens, (chosen, rank, top_ids, top_lp), state
+    return tokens, sampled_logprobs(logits, tokens, num_logprobs), state
 
 
 def token_logprobs(logits, targets, num_top: int):
@@ -64,95 +95,114 @@ def token_logprobs(logits, targets, num_top: int):
     return chosen, ranks, top_ids[:, :num_top], top_lp[:, :num_top]
 
 
-def packed_step(weights, batch: PackedBatch, k_pages, v_pages, slots: SlotState, guide=None, eagle=None,
-                eagle_kv=None, lora=None, *, cfg, windowed, num_logprobs: int, prompt_logprobs: int,
-                kernels: Kernels, pipeline=None, keys_transposed: bool = True):
-    """One scheduler iteration on device -> (StepOutput, k_pages, v_pages, slots[, eagle_kv]).
-
-    eagle: None, or an EAGLE draft head (speculative ``eagle``: {"head", "rows", "vocab"}) whose
-    pools eagle_kv = (k, v) are donated and returned last: its entry for every token computed
-    here is written (``_eagle_entry_pass``), so the pages hold what drafting will read.
-
-    pipeline: None, or an ``engine.pipeline.PipelineLayout`` (static): the layers then run as
-    pipeline stages over micro-batches, with weights and pools stacked by stage.
-
-    lora: None, or the LoRA adapters' device stacks (``lora.LoRAManager.stacks``): each token's
-    projections then add its adapter's term (slot ``batch.lora_active[batch.lora_index]``;
-    ``lora.attach``), over the batch's active slots only; a batch without lora_active (no
-    token on an adapter) does no adapter work.
-
-    keys_transposed: the keys pools' layout, the engine's and its drafter's alike
-    (``cache.PagedKVCache.keys_transposed``, static).
-
-    guide: None, or (bitmask i32[R, V/32], has_mask bool[R]) for the decode rows when any is
-    constrained (structured output). None and arrays are different pytrees, so a batch with
-    no constrained row runs an executable without the mask.
+def packed_step(weights, inputs: StepInputs, state: EngineState, *, cfg, windowed, num_logprobs: int,
+                prompt_logprobs: int, kernels: Kernels, pipeline=None, keys_transposed: bool = True,
+                drafting: verify.Drafting = verify.NO_DRAFTING):
+    """One scheduler iteration on device -> (StepOutput, EngineState).
 
     Decode row r is slot r. Its first query token is the host's, or, where use_prev, the
     token the previous step sampled for that slot (still on device: the host reads it while
-    this step runs)."""
+    this step runs).
+
+    inputs.drafts: None for a plain step (one token per decode row, from the logits of its
+    query ``last_q``). A draft block makes it a verification step: row r carries q = k + 1
+    queries, its last token then its drafts (``batch.last_q[r]`` of them real; the rest write to
+    the scratch page), and emits its accepted drafts and one token; the slot state advances by
+    what was emitted. With EAGLE branches (``engine.branches``) each row carries W chains,
+    verified as virtual rows, and keeps one.
+
+    inputs.drafter: the drafter's weights. A draft model (``drafting.cfg``) writes its keys and
+    values of every token of a plain step (``verify.draft_kv_pass``) and drafts in a
+    verification step; an EAGLE head, where given, has its entry of every token computed here
+    written to its pools (state.draft_kv), and drafts the next block in a verification step.
+
+    inputs.lora: each token's projections add its adapter's term (slot
+    ``batch.lora_active[batch.lora_index]``; ``lora.attach``), over the batch's active slots
+    only; a batch without lora_active (no token on an adapter) does no adapter work.
+
+    pipeline: None, or an ``engine.pipeline.PipelineLayout`` (static): the layers then run as
+    pipeline stages over micro-batches, with weights and pools stacked by stage.
+    keys_transposed: the layout of every keys pool here, the target's and the drafter's
+    (``cache.PagedKVCache.keys_transposed``, static)."""
     with jax.named_scope("packed_step"):
         mod = model_family(cfg.family)
-        if lora is not None and batch.lora_active is not None:
-            weights = lora_mod.attach(weights, lora, batch.lora_active, batch.lora_index, kernels)
+        batch, block, models = inputs.batch, inputs.drafts, inputs.drafter or verify.DraftModels()
+        k_pages, v_pages, slots, draft_kv = state.k_pages, state.v_pages, state.slots, state.draft_kv
+        if inputs.lora is not None and batch.lora_active is not None:
+            weights = lora_mod.attach(weights, inputs.lora, batch.lora_active, batch.lora_index, kernels)
         R, Q = batch.rows, batch.q
-        tokens = batch.tokens
         if R:
-            first = jnp.where(batch.use_prev, slots.last_tokens[:R], tokens[0 : R * Q : Q])
-            tokens = tokens.at[0 : R * Q : Q].set(first)
+            first = jnp.where(batch.use_prev, slots.last_tokens[:R], batch.tokens[0 : R * Q : Q])
+            batch = dataclasses.replace(batch, tokens=batch.tokens.at[0 : R * Q : Q].set(first))
+        dk = dict(kernels=kernels, keys_transposed=keys_transposed)
+        q_draft = drafted = None
+        if block is not None:
+            batch, k_pages, v_pages, draft_kv, q_draft, drafted = verify.draft(
+                mod, weights, models, block, batch, k_pages, v_pages, draft_kv, slots, cfg=cfg, drafting=drafting,
+                windowed=windowed, **dk)
+        elif models.draft_weights is not None:
+            draft_kv = verify.draft_kv_pass(models.draft_weights, batch, draft_kv, draft_cfg=drafting.cfg, **dk)
+        W = 1 if block is None or block.branch_drafts is None else block.branch_drafts.shape[1] + 1
+        vb = batch if W == 1 else branches.expand(batch, block.branch_drafts)  # W virtual rows per row
+        cache = None
         if pipeline is None:
-            cache = PackedKV(k_pages, v_pages, batch, windowed, kernels, keys_transposed=keys_transposed)
-            images = {} if batch.image_index is None else {"embeds": (batch.image_index[None], batch.image_embeds)}
-            h, cache = mod.forward(weights, tokens[None], None, cache, cfg=cfg, positions=batch.positions[None],
+            cache = PackedKV(k_pages, v_pages, vb, windowed, kernels, defer_writes=W > 1,
+                             keys_transposed=keys_transposed)
+            images = {} if vb.image_index is None else {"embeds": (vb.image_index[None], vb.image_embeds)}
+            h, cache = mod.forward(weights, vb.tokens[None], None, cache, cfg=cfg, positions=vb.positions[None],
                                    **images)
-            k_pages, v_pages = cache.k, cache.v
         else:
-            h, k_pages, v_pages = pipeline_forward(pipeline, weights, tokens, batch, k_pages, v_pages, cfg=cfg,
-                                                   kernels=kernels, keys_transposed=keys_transposed)
-        new = lp = row_logits = plp = None
+            h, k_pages, v_pages = pipeline_forward(pipeline, weights, vb.tokens, vb, k_pages, v_pages, cfg=cfg, **dk)
+        tokens = lp = plp = accepted = next_drafts = emitted = None
         if R:
-            with jax.named_scope("sample"):
-                if Q > 1:
-                    row_logits = mod.unembed(weights, h[0, : R * Q].reshape(R, Q, -1), cfg)  # f32[R, Q, V]
-                    logits = jnp.take_along_axis(row_logits, batch.last_q[:, None, None], axis=1)[:, 0]
-                else:
-                    # the rows as one sequence (h [1, R, D]): unembedded as R sequences of one
-                    # token, XLA CPU lays the logits out so that the greedy argmax first copies
-                    # all of them (12.6 MB a step at R = 64 over a 49,152-token vocabulary)
-                    logits = mod.unembed(weights, h[:, :R], cfg)[0]  # f32[R, V]
-                sub = jax.tree.map(lambda a: a[:R], slots)
-                new, lp, sampling = sample_step(logits, sub.sampling, sub.generated, sub.stop_ids,
-                                                sub.min_tokens, num_logprobs, guide)
-                upd = SlotState(sampling, new, sub.stop_ids, sub.min_tokens, sub.generated + 1)
-                # idle slots (and ones still prefilling) keep their state: seeds and penalties
-                # must not see steps they took no part in
-                keep = lambda n, o: jnp.where(batch.active.reshape((R,) + (1,) * (n.ndim - 1)), n, o)
-                sub = jax.tree.map(keep, upd, sub)
-                slots = jax.tree.map(lambda a, s: a.at[:R].set(s), slots, sub)
+            sub = jax.tree.map(lambda a: a[:R], slots)
+            if block is None:
+                with jax.named_scope("sample"):
+                    if Q > 1:
+                        row_logits = mod.unembed(weights, h[0, : R * Q].reshape(R, Q, -1), cfg)  # f32[R, Q, V]
+                        logits = jnp.take_along_axis(row_logits, batch.last_q[:, None, None], axis=1)[:, 0]
+                    else:
+                        # the rows as one sequence (h [1, R, D]): unembedded as R sequences of one
+                        # token, XLA CPU lays the logits out so that the greedy argmax first copies
+                        # all of them (12.6 MB a step at R = 64 over a 49,152-token vocabulary)
+                        logits = mod.unembed(weights, h[:, :R], cfg)[0]  # f32[R, V]
+                    tokens, lp, sampling = sample_step(logits, sub.sampling, sub.generated, sub.stop_ids,
+                                                       sub.min_tokens, num_logprobs, inputs.guide)
+                upd = SlotState(sampling, tokens, sub.stop_ids, sub.min_tokens, sub.generated + 1)
+                if models.eagle is not None:  # query j's next token is query j + 1's, the sampled one after the last
+                    t = batch.tokens[: R * Q].reshape(R, Q)
+                    shifted = jnp.concatenate([t[:, 1:], t[:, :1]], axis=1)
+                    at_last = jnp.arange(Q)[None] == batch.last_q[:, None]
+                    emitted = jnp.where(at_last, tokens[:, None], shifted)
+            else:
+                with jax.named_scope("verify"):
+                    ver, row_logits, h, cache, next_drafts = verify.verify(
+                        mod, weights, h, batch, vb, sub, cache, heads=models.heads, guide=inputs.guide,
+                        q_draft=q_draft, W=W, cfg=cfg, kernels=kernels)
+                tokens, accepted, emitted = ver.tokens, ver.accepted, ver.tokens
+                new_last = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
+                upd = SlotState(ver.state, new_last, sub.stop_ids, sub.min_tokens, sub.generated + accepted + 1)
+                if num_logprobs >= 0:
+                    flat = row_logits.reshape(R * Q, -1)
+                    lp = sampled_logprobs(flat, jnp.maximum(tokens.reshape(-1), 0), num_logprobs)
+                    lp = tuple(a.reshape((R, Q) + a.shape[1:]) for a in lp)
+            # idle slots (and ones still prefilling) keep their state: seeds and penalties
+            # must not see steps they took no part in
+            keep = lambda n, o: jnp.where(batch.active.reshape((R,) + (1,) * (n.ndim - 1)), n, o)
+            sub = jax.tree.map(keep, upd, sub)
+            slots = jax.tree.map(lambda a, s: a.at[:R].set(s), slots, sub)
+        if cache is not None:
+            k_pages, v_pages = cache.k, cache.v
         if prompt_logprobs >= 0 and batch.prefill_len:
             with jax.named_scope("prompt_logprobs"):
                 logits = mod.unembed(weights, h[:, R * Q :], cfg)[0]
                 plp = token_logprobs(logits, batch.targets, prompt_logprobs)
-        if eagle is not None:
-            with jax.named_scope("eagle_entries"):
-                nxt = batch.targets
-                if R:  # query j's next token is the row's query j + 1, the sampled one after its last
-                    t = tokens[: R * Q].reshape(R, Q)
-                    shifted = jnp.concatenate([t[:, 1:], t[:, :1]], axis=1)
-                    at_last = jnp.arange(Q)[None] == batch.last_q[:, None]
-                    nxt = jnp.concatenate([jnp.where(at_last, new[:, None], shifted).reshape(-1), nxt])
-                _, eagle_kv = _eagle_entry_pass(eagle, weights, h, batch, nxt, eagle_kv, cfg=cfg,
-                                                kernels=kernels, keys_transposed=keys_transposed)
-            return StepOutput(new, lp, row_logits, plp), k_pages, v_pages, slots, eagle_kv
-    return StepOutput(new, lp, row_logits, plp), k_pages, v_pages, slots
-
-
-def _eagle_entry_pass(eagle, weights, h, batch: PackedBatch, next_tokens, eagle_kv, *, cfg, kernels,
-                      keys_transposed: bool = True):
-    """EAGLE entry p = (f_p, t_{p+1}) of every token the target just computed (features h
-    [1, N, D], next_tokens i32[N], -1 read as 0: their entries are rewritten before anything
-    reads them), written to the draft's pools at p -> (g f32[N, D], eagle_kv)."""
-    x = eagle_mod.entries(eagle["head"], weights, h[0], jnp.maximum(next_tokens, 0), cfg)
-    cache = PackedKV(*eagle_kv, batch, (), kernels, keys_transposed=keys_transposed)
-    g, cache = eagle_mod.run_layer(eagle["head"], x[None], batch.positions[None], cache, cfg)
-    return g[0], (cache.k, cache.v)
+        if models.eagle is not None:
+            with jax.named_scope("eagle"):
+                nxt = batch.targets if emitted is None else jnp.concatenate([emitted.reshape(-1), batch.targets])
+                g, draft_kv = verify.eagle_entry_pass(models.eagle, weights, h, batch, nxt, draft_kv, cfg=cfg, **dk)
+                if block is not None and R:
+                    next_drafts, draft_kv = verify.eagle_next_drafts(models.eagle, weights, g, batch, accepted,
+                                                                     draft_kv, W, cfg=cfg, **dk)
+    out = StepOutput(tokens, lp, plp, accepted, next_drafts, drafted)
+    return out, EngineState(k_pages, v_pages, slots, draft_kv)

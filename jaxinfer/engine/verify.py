@@ -1,12 +1,12 @@
-"""The jitted speculative verification step: each decode row carries its last token and k
-drafts, one forward pass scores every position, and ``sampling.verify_block`` accepts a prefix
-of the drafts and adds one token (``spec_step``).
+"""Verification's part of the engine step (``step.packed_step`` with a ``DraftBlock``): each
+decode row carries its last token and k drafts, the one forward pass scores every position, and
+``sampling.verify_block`` accepts a prefix of the drafts and adds one token (``verify``).
 
-Drafts made on device live here too: early exit (the model's own first layers), a draft model
-(``draft_kv_step`` keeps its pools in step during plain steps), an EAGLE head run from each
-row's accepted position, and ``chain_block``, which moves a block the host built before reading
-the previous step on by that step's device outputs (``engine.drafting`` chains steps so). The
-plain step and the sampling step both kinds share: ``step``.
+Drafts made on device live here too (``draft``, before the forward pass): early exit (the
+model's own first layers), a draft model (``draft_kv_pass`` keeps its pools in step during plain
+steps), an EAGLE head run from each row's accepted position (``eagle_next_drafts``), and
+``chain_block``, which moves a block the host built before reading the previous step on by that
+step's device outputs (``engine.drafting`` chains steps so).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from jaxinfer.engine import branches
 from jaxinfer.engine.pages import SCRATCH_PAGE
 from jaxinfer.engine.slots import SlotState
 from jaxinfer.engine.speculative import ngram_drafts
-from jaxinfer.engine.step import _eagle_entry_pass, token_logprobs
 from jaxinfer.models import eagle as eagle_mod
 from jaxinfer.models import medusa
 from jaxinfer.models.packed import PackedBatch, PackedKV
@@ -80,21 +79,17 @@ def _decode_row_batch(batch: PackedBatch, j: int | jax.Array, tokens, *, with_pr
                        targets=batch.targets if with_prefill else none, rows=R, q=1)
 
 
-def draft_kv_step(draft_weights, batch: PackedBatch, draft_kv, last_tokens, *, draft_cfg, kernels: Kernels,
+def draft_kv_pass(draft_weights, batch: PackedBatch, draft_kv, *, draft_cfg, kernels: Kernels,
                   keys_transposed: bool = True):
     """A plain step's draft pass: the draft model runs over every token of ``batch`` (decode
-    rows and prefill row alike, the first query of a use_prev row being last_tokens i32[S]'s)
-    only to write its keys and values to its own pools draft_kv = (k, v), which it returns
-    (donated). Keeps the draft's pages holding every position the target's hold."""
-    with jax.named_scope("draft_kv_step"):
+    rows and prefill row alike, their first queries already the slots' last tokens where
+    use_prev) only to write its keys and values to its own pools draft_kv = (k, v), which it
+    returns. Keeps the draft's pages holding every position the target's hold."""
+    with jax.named_scope("draft_kv_pass"):
         mod = model_family(draft_cfg.family)
-        R, Q = batch.rows, batch.q
-        tokens = batch.tokens
-        if R:
-            first = jnp.where(batch.use_prev, last_tokens[:R], tokens[0 : R * Q : Q])
-            tokens = tokens.at[0 : R * Q : Q].set(first)
         cache = PackedKV(*draft_kv, batch, (), kernels, keys_transposed=keys_transposed)
-        _, cache = mod.forward(draft_weights, tokens[None], None, cache, cfg=draft_cfg, positions=batch.positions[None])
+        _, cache = mod.forward(draft_weights, batch.tokens[None], None, cache, cfg=draft_cfg,
+                               positions=batch.positions[None])
     return cache.k, cache.v
 
 
@@ -138,17 +133,6 @@ def _draft_model_drafts(draft_weights, batch: PackedBatch, draft_kv, sub: SlotSt
             drafts = drafts.at[:, j].set(tok)
             qs.append(q)
     return drafts, jnp.stack(qs, axis=1), draft_kv  # f32[R, k, V]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class SpecOutput:
-    tokens: jax.Array  # i32[R, q] each row's accepted drafts, then its new token; -1 after
-    accepted: jax.Array  # i32[R] drafts accepted per row
-    logprobs: tuple | None  # (chosen f32[R, q], rank i32[R, q], top ids i32[R, q, n], top logprobs f32[R, q, n])
-    prompt_logprobs: tuple | None
-    next_drafts: jax.Array | None = None  # i32[R, K] (EAGLE branches: [R, W, K]) each row's next block's drafts
-    drafted: jax.Array | None = None  # i32[R] drafts each row carried, where they were made on device (n-gram chained)
 
 
 def _early_exit_drafts(mod, weights, batch: PackedBatch, k_pages, v_pages, *, cfg, windowed, kernels,
@@ -213,160 +197,144 @@ def chain_block(batch: PackedBatch, last_tokens, accepted, next_drafts, budget, 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class SpecInputs:
-    """What one verification step reads besides the target's weights (nothing here is donated)."""
+class DraftModels:
+    """The drafter's weights a step reads (none donated)."""
 
-    batch: PackedBatch
-    guide: tuple | None = None  # (bitmask i32[R, q, V/32], has_mask bool[R]) when a row is constrained
-    branch_drafts: jax.Array | None = None  # i32[R, W - 1, k] EAGLE branches 1..W-1
-    chain: tuple | None = None  # (accepted i32[R], next_drafts i32[R, K], budget i32[R]) of the unread step
-    # n-gram chained: (history i32[R, L], lengths i32[R], the unread step's tokens i32[R, q]); next_drafts None
-    history: tuple | None = None
-    heads: dict | None = None  # Medusa heads
-    draft_weights: object = None  # the draft model's weights (speculative draft_model)
-    eagle: dict | None = None  # the EAGLE head: {"head", "rows", "vocab"}
+    heads: dict | None = None  # Medusa heads (verification steps)
+    draft_weights: object = None  # the draft model's weights (speculative draft_model; every step)
+    eagle: dict | None = None  # the EAGLE head {"head", "rows", "vocab"}: its entries are written where given
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class SpecState:
-    """The device state a verification step donates and returns."""
+class DraftBlock:
+    """What makes a step a verification step: each decode row carries its last token and up to
+    q - 1 drafts (``batch.last_q[r]`` of them real), verified instead of sampled."""
 
-    k_pages: list
-    v_pages: list
-    slots: SlotState
-    draft_kv: tuple | None = None  # the draft model's or the EAGLE head's pools (k, v)
+    branch_drafts: jax.Array | None = None  # i32[R, W - 1, k] EAGLE branches 1..W-1
+    chain: tuple | None = None  # (accepted i32[R], next_drafts i32[R, K], budget i32[R]) of the unread step
+    # n-gram chained: (history i32[R, L], lengths i32[R], the unread step's tokens i32[R, q]); next_drafts None
+    history: tuple | None = None
 
 
-def spec_step(weights, inputs: SpecInputs, state: SpecState, *, cfg, windowed, num_logprobs: int,
-              prompt_logprobs: int, kernels: Kernels, draft_layers: int = 0, draft_cfg=None,
-              lookup: tuple[int, int] | None = None, keys_transposed: bool = True):
-    """One speculative scheduler iteration -> (SpecOutput, SpecState).
+@dataclasses.dataclass(frozen=True)
+class Drafting:
+    """The drafter's static options (part of every step's cache key, the same for all of an
+    engine's steps)."""
 
-    Decode row r (slot r) carries q = k + 1 queries: its last token, then its drafts
-    (``batch.last_q[r]`` of them are real; the rest write to the scratch page). With
-    draft_layers > 0 the drafts are made here first (early exit). One forward pass over every
-    row and the prefill row, then ``sampling.verify_block`` accepts a prefix of each row's
-    drafts and adds one token; the slot state advances by what was emitted. With Medusa
-    ``heads``, their logits come out of the same LM-head matmul as the verification logits,
-    and those at each row's accepted position are its next block's drafts. guide: None, or the
-    structured-output masks of every block position (bitmask i32[R, q, V/32], has_mask bool[R]),
-    applied to the logits verification reads (logprobs stay the raw model's). With a draft
-    model (draft_weights, its pools draft_kv = (k, v), donated, and draft_cfg), it drafts
-    first (``_draft_model_drafts``) and verification gets its distributions q. With an EAGLE
-    head (``eagle``, its pools eagle_kv donated and returned in draft_kv's place), the verified
-    block's entries are written with the target's real features, and the draft layer then runs
-    k times from each row's accepted position: next_drafts, as with Medusa. With
-    ``branch_drafts`` i32[R, W - 1, k] (EAGLE branches, ``engine.branches``), each row also
-    carries W - 1 more chains, verified as virtual rows; next_drafts is then i32[R, W, k].
-    With ``chain`` = (accepted i32[R], next_drafts i32[R, k], budget i32[R]) of the previous
-    step, still unread by the host, the decode rows are first moved on by it (``chain_block``;
-    with n-gram ``history`` the next drafts are looked up here first, ``ngram_chain_drafts``
-    with lookup = (prompt_lookup_min, prompt_lookup_max), and SpecOutput.drafted says how many;
-    no window pools). keys_transposed: the layout of every keys pool here, the target's and
-    the drafter's (``cache.PagedKVCache.keys_transposed``)."""
-    batch, k_pages, v_pages, slots = inputs.batch, state.k_pages, state.v_pages, state.slots
-    heads, guide, draft_weights, eagle = inputs.heads, inputs.guide, inputs.draft_weights, inputs.eagle
-    branch_drafts, chain = inputs.branch_drafts, inputs.chain
-    draft_kv = state.draft_kv if draft_cfg is not None else None
-    eagle_kv = state.draft_kv if eagle is not None else None
-    with jax.named_scope("spec_step"):
-        drafted = None
-        if chain is not None:
-            prev, ahead, budget = chain
-            if inputs.history is not None:  # n-gram: a row drafts what its lookup finds, within its budget
-                with jax.named_scope("ngram_drafts"):
-                    ahead, n = ngram_chain_drafts(*inputs.history, prev, batch.q - 1, lookup=lookup)
-                    ahead, budget = jnp.maximum(ahead, 0), jnp.minimum(budget, prev + n)
-            batch = chain_block(batch, slots.last_tokens, prev, ahead, budget, page_size=v_pages[0].shape[2])
-            drafted = None if inputs.history is None else batch.last_q
-        mod = model_family(cfg.family)
-        R, Q = batch.rows, batch.q
-        tokens = batch.tokens
-        if draft_layers:
-            with jax.named_scope("early_exit_draft"):
-                tokens, k_pages, v_pages = _early_exit_drafts(mod, weights, batch, k_pages, v_pages, cfg=cfg,
-                                                              windowed=windowed, kernels=kernels,
-                                                              num_layers=draft_layers, keys_transposed=keys_transposed)
-            batch = dataclasses.replace(batch, tokens=tokens)
-        q_draft = None
-        if draft_cfg is not None:
-            with jax.named_scope("draft_model"):
-                sub = jax.tree.map(lambda a: a[:R], slots)
-                d, q_draft, draft_kv = _draft_model_drafts(draft_weights, batch, draft_kv, sub, draft_cfg=draft_cfg,
-                                                           kernels=kernels, keys_transposed=keys_transposed)
-                tokens = batch.tokens.at[: R * Q].set(
-                    jnp.concatenate([batch.tokens[0 : R * Q : Q][:, None], d], axis=1).reshape(-1))
-            batch = dataclasses.replace(batch, tokens=tokens)
-        W = 1 if branch_drafts is None else branch_drafts.shape[1] + 1
-        vb = batch if W == 1 else branches.expand(batch, branch_drafts)  # W virtual rows per row
-        cache = PackedKV(k_pages, v_pages, vb, windowed, kernels, defer_writes=W > 1, keys_transposed=keys_transposed)
-        h, cache = mod.forward(weights, vb.tokens[None], None, cache, cfg=cfg, positions=vb.positions[None])
-        with jax.named_scope("verify"):
-            hd = h[0, : R * W * Q].reshape(R * W, Q, -1)
-            if heads is None:
-                row_logits = mod.unembed(weights, hd, cfg)  # f32[R, Q, V]
-            else:  # one matmul for the verification logits and every head at every position
-                hk = medusa.head_hidden(heads, hd).astype(hd.dtype)  # [R, Q, K, D]
-                x = jnp.concatenate([hd[:, :, None], hk], axis=2)  # [R, Q, 1 + K, D]
-                both = mod.unembed(weights, x.reshape(R, -1, x.shape[-1]), cfg).reshape(x.shape[:3] + (-1,))
-                row_logits, head_logits = both[:, :, 0], both[:, :, 1:]  # f32[R, Q, V], f32[R, Q, K, V]
+    cfg: object = None  # the draft model's ModelConfig (speculative draft_model)
+    layers: int = 0  # early exit: how many of the target's first layers draft
+    lookup: tuple[int, int] | None = None  # n-gram: (prompt_lookup_min, prompt_lookup_max)
+    page_size: int = 0  # the pools' page size, for moving chained blocks on
+
+
+NO_DRAFTING = Drafting()
+
+
+def draft(mod, weights, models: DraftModels, block: DraftBlock, batch: PackedBatch, k_pages, v_pages, draft_kv,
+          slots: SlotState, *, cfg, drafting: Drafting, windowed, kernels: Kernels, keys_transposed: bool = True):
+    """Before a verification step's forward pass: its block moved on by the unread step it is
+    chained to (``chain_block``; with n-gram ``history`` the next drafts looked up here first,
+    ``ngram_chain_drafts``), then drafts made on device (early exit; a draft model, which also
+    gives verification its distributions q) -> (batch, k_pages, v_pages, draft_kv, q_draft
+    f32[R, k, V] or None, drafted i32[R]: the drafts each row carried where looked up here, or None)."""
+    R, Q = batch.rows, batch.q
+    drafted = q_draft = None
+    if block.chain is not None:
+        prev, ahead, budget = block.chain
+        if block.history is not None:  # n-gram: a row drafts what its lookup finds, within its budget
+            with jax.named_scope("ngram_drafts"):
+                ahead, n = ngram_chain_drafts(*block.history, prev, Q - 1, lookup=drafting.lookup)
+                ahead, budget = jnp.maximum(ahead, 0), jnp.minimum(budget, prev + n)
+        batch = chain_block(batch, slots.last_tokens, prev, ahead, budget, page_size=drafting.page_size)
+        drafted = None if block.history is None else batch.last_q
+    if drafting.layers:
+        with jax.named_scope("early_exit_draft"):
+            tokens, k_pages, v_pages = _early_exit_drafts(mod, weights, batch, k_pages, v_pages, cfg=cfg,
+                                                          windowed=windowed, kernels=kernels,
+                                                          num_layers=drafting.layers, keys_transposed=keys_transposed)
+        batch = dataclasses.replace(batch, tokens=tokens)
+    if drafting.cfg is not None:
+        with jax.named_scope("draft_model"):
             sub = jax.tree.map(lambda a: a[:R], slots)
-            vsub = sub if W == 1 else jax.tree.map(lambda a: jnp.repeat(a, W, axis=0), sub)
-            drafts = vb.tokens[: R * W * Q].reshape(R * W, Q)[:, 1:]
-            shaped = row_logits
-            if guide is not None:
-                bm, has = guide
-                bm, has = (bm, has) if W == 1 else (jnp.repeat(bm, W, axis=0), jnp.repeat(has, W))
-                V = row_logits.shape[-1]
-                shaped = smp.apply_token_bitmask(row_logits.reshape(R * W * Q, V), bm.reshape(R * W * Q, -1),
-                                                 jnp.repeat(has, Q)).reshape(R * W, Q, V)
-            ver = smp.verify_block(shaped, drafts, vb.last_q, vsub.sampling, vsub.generated, vsub.stop_ids,
-                                   vsub.min_tokens, draft_probs=q_draft, use_kernel=kernels.pallas,
-                                   interpret=kernels.interpret, platform=kernels.platform, mesh=kernels.mesh)
-            if W > 1:  # each row keeps one branch: its pages, features, logits and verdict
-                free = sub.sampling.temperature <= 0.0
-                if guide is not None:
-                    free = free & ~guide[1]
-                chosen = branches.choose(ver.accepted.reshape(R, W), free)
-                at = jnp.arange(R) * W + chosen
-                ver = jax.tree.map(lambda a: a[at], ver)
-                row_logits = row_logits[at]
-                h = branches.pick(h[0], chosen, R, W, Q)[None]
-                cache = branches.store_chosen(cache, batch, chosen, W)
-            new_last = jnp.take_along_axis(ver.tokens, ver.accepted[:, None], axis=1)[:, 0]
-            next_drafts = None
-            if heads is not None:
-                at = jnp.take_along_axis(head_logits, ver.accepted[:, None, None, None], axis=1)[:, 0]
-                next_drafts = smp.argmax_first(at)  # i32[R, K]
-            upd = SlotState(ver.state, new_last, sub.stop_ids, sub.min_tokens, sub.generated + ver.accepted + 1)
-            keep = lambda n, o: jnp.where(batch.active.reshape((R,) + (1,) * (n.ndim - 1)), n, o)
-            sub = jax.tree.map(keep, upd, sub)
-            slots = jax.tree.map(lambda a, s: a.at[:R].set(s), slots, sub)
-        if eagle is not None:
-            with jax.named_scope("eagle"):
-                nxt = jnp.concatenate([ver.tokens.reshape(-1), batch.targets])
-                g, eagle_kv = _eagle_entry_pass(eagle, weights, h, batch, nxt, eagle_kv, cfg=cfg,
-                                                kernels=kernels, keys_transposed=keys_transposed)
-                g0 = jnp.take_along_axis(g[: R * Q].reshape(R, Q, -1), ver.accepted[:, None, None], axis=1)[:, 0]
-                start = batch.positions[: R * Q].reshape(R, Q)[:, 0] + ver.accepted
-                if W == 1:
-                    next_drafts, eagle_kv = _eagle_drafts(eagle, weights, g0, start, batch, eagle_kv, Q - 1, cfg=cfg,
-                                                          kernels=kernels, keys_transposed=keys_transposed)
-                else:
-                    next_drafts = branches.eagle_drafts(eagle, weights, g0, start, batch, eagle_kv, Q - 1, W, cfg=cfg,
-                                                        kernels=kernels, keys_transposed=keys_transposed)
-            draft_kv = eagle_kv
-        lp = plp = None
-        if num_logprobs >= 0:
-            flat = row_logits.reshape(R * Q, -1)
-            toks = jnp.maximum(ver.tokens.reshape(-1), 0)
-            chosen, top_ids, top_lp = smp.logprobs_of(flat, toks, num_logprobs)
-            picked = jnp.take_along_axis(flat, toks[:, None], axis=1)
-            rank = 1 + jnp.sum(flat > picked, axis=-1)
-            lp = tuple(a.reshape((R, Q) + a.shape[1:]) for a in (chosen, rank, top_ids, top_lp))
-        if prompt_logprobs >= 0 and batch.prefill_len:
-            with jax.named_scope("prompt_logprobs"):
-                logits = mod.unembed(weights, h[:, R * Q :], cfg)[0]
-                plp = token_logprobs(logits, batch.targets, prompt_logprobs)
-    return SpecOutput(ver.tokens, ver.accepted, lp, plp, next_drafts, drafted), SpecState(cache.k, cache.v, slots, draft_kv)
+            d, q_draft, draft_kv = _draft_model_drafts(models.draft_weights, batch, draft_kv, sub,
+                                                       draft_cfg=drafting.cfg, kernels=kernels,
+                                                       keys_transposed=keys_transposed)
+            tokens = batch.tokens.at[: R * Q].set(
+                jnp.concatenate([batch.tokens[0 : R * Q : Q][:, None], d], axis=1).reshape(-1))
+        batch = dataclasses.replace(batch, tokens=tokens)
+    return batch, k_pages, v_pages, draft_kv, q_draft, drafted
+
+
+def verify(mod, weights, h, batch: PackedBatch, vb: PackedBatch, sub: SlotState, cache, *, heads, guide, q_draft,
+           W: int, cfg, kernels: Kernels):
+    """After a verification step's forward pass (h [1, N', D] over vb, which is batch with each
+    row repeated for its W branches): ``sampling.verify_block`` accepts a prefix of each row's
+    drafts and adds one token; with branches each row keeps one (its pages, features, logits
+    and verdict). With Medusa ``heads``, their logits come out of the same LM-head matmul, and
+    those at each row's accepted position are its next drafts. guide: None, or the masks of every
+    block position (bitmask i32[R, q, V/32], has_mask bool[R]), applied to the logits
+    verification reads (logprobs stay the raw model's). -> (verdict, row_logits f32[R, q, V],
+    h [1, N, D], cache, next_drafts i32[R, K] or None)."""
+    R, Q = batch.rows, batch.q
+    hd = h[0, : R * W * Q].reshape(R * W, Q, -1)
+    if heads is None:
+        row_logits = mod.unembed(weights, hd, cfg)  # f32[R, Q, V]
+    else:  # one matmul for the verification logits and every head at every position
+        hk = medusa.head_hidden(heads, hd).astype(hd.dtype)  # [R, Q, K, D]
+        x = jnp.concatenate([hd[:, :, None], hk], axis=2)  # [R, Q, 1 + K, D]
+        both = mod.unembed(weights, x.reshape(R * W, -1, x.shape[-1]), cfg).reshape(x.shape[:3] + (-1,))
+        row_logits, head_logits = both[:, :, 0], both[:, :, 1:]  # f32[R, Q, V], f32[R, Q, K, V]
+    vsub = sub if W == 1 else jax.tree.map(lambda a: jnp.repeat(a, W, axis=0), sub)
+    drafts = vb.tokens[: R * W * Q].reshape(R * W, Q)[:, 1:]
+    shaped = row_logits
+    if guide is not None:
+        bm, has = guide
+        bm, has = (bm, has) if W == 1 else (jnp.repeat(bm, W, axis=0), jnp.repeat(has, W))
+        V = row_logits.shape[-1]
+        shaped = smp.apply_token_bitmask(row_logits.reshape(R * W * Q, V), bm.reshape(R * W * Q, -1),
+                                         jnp.repeat(has, Q)).reshape(R * W, Q, V)
+    ver = smp.verify_block(shaped, drafts, vb.last_q, vsub.sampling, vsub.generated, vsub.stop_ids,
+                           vsub.min_tokens, draft_probs=q_draft, use_kernel=kernels.pallas,
+                           interpret=kernels.interpret, platform=kernels.platform, mesh=kernels.mesh)
+    if W > 1:  # each row keeps one branch: its pages, features, logits and verdict
+        free = sub.sampling.temperature <= 0.0
+        if guide is not None:
+            free = free & ~guide[1]
+        chosen = branches.choose(ver.accepted.reshape(R, W), free)
+        at = jnp.arange(R) * W + chosen
+        ver = jax.tree.map(lambda a: a[at], ver)
+        row_logits = row_logits[at]
+        h = branches.pick(h[0], chosen, R, W, Q)[None]
+        cache = branches.store_chosen(cache, batch, chosen, W)
+    next_drafts = None
+    if heads is not None:
+        at = jnp.take_along_axis(head_logits, ver.accepted[:, None, None, None], axis=1)[:, 0]
+        next_drafts = smp.argmax_first(at)  # i32[R, K]
+    return ver, row_logits, h, cache, next_drafts
+
+
+def eagle_entry_pass(eagle, weights, h, batch: PackedBatch, next_tokens, eagle_kv, *, cfg, kernels,
+                     keys_transposed: bool = True):
+    """EAGLE entry p = (f_p, t_{p+1}) of every token the target just computed (features h
+    [1, N, D], next_tokens i32[N], -1 read as 0: their entries are rewritten before anything
+    reads them), written to the draft's pools at p -> (g f32[N, D], eagle_kv)."""
+    x = eagle_mod.entries(eagle["head"], weights, h[0], jnp.maximum(next_tokens, 0), cfg)
+    cache = PackedKV(*eagle_kv, batch, (), kernels, keys_transposed=keys_transposed)
+    g, cache = eagle_mod.run_layer(eagle["head"], x[None], batch.positions[None], cache, cfg)
+    return g[0], (cache.k, cache.v)
+
+
+def eagle_next_drafts(eagle, weights, g, batch: PackedBatch, accepted, eagle_kv, W: int, *, cfg, kernels,
+                      keys_transposed: bool = True):
+    """A verification step's next drafts from the EAGLE head, run k times from each row's
+    accepted position (g f32[N, D]: the entry pass's estimates) -> (next_drafts i32[R, k], or
+    i32[R, W, k] with branches; eagle_kv)."""
+    R, Q = batch.rows, batch.q
+    g0 = jnp.take_along_axis(g[: R * Q].reshape(R, Q, -1), accepted[:, None, None], axis=1)[:, 0]
+    start = batch.positions[: R * Q].reshape(R, Q)[:, 0] + accepted
+    if W == 1:
+        return _eagle_drafts(eagle, weights, g0, start, batch, eagle_kv, Q - 1, cfg=cfg, kernels=kernels,
+                             keys_transposed=keys_transposed)
+    return branches.eagle_drafts(eagle, weights, g0, start, batch, eagle_kv, Q - 1, W, cfg=cfg, kernels=kernels,
+                                 keys_transposed=keys_transposed), eagle_kv

@@ -46,6 +46,10 @@ def compile_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def _run_chain(eng, chain) -> None:
+    _, eng.state = eng.chainer.run(eng.state, *chain)
+
+
 def warm(eng, max_prompt_len: int | None = None, max_len: int | None = None, *, threads: int | None = None) -> int:
     """Compile every step of ``warmup_shapes`` (chained and verification steps included, and
     with LoRA enabled every adapter bucket of each) and every slot-insert bucket; returns the
@@ -62,24 +66,25 @@ def warm(eng, max_prompt_len: int | None = None, max_len: int | None = None, *, 
             runs.append((lambda b=batch: eng.run_step(b), (eng._step, *eng.step_args(batch))))
             if R and not Tp and eng.chainer.enabled:
                 chain = (eng.idle_batch(R, w, 0, loras=n), np.zeros(R, np.int32), 0, False, -1)
-                runs.append((lambda c=chain: eng.chainer.run(*c), (eng.chainer._fn, *eng.chainer.args(*chain))))
-        if eng.drafter is not None:
-            runs.append((lambda s=(R, w, Tp): eng.drafter.warm(*s), None))
+                runs.append((lambda c=chain: _run_chain(eng, c), (eng.chainer._fn, *eng.chainer.args(eng.state, *chain))))
+        for batch, block in eng.drafter.warm_steps(R, w, Tp) if eng.drafter is not None else ():
+            runs.append((lambda b=batch, d=block: eng.run_step(b, drafts=d),
+                         (eng._step, *eng.step_args(batch, drafts=block))))
     threads = compile_threads() if threads is None else threads
     if threads > 1:
-        # the args are the pools and slots as they are now; each run donates and replaces them
-        # with arrays of the same shapes and placement, so the runs below find these executables
+        # the args are the device state as it is now; each run donates and replaces it with
+        # arrays of the same shapes and placement, so the runs below find these executables
         jobs = [job for _, job in runs if job is not None]
         with concurrent.futures.ThreadPoolExecutor(min(threads, len(jobs) or 1)) as pool:
             for f in [pool.submit(lambda j: j[0].lower(*j[1], **j[2]).compile(), job) for job in jobs]:
                 f.result()
     for run, _ in runs:
         run()
-    eng.slots = eng._fresh_slots()  # warm-up sampled into idle slots
+    eng.reset_slots()  # warm-up sampled into idle slots
     if eng.D == 1:  # every row bucket of _insert_rows, host state as slot_states_for's, all padding
         for n in sorted({buckets.bucket(k, buckets.BATCH_BUCKETS, eng.max_num_seqs)
                          for k in range(1, eng.max_num_seqs + 1)}):
             pad = jax.tree.map(lambda a: jax.device_put(np.repeat(np.asarray(a[:1]), n, axis=0)), eng.slots)
             eng._insert_at(0, np.full(n, eng.max_num_seqs, np.int32), pad)
-    jax.block_until_ready(eng.k_pages)
+    jax.block_until_ready(eng.state)
     return eng.num_compilations() - before

@@ -245,9 +245,6 @@ class Server:
             grammar = self._compiler.check(req.guided)
         except InvalidRequest as e:
             raise oai.RequestError(str(e), param=param) from None
-        if not self.llm.engine.supports_guided_decoding:
-            raise oai.RequestError("structured output is not supported with data_parallel_size > 1",
-                                   code="unsupported_parameter", param=param)
 
         first = self._compiler.matcher(grammar)
         matchers = [first] + [first.copy() for _ in range(num_rows - 1)]
