@@ -17,7 +17,7 @@ from pathlib import Path
 from jaxinfer import dispatch, quant, registry
 from jaxinfer.cache import KV_CACHE_DTYPES
 from jaxinfer.config import default_dtype
-from jaxinfer.engine.config import EngineConfig, Scheduling, start_pools
+from jaxinfer.engine.config import EngineConfig, Scheduling, check_combination, start_pools
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.rows import Row
 from jaxinfer.engine.speculative import SpecMethod, SpeculativeConfig
@@ -115,6 +115,7 @@ class LLM:
             qcfg = dataclasses.replace(qcfg, fold_smoothing=False)
         spec = SpeculativeConfig.parse(speculative_config)  # likewise (layer count checked once loaded)
         mesh = _parallel_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, mesh)
+        check_combination(spec, mesh, lora=enable_lora)  # before the download (the engine checks again)
         # which kernel runs each attention and matmul: chosen once, carried by the weights and the steps
         # (for the devices it runs on: the mesh, or the default device the weights are read to)
         import jax

@@ -55,6 +55,7 @@ class ScriptedEngine:
         self.aborted = 0
         self._mask = jax.jit(apply_token_bitmask)
         self.masks = BatchBitmask(max_num_seqs, vocab_size, num_threads=1)
+        self.images = None  # no image encoder: image parts are refused
 
     def add(self, row) -> None:
         if len(row.prompt_ids) + row.max_new > PAGE * self.num_pages:
