@@ -134,20 +134,26 @@ MARKERS = {"image_token_index": IMG, "boi_token_index": BOI, "eoi_token_index": 
 T_PAD = 48  # every dense forward below runs at this length (right padding is never seen)
 
 
-@pytest.fixture(scope="module")
-def mm(tmp_path_factory):
-    """A tiny Gemma3ForConditionalGeneration with in-vocabulary image markers, its reference
-    model and jaxinfer's text weights and image encoder."""
+def write_multimodal(path):
+    """A tiny random Gemma3ForConditionalGeneration at ``path`` (with its
+    preprocessor_config.json) -> (path, its transformers float32 model)."""
     torch = require("torch")
     transformers = require("transformers")
-    from jaxinfer.loaders.hf import load_hf, load_image_encoder
-
-    path = ft.write_tiny(tmp_path_factory.mktemp("g3mm") / "ckpt", "gemma3", TEXT,
-                         outer={"vision_config": SIGLIP, "mm_tokens_per_image": 4} | MARKERS)
+    path = ft.write_tiny(path, "gemma3", TEXT, outer={"vision_config": SIGLIP, "mm_tokens_per_image": 4} | MARKERS)
     transformers.models.gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil(
         size={"height": 56, "width": 56}).save_pretrained(path)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                             attn_implementation="eager").eval()
+    return path, ref
+
+
+@pytest.fixture(scope="module")
+def mm(tmp_path_factory):
+    """A tiny Gemma3ForConditionalGeneration with in-vocabulary image markers, its reference
+    model and jaxinfer's text weights and image encoder."""
+    from jaxinfer.loaders.hf import load_hf, load_image_encoder
+
+    path, ref = write_multimodal(tmp_path_factory.mktemp("g3mm") / "ckpt")
     text = load_hf(path, dtype="float32")
     vcfg, vweights = load_image_encoder(path, dtype="float32")
     return path, ref, text, vcfg, vweights

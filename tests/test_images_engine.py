@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from tests import family_testing as ft
-from tests.conftest import require
-from tests.test_gemma3_vision import IMG, MARKERS, SIGLIP, TEXT, _images, _prompt, _reference, _text_positions
+from tests.test_gemma3_vision import IMG, _images, _prompt, _reference, _text_positions, write_multimodal
 
 pytestmark = pytest.mark.reference
 
@@ -17,15 +16,7 @@ pytestmark = pytest.mark.reference
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """The checkpoint (with its preprocessor_config.json) and its transformers float32 model."""
-    torch = require("torch")
-    transformers = require("transformers")
-    path = ft.write_tiny(tmp_path_factory.mktemp("g3img") / "ckpt", "gemma3", TEXT,
-                         outer={"vision_config": SIGLIP, "mm_tokens_per_image": 4} | MARKERS)
-    transformers.models.gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil(
-        size={"height": 56, "width": 56}).save_pretrained(path)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                            attn_implementation="eager").eval()
-    return path, ref
+    return write_multimodal(tmp_path_factory.mktemp("g3img") / "ckpt")
 
 
 def _llm(path, **kw):
