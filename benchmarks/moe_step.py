@@ -27,10 +27,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+from timing import step_seconds
 
 
 def write_model(path: Path, a, moe: bool) -> Path:
@@ -77,18 +77,6 @@ def decode_batch(eng, rows: int, ctx: int, rng):
     return b
 
 
-def step_times(eng, batch, n: int) -> list[float]:
-    import jax
-
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        res = eng.run_step(batch)
-        jax.block_until_ready((res.tokens, eng.k_pages))
-        out.append(time.perf_counter() - t)
-    return out
-
-
 def measure(layouts: dict, paths: dict, a) -> dict:
     """layout name -> (model, LLM kwargs); returns name -> median ms, all interleaved."""
     from jaxinfer import LLM
@@ -99,12 +87,12 @@ def measure(layouts: dict, paths: dict, a) -> dict:
         llm = LLM(str(paths[model]), max_model_len=512, max_num_seqs=a.rows, progress=False,
                   enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20, **kw)
         batch = decode_batch(llm.engine, a.rows, a.context, rng)
-        step_times(llm.engine, batch, 2)  # compiles
+        step_seconds(llm.engine, batch, 2)  # compiles
         cases[name] = (llm, batch)
     times: dict[str, list[float]] = {n: [] for n in cases}
     for _ in range(a.rounds):
         for name, (llm, batch) in cases.items():
-            times[name] += step_times(llm.engine, batch, 3)
+            times[name] += step_seconds(llm.engine, batch, 3)
     return {n: statistics.median(t) * 1e3 for n, t in times.items()}
 
 
