@@ -74,7 +74,7 @@ def warm(eng, max_prompt_len: int | None = None, max_len: int | None = None, *, 
     if threads > 1:
         # the args are the device state as it is now; each run donates and replaces it with
         # arrays of the same shapes and placement, so the runs below find these executables
-        jobs = [job for _, job in runs if job is not None]
+        jobs = [job for _, job in runs]
         with concurrent.futures.ThreadPoolExecutor(min(threads, len(jobs) or 1)) as pool:
             for f in [pool.submit(lambda j: j[0].lower(*j[1], **j[2]).compile(), job) for job in jobs]:
                 f.result()
