@@ -41,7 +41,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxinfer import aot  # noqa: E402
+from jaxinfer import aot, dispatch  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.loaders.hf import family_for  # noqa: E402
 
@@ -176,7 +176,8 @@ def fitting_context(cfg: ModelConfig, kind: aot.StepKind, mesh, target: aot.Targ
     ``kind`` has its pages in HBM beside the weights, within 90% of the chip (as the engine
     sizes its pools from gpu_memory_utilization)."""
     cut_cfg = cut(cfg, default_depths(cfg)[0])
-    pools = aot.abstract_pools(cut_cfg, mesh, 2, 16, kind.kv_dtype or "bfloat16")
+    pools = aot.abstract_pools(cut_cfg, mesh, 2, 16, kind.kv_dtype or "bfloat16",
+                               lanes=dispatch.pool_lanes(aot.target_kernels(mesh, "pallas")))
     info = dict(pools=aot.pool_shapes(pools), page_size=16)
     per_token = sum(aot.kv_bytes_per_token(cut_cfg, info)) * cfg.n_layers / cut_cfg.n_layers
     room = 0.9 * target.hbm_bytes - weights_chip

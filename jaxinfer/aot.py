@@ -154,13 +154,16 @@ def abstract_weights(cfg: ModelConfig, mesh: Mesh, kernels: dispatch.Kernels, *,
 
 
 def abstract_pools(cfg: ModelConfig, mesh: Mesh, num_pages: int, page_size: int, kv_dtype: str,
-                   num_window_pages: int | None = None, *, keys_transposed: bool = False) -> kv.PagedKVCache:
-    """The engine's page pools on ``mesh`` (split over KV heads where they divide), abstract."""
+                   num_window_pages: int | None = None, *, keys_transposed: bool = False,
+                   lanes: int = 1) -> kv.PagedKVCache:
+    """The engine's page pools on ``mesh`` (split over KV heads where they divide), abstract;
+    lanes: what their minor dimension is padded to (``dispatch.pool_lanes``)."""
     from jaxinfer.sharding import kv_pool_shardings
 
     cache = jax.eval_shape(lambda: kv.init_paged_cache(cfg, num_pages, page_size, kv_dtype,
                                                        num_window_pages=num_window_pages,
-                                                       keys_transposed=keys_transposed))
+                                                       keys_transposed=keys_transposed, lanes=lanes,
+                                                       model_shards=dict(mesh.shape).get("model", 1)))
     shard = kv_pool_shardings(mesh, cfg)
 
     def place(pools):
@@ -219,10 +222,11 @@ class StepKind:
 
 
 def lower_step(cfg: ModelConfig, weights, mesh: Mesh, kernels: dispatch.Kernels, kind: StepKind,
-               work: Workload = Workload(), *, keys_transposed_: bool | None = None):
+               work: Workload = Workload(), *, keys_transposed_: bool | None = None, lanes_: int | None = None):
     """The engine's jitted function for ``kind`` lowered on abstract state: (lowered, info)
     where info holds the pool shapes per chip and the workload's sizes for ``analyse``.
-    keys_transposed_: the keys pools' layout (None: the engine's choice for these kernels)."""
+    keys_transposed_, lanes_: the keys pools' layout and the pools' minor-dimension padding
+    (None: the engine's choice for these kernels, ``dispatch.keys_transposed`` / ``pool_lanes``)."""
     ps = work.page_size
     width = -(-work.context // ps)
     rows_total = max(kind.rows, 1)
@@ -234,7 +238,9 @@ def lower_step(cfg: ModelConfig, weights, mesh: Mesh, kernels: dispatch.Kernels,
         num_window_pages = rows_total * wwidth + 1 + (-(-kind.prefill // ps))
     kv_dtype = kind.kv_dtype or work.kv_dtype
     transposed = keys_transposed(kernels) if keys_transposed_ is None else keys_transposed_
-    pools = abstract_pools(cfg, mesh, num_pages, ps, kv_dtype, num_window_pages, keys_transposed=transposed)
+    lanes = dispatch.pool_lanes(kernels) if lanes_ is None else lanes_
+    pools = abstract_pools(cfg, mesh, num_pages, ps, kv_dtype, num_window_pages, keys_transposed=transposed,
+                           lanes=lanes)
     slots = abstract_slots(cfg, mesh, max(kind.rows, 1))
     batch = batch_for(mesh, rows=kind.rows, width=width, wwidth=wwidth, q=kind.q, prefill=kind.prefill,
                       max_segments=min(kind.prefill, 8) if kind.max_segments is None else kind.max_segments)

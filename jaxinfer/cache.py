@@ -35,12 +35,23 @@ page's row back into [K, page_size] after gathering it: [P, K, page_size] has a 
 of 16, and on a TPU XLA gave those pools a layout with the pages minor and copied the whole
 scale pool to row-major and back around every layer's write and read. On CPU the split is free.
 A row narrower than 128 on a chip (fewer than 8 KV heads a chip under tensor parallelism, at
-16-token pages) still gets that layout and those copies.
+16-token pages) would get that layout and those copies again, so on a TPU each head's slots in
+the row are padded until a chip's part of it is a multiple of 128 wide ([P, K * w], w >= ps:
+64 at 2 heads a chip, 128 at one; ``init_paged_cache``'s ``lanes`` and ``model_shards``).
+
+Head dims padded on a TPU (``init_paged_cache``'s ``lanes``, ``dispatch.pool_lanes``): a pool
+whose minor dimension is no multiple of 128 (64-wide heads, a 576-wide latent) half fills its
+(8, 128) tiles, and XLA lays it out with the pages minor and copies it whole to row-major and
+back around each layer's write and read. There the pools store the head dim padded to a
+multiple of 128 (64 -> 128, 576 -> 640) with zeros in the padding, as vLLM's TPU backend does:
+the step pads the queries and new keys/values and drops the padding of its output, and a zero
+lane adds nothing to a score nor to a value. CPU pools keep the model's head dim.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -88,25 +99,49 @@ class QuantKV:
 
     def unflatten(self, s: jax.Array) -> jax.Array:
         """Scales s (the leading entries of ``scale``, e.g. some pages of it) with their last
-        dim split back into (K, positions) when flat: [..., K * ps] -> [..., K, ps]."""
+        dim split back into (K, positions) when flat: [..., K * w] -> [..., K, ps] (w >= ps:
+        a head's slots padded so a chip's row fills whole lanes; module doc)."""
         if not self.flat:
             return s
-        full = _scale_shape(self.values.shape, self.axis)
-        return s.reshape(*s.shape[:-1], *full[-2:])
+        K, ps = _scale_shape(self.values.shape, self.axis)[-2:]
+        s = s.reshape(*s.shape[:-1], K, -1)
+        return s if s.shape[-1] == ps else s[..., :ps]
+
+    def flatten(self, s: jax.Array) -> jax.Array:
+        """``unflatten``'s inverse when flat: [..., K, ps] -> [..., K * w], the padding slots 1."""
+        if not self.flat:
+            return s
+        K, ps = s.shape[-2:]
+        w = self.scale.shape[-1] // K
+        if w > ps:
+            s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, w - ps)], constant_values=1.0)
+        return s.reshape(*s.shape[:-2], K * w)
 
 
-def _scale_shape(shape, axis: int, flat: bool = False) -> tuple[int, ...]:
+def _scale_shape(shape, axis: int, flat: bool = False, *, lanes: int = 1, model_shards: int = 1) -> tuple[int, ...]:
     """The scales' shape of an int8 buffer of ``shape``: without its head-dim ``axis``, and with
-    the last two dims merged when ``flat``."""
+    the last two dims (K, positions) merged when ``flat``, each head's positions padded so that
+    one chip's part of the row is a multiple of ``lanes`` wide: K / model_shards heads where the
+    model axis divides K (``sharding.kv_heads_axis``), else all K."""
     out = tuple(n for i, n in enumerate(shape) if i != len(shape) + axis)
-    return (*out[:-2], out[-2] * out[-1]) if flat else out
+    if not flat:
+        return out
+    K, ps = out[-2:]
+    per_chip = K // model_shards if K % model_shards == 0 else K
+    return (*out[:-2], K * padded(ps, lanes // math.gcd(lanes, per_chip)))
 
 
-def _zeros(shape, dt, axis: int, *, flat_scale: bool = False):
+def padded(n: int, multiple: int) -> int:
+    """n rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
+
+
+def _zeros(shape, dt, axis: int, *, flat_scale: bool = False, lanes: int = 1, model_shards: int = 1):
     """A float buffer, or a QuantKV one when dt is int8 (head-dim ``axis`` scaled away, the
-    scales flat with ``flat_scale``)."""
+    scales flat with ``flat_scale``, a chip's row padded to ``lanes``: ``_scale_shape``)."""
     if dt == jnp.int8:
-        return QuantKV(jnp.zeros(shape, jnp.int8), jnp.ones(_scale_shape(shape, axis, flat_scale), jnp.float32), axis)
+        scale = _scale_shape(shape, axis, flat_scale, lanes=lanes, model_shards=model_shards)
+        return QuantKV(jnp.zeros(shape, jnp.int8), jnp.ones(scale, jnp.float32), axis)
     return jnp.zeros(shape, dt)
 
 
@@ -117,7 +152,7 @@ def _store(buf, index, new: jax.Array, mode=None):
     if isinstance(buf, QuantKV):
         q, scale = quantize_kv(new, axis=-1)
         sindex = (index[0], slice(None), index[-1])
-        scales = buf.unflatten(buf.scale).at[sindex].set(scale, mode=mode).reshape(buf.scale.shape)
+        scales = buf.flatten(buf.unflatten(buf.scale).at[sindex].set(scale, mode=mode))
         return QuantKV(buf.values.at[index].set(q, mode=mode), scales, buf.axis)
     return buf.at[index].set(new.astype(buf.dtype), mode=mode)
 
@@ -268,22 +303,29 @@ class PagedKVCache:
 
 
 def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None, *,
-                     num_window_pages: int | None = None, keys_transposed: bool = True) -> PagedKVCache:
+                     num_window_pages: int | None = None, keys_transposed: bool = True, lanes: int = 1,
+                     model_shards: int = 1) -> PagedKVCache:
     """Zeroed page pools: ``num_pages`` per full-length layer and, with ``num_window_pages``,
     a pool of that many per windowed (LOCAL) layer, which then keep only their window. Layer
     i's pools are [P, K_i, ...] (``layer_kv_heads``, ``layer_head_dim``), keys [P, K, H, ps]
     when ``keys_transposed`` else [P, K, ps, H] (``dispatch.keys_transposed`` decides); a layer
     that attends over another's keys/values (``kv_source``) has no pool (None), and a latent
-    layer no keys pool (module doc)."""
+    layer no keys pool (module doc).
+
+    lanes (``dispatch.pool_lanes``: 128 on a TPU, else 1): the head dim is stored padded to a
+    multiple of it (H_pool >= H; the padding holds zeros, ``models.packed.PackedKV.attend``),
+    and so is each chip's part of an int8 pool's flat scale row, on a mesh whose "model" axis
+    has ``model_shards`` devices (module doc)."""
     dt = jnp.dtype(dtype or cfg.dtype)
     windowed = tuple(num_window_pages is not None and cfg.layer_window(i) is not None for i in range(cfg.n_layers))
-    pools = [(num_window_pages if w else num_pages, cfg.layer_kv_heads(i), cfg.layer_head_dim(i))
+    pools = [(num_window_pages if w else num_pages, cfg.layer_kv_heads(i), padded(cfg.layer_head_dim(i), lanes))
              if cfg.kv_source(i) == i else None for i, w in enumerate(windowed)]
     keys = not cfg.latent_attention
+    scales = dict(flat_scale=True, lanes=lanes, model_shards=model_shards)
     return PagedKVCache(
         [None if p is None or not keys else _zeros(key_pool_shape(*p, page_size, keys_transposed), dt,
-                                                   -2 if keys_transposed else -1, flat_scale=True) for p in pools],
-        [None if p is None else _zeros((p[0], p[1], page_size, p[2]), dt, -1, flat_scale=True) for p in pools],
+                                                   -2 if keys_transposed else -1, **scales) for p in pools],
+        [None if p is None else _zeros((p[0], p[1], page_size, p[2]), dt, -1, **scales) for p in pools],
         windowed=windowed, keys_transposed=keys_transposed,
     )
 
@@ -326,16 +368,16 @@ def _write_whole_pages(pool, page: jax.Array, off: jax.Array, new: jax.Array, M:
     hit = src >= 0
     take = jnp.maximum(src, 0)
 
-    def merge(buf, upd, view=lambda a: a):
-        """buf [P, K, ps, ...] (flat scales [P, K * ps]: ``view`` splits a page's K * ps), upd
-        [N, K, ...] -> buf with its M pages rewritten"""
+    def merge(buf, upd, view=lambda a: a, back=lambda a: a):
+        """buf [P, K, ps, ...] (flat scales [P, K * w]: ``view`` splits a page's row into
+        [K, ps], ``back`` merges it again), upd [N, K, ...] -> buf with its M pages rewritten"""
         old = view(buf.at[pages].get(mode="fill", fill_value=0))  # [M, K, ps, ...]
         put = jnp.moveaxis(upd[take], 1, 2)  # [M, ps, K, ...] -> [M, K, ps, ...]
         mask = hit.reshape(M, 1, ps, *(1,) * (old.ndim - 3))
-        merged = jnp.where(mask, put.astype(buf.dtype), old).reshape(M, *buf.shape[1:])
+        merged = back(jnp.where(mask, put.astype(buf.dtype), old))
         return buf.at[pages].set(merged, mode="drop", unique_indices=True)
 
     if isinstance(pool, QuantKV):
         q, scale = quantize_kv(new, axis=-1)
-        return QuantKV(merge(pool.values, q), merge(pool.scale, scale, pool.unflatten), pool.axis)
+        return QuantKV(merge(pool.values, q), merge(pool.scale, scale, pool.unflatten, pool.flatten), pool.axis)
     return merge(pool, new)

@@ -460,6 +460,15 @@ def whole_page_writes(k: Kernels, keys_transposed: bool) -> bool:
     return not keys_transposed and _common.resolve_platform(k.platform) == "tpu"
 
 
+def pool_lanes(k: Kernels) -> int:
+    """The multiple an engine's page pools pad their minor dimension to (``cache.init_paged_cache``'s
+    ``lanes``): 128 on TPU, whose (8, 128) tiles a 64-wide head or a 576-wide latent fills only
+    in part, so that XLA lays such a pool out with the pages minor and copies it whole around
+    each layer's write and read; 1 (the model's head dim) elsewhere, where the native CPU
+    kernels read the pools as the model shapes them."""
+    return 128 if _common.resolve_platform(k.platform) == "tpu" else 1
+
+
 def paged_path(k: Kernels, kpool, vpool, *, defer_writes: bool, sinks: bool = False,
                decode_only: bool = False, keys_transposed: bool = True) -> PagedPath:
     """The path of a packed step's layer over pools kpool [P, K, H, ps] (keys_transposed) or

@@ -160,20 +160,22 @@ def covering_grid(full: list[list], cycled: list[list]) -> list[tuple]:
 
 
 def packed_decode_logits(mod, cfg, w, seqs, lens, T: int, *, page_size: int, num_pages: int, kv_dtype=None,
-                         kernels=None, seed: int = 0, prefill_row: bool = True, keys_transposed: bool = True):
+                         kernels=None, seed: int = 0, prefill_row: bool = True, keys_transposed: bool = True,
+                         lanes: int = 1):
     """The engine's packed steps by hand over NaN-poisoned pools (``models.packed``): one step
     writes every sequence's first lens[b] tokens to scattered pages, in its prefill row (a
     segment each; prefill_row False: as decode rows of max(lens) queries, which read back
     what they wrote, as a dense cache's prefill does); a second step of decode rows of T
     queries each (tokens lens[b] .. lens[b] + T - 1 of seqs[b]) reads them back -> logits
-    f32[B, T, V]. keys_transposed: the keys pools' layout (``cache.PagedKVCache``)."""
+    f32[B, T, V]. keys_transposed: the keys pools' layout (``cache.PagedKVCache``); lanes: the
+    pools' head-dim padding (``cache.init_paged_cache``)."""
     from jaxinfer import cache as kv
     from jaxinfer import dispatch
     from jaxinfer.models.packed import PackedBatch, PackedKV
 
     kernels = kernels or dispatch.XLA
     ps, B = page_size, len(lens)
-    pools = kv.init_paged_cache(cfg, num_pages, ps, kv_dtype, keys_transposed=keys_transposed)
+    pools = kv.init_paged_cache(cfg, num_pages, ps, kv_dtype, keys_transposed=keys_transposed, lanes=lanes)
 
     def poison(a):
         if isinstance(a, kv.QuantKV):  # int8 values cannot be NaN: their scales can

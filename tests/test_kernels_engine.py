@@ -162,22 +162,24 @@ def _hand_packed_batch(ps):
         targets=i32([-1] * Tp), rows=R, q=Q, max_segments=3)
 
 
-def _hand_pools(cfg, windowed, ps, P=12, seed=2, dtype=jnp.float32, keys_transposed=True):
+def _hand_pools(cfg, windowed, ps, P=12, seed=2, dtype=jnp.float32, keys_transposed=True, lanes=1):
     """NaN everywhere but the cached positions of each sequence, which hold random keys and
     values (what earlier steps wrote; attention does not care where they came from). Keys
-    [P, K, H, ps] (keys_transposed) or [P, K, ps, H], holding the same keys."""
+    [P, K, H, ps] (keys_transposed) or [P, K, ps, H], holding the same keys; lanes: the head
+    dim padded to a multiple of it, zeros in the cached positions' padding (as a TPU's pools)."""
     rng = np.random.default_rng(seed)
     K, H = cfg.n_kv_heads, cfg.head_dim
+    Hp = -(-H // lanes) * lanes
     ks, vs = [], []
     for w in windowed:
-        k = np.full((P, K, H, ps), np.nan, np.float32)
-        v = np.full((P, K, ps, H), np.nan, np.float32)
+        k = np.full((P, K, Hp, ps), np.nan, np.float32)
+        v = np.full((P, K, ps, Hp), np.nan, np.float32)
         for cached, _, pages, wstart, wpages in _SEQS.values():
             base = wstart // ps
             for p in range(base * ps if w else 0, cached):
                 pg = wpages[p // ps - base] if w else pages[p // ps]
-                k[pg, :, :, p % ps] = rng.normal(size=(K, H))
-                v[pg, :, p % ps] = rng.normal(size=(K, H))
+                k[pg, :, :, p % ps] = np.pad(rng.normal(size=(K, H)), [(0, 0), (0, Hp - H)])
+                v[pg, :, p % ps] = np.pad(rng.normal(size=(K, H)), [(0, 0), (0, Hp - H)])
         ks.append(jnp.asarray(k if keys_transposed else k.swapaxes(-1, -2), dtype))
         vs.append(jnp.asarray(v, dtype))
     return ks, vs
@@ -297,6 +299,37 @@ def test_decode_only_step_through_the_paged_kernel_equals_reference(family, pool
     for a, b in zip(_as_transposed(got_k, keys_transposed), ref_k):  # the same keys at the same slots
         tol = 2e-5 if pool_dtype == jnp.float32 else 2e-2  # (page 0: the idle row's scratch)
         np.testing.assert_allclose(a[1:], np.asarray(b, np.float32)[1:], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("family,decode_only", [("llama", False), ("gemma3", True)])
+def test_pools_with_a_padded_head_dim_give_the_same_logits(family, decode_only):
+    """Pools whose head dim is padded with zeros (a TPU's, ``cache.init_paged_cache``'s lanes;
+    8 padded to 16 here): the step pads its queries and new keys/values, and the kernel
+    (interpret mode) and the pure-JAX readers give the logits of unpadded pools, over
+    NaN-poisoned pages, the new keys stored in the first H lanes and zeros after them."""
+    mod, cfg, windowed = _tiny_model(family)
+    H = cfg.head_dim
+    w = init_weights(mod.weight_specs(cfg), cfg, jax.random.key(0), scale=0.2)
+    ps = 8
+    batch = _hand_decode_batch(ps) if decode_only else _hand_packed_batch(ps)
+    ks, vs = _hand_pools(cfg, windowed, ps)
+    pks, pvs = _hand_pools(cfg, windowed, ps, keys_transposed=False, lanes=16)
+    assert pvs[0].shape[-1] == 16 and pks[0].shape[-1] == 16
+    make_step = functools.partial(_packed_logits_step, mod, cfg, batch, windowed)
+    ref, ref_k, _ = jax.jit(make_step(dispatch.XLA))(w, ks, vs)
+    real = (np.asarray(batch.active) if decode_only else
+            np.concatenate([[True] * 3 + [True, False, False], np.asarray(batch.seg) >= 0]))
+    for kernels in (dispatch.INTERPRET, dispatch.XLA):
+        step = make_step(kernels, False)
+        assert _pallas_calls(step, w, pks, pvs) == (cfg.n_layers if kernels.pallas else 0)
+        got, got_k, _ = jax.jit(step)(w, pks, pvs)
+        assert np.isfinite(np.asarray(got)[real]).all()
+        assert_close(got[real], ref[real], jnp.float32)
+        for a, b in zip(got_k, ref_k):  # the same keys at the same slots, the padding zero
+            a, b = np.asarray(a)[1:], np.asarray(b, np.float32)[1:].swapaxes(-1, -2)  # (page 0: scratch)
+            written = ~np.isnan(b[..., 0])
+            np.testing.assert_allclose(a[..., :H][written], b[written], atol=2e-5, rtol=2e-5)
+            assert (a[..., H:][written] == 0).all()
 
 
 def _counting_paged_kernel(monkeypatch):

@@ -67,15 +67,17 @@ def test_int8_dense_cache_logits_close_to_float():
     assert (got.argmax(-1) == ref.argmax(-1)).mean() > 0.95
 
 
-@pytest.mark.parametrize("native,keys_transposed,platform", [(False, True, None), (True, True, None),
-                                                               (False, False, None), (False, False, "tpu")])
-def test_int8_paged_cache_equals_int8_dense(native, keys_transposed, platform):
+@pytest.mark.parametrize("native,keys_transposed,platform,lanes", [
+    (False, True, None, 1), (True, True, None, 1), (False, False, None, 1), (False, False, "tpu", 1),
+    (False, False, "tpu", 32)])
+def test_int8_paged_cache_equals_int8_dense(native, keys_transposed, platform, lanes):
     """Same quantization per (token, head) in both layouts: decode rows over int8 pages (the
     engine's packed steps, XLA's readers or the native kernels) = decode over the dense int8 cache.
     The prefixes go in as decode rows, which read back their own quantized keys as the dense
     cache's prefill does (the prefill row attends to its own tokens unquantized). Keys pools
     of either layout: [P, K, ps, H] ones keep their scales over the last axis, as values do;
-    and a TPU's writes of whole pages."""
+    and a TPU's writes of whole pages. lanes 32: the head dim (16) and each head's scale slots
+    (4) padded, as a TPU pads them to 128 (``cache.init_paged_cache``)."""
     from jaxinfer import dispatch
     from tests.kernel_testing import packed_decode_logits
 
@@ -87,7 +89,7 @@ def test_int8_paged_cache_equals_int8_dense(native, keys_transposed, platform):
     kernels = dispatch.Kernels(dispatch.Attention.NATIVE) if native else dispatch.Kernels(platform=platform)
     paged = packed_decode_logits(llama, CFG, w, np.asarray(tokens), [5, 5], 8, page_size=4, num_pages=12,
                                  kv_dtype="int8", kernels=kernels, prefill_row=False,
-                                 keys_transposed=keys_transposed)
+                                 keys_transposed=keys_transposed, lanes=lanes)
     np.testing.assert_allclose(paged, dense[:, 5:], rtol=1e-5, atol=1e-5)
 
 
@@ -104,6 +106,20 @@ def test_paged_int8_pools_of_both_keys_layouts():
         scale = jnp.arange(40, dtype=jnp.float32).reshape(5, 8)
         view = kv.QuantKV(k.values, scale, k.axis).unflatten(scale[jnp.array([[3, 1]])])
         np.testing.assert_array_equal(view, np.arange(40).reshape(5, 2, 4)[[[3, 1]]])
+
+
+def test_padded_scale_rows_fill_a_chips_lanes():
+    """A flat scale row [P, K * w] pads each head's ps slots to w so that one chip's part (its KV
+    heads) is a multiple of ``lanes`` wide; unflatten drops the padding and flatten restores it."""
+    for shards, width in ((1, 2 * 4), (2, 2 * 128)):  # 2 heads of 4-token pages; split: 1 a chip
+        pools = kv.init_paged_cache(CFG, 5, 4, "int8", keys_transposed=False, lanes=128 if shards > 1 else 1,
+                                    model_shards=shards)
+        pool = pools.v[0]
+        assert pool.scale.shape == (5, width) and pool.values.shape == (5, 2, 4, 128 if shards > 1 else 16)
+        s = jnp.arange(5 * 2 * 4, dtype=jnp.float32).reshape(5, 2, 4)
+        flat = pool.flatten(s)
+        assert flat.shape == (5, width)
+        np.testing.assert_array_equal(pool.unflatten(flat), s)
 
 
 def test_kv_bytes_per_token_int8():

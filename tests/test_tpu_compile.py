@@ -103,14 +103,67 @@ def test_every_kernel_compiles_for_tpu(kernel, target):
 WIDE = dataclasses.replace(TINY, n_heads=8, n_kv_heads=8)
 
 
-def _step(kind: aot.StepKind, cfg=WIDE, target="v5e-1", kv_dtype="bfloat16", context=16384):
-    mesh = aot.target_mesh(target, model=1)
+def _step(kind: aot.StepKind, cfg=WIDE, target="v5e-1", kv_dtype="bfloat16", context=16384, model=1, **layout):
+    mesh = aot.target_mesh(target, model=model)
     kernels = aot.target_kernels(mesh, "pallas")
     weights, _ = aot.abstract_weights(cfg, mesh, kernels)
     with jax.set_mesh(mesh):
-        lowered, info = aot.lower_step(cfg, weights, mesh, kernels, kind, aot.Workload(context=context, kv_dtype=kv_dtype))
+        lowered, info = aot.lower_step(cfg, weights, mesh, kernels, kind, aot.Workload(context=context, kv_dtype=kv_dtype),
+                                       **layout)
         compiled = lowered.compile()
-    return aot.analyse(compiled, info), compiled
+    return dict(aot.analyse(compiled, info), pools=info["pools"]), compiled
+
+
+def _family_config(hf: dict):
+    from jaxinfer.loaders.hf import family_for
+
+    return family_for(hf, "toy").config_from_hf(hf, dtype="bfloat16")
+
+
+# toys of the pools whose minor dimension no multiple of 128 divides: gpt-oss's 64-wide heads
+# (with its sinks, sliding window and experts) and DeepSeek-V3's 576-wide latent (512 + 64)
+GPT_OSS_TOY = dict(architectures=["GptOssForCausalLM"], vocab_size=2048, hidden_size=256, intermediate_size=256,
+                   num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
+                   num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
+                   layer_types=["sliding_attention", "full_attention"], attention_bias=True, rms_norm_eps=1e-5,
+                   rope_theta=150000.0, max_position_embeddings=32768, swiglu_limit=7.0,
+                   tie_word_embeddings=False, hidden_act="silu")
+DEEPSEEK_TOY = dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=2048, hidden_size=256,
+                    intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=2.5,
+                    kv_lora_rank=512, q_lora_rank=256, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+                    n_group=1, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
+                    rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768,
+                    tie_word_embeddings=False, hidden_act="silu")
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", "deepseek-v3"])
+def test_pools_of_narrow_heads_and_latents_are_padded_to_whole_tiles_on_tpu(name):
+    """A pool whose minor dimension is 64 (gpt-oss's heads) or 576 (DeepSeek-V3's latent) fills
+    its (8, 128) tiles only in part: stored so, XLA laid it out with the pages minor and copied
+    it whole to row-major and back around each layer's write and read. On a TPU the pools pad
+    that dimension to 128 and 640 (``dispatch.pool_lanes``): no pool is copied, and the donated
+    pools come back aliased."""
+    cfg = _family_config(GPT_OSS_TOY if name == "gpt-oss" else DEEPSEEK_TOY)
+    rec, _ = _step(aot.StepKind("decode", rows=8), cfg=cfg)
+    widths = {shape[-1] for leaves in rec["pools"] for shape, _ in leaves}
+    assert rec["pool_copies"] == [], rec["pool_copies"]
+    assert rec["alias_bytes"] >= rec["pool_bytes"], rec
+    assert all(w % 128 == 0 for w in widths), widths
+    old, _ = _step(aot.StepKind("decode", rows=8), cfg=cfg, lanes_=1)  # the model's own widths
+    assert len(old["pool_copies"]) >= 2, old["pool_copies"]
+
+
+def test_int8_kv_scale_rows_fill_whole_tiles_under_tensor_parallelism():
+    """int8 KV split over 4 chips, 2 KV heads each: a chip's part of the flat scale row [P, K *
+    ps] is 32 wide, and XLA laid such pools out pages-minor and copied both scale pools a layer
+    (4 copies). Each head's slots are padded to 64 on a TPU, a chip's row to 128: no copy."""
+    kind = aot.StepKind("decode", rows=64)
+    rec, _ = _step(kind, target="v5e-4", model=4, kv_dtype="int8", context=2048)
+    assert rec["pool_copies"] == [], rec["pool_copies"]
+    assert rec["alias_bytes"] >= rec["pool_bytes"], rec
+    old, _ = _step(kind, target="v5e-4", model=4, kv_dtype="int8", context=2048, lanes_=1)
+    assert len(old["pool_copies"]) >= 2, old["pool_copies"]
 
 
 @pytest.mark.parametrize("target,kind", [

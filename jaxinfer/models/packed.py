@@ -53,6 +53,9 @@ module doc): transposed, [P, K, H, ps], for the native kernels and the XLA reade
 [P, K, ps, H], as the values, for the Pallas kernels and on TPU/GPU. Every reader here takes
 both; the native kernels are never handed the second.
 
+On a TPU the pools' head dim is padded to a multiple of 128 (``cache`` module doc): ``attend``
+pads the queries and the new keys and values to it, and every reader below sees one head dim.
+
 Latent pools (multi-head latent attention: ``cache`` module doc) have no keys pool (None): the
 XLA readers here take the keys as the values pool's transpose, block by block as they gather
 it. The native CPU kernels and the Pallas kernels read separate key and value pools, so a
@@ -174,7 +177,15 @@ class PackedKV:
         write False: k, v are pool ``layer``'s own new keys/values, already written by the
         layer that owns it (a layer sharing them attends and writes nothing). sinks: f32[N]
         per-head attention sinks, or None; the native CPU kernels take none, so a layer with
-        sinks reads its pages through the XLA readers instead."""
+        sinks reads its pages through the XLA readers instead. Pools whose head dim is padded
+        (a TPU's: ``cache.init_paged_cache``'s ``lanes``) take q, k, v padded with zeros, which
+        change no score and no weighted value, and the output comes back without the padding."""
+        H, Hp = q.shape[-1], self.v[layer].shape[-1]
+        if Hp > H:
+            pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, Hp - H)])  # noqa: E731
+            o, cache = self.attend(layer, pad(q), pad(k), pad(v), scale=scale, window=window, softcap=softcap,
+                                   write=write, sinks=sinks)
+            return o[..., :H], cache
         b = self.batch
         ps = self.v[layer].shape[2]
         page = b.write_wpage if self._is_windowed(layer) else b.write_page
