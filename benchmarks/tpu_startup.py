@@ -46,7 +46,7 @@ from jax import monitoring  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tpu_compile import HF_CONFIGS, PRESETS, cut, model_config, tree_bytes  # noqa: E402
 
-from jaxinfer import aot  # noqa: E402
+from jaxinfer import aot, dispatch  # noqa: E402
 from jaxinfer import cache as kv  # noqa: E402
 from jaxinfer.engine.config import EngineConfig, pool_sizes  # noqa: E402
 from jaxinfer.engine.warmup import step_shapes  # noqa: E402
@@ -189,7 +189,8 @@ def main(argv=None):
                           block_size=args.block_size)
     budget = int(0.9 * target.hbm_bytes - weights_chip) * mesh.shape["model"]
     _, num_pages, _ = pool_sizes(full, config, kv.kv_storage_dtype("auto", full),
-                                 -(-args.max_model_len // args.block_size), budget)
+                                 -(-args.max_model_len // args.block_size), budget,
+                                 lanes=dispatch.pool_lanes(kernels))
     weights, _ = aot.abstract_weights(cfg, mesh, kernels)
 
     def build(kind: aot.StepKind) -> dict:

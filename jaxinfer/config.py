@@ -215,21 +215,23 @@ class ModelConfig:
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
 
-    def kv_bytes_per_token(self, kv_dtype: str | None = None, *, kind: AttentionKind | None = None) -> int:
+    def kv_bytes_per_token(self, kv_dtype: str | None = None, *, kind: AttentionKind | None = None,
+                           lanes: int = 1) -> int:
         """KV bytes one token adds to a cache that keeps every position of every layer (or,
         with ``kind``, of the layers of that kind only); a layer that shares another's keys
         and values adds none. int8 KV stores a float32 scale per (token, head) beside the
-        head_dim int8 values."""
-        return sum(self._layer_kv_bytes(i, kv_dtype) for i in range(self.n_layers)
+        head_dim int8 values. lanes: the head dim as the pools store it, padded to a multiple
+        of this (``cache.init_paged_cache``; 128 on a TPU)."""
+        return sum(self._layer_kv_bytes(i, kv_dtype, lanes) for i in range(self.n_layers)
                    if kind is None or self.layer_kind(i) == kind)
 
-    def _layer_kv_bytes(self, layer: int, kv_dtype: str | None) -> int:
+    def _layer_kv_bytes(self, layer: int, kv_dtype: str | None, lanes: int = 1) -> int:
         """KV bytes one token adds to layer ``layer``'s own cache (0: it shares another's)."""
         if self.kv_source(layer) != layer:
             return 0
         if kv_dtype in (None, "auto"):
             kv_dtype = self.dtype
-        H = self.layer_head_dim(layer)
+        H = -(-self.layer_head_dim(layer) // lanes) * lanes
         per_head = H + 4 if kv_dtype == "int8" else H * jnp.dtype(kv_dtype).itemsize
         # latent attention stores its one latent once: the values are its first C entries
         return (1 if self.latent_attention else 2) * self.layer_kv_heads(layer) * per_head

@@ -146,6 +146,7 @@ def test_deepseek_v3_latent_cache_at_real_sizes():
     assert report["bytes_per_token"] == cfg.kv_bytes_per_token("bfloat16") == 61 * 576 * 2
     assert report["expanded_bytes_per_token"] == 61 * 40960 * 2
     assert cfg.kv_bytes_per_token("int8") == 61 * (576 + 4)
+    assert cfg.kv_bytes_per_token("bfloat16", lanes=128) == 61 * 640 * 2  # a TPU's pools: whole 128-lane tiles
     assert cfg.kv_bytes(4096, "bfloat16") == 4096 * 61 * 576 * 2
     assert cfg.dense_layers == (0, 1, 2) and cfg.family_config.n_expert_groups == 8 and cfg.family_config.topk_expert_groups == 4
     with pytest.raises(InvalidRequest, match="latent attention"):

@@ -108,10 +108,12 @@ def kv_budget(config: EngineConfig, devices=None) -> int:
     return total
 
 
-def pool_sizes(cfg: ModelConfig, config: EngineConfig, kv_dtype, pages_per_seq: int, budget: int):
+def pool_sizes(cfg: ModelConfig, config: EngineConfig, kv_dtype, pages_per_seq: int, budget: int, *,
+               lanes: int = 1):
     """(window, full-length pages, window pages) of one engine's page pools: the window None
     when no layer is windowed (or windowed_kv is off); enough full-length pages for every slot
-    at full length (plus room for cached prefixes), within ``budget`` bytes (``kv_budget``)."""
+    at full length (plus room for cached prefixes), within ``budget`` bytes (``kv_budget``), the
+    head dims padded to ``lanes`` (``dispatch.pool_lanes``)."""
     ps = config.block_size
     W = cfg.sliding_window if config.windowed_kv else None
     window = W if W and any(cfg.layer_window(i) for i in range(cfg.n_layers)) else None
@@ -120,8 +122,10 @@ def pool_sizes(cfg: ModelConfig, config: EngineConfig, kv_dtype, pages_per_seq: 
         # a chain's rows hold window pages up to their last chained position too
         num_window_pages = window_pool_pages(window + scheduler_steps(config) - 1, ps, config.max_num_seqs,
                                              config.max_num_batched_tokens, pages_per_seq)
-        window_bytes = num_window_pages * ps * cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.LOCAL)
-    full_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.GLOBAL if window else None)
+        window_bytes = num_window_pages * ps * cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.LOCAL,
+                                                                      lanes=lanes)
+    full_bytes_per_token = cfg.kv_bytes_per_token(kv_dtype, kind=AttentionKind.GLOBAL if window else None,
+                                                  lanes=lanes)
     num_pages = config.num_gpu_blocks_override or max(2, min(
         max(budget - window_bytes, 0) // (max(full_bytes_per_token, 1) * ps),
         2 * config.max_num_seqs * pages_per_seq + 1))
@@ -133,12 +137,14 @@ def _make_pools(cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> k
     that engine chooses there (``dispatch.keys_transposed``)."""
     pages_per_seq = -(-max_model_len // config.block_size)
     kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
-    _, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, pages_per_seq, kv_budget(config))
     device = jax.local_devices()[0]
-    transposed = dispatch.keys_transposed(dispatch.choose(config.kernels, devices=device),
-                                          dispatch.device_platform(device))
+    kernels = dispatch.choose(config.kernels, devices=device)
+    lanes = dispatch.pool_lanes(kernels)
+    _, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, pages_per_seq, kv_budget(config),
+                                                lanes=lanes)
+    transposed = dispatch.keys_transposed(kernels, dispatch.device_platform(device))
     return kv.init_paged_cache(cfg, num_pages, config.block_size, kv_dtype, num_window_pages=num_window_pages,
-                               keys_transposed=transposed)
+                               keys_transposed=transposed, lanes=lanes)
 
 
 def start_pools(cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> concurrent.futures.Future:

@@ -96,11 +96,14 @@ class Engine:
                                        devices=None if mesh is not None else dstate.devices(weights))
         # the keys pools' layout, for the engine's and its drafter's pools alike (cache module doc)
         self.keys_transposed = dispatch.keys_transposed(self.kernels, self.kernels.platform)
+        # the pools' head dims padded to whole tiles on a TPU (cache module doc)
+        self.pool_lanes = dispatch.pool_lanes(self.kernels)
         ps = config.block_size
         self.pages_per_seq = -(-max_model_len // ps)
         self.kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
         budget = kv_budget(config, mesh.devices[0].flat if mesh is not None else dstate.devices(weights))
-        self.window, num_pages, num_window_pages = pool_sizes(cfg, config, self.kv_dtype, self.pages_per_seq, budget)
+        self.window, num_pages, num_window_pages = pool_sizes(cfg, config, self.kv_dtype, self.pages_per_seq, budget,
+                                                              lanes=self.pool_lanes)
         self.scheds = [Scheduler(max_num_seqs=config.max_num_seqs, page_size=ps, num_pages=num_pages,
                                  prefill_chunk=config.max_num_batched_tokens,
                                  prefix_caching=config.enable_prefix_caching, scheduling=config.scheduling_policy,
@@ -113,7 +116,7 @@ class Engine:
         for s in self.scheds:
             s.lora = self.lora
         made = dstate.make_pools(cfg, config, weights, mesh, D, self.kv_dtype, self.keys_transposed, num_pages,
-                                 num_window_pages, pools, max_model_len)
+                                 num_window_pages, pools, max_model_len, lanes=self.pool_lanes)
         self.weights, self.windowed, self.pipeline = made.weights, made.windowed, made.pipeline
         self.drafter = None
         if self.spec is not None:

@@ -52,10 +52,11 @@ class Pools:
 
 
 def make_pools(cfg, config, weights, mesh, replicas: int, kv_dtype, keys_transposed: bool, num_pages: int,
-               num_window_pages: int | None, started=None, max_model_len: int = 0) -> Pools:
+               num_window_pages: int | None, started=None, max_model_len: int = 0, *, lanes: int = 1) -> Pools:
     """The target's page pools: on the weights' device, split over the mesh's "model" axis
     (KV heads, or replicated), one per pipeline stage's layers, or per replica [D, ...].
-    started: ``config.start_pools``' future, begun while the weights were read (one device)."""
+    started: ``config.start_pools``' future, begun while the weights were read (one device).
+    lanes: the pools' head-dim padding (``dispatch.pool_lanes``; not the pipeline's pools)."""
     ps = config.block_size
     if mesh is not None and mesh.shape.get("stage", 1) > 1:
         # pipeline parallel: each stage's devices hold only their layers' weights and pools
@@ -70,9 +71,12 @@ def make_pools(cfg, config, weights, mesh, replicas: int, kv_dtype, keys_transpo
         raise ValueError("the page pools were started for another model or engine configuration")
     cache = (started.result() if started is not None else
              kv.init_paged_cache(cfg, num_pages, ps, kv_dtype, num_window_pages=num_window_pages,
-                                 keys_transposed=keys_transposed))
+                                 keys_transposed=keys_transposed, lanes=lanes,
+                                 model_shards=dict(mesh.shape).get("model", 1) if mesh is not None else 1))
     if cache.keys_transposed != keys_transposed:
         raise ValueError("the page pools were started with another keys layout than this engine's")
+    if next(v for v in cache.v if v is not None).shape[-1] % lanes:
+        raise ValueError(f"the page pools were started with head dims not padded to {lanes} lanes")
     if mesh is None:
         k, v = committed((cache.k, cache.v), weights)
         return Pools(k, v, cache.windowed, weights=weights)
