@@ -150,20 +150,33 @@ def test_pools_of_narrow_heads_and_latents_are_padded_to_whole_tiles_on_tpu(name
     assert rec["pool_copies"] == [], rec["pool_copies"]
     assert rec["alias_bytes"] >= rec["pool_bytes"], rec
     assert all(w % 128 == 0 for w in widths), widths
-    old, _ = _step(aot.StepKind("decode", rows=8), cfg=cfg, lanes_=1)  # the model's own widths
-    assert len(old["pool_copies"]) >= 2, old["pool_copies"]
+
+
+INT8_TP = dict(target="v5e-4", model=4, kv_dtype="int8", context=2048)
 
 
 def test_int8_kv_scale_rows_fill_whole_tiles_under_tensor_parallelism():
     """int8 KV split over 4 chips, 2 KV heads each: a chip's part of the flat scale row [P, K *
     ps] is 32 wide, and XLA laid such pools out pages-minor and copied both scale pools a layer
     (4 copies). Each head's slots are padded to 64 on a TPU, a chip's row to 128: no copy."""
-    kind = aot.StepKind("decode", rows=64)
-    rec, _ = _step(kind, target="v5e-4", model=4, kv_dtype="int8", context=2048)
+    rec, _ = _step(aot.StepKind("decode", rows=64), **INT8_TP)
     assert rec["pool_copies"] == [], rec["pool_copies"]
     assert rec["alias_bytes"] >= rec["pool_bytes"], rec
-    old, _ = _step(kind, target="v5e-4", model=4, kv_dtype="int8", context=2048, lanes_=1)
-    assert len(old["pool_copies"]) >= 2, old["pool_copies"]
+    # per chip: the values' head dim, and the scale row of 2 heads of 64 slots
+    assert {s[-1] for leaves in rec["pools"] for s, _ in leaves} == {128}
+
+
+@pytest.mark.slow  # three more compiles, of the layouts no longer used
+@pytest.mark.parametrize("case", ["gpt-oss", "deepseek-v3", "int8-tp"])
+def test_the_unpadded_layouts_copy_whole_pools(case):
+    """What the toys above guard against: the same steps over pools of the model's own widths
+    (``lanes_=1``) copy whole pools, so those tests fail on that layout."""
+    if case == "int8-tp":
+        rec, _ = _step(aot.StepKind("decode", rows=64), lanes_=1, **INT8_TP)
+    else:
+        cfg = _family_config(GPT_OSS_TOY if case == "gpt-oss" else DEEPSEEK_TOY)
+        rec, _ = _step(aot.StepKind("decode", rows=8), cfg=cfg, lanes_=1)
+    assert len(rec["pool_copies"]) >= 2, rec["pool_copies"]
 
 
 @pytest.mark.parametrize("target,kind", [
