@@ -178,6 +178,8 @@ def packed_decode_logits(mod, cfg, w, seqs, lens, T: int, *, page_size: int, num
     pools = kv.init_paged_cache(cfg, num_pages, ps, kv_dtype, keys_transposed=keys_transposed, lanes=lanes)
 
     def poison(a):
+        if a is None:  # a latent layer's keys: its values pool holds them
+            return None
         if isinstance(a, kv.QuantKV):  # int8 values cannot be NaN: their scales can
             return kv.QuantKV(a.values, jnp.full_like(a.scale, jnp.nan), a.axis)
         return jnp.full_like(a, jnp.nan)

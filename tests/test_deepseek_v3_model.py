@@ -174,3 +174,27 @@ def test_deepseek_v3_yarn_against_transformers():
     assert math.isclose(cfg.rope.attention_factor, factor, rel_tol=1e-9)
     want = hf.yarn_apply_mscale(hf_cfg.rope_parameters, hf_cfg.qk_head_dim**-0.5)
     assert math.isclose(cfg.attn_scale, want, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", pytest.param("int8", marks=pytest.mark.slow)])
+def test_deepseek_v3_padded_latent_pools_give_the_same_logits(kv_dtype):
+    """A TPU's latent pool stores the latent padded with zeros to whole 128-lane tiles (576 ->
+    640; here 24 + 8 = 32 -> 48 at lanes of 48, ``cache.init_paged_cache``): packed steps over
+    NaN-poisoned padded pools, written a whole page at a time as on a TPU, give the logits of
+    the unpadded pools (the engine's on CPU, held to transformers above)."""
+    import jax
+
+    from jaxinfer import dispatch
+    from jaxinfer.models import deepseek_v3
+    from jaxinfer.specs import init_weights
+    from tests.kernel_testing import packed_decode_logits
+
+    hf = V3 | TINY | {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                      "num_attention_heads": 4, "rope_scaling": None, "max_position_embeddings": 128}
+    cfg = deepseek_v3.config_from_hf(hf, dtype="float32")
+    w = init_weights(deepseek_v3.weight_specs(cfg), cfg, jax.random.key(3), scale=0.2)
+    tokens = np.asarray(jax.random.randint(jax.random.key(4), (2, 13), 0, cfg.vocab_size))
+    run = lambda lanes: packed_decode_logits(deepseek_v3, cfg, w, tokens, [5, 5], 8, page_size=4,  # noqa: E731
+                                             num_pages=12, kv_dtype=kv_dtype, lanes=lanes,
+                                             kernels=dispatch.Kernels(platform="tpu"), keys_transposed=False)
+    np.testing.assert_allclose(run(48), run(1), rtol=1e-5, atol=1e-5)
