@@ -25,7 +25,10 @@ layer-dependent figures to the model's depth (``scaled``). Figures per chip:
 * ``hbm_traffic_bytes``, ``hbm_traffic_over_ideal``, ``hbm_bytes_by_op``: a corrected figure, not
   XLA's, beside it: the same op by op count, but only of arrays that lie in HBM. XLA's figure
   counts VMEM too: a weight or pool XLA stages in VMEM counts 5 times its size there (the
-  async copy's read, its result tuple, the done, the fusion's read), once here;
+  async copy's read, its result tuple, the done, the fusion's read), once here. Like XLA's,
+  it counts a ``conditional``'s dearest branch (the sampler's, with top-k/top-p) and a loop's
+  body once; ``hbm_traffic_loops_extra`` is what the loops' further trips add (the sampler's
+  32-step bisections over the logits: real traffic for rows that sample with them);
 * ``ideal_bytes``: the weights on the chip + the KV the rows read (the same pages) + the KV
   they write + the logits;
 * ``compile_s`` at the first depth, ``compile_s_scaled`` the two depths' times scaled to the
@@ -260,7 +263,7 @@ def main(argv=None):
         rec_full = {}
         for key in ("xla_bytes_accessed", "pallas_operand_bytes", "flops", "argument_bytes", "alias_bytes",
                     "pool_bytes", "output_bytes", "hbm_op_bytes", "pallas_hbm_operand_bytes",
-                    "pallas_attention_calls", "pallas_attention_hbm_calls"):
+                    "pallas_attention_calls", "pallas_attention_hbm_calls", "hbm_op_bytes_trips"):
             rec_full[key] = scale(a[key], b[key])
         rec_full["pool_copies"] = scale(len(a["pool_copies"]), len(b["pool_copies"]))
         rec_full["pool_vmem_moves"] = scale(a["pool_vmem_moves"], b["pool_vmem_moves"])
@@ -284,10 +287,14 @@ def main(argv=None):
         hbm_kv = pallas_kv * (rec_full["pallas_attention_hbm_calls"] / rec_full["pallas_attention_calls"]
                               if rec_full["pallas_attention_calls"] else 0.0)
         hbm_traffic = rec_full["hbm_op_bytes"] + rec_full["pallas_hbm_operand_bytes"] + hbm_kv
+        # loops at their trip counts (which a chain's own loop has already): the sampler's
+        # bisections over the logits, where a row asks for top-k past the cheap path or top-p
+        loops_extra = rec_full["hbm_op_bytes_trips"] - rec_full["hbm_op_bytes"]
         steps = max(kind.chain, 1)
         if kind.chain:  # XLA counts a while loop's body once
             bytes_accessed = (bytes_accessed - pallas_kv) * steps + pallas_kv
             hbm_traffic = (hbm_traffic - hbm_kv) * steps + hbm_kv
+            loops_extra -= rec_full["hbm_op_bytes"] * (steps - 1)
         hbm_scopes = set(a["hbm_bytes_by_scope"]) | set(b["hbm_bytes_by_scope"])
         hbm_by_scope = {k: scale(a["hbm_bytes_by_scope"].get(k, 0.0), b["hbm_bytes_by_scope"].get(k, 0.0))
                         for k in hbm_scopes}
@@ -315,6 +322,7 @@ def main(argv=None):
                    "where their arrays lie in HBM (no VMEM or scalar-memory operand or result), + pallas operands in "
                    "HBM + attention pages read from HBM",
                    hbm_bytes_by_op=_top(hbm_by_scope), hbm_bytes_by_op_per_layer=_top(hbm_per_layer),
+                   hbm_traffic_loops_extra=loops_extra,
                    projected_step_ms_hbm=hbm_traffic / target.hbm_bw * 1e3, ideal_bytes=ideal_full["total"], ideal=ideal_full,
                    accessed_over_ideal=bytes_accessed / ideal_full["total"], flops=rec_full["flops"],
                    collectives=rec_full["collectives"], pool_copies=rec_full["pool_copies"],

@@ -309,7 +309,9 @@ def analyse(compiled, info: dict, *, hbm_bytes: int | None = None, hbm_bw: float
     enough to fit there, a toy's, is ever staged so). ``op_bytes`` is XLA's count redone op by
     op from the HLO (``hlo_bytes``), ``bytes_by_op`` its largest ops and ``bytes_by_scope`` its
     bytes per JAX op (``hlo_bytes.scope_of``), to set beside ``xla_bytes_accessed``;
-    ``hbm_op_bytes`` and ``hbm_bytes_by_scope`` the same counting only what moves through HBM."""
+    ``hbm_op_bytes`` and ``hbm_bytes_by_scope`` the same counting only what moves through HBM,
+    ``hbm_op_bytes_trips`` that with each loop's body counted once per trip (the sampler's
+    bisections; a chain's steps)."""
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else (cost or {})
@@ -360,6 +362,7 @@ def analyse(compiled, info: dict, *, hbm_bytes: int | None = None, hbm_bw: float
     rec = dict(
         op_bytes=ops["total"], bytes_by_op=ops["top"], bytes_by_scope=ops["by_scope"],
         hbm_op_bytes=hbm["total"], hbm_bytes_by_scope=hbm["by_scope"],
+        hbm_op_bytes_trips=hlo_bytes.bytes_by_op(text, hbm=True, trips=True)["total"],
         argument_bytes=int(mem.argument_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
         output_bytes=int(mem.output_size_in_bytes), alias_bytes=int(mem.alias_size_in_bytes),
         pool_bytes=int(pool_bytes), flops=float(cost.get("flops", 0.0)),

@@ -6,10 +6,10 @@ module counts each top-level instruction of the entry computation (a ``while`` o
 
 * an op reads each operand whole and writes its result (a tuple: every leaf);
 * a fusion reads each parameter as its fused users do: a (dynamic) slice or gather of it
-  reads the slice, a dynamic-update-slice into it reads only the update, a broadcast or
-  reshape of it reads it whole, any other use reads it whole once however many such users it
-  has. A fusion whose root is a dynamic-update-slice (or a tuple of them) writes only the
-  updates: the buffer is updated in place;
+  reads the slice, a dynamic-update-slice or scatter into it reads only the update, a
+  broadcast or reshape of it reads it whole, any other use reads it whole once however many
+  such users it has. A fusion whose root is a dynamic-update-slice or scatter (or a tuple of
+  them) writes only the updates: the buffer is updated in place;
 * an async copy's start reads its operand and writes its whole result tuple (the destination
   and the operand again), its done writes the destination: a buffer staged in VMEM and read
   there by one fusion counts 5 times its size. An async slice's start reads and writes the
@@ -65,6 +65,7 @@ class Instr:
     opcode: str
     operands: list[str]
     attrs: str  # everything after the operand list
+    args: str  # the operand list's text (a constant's value)
     root: bool
     line: str
 
@@ -114,7 +115,7 @@ def parse(text: str) -> tuple[dict[str, list[Instr]], str]:
         if m and current is not None:
             args, attrs = _split_args(m.group(5))
             current.append(Instr(m.group(2), m.group(3), m.group(4), re.findall(r"%([\w.\-]+)", args), attrs,
-                                 bool(m.group(1)), line))
+                                 args, bool(m.group(1)), line))
     return comps, entry
 
 
@@ -135,9 +136,64 @@ def tuple_leaves(type_text: str) -> list[str]:
     return [*parts, cur.strip()] if cur.strip() else parts
 
 
+def _row_tiles(gather: Instr, operand_type: str) -> float:
+    """How many times a TPU gather reads the rows it gathers: its operand is tiled (8, 128) or
+    so on the two minor dims, and a gathered slice fewer rows tall than a tile reads the tile
+    (XLA counts an embedding lookup of 256 rows from a bf16 (8, 128)-tiled table as 8 x 256)."""
+    if gather.opcode != "gather":
+        return 1.0
+    tile = re.search(r":T\((\d+),\d+\)", operand_type)
+    sizes = re.search(r"slice_sizes=\{([\d,]+)\}", gather.attrs)
+    if not tile or not sizes:
+        return 1.0
+    dims = [int(d) for d in sizes.group(1).split(",")]
+    rows = dims[-2] if len(dims) >= 2 else 1
+    return max(1.0, int(tile.group(1)) / max(rows, 1))
+
+
+def trip_count(comps: dict[str, list[Instr]], caller: list[Instr], loop: Instr) -> int | None:
+    """The trips of a ``while`` whose condition is ``i < N`` on a counter that starts at a
+    constant and goes up by 1 (a ``fori_loop``'s); None when that cannot be read off the HLO."""
+    cond = comps.get((loop.called("condition") or [""])[0], [])
+    body = comps.get((loop.called("body") or [""])[0], [])
+    cn = {i.name: i for i in cond}
+    root = next((i for i in cond if i.root), None)
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs or len(root.operands) != 2:
+        return None
+    counter, bound = (cn.get(o) for o in root.operands)
+    if counter is None or bound is None or counter.opcode != "get-tuple-element" or bound.opcode != "constant":
+        return None
+    k = re.search(r"index=(\d+)", counter.attrs)
+    cs = {i.name: i for i in caller}
+    init = cs.get(loop.operands[0]) if loop.operands else None
+    if k is None or init is None or init.opcode != "tuple" or int(k.group(1)) >= len(init.operands):
+        return None
+    start = cs.get(init.operands[int(k.group(1))])
+    while start is not None and start.opcode in ("copy", "bitcast") and start.operands:
+        start = cs.get(start.operands[0])
+    bn = {i.name: i for i in body}
+    broot = next((i for i in body if i.root), None)
+    if start is None or start.opcode != "constant" or broot is None or broot.opcode != "tuple":
+        return None
+    step = bn.get(broot.operands[int(k.group(1))])
+    if step is None or step.opcode != "add" or not any(
+            bn.get(o) is not None and bn[o].opcode == "constant" and _value(bn[o]) == 1 for o in step.operands):
+        return None
+    n, s0 = _value(bound), _value(start)
+    return None if n is None or s0 is None else max(n - s0, 0)
+
+
+def _value(constant: Instr) -> int | None:
+    try:
+        return int(constant.args.strip())
+    except ValueError:
+        return None
+
+
 class _Counter:
-    def __init__(self, comps: dict[str, list[Instr]], hbm: bool):
-        self.comps, self.hbm = comps, hbm
+    def __init__(self, comps: dict[str, list[Instr]], hbm: bool, trips: bool = False):
+        self.comps, self.hbm, self.trips = comps, hbm, trips
+        self.caller: list[Instr] = []
 
     def size(self, type_text: str) -> float:
         return type_bytes(type_text, hbm=self.hbm)
@@ -155,9 +211,11 @@ class _Counter:
                 continue
             first = user.operands[0] == param.name
             if user.opcode in _SLICING and first:
-                size += type_bytes(user.type)
+                size += type_bytes(user.type) * _row_tiles(user, operand_type)
             elif user.opcode == "dynamic-update-slice" and first:
                 size += type_bytes(by_name[user.operands[1]].type) if user.operands[1] in by_name else 0.0
+            elif user.opcode == "scatter" and first:
+                size += type_bytes(by_name[user.operands[-1]].type) if user.operands[-1] in by_name else 0.0
             elif user.opcode in ("broadcast", "reshape"):
                 size += full
             elif user.opcode == "fusion":
@@ -171,16 +229,19 @@ class _Counter:
 
     def fusion(self, instr: Instr, types: dict[str, Instr]) -> float:
         comp = self.comps.get((instr.called("calls") or [""])[0], [])
-        read = sum(self.param_read(comp, k, types[o].type) for k, o in enumerate(instr.operands) if o in types)
         root = next((i for i in comp if i.root), None)
         by_name = {i.name: i for i in comp}
         outs = [] if root is None else [root] if root.opcode != "tuple" else [by_name.get(o) for o in root.operands]
         leaves = tuple_leaves(instr.type)
-        if outs and len(outs) == len(leaves) and all(o is not None and o.opcode == "dynamic-update-slice"
-                                                      for o in outs):
-            # in place: only the updates are written, into buffers where the result lies
-            write = sum(type_bytes(by_name[o.operands[1]].type) if o.operands[1] in by_name and self.size(leaf)
-                        else 0.0 for o, leaf in zip(outs, leaves))
+        # XLA counts a fusion that ends in dynamic-update-slices or scatters as updating its
+        # operands in place (as the TPU compiler places them: ``aliasing_operands``)
+        in_place = bool(outs) and len(outs) == len(leaves) and all(
+            o is not None and o.opcode in ("dynamic-update-slice", "scatter") for o in outs)
+        read = sum(self.param_read(comp, k, types[o].type) for k, o in enumerate(instr.operands) if o in types)
+        if in_place:
+            # only the updates are written, into buffers where the result lies
+            write = sum(type_bytes(by_name[o.operands[-1 if o.opcode == "scatter" else 1]].type)
+                        if self.size(leaf) else 0.0 for o, leaf in zip(outs, leaves))
         else:
             write = self.size(instr.type)
         return read + write
@@ -193,7 +254,9 @@ class _Counter:
         if op == "fusion":
             return self.fusion(instr, types)
         if op == "while":
-            return sum(self.total(c) for c in instr.called("body") + instr.called("condition"))
+            n = trip_count(self.comps, self.caller, instr) if self.trips else None
+            once = sum(self.total(c) for c in instr.called("body") + instr.called("condition"))
+            return once * n if n is not None else once
         if op == "conditional":
             return max((self.total(c) for c in instr.called("branch_computations")), default=0.0)
         if op == "call":
@@ -216,15 +279,22 @@ class _Counter:
     def rows(self, name: str) -> list[tuple[Instr, float]]:
         comp = self.comps.get(name, [])
         types = {i.name: i for i in comp}
-        return [(instr, self.instruction(instr, types)) for instr in comp]
+        out = []
+        for instr in comp:
+            self.caller = comp
+            out.append((instr, self.instruction(instr, types)))
+        return out
 
     def total(self, name: str) -> float:
         return sum(b for _, b in self.rows(name))
 
 
-def computation_bytes(comps: dict[str, list[Instr]], name: str, *, hbm: bool = False) -> list[tuple[Instr, float]]:
-    """(instruction, bytes accessed) of each top-level instruction of computation ``name``."""
-    return _Counter(comps, hbm).rows(name)
+def computation_bytes(comps: dict[str, list[Instr]], name: str, *, hbm: bool = False,
+                      trips: bool = False) -> list[tuple[Instr, float]]:
+    """(instruction, bytes accessed) of each top-level instruction of computation ``name``;
+    ``trips``: a loop's body counted once per trip where ``trip_count`` reads it (XLA counts it
+    once)."""
+    return _Counter(comps, hbm, trips).rows(name)
 
 
 def _fusion_kind(instr: Instr) -> str:
@@ -241,13 +311,13 @@ def scope_of(instr: Instr) -> str:
     return f"{name} [{kind}]" if name else f"[{kind}]"
 
 
-def bytes_by_op(text: str, *, top: int = 10, hbm: bool = False) -> dict:
+def bytes_by_op(text: str, *, top: int = 10, hbm: bool = False, trips: bool = False) -> dict:
     """The entry computation's bytes accessed: ``total`` (the sum over its instructions),
     ``top`` (the ``top`` largest instructions: name, ``scope_of``, bytes, result type) and
     ``by_scope`` (bytes per ``scope_of`` key: what compiles of different depths share, so that
     their difference is one layer's)."""
     comps, entry = parse(text)
-    rows = [(i, b) for i, b in computation_bytes(comps, entry, hbm=hbm) if b]
+    rows = [(i, b) for i, b in computation_bytes(comps, entry, hbm=hbm, trips=trips) if b]
     by_scope: dict[str, float] = {}
     for instr, b in rows:
         key = scope_of(instr)

@@ -47,7 +47,9 @@ MODULE = """HloModule m
   %i = s32[] get-tuple-element(%t), index=0
   %x = f32[512]{0} get-tuple-element(%t), index=1
   %y = f32[512]{0} exponential(%x)
-  ROOT %o = (s32[], f32[512]) tuple(%i, %y)
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %o = (s32[], f32[512]) tuple(%next, %y)
 }
 
 %cond (t: (s32[], f32[512])) -> pred[] {
@@ -113,7 +115,8 @@ def test_each_op_counts_what_xla_counts():
     # gemv reads w's copy (once, however many fused users) and the vector its broadcast reads
     assert b["h"] == 128 * KiB + 512 + 512
     assert b["ss"] == 2 * KiB and b["sd"] == KiB  # the slice read and written, and written again
-    assert b["loop"] == 2 * 2 * KiB + 4 + 4 + 1  # the body once (exp reads and writes 2 KiB), the condition
+    # the body once (exp reads and writes 2 KiB, the counter's add 12 B) and the condition
+    assert b["loop"] == 2 * 2 * KiB + 12 + 4 + 4 + 1
     assert b["which"] == 4 * 2 * KiB  # the dearer branch: exp, then log, each reading and writing 2 KiB
     assert all(b[n] == 0 for n in ("embed", "t0", "zero", "out"))
 
@@ -133,3 +136,15 @@ def test_bytes_by_op_keys_ops_by_their_jax_op_across_layers():
     assert [t["name"] for t in r["top"]] == ["cs", "h"]
     assert r["by_scope"]["layer*/embed/take [fusion:kLoop]"] == 1 * KiB + 4
     assert r["by_scope"]["layer*/attention/scatter [fusion:kLoop]"] == 12 * KiB + 4
+
+
+def test_loops_at_their_trip_counts():
+    """``trips`` counts a loop's body per trip where the counter runs from a constant to a
+    constant bound (here 0 to 4); XLA's figure, and the default, count it once."""
+    comps, entry = hlo_bytes.parse(MODULE)
+    loop = next(i for i in comps[entry] if i.opcode == "while")
+    assert hlo_bytes.trip_count(comps, comps[entry], loop) == 4
+    once = dict((i.name, b) for i, b in hlo_bytes.computation_bytes(comps, entry))
+    trips = dict((i.name, b) for i, b in hlo_bytes.computation_bytes(comps, entry, trips=True))
+    assert trips["loop"] == 4 * once["loop"]
+    assert trips["which"] == once["which"]
