@@ -39,23 +39,37 @@ _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^{}]*\})?")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
 _FREE = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "after-all", "partition-id",
-         "replica-id", "iota", "opt-barrier", "add-dependency", "custom-call"}
+         "replica-id", "opt-barrier", "add-dependency", "custom-call"}
 _SLICING = {"slice", "dynamic-slice", "gather"}
 
 
 def type_bytes(type_text: str, *, hbm: bool = False) -> float:
-    """Bytes of every array in an HLO type (``bf16[8,128]{1,0}``, or a tuple of them); with
-    ``hbm``, of those whose layout names no memory space other than HBM's."""
+    """Bytes of every array in an HLO type (``bf16[8,128]{1,0:T(8,128)(2,1)}``, or a tuple of
+    them) as laid out: the layout's tile pads the minor dimensions (an f32[256,64] tiled
+    (8, 128) takes 256 x 128 floats). With ``hbm``, only arrays whose layout names no memory
+    space other than HBM's."""
     total = 0.0
     for dt, dims, layout in _ARRAY.findall(type_text):
         if hbm and re.search(r"S\([1-9]\d*\)", layout):
             continue
-        n = 1
-        for d in dims.split(","):
-            if d:
-                n *= int(d)
-        total += _ITEM.get(dt, 4) * n
+        total += _ITEM.get(dt, 4) * _padded_elems([int(d) for d in dims.split(",") if d], layout)
     return total
+
+
+def _padded_elems(dims: list[int], layout: str) -> int:
+    order = re.match(r"\{([\d,]*)", layout)
+    tile = re.search(r":T\(([\d,]+)\)", layout)
+    dims = list(dims)
+    if order and tile and order.group(1):
+        minor_to_major = [int(d) for d in order.group(1).split(",")]
+        t = [int(x) for x in tile.group(1).split(",")]
+        for dim, size in zip(minor_to_major, reversed(t)):  # the tile's last size pads the most minor dim
+            if dim < len(dims) and size > 1:
+                dims[dim] = -(-dims[dim] // size) * size
+    n = 1
+    for d in dims:
+        n *= d
+    return n
 
 
 @dataclasses.dataclass
@@ -274,6 +288,12 @@ class _Counter:
             return operands + max(self.size(instr.type) - operands, 0.0)
         if op.endswith("-done"):
             return 0.0 if self.hbm else self.size(instr.type)
+        if op in _SLICING and instr.operands and instr.operands[0] in types:
+            # reads what it slices (of the first operand; a gather's rows by their tiles)
+            src = types[instr.operands[0]].type
+            piece = type_bytes(instr.type) * _row_tiles(instr, src) if self.size(src) else 0.0
+            rest = sum(self.size(types[o].type) for o in instr.operands[1:] if o in types)
+            return piece + rest + self.size(instr.type)
         return operands + self.size(instr.type)
 
     def rows(self, name: str) -> list[tuple[Instr, float]]:
