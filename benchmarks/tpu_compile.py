@@ -196,6 +196,23 @@ def fitting_context(cfg: ModelConfig, kind: aot.StepKind, mesh, target: aot.Targ
     return max(256, min(context, fit))
 
 
+def engine_pages(full: ModelConfig, kind: aot.StepKind, target: aot.Target, weights_chip: float, tp: int,
+                 context: int, page_size: int = 16) -> int:
+    """The pages of each full-length pool as an engine on the target sizes them (its defaults,
+    at least ``kind.rows`` slots, tables of ``context`` positions): what fits in 90% of HBM beside
+    the weights. Pools sized to just the step's tables would be unlike the engine's, and small
+    enough at a few rows for XLA to stage them whole in VMEM and write them back each layer."""
+    from jaxinfer import cache as kv
+    from jaxinfer.engine.config import EngineConfig, pool_sizes
+
+    config = EngineConfig(max_num_seqs=max(kind.rows, 64), block_size=page_size)
+    budget = int(0.9 * target.hbm_bytes - weights_chip) * tp
+    _, pages, _ = pool_sizes(full, config, kv.kv_storage_dtype(kind.kv_dtype or "auto", full),
+                             -(-context // page_size), budget)
+    need = max(kind.rows, 1) * -(-context // page_size) + 1 + -(-kind.prefill // page_size)
+    return max(pages, need)
+
+
 def compile_one(cfg, mesh, kernels, kind, work, quantization, expert_parallel):
     weights, _ = aot.abstract_weights(cfg, mesh, kernels, quantization=quantization,
                                       expert_parallel=expert_parallel)
@@ -247,7 +264,9 @@ def main(argv=None):
     records = []
     for name in args.kinds:
         kind = KINDS[name]
-        work = aot.Workload(context=fitting_context(full, kind, mesh, target, weights_chip, args.context))
+        context = fitting_context(full, kind, mesh, target, weights_chip, args.context)
+        work = aot.Workload(context=context,
+                            num_pages=engine_pages(full, kind, target, weights_chip, tp, context))
         depth = {}
         for L in (L1, L2):
             rec, info, compiled = compile_one(cut(full, L), mesh, kernels, kind, work, args.quantization,
@@ -302,7 +321,7 @@ def main(argv=None):
                          for k in hbm_scopes}
         rec = dict(name=name, target=args.target, model=args.model, tp=tp, quantization=args.quantization,
                    kernels=args.kernels, kv_dtype=kind.kv_dtype or work.kv_dtype, rows=kind.rows, q=kind.q,
-                   prefill=kind.prefill, chain=kind.chain, context=work.context,
+                   prefill=kind.prefill, chain=kind.chain, context=work.context, num_pages=work.num_pages,
                    compile_s=a["compile_s"], compile_s_l2=b["compile_s"], layers_compiled=[L1, L2],
                    # None where the deeper compile took no longer (the host's load varied)
                    compile_s_scaled=(scale(a["compile_s"], b["compile_s"]) if b["compile_s"] > a["compile_s"]
