@@ -28,7 +28,8 @@ layer-dependent figures to the model's depth (``scaled``). Figures per chip:
   async copy's read, its result tuple, the done, the fusion's read), once here. Like XLA's,
   it counts a ``conditional``'s dearest branch (the sampler's, with top-k/top-p) and a loop's
   body once; ``hbm_traffic_loops_extra`` is what the loops' further trips add (the sampler's
-  32-step bisections over the logits: real traffic for rows that sample with them);
+  32-step bisections over the logits: real traffic for rows that sample with them; none for a
+  chain, whose steps are a loop too);
 * ``ideal_bytes``: the weights on the chip + the KV the rows read (the same pages) + the KV
   they write + the logits;
 * ``compile_s`` at the first depth, ``compile_s_scaled`` the two depths' times scaled to the
@@ -306,14 +307,13 @@ def main(argv=None):
         hbm_kv = pallas_kv * (rec_full["pallas_attention_hbm_calls"] / rec_full["pallas_attention_calls"]
                               if rec_full["pallas_attention_calls"] else 0.0)
         hbm_traffic = rec_full["hbm_op_bytes"] + rec_full["pallas_hbm_operand_bytes"] + hbm_kv
-        # loops at their trip counts (which a chain's own loop has already): the sampler's
-        # bisections over the logits, where a row asks for top-k past the cheap path or top-p
-        loops_extra = rec_full["hbm_op_bytes_trips"] - rec_full["hbm_op_bytes"]
+        # loops at their trip counts: the sampler's bisections over the logits, where a row asks
+        # for top-k past the cheap path or top-p (None for a chain, whose steps are a loop too)
+        loops_extra = None if kind.chain else rec_full["hbm_op_bytes_trips"] - rec_full["hbm_op_bytes"]
         steps = max(kind.chain, 1)
         if kind.chain:  # XLA counts a while loop's body once
             bytes_accessed = (bytes_accessed - pallas_kv) * steps + pallas_kv
             hbm_traffic = (hbm_traffic - hbm_kv) * steps + hbm_kv
-            loops_extra -= rec_full["hbm_op_bytes"] * (steps - 1)
         hbm_scopes = set(a["hbm_bytes_by_scope"]) | set(b["hbm_bytes_by_scope"])
         hbm_by_scope = {k: scale(a["hbm_bytes_by_scope"].get(k, 0.0), b["hbm_bytes_by_scope"].get(k, 0.0))
                         for k in hbm_scopes}
