@@ -17,6 +17,19 @@ layer-dependent figures to the model's depth (``scaled``). Figures per chip:
 * ``bytes_accessed``: XLA's cost analysis (which counts nothing for a Pallas call) plus what the
   Pallas calls move: every non-pool operand and result once, and for attention the pages the
   step's tables name (every decode row at the full context of ``--context``), as their DMAs read them;
+* ``op_bytes``, ``bytes_by_op``, ``bytes_by_op_per_layer``: XLA's count (``xla_bytes_accessed``)
+  redone op by op from the optimized HLO (``jaxinfer.hlo_bytes``: operands and results by their
+  shapes, a fusion's parameters by what its fused ops read), scaled like the rest; the top 10
+  JAX ops by bytes in the whole step and in one layer (``OUT/<name>.<L2>layers.hlo.txt`` holds the
+  second depth's HLO), and ``op_bytes_over_xla`` how close the sum comes to XLA's figure;
+* ``hbm_traffic_bytes``, ``hbm_traffic_over_ideal``, ``hbm_bytes_by_op``: a corrected figure, not
+  XLA's, beside it: the same op by op count, but only of arrays that lie in HBM. XLA's figure
+  counts VMEM too: a weight or pool XLA stages in VMEM counts 5 times its size there (the
+  async copy's read, its result tuple, the done, the fusion's read), once here. Like XLA's,
+  it counts a ``conditional``'s dearest branch (the sampler's, with top-k/top-p) and a loop's
+  body once; ``hbm_traffic_loops_extra`` is what the loops' further trips add (the sampler's
+  32-step bisections over the logits: real traffic for rows that sample with them; none for a
+  chain, whose steps are a loop too);
 * ``ideal_bytes``: the weights on the chip + the KV the rows read (the same pages) + the KV
   they write + the logits;
 * ``compile_s`` at the first depth, ``compile_s_scaled`` the two depths' times scaled to the
@@ -185,6 +198,23 @@ def fitting_context(cfg: ModelConfig, kind: aot.StepKind, mesh, target: aot.Targ
     return max(256, min(context, fit))
 
 
+def engine_pages(full: ModelConfig, kind: aot.StepKind, target: aot.Target, weights_chip: float, tp: int,
+                 context: int, page_size: int = 16) -> int:
+    """The pages of each full-length pool as an engine on the target sizes them (its defaults,
+    at least ``kind.rows`` slots, tables of ``context`` positions): what fits in 90% of HBM beside
+    the weights. Pools sized to just the step's tables would be unlike the engine's, and small
+    enough at a few rows for XLA to stage them whole in VMEM and write them back each layer."""
+    from jaxinfer import cache as kv
+    from jaxinfer.engine.config import EngineConfig, pool_sizes
+
+    config = EngineConfig(max_num_seqs=max(kind.rows, 64), block_size=page_size)
+    budget = int(0.9 * target.hbm_bytes - weights_chip) * tp
+    _, pages, _ = pool_sizes(full, config, kv.kv_storage_dtype(kind.kv_dtype or "auto", full),
+                             -(-context // page_size), budget)
+    need = max(kind.rows, 1) * -(-context // page_size) + 1 + -(-kind.prefill // page_size)
+    return max(pages, need)
+
+
 def compile_one(cfg, mesh, kernels, kind, work, quantization, expert_parallel):
     weights, _ = aot.abstract_weights(cfg, mesh, kernels, quantization=quantization,
                                       expert_parallel=expert_parallel)
@@ -236,14 +266,15 @@ def main(argv=None):
     records = []
     for name in args.kinds:
         kind = KINDS[name]
-        work = aot.Workload(context=fitting_context(full, kind, mesh, target, weights_chip, args.context))
+        context = fitting_context(full, kind, mesh, target, weights_chip, args.context)
+        work = aot.Workload(context=context,
+                            num_pages=engine_pages(full, kind, target, weights_chip, tp, context))
         depth = {}
         for L in (L1, L2):
             rec, info, compiled = compile_one(cut(full, L), mesh, kernels, kind, work, args.quantization,
                                               args.enable_expert_parallel)
             depth[L] = rec
-            if L == L1:
-                (args.out / f"{name}.hlo.txt").write_text(compiled.as_text())
+            (args.out / (f"{name}.hlo.txt" if L == L1 else f"{name}.{L}layers.hlo.txt")).write_text(compiled.as_text())
             print(f"{name} L={L}: {rec['compile_s']:.1f} s, {len(rec['pool_copies'])} pool copies", file=sys.stderr)
         a, b = depth[L1], depth[L2]
 
@@ -252,7 +283,8 @@ def main(argv=None):
 
         rec_full = {}
         for key in ("xla_bytes_accessed", "pallas_operand_bytes", "flops", "argument_bytes", "alias_bytes",
-                    "pool_bytes", "output_bytes"):
+                    "pool_bytes", "output_bytes", "hbm_op_bytes", "pallas_hbm_operand_bytes",
+                    "pallas_attention_calls", "pallas_attention_hbm_calls", "hbm_op_bytes_trips"):
             rec_full[key] = scale(a[key], b[key])
         rec_full["pool_copies"] = scale(len(a["pool_copies"]), len(b["pool_copies"]))
         rec_full["pool_vmem_moves"] = scale(a["pool_vmem_moves"], b["pool_vmem_moves"])
@@ -260,17 +292,37 @@ def main(argv=None):
         rec_full["collectives"] = {k: {f: scale(a["collectives"].get(k, {}).get(f, 0), v[f]) for f in ("count", "bytes")}
                                    for k, v in b["collectives"].items()}
         rec_full["temp_bytes"] = max(a["temp_bytes"], b["temp_bytes"])
+        rec_full["op_bytes"] = scale(a["op_bytes"], b["op_bytes"])
+        scopes = set(a["bytes_by_scope"]) | set(b["bytes_by_scope"])
+        by_scope = {k: scale(a["bytes_by_scope"].get(k, 0.0), b["bytes_by_scope"].get(k, 0.0)) for k in scopes}
+        per_layer = {k: (b["bytes_by_scope"].get(k, 0.0) - a["bytes_by_scope"].get(k, 0.0)) / (L2 - L1)
+                     for k in scopes}
         # the full model's pools: the cut's (whole periods of the layer pattern) repeated
         ideal_full = ideal_bytes(full, kind, _full_info(full, info, L2), weights_chip, tp)
         # KV pages read by Pallas attention, which XLA's cost analysis leaves out
         pallas_kv = ideal_full["kv_read"] if a["pallas_attention_calls"] else 0.0
         bytes_accessed = rec_full["xla_bytes_accessed"] + rec_full["pallas_operand_bytes"] + pallas_kv
+        # HBM only: XLA's count less what it counts in VMEM (a buffer staged there counts 5
+        # times its size in XLA's figure, once here); attention that reads pools XLA staged in
+        # VMEM reads no page from HBM (the staging copy, counted, did)
+        hbm_kv = pallas_kv * (rec_full["pallas_attention_hbm_calls"] / rec_full["pallas_attention_calls"]
+                              if rec_full["pallas_attention_calls"] else 0.0)
+        hbm_traffic = rec_full["hbm_op_bytes"] + rec_full["pallas_hbm_operand_bytes"] + hbm_kv
+        # loops at their trip counts: the sampler's bisections over the logits, where a row asks
+        # for top-k past the cheap path or top-p (None for a chain, whose steps are a loop too)
+        loops_extra = None if kind.chain else rec_full["hbm_op_bytes_trips"] - rec_full["hbm_op_bytes"]
         steps = max(kind.chain, 1)
         if kind.chain:  # XLA counts a while loop's body once
             bytes_accessed = (bytes_accessed - pallas_kv) * steps + pallas_kv
+            hbm_traffic = (hbm_traffic - hbm_kv) * steps + hbm_kv
+        hbm_scopes = set(a["hbm_bytes_by_scope"]) | set(b["hbm_bytes_by_scope"])
+        hbm_by_scope = {k: scale(a["hbm_bytes_by_scope"].get(k, 0.0), b["hbm_bytes_by_scope"].get(k, 0.0))
+                        for k in hbm_scopes}
+        hbm_per_layer = {k: (b["hbm_bytes_by_scope"].get(k, 0.0) - a["hbm_bytes_by_scope"].get(k, 0.0)) / (L2 - L1)
+                         for k in hbm_scopes}
         rec = dict(name=name, target=args.target, model=args.model, tp=tp, quantization=args.quantization,
                    kernels=args.kernels, kv_dtype=kind.kv_dtype or work.kv_dtype, rows=kind.rows, q=kind.q,
-                   prefill=kind.prefill, chain=kind.chain, context=work.context,
+                   prefill=kind.prefill, chain=kind.chain, context=work.context, num_pages=work.num_pages,
                    compile_s=a["compile_s"], compile_s_l2=b["compile_s"], layers_compiled=[L1, L2],
                    # None where the deeper compile took no longer (the host's load varied)
                    compile_s_scaled=(scale(a["compile_s"], b["compile_s"]) if b["compile_s"] > a["compile_s"]
@@ -281,20 +333,38 @@ def main(argv=None):
                    pool_bytes=rec_full["pool_bytes"], weights_bytes=weights_chip,
                    fits_hbm=rec_full["argument_bytes"] + rec_full["temp_bytes"] <= target.hbm_bytes,
                    bytes_accessed=bytes_accessed, bytes_accessed_count="xla cost analysis + pallas operands once "
-                   "+ attention pages the tables name", ideal_bytes=ideal_full["total"], ideal=ideal_full,
+                   "+ attention pages the tables name",
+                   xla_bytes_accessed=rec_full["xla_bytes_accessed"], op_bytes=rec_full["op_bytes"],
+                   op_bytes_over_xla=rec_full["op_bytes"] / max(rec_full["xla_bytes_accessed"], 1.0),
+                   bytes_by_op=_top(by_scope), bytes_by_op_per_layer=_top(per_layer),
+                   hbm_traffic_bytes=hbm_traffic, hbm_traffic_over_ideal=hbm_traffic / ideal_full["total"],
+                   hbm_traffic_count="corrected, not XLA's: the HLO's ops counted as XLA counts them but only "
+                   "where their arrays lie in HBM (no VMEM or scalar-memory operand or result), + pallas operands in "
+                   "HBM + attention pages read from HBM",
+                   hbm_bytes_by_op=_top(hbm_by_scope), hbm_bytes_by_op_per_layer=_top(hbm_per_layer),
+                   hbm_traffic_loops_extra=loops_extra,
+                   projected_step_ms_hbm=hbm_traffic / target.hbm_bw * 1e3, ideal_bytes=ideal_full["total"], ideal=ideal_full,
                    accessed_over_ideal=bytes_accessed / ideal_full["total"], flops=rec_full["flops"],
                    collectives=rec_full["collectives"], pool_copies=rec_full["pool_copies"],
                    pool_vmem_moves=rec_full["pool_vmem_moves"],
                    pool_copy_ops=a["pool_copies"][:4], pallas_calls=rec_full["pallas_calls"],
                    projected_step_ms=bytes_accessed / target.hbm_bw * 1e3,
                    projected_mbu=ideal_full["total"] / bytes_accessed,
-                   per_depth={str(L): {k: v for k, v in r.items() if k != "pool_copies"} for L, r in depth.items()})
+                   per_depth={str(L): {k: v for k, v in r.items()
+                                       if k not in ("pool_copies", "bytes_by_scope", "hbm_bytes_by_scope")}
+                              for L, r in depth.items()})
         records.append(rec)
-        print(json.dumps({k: rec[k] for k in ("name", "compile_s", "accessed_over_ideal", "pool_copies",
+        print(json.dumps({k: rec[k] for k in ("name", "compile_s", "accessed_over_ideal", "op_bytes_over_xla",
+                                              "hbm_traffic_over_ideal", "pool_copies",
                                               "temp_bytes", "alias_bytes", "pool_bytes", "projected_step_ms")}),
               file=sys.stderr)
         (args.out / "report.json").write_text(json.dumps(records, indent=1))
     return records
+
+
+def _top(by_scope: dict, n: int = 10) -> list:
+    """The n largest entries of a bytes-per-scope dict, largest first, as [scope, bytes]."""
+    return [[k, v] for k, v in sorted(by_scope.items(), key=lambda kv: -abs(kv[1]))[:n]]
 
 
 def _full_info(full: ModelConfig, info: dict, L: int) -> dict:

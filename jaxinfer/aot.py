@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer import cache as kv
-from jaxinfer import dispatch
+from jaxinfer import dispatch, hlo_bytes
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.chaining import chained_decode
 from jaxinfer.engine.slots import make_slots
@@ -312,7 +312,12 @@ def analyse(compiled, info: dict, *, hbm_bytes: int | None = None, hbm_bw: float
     """One record of a compiled step (per chip): memory, XLA's cost, the bytes its Pallas calls
     move, collectives, ops that copy or transpose a whole page pool (``pool_copies``: relayouts),
     and copies of a whole pool into or out of VMEM (``pool_vmem_moves``: only a pool small
-    enough to fit there, a toy's, is ever staged so)."""
+    enough to fit there, a toy's, is ever staged so). ``op_bytes`` is XLA's count redone op by
+    op from the HLO (``hlo_bytes``), ``bytes_by_op`` its largest ops and ``bytes_by_scope`` its
+    bytes per JAX op (``hlo_bytes.scope_of``), to set beside ``xla_bytes_accessed``;
+    ``hbm_op_bytes`` and ``hbm_bytes_by_scope`` the same counting only what moves through HBM,
+    ``hbm_op_bytes_trips`` that with each loop's body counted once per trip (the sampler's
+    bisections; a chain's steps)."""
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else (cost or {})
@@ -326,6 +331,9 @@ def analyse(compiled, info: dict, *, hbm_bytes: int | None = None, hbm_bw: float
     pool_bytes = sum(np.prod(s) * dt.itemsize for leaves in info["pools"] for s, dt in leaves)
     collectives: dict[str, dict] = {}
     copies, staged, pallas_calls, attention_calls, pallas_bytes = [], [], 0, 0, 0.0
+    # the same counting only what lies in HBM, and the attention calls that read their pools
+    # there (not from a copy XLA staged in VMEM, which the HBM count already holds)
+    pallas_hbm_bytes, attention_hbm_calls = 0.0, 0
     for name, typ, op, operands, line in ops:
         base = op.removesuffix("-start")
         if base in COLLECTIVES and not op.endswith("-done"):
@@ -341,22 +349,32 @@ def analyse(compiled, info: dict, *, hbm_bytes: int | None = None, hbm_bw: float
         if op == "custom-call" and ("tpu_custom_call" in line or "__gpu$xla.gpu.triton" in line):
             pallas_calls += 1
             attention_calls += "attention" in name
-            seen = set()
+            seen, pools_in_hbm = set(), False
             for o in operands:
                 if o in seen or o not in types:
                     continue
                 seen.add(o)
                 dims = [_elems(d) for _, d in _SHAPE.findall(types[o])]
                 if any(d in pool_elems for d in dims):
-                    continue  # a page pool: counted below by the pages the tables name
+                    # a page pool: counted below by the pages the tables name
+                    pools_in_hbm |= hlo_bytes.type_bytes(types[o], hbm=True) > 0
+                    continue
                 pallas_bytes += _bytes_of(types[o])
+                pallas_hbm_bytes += hlo_bytes.type_bytes(types[o], hbm=True)
             pallas_bytes += _bytes_of(typ)
+            pallas_hbm_bytes += hlo_bytes.type_bytes(typ, hbm=True)
+            attention_hbm_calls += "attention" in name and pools_in_hbm
+    ops, hbm = hlo_bytes.bytes_by_op(text), hlo_bytes.bytes_by_op(text, hbm=True)
     rec = dict(
+        op_bytes=ops["total"], bytes_by_op=ops["top"], bytes_by_scope=ops["by_scope"],
+        hbm_op_bytes=hbm["total"], hbm_bytes_by_scope=hbm["by_scope"],
+        hbm_op_bytes_trips=hlo_bytes.bytes_by_op(text, hbm=True, trips=True)["total"],
         argument_bytes=int(mem.argument_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
         output_bytes=int(mem.output_size_in_bytes), alias_bytes=int(mem.alias_size_in_bytes),
         pool_bytes=int(pool_bytes), flops=float(cost.get("flops", 0.0)),
         xla_bytes_accessed=float(cost.get("bytes accessed", 0.0)), pallas_calls=pallas_calls,
-        pallas_attention_calls=attention_calls, pallas_operand_bytes=pallas_bytes, collectives=collectives, pool_copies=copies,
+        pallas_attention_calls=attention_calls, pallas_operand_bytes=pallas_bytes,
+        pallas_hbm_operand_bytes=pallas_hbm_bytes, pallas_attention_hbm_calls=attention_hbm_calls, collectives=collectives, pool_copies=copies,
         pool_vmem_moves=len(staged))
     if hbm_bytes is not None:
         rec["hbm_bytes"] = hbm_bytes
