@@ -46,13 +46,26 @@ def compile_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def _compile(eng, job, batch) -> None:
+    """Compile one warm-up job (the jitted function, its args, its kwargs); with ``batch``, the
+    job is a plain step of that batch and the sampler of its rows (``Engine.separate_sampler``)
+    is compiled after it, on the logits as the step places them."""
+    compiled = job[0].lower(*job[1], **job[2]).compile()
+    if batch is not None:
+        logits = compiled.out_info[0].logits
+        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=compiled.output_shardings[0].logits)
+        args, kwargs = eng.sampler_args(logits, batch)
+        eng._sampler.lower(*args, **kwargs).compile()
+
+
 def _run_chain(eng, chain) -> None:
     _, eng.state = eng.chainer.run(eng.state, *chain)
 
 
 def warm(eng, max_prompt_len: int | None = None, max_len: int | None = None, *, threads: int | None = None) -> int:
     """Compile every step of ``warmup_shapes`` (chained and verification steps included, and
-    with LoRA enabled every adapter bucket of each) and every slot-insert bucket; returns the
+    with LoRA enabled every adapter bucket of each), the sampler of each row bucket where plain
+    steps sample apart (``Engine.separate_sampler``), and every slot-insert bucket; returns the
     number of executables compiled. threads: plain and chained steps compiled at once
     (default ``compile_threads()``; 1: each as it first runs)."""
     before = eng.num_compilations()
@@ -74,9 +87,17 @@ def warm(eng, max_prompt_len: int | None = None, max_len: int | None = None, *, 
     if threads > 1:
         # the args are the device state as it is now; each run donates and replaces it with
         # arrays of the same shapes and placement, so the runs below find these executables
-        jobs = [job for _, job in runs]
+        jobs, sampled = [], set()
+        for _, (fn, args, kwargs) in runs:
+            # each row bucket's sampler, after the first plain step of its rows (its logits)
+            batch = args[1].batch if fn is eng._step and not kwargs["sample"] else None
+            if batch is not None and batch.rows and batch.rows not in sampled:
+                sampled.add(batch.rows)
+                jobs.append(((fn, args, kwargs), batch))
+            else:
+                jobs.append(((fn, args, kwargs), None))
         with concurrent.futures.ThreadPoolExecutor(min(threads, len(jobs) or 1)) as pool:
-            for f in [pool.submit(lambda j: j[0].lower(*j[1], **j[2]).compile(), job) for job in jobs]:
+            for f in [pool.submit(_compile, eng, job, batch) for job, batch in jobs]:
                 f.result()
     for run, _ in runs:
         run()
