@@ -215,10 +215,12 @@ class Engine:
                           lora_index=np.full(N, -1, np.int32) if loras else None)
         return one if self.D == 1 else replicas.stack([one] * self.D)
 
-    def warmup(self, max_prompt_len: int | None = None, max_len: int | None = None) -> int:
+    def warmup(self, max_prompt_len: int | None = None, max_len: int | None = None, *,
+               compile_threads: int | None = None) -> int:
         """Compile every step shape a workload up to these lengths can hit; returns the number
-        of executables compiled (``engine.warmup``)."""
-        return warm(self, max_prompt_len, max_len)
+        of executables compiled (``engine.warmup``). compile_threads: executables compiled at
+        once (default: one per core this process may use)."""
+        return warm(self, max_prompt_len, max_len, threads=compile_threads)
 
     # ------------------------------------------------------------------ requests
     def validate(self, row: Row) -> None:
@@ -403,6 +405,17 @@ class Engine:
         """The (args, kwargs) ``run_step`` calls the sampler's executable with: logits f32[R, V]
         (a step's, or their abstract value, which warm-up lowers the sampler on)."""
         return (logits, self.state.slots, batch.active, guide), dict(num_logprobs=num_logprobs)
+
+    def lower_step(self, batch: PackedBatch, **kw):
+        """``run_step``'s step executable lowered on the same arguments (``step_args``'s
+        keywords): warm-up compiles it ahead, and the run then builds nothing."""
+        args, kwargs = self.step_args(batch, **kw)
+        return self._step.lower(*args, **kwargs)
+
+    def lower_sampler(self, logits, batch: PackedBatch, **kw):
+        """The sampler's executable (``separate_sampler``) lowered on ``sampler_args``."""
+        args, kwargs = self.sampler_args(logits, batch, **kw)
+        return self._sampler.lower(*args, **kwargs)
 
     def _guide(self, plans, R: int):
         """The decode rows' structured-output masks (bitmask i32[R, V/32], has_mask bool[R];
