@@ -67,7 +67,8 @@ def use_malloc(malloc: str) -> None:
             raise SystemExit("--malloc keep: this C library has no mallopt; pass --malloc default")
 
 
-def tiny_llm(batch: int, max_model_len: int = 1024, num_scheduler_steps: int | None = None):
+def tiny_llm(batch: int, max_model_len: int = 1024, num_scheduler_steps: int | None = None,
+             separate_sampler: bool | None = None):
     """The tiny model's LLM: SmolLM2's tokenizer and vocabulary over 2 random layers of width 64."""
     from jaxinfer import LLM, registry
     from jaxinfer.config import ModelConfig
@@ -80,7 +81,7 @@ def tiny_llm(batch: int, max_model_len: int = 1024, num_scheduler_steps: int | N
     cfg = ModelConfig("llama", vocab_size=49152, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                       d_ff=128, max_position=max_model_len, name="tiny-smollm2-vocab")
     return LLM(random_loaded(cfg, tokenizer=tok), max_model_len=max_model_len, max_num_seqs=batch, progress=False,
-               num_scheduler_steps=num_scheduler_steps)
+               num_scheduler_steps=num_scheduler_steps, separate_sampler=separate_sampler)
 
 
 def bare_batch(eng, B: int, prompt: int, new: int):
@@ -180,6 +181,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[None],
                     help="decode steps chained on device, one engine per value (default: the platform's)")
+    ap.add_argument("--separate-sampler", action=argparse.BooleanOptionalAction, default=None,
+                    help="plain steps sample in an executable of their own (default: the platform's choice)")
     add_malloc_arg(ap)
     a = ap.parse_args()
     use_malloc(a.malloc)
@@ -201,8 +204,9 @@ def run_one(a, B: int) -> dict:
     from jaxinfer import LLM, SamplingParams
 
     steps = a.num_scheduler_steps
-    llms = {S: tiny_llm(B, num_scheduler_steps=S) if a.tiny else
-            LLM(a.model, max_model_len=1024, max_num_seqs=B, progress=False, num_scheduler_steps=S) for S in steps}
+    llms = {S: tiny_llm(B, num_scheduler_steps=S, separate_sampler=a.separate_sampler) if a.tiny else
+            LLM(a.model, max_model_len=1024, max_num_seqs=B, progress=False, num_scheduler_steps=S,
+                separate_sampler=a.separate_sampler) for S in steps}
     llm = llms[steps[0]]
     eng = llm.engine
     def prompts_of(k):  # the k-th set of B prompts: same lengths, no prefix shared with another set

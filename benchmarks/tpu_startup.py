@@ -6,8 +6,10 @@ TPU needed) and report each executable's compile time, the total and the count.
 
 The set is ``engine.warmup.step_shapes`` at the engine's options (``--max-num-seqs``,
 ``--max-num-batched-tokens``, ``--max-model-len``, ``--block-size``; vLLM's defaults as the
-engine's) plus, with ``--num-scheduler-steps`` N > 1, a chained decode per decode shape: what
-``Engine.warmup`` compiles. Every step is built as ``jaxinfer.aot`` builds it: abstract weights
+engine's) plus, with ``--num-scheduler-steps`` N > 1, a chained decode per decode shape, plus,
+as the engine runs on a TPU (``EngineConfig.separate_sampler``), one sampler per row bucket
+beside steps that return their logits (``--no-separate-sampler``: each step samples itself):
+what ``Engine.warmup`` compiles. Every step is built as ``jaxinfer.aot`` builds it: abstract weights
 and pools with the engine's shardings (the pools as many pages as the engine gives them on the
 target: 90% of HBM beside the weights), the Pallas kernels, nothing of the model's size
 allocated. ``--layers`` cuts the model (default: all of them); ``--sample N`` compiles N shapes
@@ -93,8 +95,12 @@ def warmup_set(args) -> list[aot.StepKind]:
                          chunk=args.max_num_batched_tokens, pages_per_seq=pages_per_seq, max_len=args.max_model_len,
                          max_prompt=args.max_model_len)
     kinds = []
+    apart = args.separate_sampler
+    for R in sorted({R for R, _, _ in shapes if R}) if apart else ():
+        kinds.append(aot.StepKind(f"sampler-R{R}", rows=R))
     for R, w, Tp in shapes:
-        kinds.append(aot.StepKind(f"R{R}-w{w}-Tp{Tp}", rows=R, prefill=Tp, max_segments=min(Tp, args.max_num_seqs)))
+        kinds.append(aot.StepKind(f"R{R}-w{w}-Tp{Tp}", rows=R, prefill=Tp, max_segments=min(Tp, args.max_num_seqs),
+                                  sample=not apart))
         if R and not Tp and args.num_scheduler_steps > 1:
             kinds.append(aot.StepKind(f"R{R}-w{w}-chain{args.num_scheduler_steps}", rows=R,
                                       chain=args.num_scheduler_steps))
@@ -102,7 +108,11 @@ def warmup_set(args) -> list[aot.StepKind]:
 
 
 def width_of(kind: aot.StepKind) -> int:
-    return int(kind.name.split("-w")[1].split("-")[0])
+    return int(kind.name.split("-w")[1].split("-")[0]) if "-w" in kind.name else 0
+
+
+def is_sampler(kind: aot.StepKind) -> bool:
+    return kind.name.startswith("sampler-")
 
 
 def sample(kinds: list, n: int | None) -> list:
@@ -112,34 +122,6 @@ def sample(kinds: list, n: int | None) -> list:
     if n == 1:
         return [kinds[len(kinds) // 2]]
     return [kinds[round(i * (len(kinds) - 1) / (n - 1))] for i in range(n)]
-
-
-def sampler_times(args) -> list[dict]:
-    """Compile time of ``sample_step`` alone for the target, at each row count of ``--sampler``."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from jaxinfer.engine.slots import make_slots
-    from jaxinfer.engine.step import sample_step
-
-    mesh = aot.target_mesh(args.target)
-    rep = NamedSharding(mesh, PartitionSpec())
-    V = model_config(args.model).vocab_size
-    records = []
-    for R in args.sampler:
-        slots = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
-                             jax.eval_shape(lambda: make_slots(V, R, 0, vocab_state=False)))
-        logits = jax.ShapeDtypeStruct((R, V), jax.numpy.float32, sharding=rep)
-        fn = jax.jit(lambda x, s: sample_step(x, s.sampling, s.generated, s.stop_ids, s.min_tokens, -1))
-        t0, c0 = time.perf_counter(), time.process_time()
-        with jax.set_mesh(mesh):
-            fn.lower(logits, slots).compile()
-        rec = dict(name=f"sampler-R{R}", rows=R, vocab=V, compile_s=time.perf_counter() - t0,
-                   cpu_s=time.process_time() - c0, load_avg=os.getloadavg())
-        print(json.dumps(rec), file=sys.stderr, flush=True)
-        records.append(rec)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "report.json").write_text(json.dumps(dict(sampler=records), indent=1))
-    return records
 
 
 def main(argv=None):
@@ -157,13 +139,10 @@ def main(argv=None):
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     ap.add_argument("--num-scheduler-steps", type=int, default=1)
+    ap.add_argument("--separate-sampler", action=argparse.BooleanOptionalAction, default=True,
+                    help="plain steps sample in one executable per row bucket, as the engine on a TPU (default)")
     ap.add_argument("--list", action="store_true", help="print the set's executables and stop")
-    ap.add_argument("--sampler", type=int, nargs="+", default=None, metavar="R",
-                    help="instead, compile the steps' sampler alone (engine.step.sample_step) at R rows over the "
-                         "model's vocabulary: how much of a step's compile time is its sampling")
     args = ap.parse_args(argv)
-    if args.sampler:
-        return sampler_times(args)
 
     kinds = warmup_set(args)
     chosen = [k for k in kinds if k.name in set(args.only)] if args.only else sample(kinds, args.sample)
@@ -198,7 +177,10 @@ def main(argv=None):
         counts.start()
         t0, c0 = time.perf_counter(), time.process_time()
         with jax.set_mesh(mesh):
-            lowered, _ = aot.lower_step(cfg, weights, mesh, kernels, kind, work)
+            if is_sampler(kind):
+                lowered = aot.lower_sampler(cfg, mesh, kind.rows)
+            else:
+                lowered, _ = aot.lower_step(cfg, weights, mesh, kernels, kind, work)
             t1 = time.perf_counter()
             lowered.compile()
         t2, c2 = time.perf_counter(), time.process_time()
@@ -227,7 +209,7 @@ def main(argv=None):
         target=args.target, model=args.model, layers=cfg.n_layers, n_layers=full.n_layers,
         options=dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      max_model_len=args.max_model_len, block_size=args.block_size,
-                     num_scheduler_steps=args.num_scheduler_steps),
+                     num_scheduler_steps=args.num_scheduler_steps, separate_sampler=args.separate_sampler),
         num_pages=num_pages, executables_in_set=n_set, compiled=len(records), threads=args.threads,
         # CPU seconds of the whole compile (every thread): on a loaded host, the work itself
         wall_s=wall, cpu_s=cpu, summed_s=summed, mean_s=summed / max(len(records), 1),

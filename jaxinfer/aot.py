@@ -31,7 +31,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.chaining import chained_decode
 from jaxinfer.engine.slots import make_slots
 from jaxinfer.engine.state import EngineState
-from jaxinfer.engine.step import StepInputs, packed_step
+from jaxinfer.engine.step import StepInputs, packed_step, sample_rows
 from jaxinfer.engine.verify import DraftBlock
 from jaxinfer.models.packed import PackedBatch
 from jaxinfer.models.registry import model_family
@@ -215,6 +215,9 @@ class StepKind:
     verify: bool = False
     kv_dtype: str | None = None  # None: the workload's
     max_segments: int | None = None  # prompts the prefill row packs at most; None: min(prefill, 8)
+    # False: a plain step that returns its rows' logits for the sampler's own executable
+    # (``lower_sampler``), as an engine with ``separate_sampler`` runs it
+    sample: bool = True
 
     @property
     def tokens(self) -> int:
@@ -256,11 +259,23 @@ def lower_step(cfg: ModelConfig, weights, mesh: Mesh, kernels: dispatch.Kernels,
                            jax.ShapeDtypeStruct((), jnp.bool_, sharding=rep))
     else:
         # a verification step is the one step with a draft block
-        fn = jax.jit(functools.partial(packed_step, prompt_logprobs=-1, **statics), donate_argnames=("state",))
+        fn = jax.jit(functools.partial(packed_step, prompt_logprobs=-1, sample=kind.sample, **statics),
+                     donate_argnames=("state",))
         lowered = fn.lower(weights, StepInputs(batch, drafts=DraftBlock() if kind.verify else None), state)
     info = dict(pools=pool_shapes(pools), width=width, wwidth=wwidth, page_size=ps,
                 windowed=pools.windowed, kv_dtype=kv_dtype)
     return lowered, info
+
+
+def lower_sampler(cfg: ModelConfig, mesh: Mesh, rows: int, *, num_logprobs: int = -1):
+    """The sampler's own executable (``step.sample_rows``, the slots donated, as
+    ``Engine.separate_sampler`` runs it) for ``rows`` decode rows, lowered on abstract logits
+    f32[rows, V] and slot state replicated over ``mesh``."""
+    rep = NamedSharding(mesh, PartitionSpec())
+    logits = jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.float32, sharding=rep)
+    active = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=rep)
+    fn = jax.jit(functools.partial(sample_rows, num_logprobs=num_logprobs), donate_argnames=("slots",))
+    return fn.lower(logits, abstract_slots(cfg, mesh, rows), active)
 
 
 def lower_image_encoder(encoder, cfg, mesh: Mesh, images: int):

@@ -234,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(w)
     _add_engine(w)
     w.add_argument("--max-prompt-len", type=int, default=None)
+    w.add_argument("--compile-threads", type=int, default=None,
+                   help="executables compiled at once (default: one per core this process may use)")
 
     tm = sub.add_parser("train-medusa", help="train Medusa heads for speculative decoding (self-distillation)")
     tm.add_argument("model_name", metavar="MODEL", help="registry name or path of the model the heads serve")
@@ -429,10 +431,13 @@ def cmd_bench(a) -> int:
 
 def cmd_warmup(a) -> int:
     from jaxinfer import LLM
+    from jaxinfer.errors import InvalidRequest
 
+    if a.compile_threads is not None and a.compile_threads < 1:  # before the model is read
+        raise InvalidRequest(f"--compile-threads must be >= 1, got {a.compile_threads}")
     llm = LLM(a.model, **_model_kwargs(a), **_engine_kwargs(a))
     t0 = time.perf_counter()
-    n = llm.engine.warmup(max_prompt_len=a.max_prompt_len)
+    n = llm.engine.warmup(max_prompt_len=a.max_prompt_len, compile_threads=a.compile_threads)
     print(f"compiled {n} executables in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
 

@@ -75,6 +75,10 @@ class LLM:
     num_scheduler_steps: decode steps one device call may chain while no running row needs the
     host between tokens (see ``jaxinfer.engine.engine.Engine``); 1 never chains; None: the
     platform's default (``engine.config.DEFAULT_SCHEDULER_STEPS``).
+    separate_sampler: plain steps sample in an executable of their own, one per row bucket, so
+    the sampler is compiled once per row count instead of inside every step shape (warm-up on
+    a TPU); None: the platform's default (``engine.config.DEFAULT_SEPARATE_SAMPLER``: on
+    accelerators, not on CPU).
     enable_lora: serve LoRA adapters (``jaxinfer.lora``): ``generate``/``chat`` then take
     ``lora_request=LoRARequest(name, int_id, path)`` (one for every prompt, or one per prompt).
     max_loras: adapters one step may run together (a request for one more waits); max_lora_rank:
@@ -94,7 +98,8 @@ class LLM:
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None,
                  revision: str | None = None, download_dir: str | None = None, generation_config: str = "auto",
                  enable_expert_parallel: bool = False, kernels: str | dispatch.Kernels = "auto",
-                 num_scheduler_steps: int | None = None, enable_lora: bool = False, max_loras: int = 1,
+                 num_scheduler_steps: int | None = None, separate_sampler: bool | None = None,
+                 enable_lora: bool = False, max_loras: int = 1,
                  max_lora_rank: int = 16, max_cpu_loras: int | None = None,
                  limit_mm_per_prompt: dict | None = None, allowed_local_media_path: str | None = None):
         dtype = dtype or default_dtype()
@@ -131,7 +136,7 @@ class LLM:
                             kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_batched_tokens=max_num_batched_tokens,
                             enable_prefix_caching=enable_prefix_caching, scheduling_policy=sched,
                             windowed_kv=windowed_kv, kv_cache_dtype=kv_cache_dtype, kernels=self.kernels,
-                            num_scheduler_steps=num_scheduler_steps,
+                            num_scheduler_steps=num_scheduler_steps, separate_sampler=separate_sampler,
                             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None)
         pools = None
 

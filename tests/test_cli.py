@@ -32,6 +32,11 @@ def test_unknown_model(capsys):
     assert "unknown model 'no-such-model'" in err and "smollm2-135m-instruct" in err
 
 
+def test_warmup_compile_threads_checked_before_the_model_is_read(capsys):
+    err = _err(capsys, ["warmup", "--model", "no-such-model", "--compile-threads", "0"])
+    assert "--compile-threads must be >= 1, got 0" in err
+
+
 def test_truncated_gguf(capsys, tmp_path, smollm2_gguf):
     bad = tmp_path / "cut.gguf"
     with open(smollm2_gguf, "rb") as f:

@@ -184,6 +184,7 @@ def test_the_unpadded_layouts_copy_whole_pools(case):
     ("v5e-1", aot.StepKind("mixed", rows=4, prefill=64)),
     pytest.param("v5e-1", aot.StepKind("mixed-long", rows=4, prefill=1024), marks=pytest.mark.slow),
     ("v5e-1", aot.StepKind("chain", rows=8, chain=2)),
+    ("v5e-1", aot.StepKind("decode-sampling-apart", rows=8, sample=False)),
     ("v6e-1", aot.StepKind("decode", rows=8)),
 ], ids=lambda x: x if isinstance(x, str) else x.name)
 def test_packed_step_compiles_for_tpu_with_the_kernels_in_place(target, kind):
@@ -196,6 +197,24 @@ def test_packed_step_compiles_for_tpu_with_the_kernels_in_place(target, kind):
     assert rec["alias_bytes"] >= rec["pool_bytes"], rec
     assert rec["pool_copies"] == []
     assert rec["temp_bytes"] < rec["pool_bytes"], rec
+
+
+def test_the_sampler_compiles_for_tpu_apart_from_the_step_with_the_slots_in_place():
+    """A step that samples apart hands its rows' logits f32[R, V] to the sampler's own
+    executable (``step.sample_rows``), which takes the slot state donated and returns it
+    aliased."""
+    from jaxinfer.engine.slots import make_slots
+
+    _, step = _step(aot.StepKind("decode", rows=8, sample=False), context=256)
+    out = step.out_info[0]
+    assert out.tokens is None and (out.logits.shape, out.logits.dtype) == ((8, WIDE.vocab_size), jnp.float32)
+    mesh = aot.target_mesh("v5e-1", model=1)
+    with jax.set_mesh(mesh):
+        compiled = aot.lower_sampler(WIDE, mesh, 8).compile()
+    slots = jax.eval_shape(lambda: make_slots(WIDE.vocab_size, 8, 0, vocab_state=False))
+    slot_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(slots))
+    assert compiled.memory_analysis().alias_size_in_bytes >= slot_bytes
+    assert compiled.out_info[0].shape == (8,)  # the tokens
 
 
 def test_int8_kv_decode_step_reads_and_writes_its_pools_in_place():
@@ -290,10 +309,11 @@ def test_tpu_startup_script_compiles_a_sample_of_the_warmup_set_and_finds_it_cac
         reports.append(json.loads((out / "report.json").read_text()))
     shapes = step_shapes(max_num_seqs=4, page_size=16, chunk=32, pages_per_seq=16, max_len=256, max_prompt=256)
     first, second = reports
-    assert first["summary"]["executables_in_set"] == len(shapes)
+    # every step shape, and one sampler per row bucket (plain steps sample apart, as on a TPU)
+    assert first["summary"]["executables_in_set"] == len(shapes) + len({R for R, _, _ in shapes if R})
     assert first["summary"]["compiled"] == 2 and first["summary"]["found_in_cache"] == 0
     assert [r["name"] for r in first["executables"]] == [r["name"] for r in second["executables"]]
-    assert first["executables"][0]["name"] == "R0-w8-Tp32"  # the set's first and last shapes
+    assert first["executables"][0]["name"] == "sampler-R1"  # the set's first and last executables
     assert first["summary"]["new_cache_entries"] == 2
     assert second["summary"]["found_in_cache"] == 2 and second["summary"]["new_cache_entries"] == 0
     assert all(r["compile_s"] > 0 for r in first["executables"])

@@ -202,9 +202,14 @@ class Chainer:
         args, kwargs = self.args(state, batch, remaining, n, exit_on_finish, num_lp)
         return self._fn(*args, **kwargs)
 
+    def lower(self, state, batch: PackedBatch, remaining: np.ndarray, n: int, exit_on_finish: bool, num_lp: int):
+        """``run``'s executable lowered on the same arguments (warm-up compiles it ahead of
+        running it; the run then builds nothing)."""
+        args, kwargs = self.args(state, batch, remaining, n, exit_on_finish, num_lp)
+        return self._fn.lower(*args, **kwargs)
+
     def args(self, state, batch: PackedBatch, remaining: np.ndarray, n: int, exit_on_finish: bool, num_lp: int):
-        """The (args, kwargs) ``run`` calls ``chained_decode`` with (warm-up lowers the chain on
-        them ahead of running it)."""
+        """The (args, kwargs) ``run`` calls ``chained_decode`` with."""
         eng = self.eng
         args = (eng.weights, batch, state, remaining, np.int32(n), np.bool_(exit_on_finish))
         return args, dict(**({"lora": eng.lora.stacks} if eng.lora is not None else {}), cfg=eng.cfg,

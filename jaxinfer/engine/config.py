@@ -18,8 +18,8 @@ from jaxinfer.config import AttentionKind, ModelConfig
 from jaxinfer.engine.scheduler import Scheduling, window_pool_pages
 from jaxinfer.errors import InvalidRequest
 
-__all__ = ["CPU_KV_CACHE_BYTES", "DEFAULT_SCHEDULER_STEPS", "EngineConfig", "Scheduling", "kv_budget", "pool_sizes",
-           "scheduler_steps", "start_pools"]
+__all__ = ["CPU_KV_CACHE_BYTES", "DEFAULT_SCHEDULER_STEPS", "DEFAULT_SEPARATE_SAMPLER", "EngineConfig", "Scheduling", "kv_budget", "pool_sizes",
+           "scheduler_steps", "separate_sampler", "start_pools"]
 
 CPU_KV_CACHE_BYTES = 2 << 30  # the page pools' budget on CPU when kv_cache_memory_bytes is not given
 # decode steps chained on device when num_scheduler_steps is not given, by platform
@@ -27,6 +27,11 @@ CPU_KV_CACHE_BYTES = 2 << 30  # the page pools' budget on CPU when kv_cache_memo
 # device, and building the chains' executables costs a short job more than they save; an
 # accelerator keeps 1 until the engine has been measured there with chains
 DEFAULT_SCHEDULER_STEPS = {"cpu": 1, "accelerator": 1}
+# whether a plain step's sampler runs as an executable of its own when separate_sampler is not
+# given, by platform (benchmarks/RESULTS.md, "TPU (compiled, not run)"): on an accelerator every
+# step executable compiled its own copy of the sampler, most of its compile time; on a CPU the
+# compiles are cheap and the second dispatch a step is not worth it
+DEFAULT_SEPARATE_SAMPLER = {"cpu": False, "accelerator": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +59,10 @@ class EngineConfig:
     # decode steps one device call may chain when no running row needs the host between tokens
     # (``engine.chaining.chained_decode``); None: the platform's default (DEFAULT_SCHEDULER_STEPS)
     num_scheduler_steps: int | None = None
+    # a plain step's sampling as an executable of its own, one per row bucket, that every step
+    # shape of that many rows shares (``step.sample_rows``); None: the platform's default
+    # (DEFAULT_SEPARATE_SAMPLER). Engines with replicas or an EAGLE head always sample in the step
+    separate_sampler: bool | None = None
     # LoRA adapters (``lora.LoRAConfig``: max_loras, max_lora_rank, max_cpu_loras); None: none
     lora: object = None
 
@@ -90,6 +99,14 @@ def scheduler_steps(config: EngineConfig) -> int:
     if config.num_scheduler_steps is not None:
         return config.num_scheduler_steps
     return DEFAULT_SCHEDULER_STEPS["cpu" if jax.default_backend() == "cpu" else "accelerator"]
+
+
+def separate_sampler(config: EngineConfig, platform: str) -> bool:
+    """Whether plain steps sample in an executable of their own: ``separate_sampler``, else the
+    default of ``platform`` (the engine's devices')."""
+    if config.separate_sampler is not None:
+        return config.separate_sampler
+    return DEFAULT_SEPARATE_SAMPLER["cpu" if platform == "cpu" else "accelerator"]
 
 
 def kv_budget(config: EngineConfig, devices=None) -> int:

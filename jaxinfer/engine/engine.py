@@ -39,14 +39,15 @@ from jaxinfer.engine.adapters import lora_manager
 from jaxinfer.engine.batch import build_batch, plan_shape, window_width
 from jaxinfer.engine.chaining import Chainer
 from jaxinfer.engine.compiles import CompileCounter
-from jaxinfer.engine.config import EngineConfig, check_combination, kv_budget, pool_sizes, scheduler_steps
+from jaxinfer.engine.config import (EngineConfig, check_combination, kv_budget, pool_sizes, scheduler_steps,
+                                    separate_sampler)
 from jaxinfer.engine.consume import InFlight, StepKind, consume, prompt_logprob_segments
 from jaxinfer.engine.rows import Row
 from jaxinfer.engine.scheduler import Scheduler, Seq
 from jaxinfer.engine.slots import STOP_ID_WIDTH, SlotState, insert_step, slot_states_for, slots_with_vocab_state
 from jaxinfer.engine.speculative import SpeculativeConfig
 from jaxinfer.engine.state import EngineState
-from jaxinfer.engine.step import StepInputs, packed_step
+from jaxinfer.engine.step import StepInputs, packed_step, sample_rows
 from jaxinfer.engine.verify import NO_DRAFTING, DraftBlock
 from jaxinfer.engine.warmup import warm
 from jaxinfer.errors import InvalidRequest
@@ -135,7 +136,13 @@ class Engine:
         if D > 1:  # the one step, per replica
             fn, insert = functools.partial(replicas.replicas_step, mesh=mesh, **statics), replicas.insert_replica
         self._step = self._compiles.counted(jax.jit(fn, static_argnames=("cfg", "num_logprobs", "prompt_logprobs",
-                                                                         "kernels"), donate_argnames=("state",)))
+                                                                         "kernels", "sample"), donate_argnames=("state",)))
+        # plain steps' sampling apart: one executable per row bucket and sampling options, shared
+        # by every step shape (``step.sample_rows``); replicas and an EAGLE head sample in the step
+        self.separate_sampler = (separate_sampler(config, self.kernels.platform or jax.default_backend())
+                                 and D == 1 and (self.drafter is None or self.drafter.eagle is None))
+        self._sampler = self._compiles.counted(jax.jit(functools.partial(sample_rows), static_argnames=("num_logprobs",),
+                                                       donate_argnames=("slots",)))
         self._insert = self._compiles.counted(jax.jit(functools.partial(insert), donate_argnames=("slots",)))
         self.chainer = Chainer(self, scheduler_steps(config),
                                "data_parallel" if D > 1 else "pipeline" if self.pipeline is not None
@@ -211,10 +218,12 @@ class Engine:
                           lora_index=np.full(N, -1, np.int32) if loras else None)
         return one if self.D == 1 else replicas.stack([one] * self.D)
 
-    def warmup(self, max_prompt_len: int | None = None, max_len: int | None = None) -> int:
+    def warmup(self, max_prompt_len: int | None = None, max_len: int | None = None, *,
+               compile_threads: int | None = None) -> int:
         """Compile every step shape a workload up to these lengths can hit; returns the number
-        of executables compiled (``engine.warmup``)."""
-        return warm(self, max_prompt_len, max_len)
+        of executables compiled (``engine.warmup``). compile_threads: executables compiled at
+        once (default: one per core this process may use)."""
+        return warm(self, max_prompt_len, max_len, threads=compile_threads)
 
     # ------------------------------------------------------------------ requests
     def validate(self, row: Row) -> None:
@@ -373,16 +382,43 @@ class Engine:
         args, kwargs = self.step_args(batch, num_logprobs=num_logprobs, prompt_logprobs=prompt_logprobs, guide=guide,
                                       drafts=drafts)
         out, self.state = self._step(*args, **kwargs)
+        if out.logits is not None:  # the step left its sampling to the sampler's executable
+            args, kwargs = self.sampler_args(out.logits, batch, num_logprobs=num_logprobs, guide=guide)
+            tokens, lp, slots = self._sampler(*args, **kwargs)
+            self.state = dataclasses.replace(self.state, slots=slots)
+            out = dataclasses.replace(out, tokens=tokens, logprobs=lp, logits=None)
         return out
 
     def step_args(self, batch: PackedBatch, *, num_logprobs: int = -1, prompt_logprobs: int = -1, guide=None,
                   drafts: DraftBlock | None = None):
         """The (args, kwargs) ``run_step`` calls the jitted step with, on the engine's device
-        state (warm-up lowers the step on them ahead of running it)."""
+        state (warm-up lowers the step on them ahead of running it). A plain step whose
+        sampling runs apart (``separate_sampler``) takes neither the logprobs width nor the
+        masks: one executable per shape serves every sampling option."""
+        apart = self.separate_sampler and drafts is None
+        if apart:
+            num_logprobs, guide = -1, None
         models = self.drafter.models(batch.rows, drafts is not None) if self.drafter is not None else None
         inputs = StepInputs(batch, guide, self.lora.stacks if self.lora is not None else None, drafts, models)
         return (self.weights, inputs, self.state), dict(cfg=self.cfg, num_logprobs=num_logprobs,
-                                                        prompt_logprobs=prompt_logprobs, kernels=self.kernels)
+                                                        prompt_logprobs=prompt_logprobs, kernels=self.kernels,
+                                                        sample=not apart)
+
+    def sampler_args(self, logits, batch: PackedBatch, *, num_logprobs: int = -1, guide=None):
+        """The (args, kwargs) ``run_step`` calls the sampler's executable with: logits f32[R, V]
+        (a step's, or their abstract value, which warm-up lowers the sampler on)."""
+        return (logits, self.state.slots, batch.active, guide), dict(num_logprobs=num_logprobs)
+
+    def lower_step(self, batch: PackedBatch, **kw):
+        """``run_step``'s step executable lowered on the same arguments (``step_args``'s
+        keywords): warm-up compiles it ahead, and the run then builds nothing."""
+        args, kwargs = self.step_args(batch, **kw)
+        return self._step.lower(*args, **kwargs)
+
+    def lower_sampler(self, logits, batch: PackedBatch, **kw):
+        """The sampler's executable (``separate_sampler``) lowered on ``sampler_args``."""
+        args, kwargs = self.sampler_args(logits, batch, **kw)
+        return self._sampler.lower(*args, **kwargs)
 
     def _guide(self, plans, R: int):
         """The decode rows' structured-output masks (bitmask i32[R, V/32], has_mask bool[R];

@@ -1,4 +1,4 @@
-"""The one jitted engine step (``packed_step``) and the one sampling step.
+"""The one jitted engine step (``packed_step``) and the one sampling step (``sample_rows``).
 
 ``packed_step`` runs the model once over a ``models.packed.PackedBatch`` (decode rows plus a
 packed prefill row) and takes the engine's device state (``state.EngineState``: page pools,
@@ -11,6 +11,11 @@ then it may emit several tokens per row. Everything else is the one path: the fo
 EAGLE head's entries of every token computed. Chains of decode steps (``chaining``) and
 data-parallel replicas (``replicas``) wrap it. The kernel choice (``dispatch.Kernels``) is a
 static argument, so it is part of the executable's cache key.
+
+A plain step may leave its sampling to an executable of its own (``sample=False``, then
+``sample_rows``): the sampler's compile depends only on the row count and the sampling options,
+so on an accelerator, where each step executable took its own copy of it to compile, one
+sampler per row bucket serves every step shape (``Engine`` decides, ``EngineConfig.separate_sampler``).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class StepOutput:
     accepted: jax.Array | None = None  # i32[R] drafts accepted per row (verification)
     next_drafts: jax.Array | None = None  # i32[R, K] (EAGLE branches: [R, W, K]) each row's next block's drafts
     drafted: jax.Array | None = None  # i32[R] drafts each row carried, where they were made on device (n-gram chained)
+    logits: jax.Array | None = None  # f32[R, V] a plain step's sampling logits, where it leaves sampling to ``sample_rows``
 
 
 def sampled_logprobs(logits, tokens, num_logprobs: int):
@@ -85,6 +91,34 @@ def sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs, guide=N
     return tokens, sampled_logprobs(logits, tokens, num_logprobs), state
 
 
+def advance_slots(slots: SlotState, new: SlotState, active) -> SlotState:
+    """slots (every slot [S, ...]) with the first R replaced by new ([R, ...]) where active
+    (bool[R]): idle slots (and ones still prefilling) keep their state, since seeds and
+    penalties must not see steps they took no part in."""
+    R = active.shape[0]
+    sub = jax.tree.map(lambda a: a[:R], slots)
+    keep = lambda n, o: jnp.where(active.reshape((R,) + (1,) * (n.ndim - 1)), n, o)
+    sub = jax.tree.map(keep, new, sub)
+    return jax.tree.map(lambda a, s: a.at[:R].set(s), slots, sub)
+
+
+def sample_rows(logits, slots: SlotState, active, guide=None, *, num_logprobs: int):
+    """The sampling of a plain step: logits f32[R, V] of its R decode rows (slots 0..R-1) ->
+    (tokens i32[R], logprobs or None, slots advanced: each active row's new token counted).
+
+    ``packed_step`` runs it inside the step, or, with ``sample=False``, returns the logits for
+    it to run as an executable of its own (jitted with the slots donated): its compile depends
+    only on R, V and the sampling options, not on the step's table widths and prefill shapes,
+    so one per row bucket serves every step of that many rows. guide: ``sample_step``'s."""
+    R = logits.shape[0]
+    with jax.named_scope("sample"):
+        sub = jax.tree.map(lambda a: a[:R], slots)
+        tokens, lp, sampling = sample_step(logits, sub.sampling, sub.generated, sub.stop_ids, sub.min_tokens,
+                                           num_logprobs, guide)
+        new = SlotState(sampling, tokens, sub.stop_ids, sub.min_tokens, sub.generated + 1)
+        return tokens, lp, advance_slots(slots, new, active)
+
+
 def token_logprobs(logits, targets, num_top: int):
     """Teacher-forced logprobs: logits f32[T, V], targets i32[T] (-1: none) -> (chosen f32[T],
     rank i32[T], top ids i32[T, n], top logprobs f32[T, n])."""
@@ -97,7 +131,7 @@ def token_logprobs(logits, targets, num_top: int):
 
 def packed_step(weights, inputs: StepInputs, state: EngineState, *, cfg, windowed, num_logprobs: int,
                 prompt_logprobs: int, kernels: Kernels, pipeline=None, keys_transposed: bool = True,
-                drafting: verify.Drafting = verify.NO_DRAFTING):
+                drafting: verify.Drafting = verify.NO_DRAFTING, sample: bool = True):
     """One scheduler iteration on device -> (StepOutput, EngineState).
 
     Decode row r is slot r. Its first query token is the host's, or, where use_prev, the
@@ -123,10 +157,18 @@ def packed_step(weights, inputs: StepInputs, state: EngineState, *, cfg, windowe
     pipeline: None, or an ``engine.pipeline.PipelineLayout`` (static): the layers then run as
     pipeline stages over micro-batches, with weights and pools stacked by stage.
     keys_transposed: the layout of every keys pool here, the target's and the drafter's
-    (``cache.PagedKVCache.keys_transposed``, static)."""
+    (``cache.PagedKVCache.keys_transposed``, static).
+    sample: False (static; a plain step with no EAGLE head only): the step samples nothing and
+    returns its decode rows' logits (``StepOutput.logits``) with the slot state untouched, for
+    ``sample_rows`` to run apart; ``num_logprobs`` and ``inputs.guide`` are then the sampler's
+    and must be -1 and None here."""
     with jax.named_scope("packed_step"):
         mod = model_family(cfg.family)
         batch, block, models = inputs.batch, inputs.drafts, inputs.drafter or verify.DraftModels()
+        if not sample and (block is not None or models.eagle is not None or num_logprobs >= 0
+                           or inputs.guide is not None):
+            raise ValueError("sample=False is for plain steps without an EAGLE head; their logprobs and "
+                             "structured-output masks belong to the sampler (sample_rows)")
         k_pages, v_pages, slots, draft_kv = state.k_pages, state.v_pages, state.slots, state.draft_kv
         if inputs.lora is not None and batch.lora_active is not None:
             weights = lora_mod.attach(weights, inputs.lora, batch.lora_active, batch.lora_index, kernels)
@@ -153,11 +195,11 @@ def packed_step(weights, inputs: StepInputs, state: EngineState, *, cfg, windowe
                                    **images)
         else:
             h, k_pages, v_pages = pipeline_forward(pipeline, weights, vb.tokens, vb, k_pages, v_pages, cfg=cfg, **dk)
-        tokens = lp = plp = accepted = next_drafts = emitted = None
+        tokens = lp = plp = accepted = next_drafts = emitted = to_sample = None
         if R:
             sub = jax.tree.map(lambda a: a[:R], slots)
             if block is None:
-                with jax.named_scope("sample"):
+                with jax.named_scope("logits"):
                     if Q > 1:
                         row_logits = mod.unembed(weights, h[0, : R * Q].reshape(R, Q, -1), cfg)  # f32[R, Q, V]
                         logits = jnp.take_along_axis(row_logits, batch.last_q[:, None, None], axis=1)[:, 0]
@@ -166,9 +208,11 @@ def packed_step(weights, inputs: StepInputs, state: EngineState, *, cfg, windowe
                         # token, XLA CPU lays the logits out so that the greedy argmax first copies
                         # all of them (12.6 MB a step at R = 64 over a 49,152-token vocabulary)
                         logits = mod.unembed(weights, h[:, :R], cfg)[0]  # f32[R, V]
-                    tokens, lp, sampling = sample_step(logits, sub.sampling, sub.generated, sub.stop_ids,
-                                                       sub.min_tokens, num_logprobs, inputs.guide)
-                upd = SlotState(sampling, tokens, sub.stop_ids, sub.min_tokens, sub.generated + 1)
+                if sample:
+                    tokens, lp, slots = sample_rows(logits, slots, batch.active, inputs.guide,
+                                                    num_logprobs=num_logprobs)
+                else:
+                    to_sample = logits
                 if models.eagle is not None:  # query j's next token is query j + 1's, the sampled one after the last
                     t = batch.tokens[: R * Q].reshape(R, Q)
                     shifted = jnp.concatenate([t[:, 1:], t[:, :1]], axis=1)
@@ -186,11 +230,7 @@ def packed_step(weights, inputs: StepInputs, state: EngineState, *, cfg, windowe
                     flat = row_logits.reshape(R * Q, -1)
                     lp = sampled_logprobs(flat, jnp.maximum(tokens.reshape(-1), 0), num_logprobs)
                     lp = tuple(a.reshape((R, Q) + a.shape[1:]) for a in lp)
-            # idle slots (and ones still prefilling) keep their state: seeds and penalties
-            # must not see steps they took no part in
-            keep = lambda n, o: jnp.where(batch.active.reshape((R,) + (1,) * (n.ndim - 1)), n, o)
-            sub = jax.tree.map(keep, upd, sub)
-            slots = jax.tree.map(lambda a, s: a.at[:R].set(s), slots, sub)
+                slots = advance_slots(slots, upd, batch.active)
         if cache is not None:
             k_pages, v_pages = cache.k, cache.v
         if prompt_logprobs >= 0 and batch.prefill_len:
@@ -204,5 +244,5 @@ def packed_step(weights, inputs: StepInputs, state: EngineState, *, cfg, windowe
                 if block is not None and R:
                     next_drafts, draft_kv = verify.eagle_next_drafts(models.eagle, weights, g, batch, accepted,
                                                                      draft_kv, W, cfg=cfg, **dk)
-    out = StepOutput(tokens, lp, plp, accepted, next_drafts, drafted)
+    out = StepOutput(tokens, lp, plp, accepted, next_drafts, drafted, to_sample)
     return out, EngineState(k_pages, v_pages, slots, draft_kv)

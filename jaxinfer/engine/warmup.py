@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxinfer.engine import buckets
+from jaxinfer.errors import InvalidRequest
 
 
 def step_shapes(*, max_num_seqs: int, page_size: int, chunk: int, pages_per_seq: int, max_len: int,
@@ -46,39 +47,55 @@ def compile_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def _compile(eng, lower, batch) -> None:
+    """Compile one warm-up executable (``lower()`` lowers it); with ``batch``, it is a plain
+    step of that batch that samples apart (``Engine.separate_sampler``), and the sampler of its
+    rows is compiled after it, on the logits as the step places them."""
+    compiled = lower().compile()
+    if batch is not None:
+        logits = compiled.out_info[0].logits
+        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=compiled.output_shardings[0].logits)
+        eng.lower_sampler(logits, batch).compile()
+
+
 def _run_chain(eng, chain) -> None:
     _, eng.state = eng.chainer.run(eng.state, *chain)
 
 
 def warm(eng, max_prompt_len: int | None = None, max_len: int | None = None, *, threads: int | None = None) -> int:
     """Compile every step of ``warmup_shapes`` (chained and verification steps included, and
-    with LoRA enabled every adapter bucket of each) and every slot-insert bucket; returns the
-    number of executables compiled. threads: plain and chained steps compiled at once
-    (default ``compile_threads()``; 1: each as it first runs)."""
+    with LoRA enabled every adapter bucket of each), the sampler of each row bucket where plain
+    steps sample apart (``Engine.separate_sampler``), and every slot-insert bucket; returns the
+    number of executables compiled. threads: executables compiled at once (default
+    ``compile_threads()``; 1: each as it first runs)."""
+    if threads is not None and threads < 1:
+        raise InvalidRequest(f"compile threads must be >= 1, got {threads}")
     before = eng.num_compilations()
     # with LoRA adapters, each shape once without adapter rows and once per active-set bucket
     # (1, 2, 4, ..., max_loras: ``buckets.lora_buckets``), its tokens on none of them
     loras = [0] + (buckets.lora_buckets(eng.lora.config.max_loras) if eng.lora is not None else [])
-    runs = []  # (run it, (the jitted function, its args, its kwargs)) in warm-up's order
+    # (run it, lower it, the batch whose rows' sampler is compiled after it or None) in warm-up's order
+    runs, sampled = [], set()
     for R, w, Tp in warmup_shapes(eng, max_prompt_len, max_len):
         for n in loras:
             batch = eng.idle_batch(R, w, Tp, loras=n)
-            runs.append((lambda b=batch: eng.run_step(b), (eng._step, *eng.step_args(batch))))
+            first = eng.separate_sampler and R and R not in sampled  # the first plain step of R rows
+            sampled.add(R)
+            runs.append((lambda b=batch: eng.run_step(b), lambda b=batch: eng.lower_step(b), batch if first else None))
             if R and not Tp and eng.chainer.enabled:
                 chain = (eng.idle_batch(R, w, 0, loras=n), np.zeros(R, np.int32), 0, False, -1)
-                runs.append((lambda c=chain: _run_chain(eng, c), (eng.chainer._fn, *eng.chainer.args(eng.state, *chain))))
+                runs.append((lambda c=chain: _run_chain(eng, c), lambda c=chain: eng.chainer.lower(eng.state, *c), None))
         for batch, block in eng.drafter.warm_steps(R, w, Tp) if eng.drafter is not None else ():
             runs.append((lambda b=batch, d=block: eng.run_step(b, drafts=d),
-                         (eng._step, *eng.step_args(batch, drafts=block))))
+                         lambda b=batch, d=block: eng.lower_step(b, drafts=d), None))
     threads = compile_threads() if threads is None else threads
     if threads > 1:
-        # the args are the device state as it is now; each run donates and replaces it with
-        # arrays of the same shapes and placement, so the runs below find these executables
-        jobs = [job for _, job in runs]
-        with concurrent.futures.ThreadPoolExecutor(min(threads, len(jobs) or 1)) as pool:
-            for f in [pool.submit(lambda j: j[0].lower(*j[1], **j[2]).compile(), job) for job in jobs]:
+        # lowered on the device state as it is now; each run below donates and replaces it with
+        # arrays of the same shapes and placement, so the runs find these executables
+        with concurrent.futures.ThreadPoolExecutor(min(threads, len(runs) or 1)) as pool:
+            for f in [pool.submit(_compile, eng, lower, batch) for _, lower, batch in runs]:
                 f.result()
-    for run, _ in runs:
+    for run, _, _ in runs:
         run()
     eng.reset_slots()  # warm-up sampled into idle slots
     if eng.D == 1:  # every row bucket of _insert_rows, host state as slot_states_for's, all padding
