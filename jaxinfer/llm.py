@@ -208,6 +208,8 @@ class LLM:
             from jaxinfer.engine import multimodal
 
             self.engine.images = multimodal.load(self.model_path, self.tokenizer, dtype=dtype)
+            if self.engine.images is not None:
+                self.engine.images.limit = (self.limit_mm_per_prompt or {}).get("image")
         if self.engine.pipeline is not None:  # the weights now live stacked by stage
             self.weights = self.engine.weights
             self.parallel = dict(self.parallel, **self.engine.pipeline.report())

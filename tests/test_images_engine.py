@@ -196,3 +196,37 @@ def test_images_with_speculative_decoding_are_refused(ckpt):
     llm = _llm(ckpt[0], speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(InvalidRequest, match="image inputs are not supported with .*speculative decoding"):
         _run(llm, [_prompt(np.random.default_rng(1), 1)], [_images(1)])
+
+
+@pytest.mark.slow
+def test_after_warm_up_image_requests_compile_nothing(ckpt):
+    """Warm-up builds the encoder for each image bucket and each prefill step's image variant:
+    prompts with one or two images, chunked and packed with text prompts, then build no
+    executable. With images not allowed (limit_mm_per_prompt 0) warm-up leaves them out."""
+    from jaxinfer.engine import multimodal, warmup
+
+    path, _ = ckpt
+    rng = np.random.default_rng(12)
+    counts = [1, 0, 2, 1, 0]
+    prompts = [_prompt(rng, n) for n in counts]
+    pool = iter(_images(sum(counts), seed=3))
+    images = [[next(pool) for _ in range(n)] for n in counts]
+    small = dict(max_num_seqs=2, block_size=16, num_gpu_blocks_override=32)
+    assert not warmup.takes_images(_llm(path, limit_mm_per_prompt={"image": 0}, **small).engine)
+    llm = _llm(path, **small)
+    assert warmup.takes_images(llm.engine)
+    llm.engine.warmup(max_prompt_len=32, max_len=40)
+    assert llm.engine.images.num_compilations() == len(multimodal.ENCODE_BUCKETS)
+    assert {(b.rows, b.prefill_len) for b in _image_steps(llm)} == {(0, 16), (1, 16), (2, 16)}
+    before = llm.engine.num_compilations()
+    _run(llm, prompts, images, plp=False)
+    assert llm.engine.images.stats["images_encoded"] == sum(counts)
+    assert llm.engine.num_compilations() == before
+
+
+def _image_steps(llm):
+    from jaxinfer.engine import warmup
+
+    eng = llm.engine
+    shapes = warmup.warmup_shapes(eng, 32, 40)
+    return [job[1][1].batch for _, job in warmup.image_runs(eng, shapes, [0])]
