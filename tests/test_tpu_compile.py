@@ -244,3 +244,23 @@ def test_gemma3_image_encoder_compiles_for_v5e():
     text = compiled.as_text()
     assert "bf16[2,256,2560]" in text
     assert compiled.memory_analysis().temp_size_in_bytes < 1 << 30
+
+
+def test_gemma3_step_with_an_image_compiles_for_v5e_with_the_pools_in_place():
+    """A toy Gemma 3 (one local and one global layer, heads of 128, pools larger than VMEM)
+    whose packed step carries an image: 8 decode rows beside a prefill row of 128 tokens, 64 of
+    them an image's soft tokens scattered into the embeddings and attending bidirectionally
+    (the prefill row then reads its pages with XLA's reader, the decode rows with the kernel).
+    The donated pools come back aliased, no whole pool is copied, and the image rows are an
+    operand of the program."""
+    from jaxinfer.config import AttentionKind
+    from jaxinfer.models import gemma3
+
+    cfg = dataclasses.replace(gemma3.PRESETS["gemma-3-4b"], vocab_size=2048, d_model=256, n_layers=2, n_heads=8,
+                              n_kv_heads=8, head_dim=128, d_ff=512, sliding_window=512, dtype="bfloat16",
+                              layer_kinds=(AttentionKind.LOCAL, AttentionKind.GLOBAL), name="gemma-3-toy")
+    rec, compiled = _step(aot.StepKind("image", rows=8, prefill=128, image_tokens=64), cfg=cfg)
+    assert rec["alias_bytes"] >= rec["pool_bytes"], rec
+    assert rec["pool_copies"] == []
+    assert rec["temp_bytes"] < rec["pool_bytes"], rec
+    assert "bf16[128,256]" in compiled.as_text()
