@@ -177,17 +177,31 @@ def test_prefill_row_image_mask_equals_the_attention_reference(monkeypatch, wind
 
 
 @pytest.mark.slow
-def test_with_pallas_kernels_image_steps_read_with_the_reference(ckpt):
-    """Pallas kernels (interpret mode on CPU): the ragged kernel has no image mask, so a step
-    with image tokens reads its pages with the XLA readers; the results equal transformers."""
+def test_with_pallas_kernels_image_steps_read_with_the_reference(ckpt, monkeypatch):
+    """Pallas kernels (interpret mode on CPU): the ragged kernel has no image mask, so in a step
+    with image tokens the prefill row reads its pages with XLA's reader while the decode rows
+    beside it keep the decode kernel; the results equal transformers."""
     from jaxinfer.images import ImageProcessor
+    from jaxinfer.models import packed
 
+    traced = []
+    decode_kernel = packed.decode_kernel_attention
+    monkeypatch.setattr(packed, "decode_kernel_attention", lambda q, *a, **k: traced.append(a[2].attend_to is not None) or
+                        decode_kernel(q, *a, **k))
     path, ref = ckpt
-    llm = _llm(path, kernels="pallas")
-    ids = _prompt(np.random.default_rng(3), 2)
-    imgs = _images(2, seed=1)
-    (got,) = _run(llm, [ids], [imgs], max_tokens=3)
-    _check_against_transformers(ref, ids, imgs, got, ImageProcessor.from_dir(path))
+    llm = _llm(path, kernels="pallas", block_size=8)  # pages the kernels tile (f32: multiples of 8)
+    rng = np.random.default_rng(3)
+    prompts = [_prompt(rng, 0), _prompt(rng, 2), _prompt(rng, 1)]
+    images = [None, _images(2, seed=1), _images(1, seed=5)]
+    built = []
+    build = llm.engine.build
+    llm.engine.build = lambda *a, **k: built.append(build(*a, **k)) or built[-1]
+    got = _run(llm, prompts, images, max_tokens=3)
+    assert any(b.rows and b.attend_to is not None for b in built)  # decode rows beside an image's prefill
+    assert any(traced)  # traced with the decode kernel beside an image's prefill row
+    proc = ImageProcessor.from_dir(path)
+    for ids, imgs, g in zip(prompts, images, got):
+        _check_against_transformers(ref, ids, imgs or [], g, proc)
 
 
 def test_images_with_speculative_decoding_are_refused(ckpt):
