@@ -15,7 +15,7 @@ alike over every case:
   The seconds from adding it to its first token (the steps that prefill it), median over
   --repeat, and the encoder's call alone: with images the step costs the encoder call more.
 
-    python benchmarks/image_mixed_step.py --vision-layers 2 --repeat 3
+    cd benchmarks && python image_mixed_step.py --vision-layers 2 --repeat 3 --steps 15
 
 prints one JSON line.
 """
@@ -85,7 +85,7 @@ def main():
 
         def decode_case(images: bool) -> list[float]:
             """Seconds of each step of the text rows and the other rows, all decoding."""
-            n = a.steps + 40
+            n = a.steps + 20
             for _ in range(a.text_rows):
                 add({"prompt_token_ids": text(a.prompt_tokens)}, n)
             for _ in range(a.other_rows):

@@ -112,8 +112,9 @@ class PackedBatch:
     lora_active: jax.Array | None = None
     # i32[N] each token's index into lora_active (-1: none); None with lora_active
     lora_index: jax.Array | None = None
-    # images (``engine.multimodal``): the step's image soft tokens [n, D] (n bucketed), each
-    # token's row in them i32[N] (-1: a text token, its own embedding), and attend_to i32[Tp],
+    # images (``engine.multimodal``): the step's image soft tokens [Tp, D] (in their tokens'
+    # order, zero-padded to the prefill row's size: one image variant per shape), each token's
+    # row in them i32[N] (-1: a text token, its own embedding), and attend_to i32[Tp],
     # the last position each prefill-row token sees (its own, or its image's last for an image's
     # token: bidirectional within an image, which lies whole in one chunk). All None in a step
     # without images: no extra work, and the executable of a text-only step.
