@@ -110,7 +110,7 @@ HF_CONFIGS = {
                        tie_word_embeddings=False, hidden_act="silu"),
 }
 # the rest come from the families' own presets (Gemma 3: its 5:1 local/global pattern)
-PRESETS = {"gemma-3-27b": ("gemma3", "gemma-3-27b")}
+PRESETS = {"gemma-3-4b": ("gemma3", "gemma-3-4b"), "gemma-3-27b": ("gemma3", "gemma-3-27b")}
 KINDS = {
     "decode-1": aot.StepKind("decode-1", rows=1),
     "decode-64": aot.StepKind("decode-64", rows=64),
@@ -119,6 +119,9 @@ KINDS = {
     "chain-8": aot.StepKind("chain-8", rows=64, chain=8),
     "verify-4": aot.StepKind("verify-4", rows=64, q=5, verify=True),
     "decode-64-int8kv": aot.StepKind("decode-64-int8kv", rows=64, kv_dtype="int8"),
+    # a multimodal checkpoint's step with an image: a 512-token prefill row holding one image's
+    # 256 soft tokens (Gemma 3), beside 64 decode rows; asked for by name only
+    "image-256": aot.StepKind("image-256", rows=64, prefill=512, image_tokens=256),
 }
 
 
@@ -233,7 +236,8 @@ def main(argv=None):
     ap.add_argument("--target", default="v6e-1", choices=sorted(aot.TARGETS))
     ap.add_argument("--model", default="llama-3-8b", choices=[*HF_CONFIGS, *PRESETS])
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    ap.add_argument("--kinds", nargs="+", default=[k for k, v in KINDS.items() if not v.image_tokens],
+                    choices=list(KINDS))
     ap.add_argument("--tp", type=int, default=None, help="tensor parallelism (default: every chip)")
     ap.add_argument("--quantization", choices=["int8", "int4", "w8a8"], default=None)
     ap.add_argument("--enable-expert-parallel", action="store_true")

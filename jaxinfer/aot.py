@@ -190,6 +190,16 @@ def batch_for(mesh: Mesh, *, rows: int, width: int, wwidth: int = 1, q: int = 1,
     return replicated(mesh, b)
 
 
+def with_images(mesh: Mesh, batch: PackedBatch, cfg: ModelConfig) -> PackedBatch:
+    """``batch`` as a step whose prefill row holds image soft tokens (``ImageInputs.attach``):
+    their embeddings [Tp, D] in the model's dtype, each token's row in them, the bidirectional
+    mask's last position per prefill-row token."""
+    N, Tp = batch.tokens.shape[0], batch.prefill_len
+    return dataclasses.replace(batch, **replicated(mesh, dict(
+        image_embeds=np.zeros((Tp, cfg.d_model), jnp.dtype(cfg.dtype)), image_index=np.zeros(N, np.int32),
+        attend_to=np.zeros(Tp, np.int32))))
+
+
 # ----------------------------------------------------------------------------- the workload
 @dataclasses.dataclass(frozen=True)
 class Workload:
@@ -218,6 +228,7 @@ class StepKind:
     # False: a plain step that returns its rows' logits for the sampler's own executable
     # (``lower_sampler``), as an engine with ``separate_sampler`` runs it
     sample: bool = True
+    image_tokens: int = 0  # image soft tokens in the prefill row (``engine.multimodal``); 0: a text step
 
     @property
     def tokens(self) -> int:
@@ -247,6 +258,8 @@ def lower_step(cfg: ModelConfig, weights, mesh: Mesh, kernels: dispatch.Kernels,
     slots = abstract_slots(cfg, mesh, max(kind.rows, 1))
     batch = batch_for(mesh, rows=kind.rows, width=width, wwidth=wwidth, q=kind.q, prefill=kind.prefill,
                       max_segments=min(kind.prefill, 8) if kind.max_segments is None else kind.max_segments)
+    if kind.image_tokens:
+        batch = with_images(mesh, batch, cfg)
     statics = dict(cfg=cfg, windowed=pools.windowed, num_logprobs=-1, kernels=kernels, keys_transposed=transposed)
     state = EngineState(pools.k, pools.v, slots)
     if kind.chain:

@@ -213,6 +213,8 @@ class LLM:
             from jaxinfer.engine import multimodal
 
             self.engine.images = multimodal.load(self.model_path, self.tokenizer, dtype=dtype)
+            if self.engine.images is not None:
+                self.engine.images.limit = (self.limit_mm_per_prompt or {}).get("image")
         if self.engine.pipeline is not None:  # the weights now live stacked by stage
             self.weights = self.engine.weights
             self.parallel = dict(self.parallel, **self.engine.pipeline.report())
@@ -322,7 +324,8 @@ class LLM:
         "image_pil": PIL.Image}) become the model's image marker where they stand; the ids then
         carry the images (``multimodal.ImagePrompt``)."""
         images = self.engine.images
-        conv, sources = _plain_conversation(conv, i, None if images is None else images.boi)
+        conv, sources = _plain_conversation(conv, i, None if images is None else images.boi,
+                                            parts=self.tokenizer.renders_content_parts)
         if sources:
             self._check_images(len(sources), f"conversation {i}")
         text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
@@ -776,12 +779,14 @@ def _image_source(p: dict, i):
     return url
 
 
-def _plain_conversation(conv, i, boi: str | None = None) -> tuple[list[dict], list]:
-    """The conversation with each message's content one string, and the images its parts name
-    (URLs or images), in order. A list of content parts (vLLM's and OpenAI's) has its text parts
-    joined with newlines, as vLLM joins them; with image parts (boi: the model's image marker;
-    None: the model takes no images), the parts are joined in order as Gemma 3's chat template
-    joins them: each image as its marker, each text stripped, nothing between."""
+def _plain_conversation(conv, i, boi: str | None = None, *, parts: bool = False) -> tuple[list[dict], list]:
+    """The conversation as the chat template takes it, and the images its parts name (URLs or
+    images), in order. parts (the template loops over content parts, as multimodal ones do): a
+    list of content parts stays a list, in transformers' form ({"type": "text", "text": ...},
+    {"type": "image"}), and the template places each image's marker. Otherwise each message's
+    content becomes one string: text parts joined with newlines, as vLLM joins them; with image
+    parts (boi: the model's image marker; None: the model takes no images), the parts joined in
+    order as Gemma 3's chat template joins them: each image as its marker, each text stripped."""
     if not isinstance(conv, list) or not conv:
         raise InvalidRequest(f"conversation {i} must be a non-empty list of messages")
     out, sources = [], []
@@ -801,6 +806,10 @@ def _plain_conversation(conv, i, boi: str | None = None) -> tuple[list[dict], li
                     raise InvalidRequest(f"conversation {i}: this model takes no images (its checkpoint has no "
                                          "image encoder jaxinfer runs); send text content")
                 sources += [_image_source(p, i) for p in content if p["type"] in _IMAGE_PARTS]
+            if parts:
+                m = {**m, "content": [{"type": "text", "text": p["text"]} if p["type"] == "text" else {"type": "image"}
+                                      for p in content]}
+            elif kinds & _IMAGE_PARTS:
                 m = {**m, "content": "".join(p["text"].strip() if p["type"] == "text" else boi for p in content)}
             else:
                 m = {**m, "content": "\n".join(p["text"] for p in content)}

@@ -135,10 +135,11 @@ class Message(BaseModel):
         return "\n".join(p.text for p in self.content)  # vLLM joins text parts with newlines
 
     def for_template(self) -> dict:
-        """The message as the chat template takes it (developer is read as system); one with
-        image parts keeps its parts (``LLM.encode_chat`` reads them)."""
-        images = not isinstance(self.content, str) and any(p.type == "image_url" for p in self.content)
-        content = [p.model_dump(exclude_none=True) for p in self.content] if images else self.text()
+        """The message as the chat template takes it (developer is read as system); content
+        parts stay parts: ``LLM.encode_chat`` gives them to a template that loops over them, and
+        joins them into one string for one that does not."""
+        content = [p.model_dump(exclude_none=True) for p in self.content] if self.content and not isinstance(
+            self.content, str) else self.text()
         out = {"role": "system" if self.role == "developer" else self.role, "content": content}
         return out if self.tool_call_id is None else {**out, "tool_call_id": self.tool_call_id}
 

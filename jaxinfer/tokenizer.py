@@ -416,6 +416,10 @@ def _compile_chat_template(source: str):
 # The public classes.
 
 
+# a chat template's loop over a message's content parts: {% for item in message['content'] %}
+_CONTENT_LOOP = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
+
+
 class Tokenizer:
     """Text to token ids and back, for one checkpoint.
 
@@ -489,6 +493,13 @@ class Tokenizer:
     def detokenizer(self, *, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A streaming decoder: feed ids one by one, get text as soon as it is complete."""
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def renders_content_parts(self) -> bool:
+        """Whether the chat template loops over a message's content, a list of typed parts (as
+        multimodal templates do): it is then given the parts themselves rather than one string,
+        as vLLM gives its "openai" content format to the templates it finds such a loop in."""
+        return self.chat_template is not None and _CONTENT_LOOP.search(self.chat_template) is not None
 
     def apply_chat_template(
         self, messages: list[dict], *, add_generation_prompt: bool = True, **kwargs

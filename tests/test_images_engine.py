@@ -177,17 +177,31 @@ def test_prefill_row_image_mask_equals_the_attention_reference(monkeypatch, wind
 
 
 @pytest.mark.slow
-def test_with_pallas_kernels_image_steps_read_with_the_reference(ckpt):
-    """Pallas kernels (interpret mode on CPU): the ragged kernel has no image mask, so a step
-    with image tokens reads its pages with the XLA readers; the results equal transformers."""
+def test_with_pallas_kernels_image_steps_read_with_the_reference(ckpt, monkeypatch):
+    """Pallas kernels (interpret mode on CPU): the ragged kernel has no image mask, so in a step
+    with image tokens the prefill row reads its pages with XLA's reader while the decode rows
+    beside it keep the decode kernel; the results equal transformers."""
     from jaxinfer.images import ImageProcessor
+    from jaxinfer.models import packed
 
+    traced = []
+    decode_kernel = packed.decode_kernel_attention
+    monkeypatch.setattr(packed, "decode_kernel_attention", lambda q, *a, **k: traced.append(a[2].attend_to is not None) or
+                        decode_kernel(q, *a, **k))
     path, ref = ckpt
-    llm = _llm(path, kernels="pallas")
-    ids = _prompt(np.random.default_rng(3), 2)
-    imgs = _images(2, seed=1)
-    (got,) = _run(llm, [ids], [imgs], max_tokens=3)
-    _check_against_transformers(ref, ids, imgs, got, ImageProcessor.from_dir(path))
+    llm = _llm(path, kernels="pallas", block_size=8)  # pages the kernels tile (f32: multiples of 8)
+    rng = np.random.default_rng(3)
+    prompts = [_prompt(rng, 0), _prompt(rng, 2), _prompt(rng, 1)]
+    images = [None, _images(2, seed=1), _images(1, seed=5)]
+    built = []
+    build = llm.engine.build
+    llm.engine.build = lambda *a, **k: built.append(build(*a, **k)) or built[-1]
+    got = _run(llm, prompts, images, max_tokens=3)
+    assert any(b.rows and b.attend_to is not None for b in built)  # decode rows beside an image's prefill
+    assert any(traced)  # traced with the decode kernel beside an image's prefill row
+    proc = ImageProcessor.from_dir(path)
+    for ids, imgs, g in zip(prompts, images, got):
+        _check_against_transformers(ref, ids, imgs or [], g, proc)
 
 
 def test_images_with_speculative_decoding_are_refused(ckpt):
@@ -196,3 +210,37 @@ def test_images_with_speculative_decoding_are_refused(ckpt):
     llm = _llm(ckpt[0], speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(InvalidRequest, match="image inputs are not supported with .*speculative decoding"):
         _run(llm, [_prompt(np.random.default_rng(1), 1)], [_images(1)])
+
+
+@pytest.mark.slow
+def test_after_warm_up_image_requests_compile_nothing(ckpt):
+    """Warm-up builds the encoder for each image bucket and each prefill step's image variant:
+    prompts with one or two images, chunked and packed with text prompts, then build no
+    executable. With images not allowed (limit_mm_per_prompt 0) warm-up leaves them out."""
+    from jaxinfer.engine import multimodal, warmup
+
+    path, _ = ckpt
+    rng = np.random.default_rng(12)
+    counts = [1, 0, 2, 1, 0]
+    prompts = [_prompt(rng, n) for n in counts]
+    pool = iter(_images(sum(counts), seed=3))
+    images = [[next(pool) for _ in range(n)] for n in counts]
+    small = dict(max_num_seqs=2, block_size=16, num_gpu_blocks_override=32)
+    assert not warmup.takes_images(_llm(path, limit_mm_per_prompt={"image": 0}, **small).engine)
+    llm = _llm(path, **small)
+    assert warmup.takes_images(llm.engine)
+    llm.engine.warmup(max_prompt_len=32, max_len=40)
+    assert llm.engine.images.num_compilations() == len(multimodal.ENCODE_BUCKETS)
+    assert {(b.rows, b.prefill_len) for b in _image_steps(llm)} == {(0, 16), (1, 16), (2, 16)}
+    before = llm.engine.num_compilations()
+    _run(llm, prompts, images, plp=False)
+    assert llm.engine.images.stats["images_encoded"] == sum(counts)
+    assert llm.engine.num_compilations() == before
+
+
+def _image_steps(llm):
+    from jaxinfer.engine import warmup
+
+    eng = llm.engine
+    shapes = warmup.warmup_shapes(eng, 32, 40)
+    return [job[1][1].batch for _, job in warmup.image_runs(eng, shapes, [0])]

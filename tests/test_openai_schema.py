@@ -87,11 +87,13 @@ MEANINGS = [
     ("chat", {"messages": [{"role": "user", "content": "hi", "name": None, "tool_calls": None}], "temperature": None,
               "n": None, "stop": None, "max_tokens": None, "logprobs": None, "model": None},
      {"messages": USER, "params": SamplingParams(max_tokens=256), "max_tokens_set": False, "top_logprobs": None}),
-    # developer is read as system; text parts are joined with newlines (vLLM's rule)
+    # developer is read as system; content parts stay parts (encode_chat joins them for a
+    # template that does not loop over them)
     ("chat", {"messages": [{"role": "developer", "content": "be brief"},
                            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                            {"role": "assistant", "content": "c"}, {"role": "tool", "content": "4", "tool_call_id": "t1"}]},
-     {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"},
+     {"messages": [{"role": "system", "content": "be brief"},
+                   {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                    {"role": "assistant", "content": "c"}, {"role": "tool", "content": "4", "tool_call_id": "t1"}]}),
     # max_completion_tokens replaces the deprecated max_tokens
     ("chat", {"messages": USER, "max_tokens": 5, "max_completion_tokens": 7},

@@ -51,6 +51,23 @@ def test_text_tower_equals_transformers(model_type, tmp_path):
     llm = LLM(str(path), max_model_len=128, progress=False, kv_cache_memory_bytes=4 << 20, max_num_seqs=2)
     assert llm.cfg.vocab_size == ft.V
     ft.assert_matches(ft.generate(llm, ft.PROMPTS[:2]), ref, what=f"{arch} text tower")
+    if model_type != "gemma3":  # (Gemma 3 runs its images given a preprocessor_config.json)
+        _refuses_images(llm, path)
+
+
+def _refuses_images(llm, path):
+    """A checkpoint whose vision tower jaxinfer does not run: its images get one clear error,
+    even with an image processor config beside it, and its text still runs."""
+    from PIL import Image
+
+    from jaxinfer.errors import InvalidRequest
+
+    (path / "preprocessor_config.json").write_text(json.dumps({"size": {"height": 28, "width": 28}}))
+    img = Image.new("RGB", (8, 8))
+    with pytest.raises(InvalidRequest, match="conversation 0: this model takes no images"):
+        llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": img}]}], use_tqdm=False)
+    with pytest.raises(InvalidRequest, match="prompt 0: this model takes no images"):
+        llm.generate({"prompt": "t5 t6", "multi_modal_data": {"image": img}}, use_tqdm=False)
 
 
 def test_a_tower_in_transformers_4_5x_layout_loads(tmp_path):

@@ -189,7 +189,7 @@ class Engine:
     def num_compilations(self) -> int:
         """Executables built so far by the engine's jitted steps (each compiled, or loaded from
         the persistent compilation cache): exact, see ``engine.compiles``."""
-        return self._compiles.count
+        return self._compiles.count + (self.images.num_compilations() if self.images is not None else 0)
 
     def num_running(self) -> int:
         return sum(s is not None for sc in self.scheds for s in sc.slots)

@@ -9,8 +9,9 @@ call, padded to ``ENCODE_BUCKETS`` images (``ImageInputs.encode``); the soft tok
 on the host with the request, so a preempted request is recomputed without encoding again.
 
 Each step that holds image tokens carries them on its ``PackedBatch`` (``attach``): the soft
-tokens of just those tokens ([n, D], n bucketed), each token's row in them, and for the prefill
-row the last position each token sees (an image's last token for an image's, its own for the
+tokens of just those tokens ([Tp, D], as many rows as the prefill row has tokens, so a step
+shape has one image variant and warm-up can build each), each token's row in them, and for the
+prefill row the last position each token sees (an image's last token for an image's, its own for the
 rest). The scheduler never cuts an image's tokens across prefill chunks (``cut``), so that
 block lies inside one prefill row. A step without image tokens carries none of this and runs
 the executable a text-only engine runs; its text rows do no image work.
@@ -29,11 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.engine.compiles import CompileCounter
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.models.packed import PackedBatch
 
 ENCODE_BUCKETS = (1, 2, 4, 8)  # images encoded in one call, padded up to the next of these
-TOKEN_BUCKET_MIN = 16  # a step's image tokens are padded to a power of two, at least this
 
 
 @dataclasses.dataclass(eq=False)
@@ -97,8 +98,37 @@ class ImageInputs:
         self.image_token, self.markers = image_token, markers
         self.boi = markers[0]
         self.mm_tokens = cfg.mm_tokens
-        self._encode = jax.jit(functools.partial(encoder.encode, cfg=cfg))
+        self.limit: int | None = None  # images one prompt may hold (limit_mm_per_prompt; None: any)
+        self._compiles = CompileCounter()
+        self._encode = self._compiles.counted(jax.jit(functools.partial(encoder.encode, cfg=cfg)))
         self.stats = {"images_encoded": 0, "encoder_calls": 0}
+
+    def num_compilations(self) -> int:
+        """Executables the encoder's jitted call has built (one per ENCODE_BUCKETS size met)."""
+        return self._compiles.count
+
+    @functools.cached_property
+    def soft_tokens(self) -> jax.ShapeDtypeStruct:
+        """The shape and dtype of one image's soft tokens, [M, D]."""
+        px = jax.ShapeDtypeStruct((1, 3, self.processor.height, self.processor.width), jnp.float32)
+        out = jax.eval_shape(functools.partial(self.encoder.encode, cfg=self.cfg), self.weights, px)
+        return jax.ShapeDtypeStruct(out.shape[1:], out.dtype)
+
+    # ------------------------------------------------------------------ warm-up
+    def warm_encoder(self) -> None:
+        """Build the encoder's executable for each of ENCODE_BUCKETS (a step's images from many
+        prompts, each of which may start its prefill partway into an image, can need any)."""
+        for b in ENCODE_BUCKETS:
+            px = jnp.zeros((b, 3, self.processor.height, self.processor.width), jnp.float32)
+            jax.block_until_ready(self._encode(self.weights, px))
+
+    def idle(self, batch: PackedBatch) -> PackedBatch:
+        """``batch`` (with a prefill row) in the shape ``attach`` gives a step with images, but
+        with no token an image's: warm-up runs it to build that executable."""
+        Tp, soft = batch.prefill_len, self.soft_tokens
+        return dataclasses.replace(batch, image_embeds=np.zeros((Tp, soft.shape[-1]), soft.dtype),
+                                   image_index=np.full(batch.tokens.shape[0], -1, np.int32),
+                                   attend_to=np.asarray(batch.positions)[batch.rows * batch.q:].copy())
 
     # ------------------------------------------------------------------ requests
     def pixels(self, images, what: str) -> np.ndarray:
@@ -167,8 +197,7 @@ class ImageInputs:
         if pending:
             self.encode(pending)
         N, Tp = batch.tokens.shape[0], batch.prefill_len
-        n = max(TOKEN_BUCKET_MIN, 1 << (len(hits) - 1).bit_length())
-        rows = np.zeros((n, hits[0][1].embeds.shape[-1]), hits[0][1].embeds.dtype)
+        rows = np.zeros((Tp, hits[0][1].embeds.shape[-1]), hits[0][1].embeds.dtype)
         index = np.full(N, -1, np.int32)
         positions = np.asarray(batch.positions)
         attend_to = positions[R * Q :].copy()

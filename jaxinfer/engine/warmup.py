@@ -58,13 +58,33 @@ def _compile(eng, lower, batch) -> None:
         eng.lower_sampler(logits, batch).compile()
 
 
+def takes_images(eng) -> bool:
+    """Whether ``eng`` runs image requests: it has an image encoder, images are allowed
+    (limit_mm_per_prompt), and nothing it runs with refuses them (``multimodal.validate``)."""
+    im = eng.images
+    return (im is not None and im.limit != 0 and eng.D == 1 and eng.pipeline is None and eng.spec is None
+            and im.mm_tokens <= eng.config.max_num_batched_tokens)
+
+
+def image_runs(eng, shapes, loras) -> list:
+    """warm's runs for the steps that carry image soft tokens: each shape with a prefill row,
+    once per LoRA bucket, in the image variant ``multimodal.ImageInputs.attach`` gives."""
+    runs = []
+    for R, w, Tp in shapes:
+        for n in loras if Tp else ():
+            batch = eng.images.idle(eng.idle_batch(R, w, Tp, loras=n))
+            runs.append((lambda b=batch: eng.run_step(b), lambda b=batch: eng.lower_step(b), None))
+    return runs
+
+
 def _run_chain(eng, chain) -> None:
     _, eng.state = eng.chainer.run(eng.state, *chain)
 
 
 def warm(eng, max_prompt_len: int | None = None, max_len: int | None = None, *, threads: int | None = None) -> int:
-    """Compile every step of ``warmup_shapes`` (chained and verification steps included, and
-    with LoRA enabled every adapter bucket of each), the sampler of each row bucket where plain
+    """Compile every step of ``warmup_shapes`` (chained and verification steps included,
+    with LoRA enabled every adapter bucket of each, and for a model that takes images the image
+    encoder and each prefill step's image variant), the sampler of each row bucket where plain
     steps sample apart (``Engine.separate_sampler``), and every slot-insert bucket; returns the
     number of executables compiled. threads: executables compiled at once (default
     ``compile_threads()``; 1: each as it first runs)."""
@@ -88,6 +108,9 @@ def warm(eng, max_prompt_len: int | None = None, max_len: int | None = None, *, 
         for batch, block in eng.drafter.warm_steps(R, w, Tp) if eng.drafter is not None else ():
             runs.append((lambda b=batch, d=block: eng.run_step(b, drafts=d),
                          lambda b=batch, d=block: eng.lower_step(b, drafts=d), None))
+    if takes_images(eng):  # the encoder once per image bucket, and each step's image variant
+        eng.images.warm_encoder()
+        runs += image_runs(eng, warmup_shapes(eng, max_prompt_len, max_len), loras)
     threads = compile_threads() if threads is None else threads
     if threads > 1:
         # lowered on the device state as it is now; each run below donates and replaces it with

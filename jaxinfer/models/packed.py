@@ -115,8 +115,9 @@ class PackedBatch:
     lora_active: jax.Array | None = None
     # i32[N] each token's index into lora_active (-1: none); None with lora_active
     lora_index: jax.Array | None = None
-    # images (``engine.multimodal``): the step's image soft tokens [n, D] (n bucketed), each
-    # token's row in them i32[N] (-1: a text token, its own embedding), and attend_to i32[Tp],
+    # images (``engine.multimodal``): the step's image soft tokens [Tp, D] (in their tokens'
+    # order, zero-padded to the prefill row's size: one image variant per shape), each token's
+    # row in them i32[N] (-1: a text token, its own embedding), and attend_to i32[Tp],
     # the last position each prefill-row token sees (its own, or its image's last for an image's
     # token: bidirectional within an image, which lies whole in one chunk). All None in a step
     # without images: no extra work, and the executable of a text-only step.
@@ -215,6 +216,17 @@ class PackedKV:
         if path == dispatch.PagedPath.RAGGED and b.attend_to is None:  # (the kernel has no image mask term)
             return ragged_kernel_attention(q, ks[layer], vs[layer], b, table, base, page, kernels=self.kernels,
                                            **opts), cache
+        if path == dispatch.PagedPath.RAGGED and R and Q == 1 and dispatch.paged_path(
+                self.kernels, ks[layer], vs[layer], defer_writes=self.defer_writes, sinks=sinks is not None,
+                decode_only=True, keys_transposed=self.keys_transposed) == dispatch.PagedPath.DECODE:
+            # a step with image tokens: its prefill row reads with XLA's reader (below), and its
+            # decode rows keep a kernel, so text rows pay nothing for the images beside them
+            od = decode_kernel_attention(q[:, :R], ks[layer], vs[layer], b, table, base, kernels=self.kernels,
+                                         **opts)
+            op = prefill_row_attention(q[:, R:], k[:, R:], v[:, R:], b.positions[R:], b.seg, ks[layer], vs[layer],
+                                       table[R:], None if base is None else base[R:], b.hist_end,
+                                       attend_to=b.attend_to, native=False, **opts)
+            return jnp.concatenate([od, op], axis=1), cache
         native = path == dispatch.PagedPath.NATIVE
         outs = []
         if R:
