@@ -10,7 +10,9 @@
 //       -DOT=float -DFN=run_wo8 benchmarks/kernel_cpu_time.cc -o /tmp/wo8
 //   g++ ... -DSRC='"int8_gemv.cc"' -DWT=int8_t -DXT=int8_t -DOT=int32_t -DFN=run_s8_avx2 ... -o /tmp/s8
 //   g++ ... -DSRC='"f32_gemv.cc"' -DWT=float -DXT=float -DOT=float -DFN='run_io<Isa::kAvx2>' ... -o /tmp/f32
+//   g++ ... -DSRC='"int8_gemv.cc"' -DWT=int8_t -DXT=int8_t -DOT=int32_t -DFN=run_s8p_avx2 -DPACK_S8 ... -o /tmp/s8p
 //   /tmp/wo8 ROWS [REPS]      # prints the best pass in ms
+// (-DPACK_S8: each weight packed first, as cpu_kernels.s8_pack does at load, for s8_gemm_packed.)
 // (f32_gemv's run_io takes up to 16 rows in the engine; it runs any number here.)
 #include SRC
 
@@ -41,6 +43,13 @@ int main(int argc, char** argv) {
     for (const auto& s : layer) {
       ws.emplace_back(s[0] * s[1]);
       for (auto& v : ws.back()) v = static_cast<WT>(std::rand() % 255 - 127);
+#ifdef PACK_S8
+      std::vector<WT> p(ws.back().size());  // [O/16, I/2, 32]: byte (nb, kp, 2n + j) = w[2kp + j, 16nb + n]
+      for (int64_t k = 0; k < s[0]; ++k)
+        for (int64_t o = 0; o < s[1]; ++o)
+          p[((o / 16) * (s[0] / 2) + k / 2) * 32 + 2 * (o % 16) + k % 2] = ws.back()[k * s[1] + o];
+      ws.back() = p;
+#endif
     }
   std::vector<XT> x(M * F);
   std::vector<OT> out(M * F);
