@@ -566,59 +566,13 @@ __attribute__((target("avx2"))) void widen_pairs(const int8_t* w, int64_t I, int
   }
 }
 
-// G rows of int16 pairs x2 (row stride ldx int16) of the block at column o over pairs of weight
-// rows [k0, k1); the accumulators wait in `out` between panels.
-#define JAXINFER_S8_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-template <int G>
-__attribute__((target("avx2"))) void s8_rows_avx2(const int16_t* x2, const int16_t* panel, int32_t* out, int64_t ldx,
-                                                  int64_t O, int64_t o, int64_t k0, int64_t k1) {
-  static_assert(G >= 1 && G <= 6);
-  __m256i a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5;
-#define LOAD(m)                                                                                                 \
-  if constexpr (m < G) {                                                                                        \
-    a##m = k0 == 0 ? _mm256_setzero_si256() : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + m * O + o)); \
-    b##m = k0 == 0 ? _mm256_setzero_si256()                                                                     \
-                   : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + m * O + o + 8));                 \
-  }
-  JAXINFER_S8_ROWS(LOAD)
-#undef LOAD
-  const int16_t* p = panel;
-  const int16_t* xk = x2 + k0;
-  for (int64_t k = k0; k < k1; k += 2, p += 2 * kW, xk += 2) {
-    const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
-    const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 16));
-#define MADD(m)                                                                         \
-  if constexpr (m < G) {                                                                \
-    int32_t pair;                                                                       \
-    std::memcpy(&pair, xk + m * ldx, sizeof(pair));                                     \
-    const __m256i xb = _mm256_set1_epi32(pair);                                         \
-    a##m = _mm256_add_epi32(a##m, _mm256_madd_epi16(xb, w0));                           \
-    b##m = _mm256_add_epi32(b##m, _mm256_madd_epi16(xb, w1));                           \
-  }
-    JAXINFER_S8_ROWS(MADD)
-#undef MADD
-  }
-#define STORE(m)                                                                        \
-  if constexpr (m < G) {                                                                \
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * O + o), a##m);             \
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * O + o + 8), b##m);         \
-  }
-  JAXINFER_S8_ROWS(STORE)
-#undef STORE
-}
-#undef JAXINFER_S8_ROWS
-
-using S8Rows = void (*)(const int16_t*, const int16_t*, int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
-constexpr S8Rows kS8Rows[kG + 1] = {nullptr,         s8_rows_avx2<1>, s8_rows_avx2<2>, s8_rows_avx2<3>,
-                                    s8_rows_avx2<4>, s8_rows_avx2<5>, s8_rows_avx2<6>};
-
-// kG = 6 rows of the block at column o, as s8_rows_avx2<6> computes them (the same integers), in
-// inline assembly: g++ 12 keeps only some of s8_rows_avx2<6>'s 12 accumulators in registers and
-// moves the others through the stack on every k, which ran the kernel at 47 G multiply-adds per
-// second out of L1 against 73 this way (benchmarks/kernel_cpu_time.cc's numbers are in RESULTS.md).
-// The 16 ymm registers: 12 accumulators, the two weight vectors of a pair of rows, the
-// broadcast activation pair and the product, which is added to its accumulator at once.
-// Two statements of three rows each, since one asm statement takes at most 30 operands.
+// kG = 6 rows of int16 pairs x2 (row stride ldx int16) of the block at column o over pairs of
+// weight rows [k0, k1) of the panel; the accumulators wait in `out` between panels. Inline
+// assembly: g++ 12 kept only some of the 12 accumulators of the same loop in intrinsics in
+// registers and moved the others through the stack on every k (47 G multiply-adds per second
+// out of L1, against 73 this way). The 16 ymm registers: 12 accumulators, the two weight
+// vectors of a pair of rows, the broadcast activation pair and the product, added to its
+// accumulator at once. Two statements of three rows each: one takes at most 30 operands.
 __attribute__((target("avx2"))) void s8_rows6_asm(const int16_t* x2, const int16_t* panel, int32_t* out,
                                                   int64_t ldx, int64_t O, int64_t o, int64_t k0, int64_t k1) {
   __m256i a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5, w0, w1, xb, t;
@@ -661,13 +615,22 @@ __attribute__((target("avx2"))) void s8_rows6_asm(const int16_t* x2, const int16
 #undef STORE
 }
 
-// Rows [m0, m1) of the block at column o over the panel's pairs of weight rows [k0, k1).
-__attribute__((target("avx2"))) void s8_panel_rows(const int16_t* x2, const int16_t* panel, int32_t* out, int64_t ldx,
-                                                   int64_t O, int64_t o, int64_t k0, int64_t k1, int64_t m0,
-                                                   int64_t m1) {
+// Rows [m0, m1) of the block at column o over the panel's pairs of weight rows [k0, k1). x2's
+// rows go on in zeros to a multiple of kG, and a last group of fewer rows runs s8_rows6_asm
+// too, into `tail` [kG, O] (s8_tail_rows moves its rows to out): s8_rows_avx2<4> took a
+// 64-row call's last 4 rows in the time of 11 of the others.
+__attribute__((target("avx2"))) void s8_panel_rows(const int16_t* x2, const int16_t* panel, int32_t* out,
+                                                   int32_t* tail, int64_t ldx, int64_t O, int64_t o, int64_t k0,
+                                                   int64_t k1, int64_t m0, int64_t m1) {
   int64_t m = m0;
   for (; m + kG <= m1; m += kG) s8_rows6_asm(x2 + m * ldx, panel, out + m * O, ldx, O, o, k0, k1);
-  if (m < m1) kS8Rows[m1 - m](x2 + m * ldx, panel, out + m * O, ldx, O, o, k0, k1);
+  if (m < m1) s8_rows6_asm(x2 + m * ldx, panel, tail, ldx, O, o, k0, k1);
+}
+
+// Rows past the last whole group of kG, columns [c0, c1), from `tail` into out [M, O].
+void s8_tail_rows(const int32_t* tail, int32_t* out, int64_t M, int64_t O, int64_t c0, int64_t c1) {
+  for (int64_t m = M / kG * kG; m < M; ++m)
+    std::memcpy(out + m * O + c0, tail + (m % kG) * O + c0, (c1 - c0) * sizeof(int32_t));
 }
 
 // Up to 4 rows (batch-1 decode, small batches): no panel. Each pair of weight rows is widened to
@@ -750,11 +713,10 @@ __attribute__((target("avx2"))) void run_s8_avx2(const Job& j) {  // c0 a multip
   const int64_t M = j.M, I = j.I, O = j.O, I2 = (I + 1) & ~int64_t(1);
   const int64_t nb = (j.c1 - j.c0) / kW;
   if (nb > 0) {
-    std::unique_ptr<int16_t[]> x2(new int16_t[M * I2]);
-    for (int64_t m = 0; m < M; ++m) {
+    const int64_t Mp = (M + kG - 1) / kG * kG;  // rows past M: zeros
+    std::unique_ptr<int16_t[]> x2(new int16_t[Mp * I2]());
+    for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < I; ++k) x2[m * I2 + k] = x[m * I + k];
-      if (I2 != I) x2[m * I2 + I] = 0;
-    }
     if (M <= 4 && I > 0) {
       int64_t o = j.c0;
       switch (M) {
@@ -767,6 +729,7 @@ __attribute__((target("avx2"))) void run_s8_avx2(const Job& j) {  // c0 a multip
       return;
     }
     alignas(64) int16_t panel[2 * kKc2 * kW];
+    std::unique_ptr<int32_t[]> tail(new int32_t[kG * O]);
     for (int64_t m0 = 0; m0 < M; m0 += kMc) {
       const int64_t m1 = std::min(m0 + kMc, M);
       for (int64_t k0 = 0; k0 < I2; k0 += 2 * kKc2) {
@@ -774,10 +737,11 @@ __attribute__((target("avx2"))) void run_s8_avx2(const Job& j) {  // c0 a multip
         for (int64_t b = 0; b < nb; ++b) {
           const int64_t o = j.c0 + b * kW;
           widen_pairs(w, I, O, o, k0, k1, panel);
-          s8_panel_rows(x2.get(), panel, out, I2, O, o, k0, k1, m0, m1);
+          s8_panel_rows(x2.get(), panel, out, tail.get(), I2, O, o, k0, k1, m0, m1);
         }
       }
     }
+    s8_tail_rows(tail.get(), out, M, O, j.c0, j.c0 + nb * kW);
   }
   if (j.c0 + nb * kW < j.c1) gemv_scalar(x, w, out, M, I, O, O, 0, j.c0 + nb * kW, j.c1);
 }
@@ -870,7 +834,8 @@ __attribute__((target("avx2"))) void run_s8p_avx2(const Job& j) {  // c0, c1 mul
       for (int64_t o = j.c0; o < j.c1; ++o) out[m * O + o] = 0;
     return;
   }
-  std::unique_ptr<int16_t[]> x2(new int16_t[M * I]);
+  const int64_t Mp = (M + kG - 1) / kG * kG;  // rows past M: zeros
+  std::unique_ptr<int16_t[]> x2(new int16_t[Mp * I]());
   for (int64_t i = 0; i < M * I; ++i) x2[i] = x[i];
   switch (M) {
     case 1: return s8p_direct_rows<1>(x2.get(), p, out, I, KP, O, b0, b1);
@@ -880,6 +845,7 @@ __attribute__((target("avx2"))) void run_s8p_avx2(const Job& j) {  // c0, c1 mul
     default: break;
   }
   alignas(64) int16_t panel[2 * kKc2 * kW];
+  std::unique_ptr<int32_t[]> tail(new int32_t[kG * O]);
   for (int64_t m0 = 0; m0 < M; m0 += kMc) {
     const int64_t m1 = std::min(m0 + kMc, M);
     for (int64_t kp0 = 0; kp0 < KP; kp0 += kKc2) {
@@ -897,10 +863,11 @@ __attribute__((target("avx2"))) void run_s8p_avx2(const Job& j) {  // c0, c1 mul
           _mm256_store_si256(reinterpret_cast<__m256i*>(panel + 32 * i + 16),
                              _mm256_cvtepi8_epi16(_mm_loadu_si128(s + 1)));
         }
-        s8_panel_rows(x2.get(), panel, out, I, O, b * kW, 2 * kp0, 2 * kp1, m0, m1);
+        s8_panel_rows(x2.get(), panel, out, tail.get(), I, O, b * kW, 2 * kp0, 2 * kp1, m0, m1);
       }
     }
   }
+  s8_tail_rows(tail.get(), out, M, O, j.c0, j.c1);
 }
 
 ffi::Error Wo8Gemv(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::ResultBuffer<ffi::F32> out,
