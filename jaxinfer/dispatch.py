@@ -182,8 +182,7 @@ def bind(weights, specs, k: Kernels):
     """``weights`` carrying the matmul choice of ``k`` (see the module docstring); ``specs``:
     the model's ``weight_specs`` (which weights are multiplied, which hold experts). The native
     choice packs, once, what its kernels read better packed: w8a8 weights into AMX tiles (AMX
-    CPUs: XLA's own s8 dot repacks the whole weight on every call) or, on AVX2 CPUs without
-    VNNI, into s8_gemm_packed's interleaved pairs (``cpu_kernels.s8_pack``), and float32 weights whose
+    CPUs: XLA's own s8 dot repacks the whole weight on every call) and float32 weights whose
     outputs come in panels of 16 into ``PackedF32`` (AVX-512: XLA's float32 dot transposes its
     weight on every call past one row); not the embedding, which is also looked up, nor expert
     weights, which the grouped matmul reads expert by expert."""
@@ -193,7 +192,6 @@ def bind(weights, specs, k: Kernels):
     from jaxinfer.specs import is_spec
 
     amx = k.matmul == Matmul.NATIVE and cpu_kernels.amx_available()
-    s8p = k.matmul == Matmul.NATIVE and not amx and cpu_kernels.s8_packed_wanted()
     packed = k.matmul == Matmul.NATIVE and cpu_kernels.f32_packed_available()
 
     def one(spec, w):
@@ -204,9 +202,6 @@ def bind(weights, specs, k: Kernels):
             if amx and w.scheme == quant.QuantScheme.W8A8 and w.layout == "io" and cpu_kernels.amx_fits(
                     w.in_size, w.out_size):
                 w = dataclasses.replace(w, values=_amx_pack(w.values), layout="amx")
-            elif (s8p and not expert and w.scheme == quant.QuantScheme.W8A8 and w.layout == "io"
-                  and cpu_kernels.s8_fits(w.in_size, w.out_size)):
-                w = dataclasses.replace(w, values=_s8_pack(w.values), layout="s8p")
             return dataclasses.replace(w, kernels=k, mesh_axes=_model_axes(w.values) if k.mesh else (None, None))
         if not isinstance(w, (jax.Array, jax.ShapeDtypeStruct)) or not spec.contract_axes or w.shape != tuple(spec.shape):
             return w
@@ -233,7 +228,6 @@ def _model_axes(values) -> tuple:
 
 
 _amx_pack = jax.jit(cpu_kernels.amx_pack)
-_s8_pack = jax.jit(cpu_kernels.s8_pack)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -329,10 +323,6 @@ def s8_dot(w, xq: jax.Array) -> jax.Array:
     if w.layout == "amx" and native and cpu_kernels.amx_available():
         _ran("s8_dot", "int8_amx")
         return cpu_kernels.int8_amx(xq, w.values)  # the weight was packed once, by bind
-    if w.layout == "s8p" and native and cpu_kernels.s8_gemm_available():
-        # an AVX2 CPU without VNNI: bind packed the weight once for the kernel's stream
-        _ran("s8_dot", "s8_gemm_packed/avx2")
-        return cpu_kernels.s8_gemm_packed(xq, w.values)
     few = xq.shape[0] <= cpu_kernels.MAX_ROWS
     if native and few and cpu_kernels.available() and (
             cpu_kernels.int8_isa(xq.shape[0]) == "avx512bw" or not cpu_kernels.s8_gemm_available()):

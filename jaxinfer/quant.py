@@ -175,8 +175,7 @@ class QuantArray(_Matrix):
     scheme: QuantScheme = dataclasses.field(metadata={"static": True})
     group: int = dataclasses.field(default=0, metadata={"static": True})  # int4 group size
     # "io": values as above; "amx": w8a8 values packed for the AMX kernel
-    # (cpu_kernels.amx_pack, [O/16, I/64, 16, 16, 4]); "s8p": w8a8 values packed for the AVX2
-    # kernel (cpu_kernels.s8_pack, [O/16, I/2, 32]); both made by ``dispatch.bind``
+    # (cpu_kernels.amx_pack, [O/16, I/64, 16, 16, 4]), made by ``dispatch.bind``
     layout: str = dataclasses.field(default="io", metadata={"static": True})
     # the dispatch.Kernels whose matmul multiplies it (``dispatch.bind``); None: XLA's dots
     kernels: object = dataclasses.field(default=None, metadata={"static": True})
@@ -186,12 +185,8 @@ class QuantArray(_Matrix):
     mesh_axes: tuple = dataclasses.field(default=(None, None), metadata={"static": True})
 
     def values_io(self) -> jax.Array:
-        """``values`` in the "io" layout, unpacked where they are packed for a kernel."""
-        if self.layout == "amx":
-            return cpu_kernels.amx_unpack(self.values)
-        if self.layout == "s8p":
-            return cpu_kernels.s8_unpack(self.values)
-        return self.values
+        """``values`` in the "io" layout, unpacked where they are packed for AMX."""
+        return cpu_kernels.amx_unpack(self.values) if self.layout == "amx" else self.values
 
     # ------------------------------------------------------------------ float views
     def dequantize_matrix(self, dtype=jnp.float32) -> jax.Array:
@@ -217,8 +212,6 @@ class QuantArray(_Matrix):
         flat = indices.reshape(-1)
         if self.layout == "amx":
             cols = cpu_kernels.amx_take_columns(self.values, flat.astype(jnp.int32))  # [I, n]
-        elif self.layout == "s8p":
-            cols = cpu_kernels.s8_take_columns(self.values, flat.astype(jnp.int32))  # [I, n]
         else:
             cols = jnp.take(self.values, flat, axis=1)  # [I or I/2, n]
         if self.scheme == QuantScheme.INT4:

@@ -17,12 +17,6 @@ rounding; each output is one FMA chain over the input channels, the chain wo8_ge
 XLA's s8 dot (the same integers). The library picks its AVX-512BW or AVX2 code by cpuid at run
 time (``int8_isa``), so one build serves any x86-64 CPU with AVX2.
 
-``s8_gemm_packed(xq, p)``: s8_gemm's product with the weight packed once, at load
-(``s8_pack``: [O/16, I/2, 32], each column block's pairs of rows one contiguous stream, the two
-rows' bytes interleaved), for CPUs whose w8a8 dots all run s8_gemm (AVX2 without AVX-512BW,
-VNNI or AMX: ``s8_packed_wanted``). The same integers as XLA's s8 dot of the unpacked weight
-(``s8_gemm_packed_reference``), at any thread count.
-
 ``int8_amx(xq, p)``: int8 rows [M, I] @ an int8 weight packed once into AMX's tile layout
 (``amx_pack``: [O/16, I/64, 16, 16, 4]) -> int32 [M, O], for any M, on Intel AMX (Sapphire
 Rapids and later): w8a8's dots wherever ``dispatch.bind`` packed the weights (the native
@@ -101,7 +95,6 @@ TARGET = "jaxinfer_int8_gemv"
 WO8_TARGET = "jaxinfer_wo8_gemv"
 WO8_GEMM_TARGET = "jaxinfer_wo8_gemm"
 S8_GEMM_TARGET = "jaxinfer_s8_gemm"
-S8_PACKED_TARGET = "jaxinfer_s8_gemm_packed"
 WO8_GEMM_MAX_ROWS = 512  # rows per call of wo8_gemm (more: several calls)
 F32_TARGET = "jaxinfer_f32_gemv"
 F32_T_TARGET = "jaxinfer_f32_gemv_t"
@@ -121,7 +114,7 @@ ISA_FLAGS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma"}}
 # The libraries, one per source file (one that fails to compile takes no other with it), and
 # the XLA targets each registers: its handler symbols of the same names.
 LIBRARIES = {
-    "int8_gemv": (TARGET, WO8_TARGET, WO8_GEMM_TARGET, S8_GEMM_TARGET, S8_PACKED_TARGET),
+    "int8_gemv": (TARGET, WO8_TARGET, WO8_GEMM_TARGET, S8_GEMM_TARGET),
     "f32_gemv": (F32_TARGET, F32_T_TARGET, F32_PACKED_TARGET),
     "paged_attention": (ROWS_TARGET, ROWS_I8_TARGET, PREFILL_TARGET, PREFILL_I8_TARGET),
     "int8_amx": (AMX_TARGET,),
@@ -446,73 +439,6 @@ def s8_gemm(xq: jax.Array, w: jax.Array, *, threads: int | None = None) -> jax.A
     if xq.shape[0] < 1:
         raise ValueError(f"s8_gemm takes at least one row, got {xq.shape[0]}")
     return _rows_in_calls(S8_GEMM_TARGET, xq.astype(jnp.int8), w.astype(jnp.int8), jnp.int32, threads)
-
-
-def s8_packed_wanted() -> bool:
-    """Whether w8a8 weights are best packed for s8_gemm_packed here: every w8a8 dot of this CPU
-    runs s8_gemm (AVX2, and neither AVX-512BW, whose int8_gemv takes a few rows, nor VNNI or
-    AMX, whose dots take the rest)."""
-    return s8_gemm_available() and int8_isa(1) == "avx2" and not has_vnni() and not amx_available()
-
-
-def s8_fits(I: int, O: int) -> bool:
-    """Whether an int8 weight [I, O] has s8_pack's form: I even, O a multiple of 16."""
-    return I % 2 == 0 and O % 16 == 0 and I > 0 and O > 0
-
-
-def s8_pack(w: jax.Array) -> jax.Array:
-    """int8 w [I, O] -> the packed weight [O/16, I/2, 32] that s8_gemm_packed reads: byte
-    (nb, kp, 2 n + j) = w[2 kp + j, 16 nb + n] (``int8_gemv.cc``, "w8a8, packed")."""
-    I, O = w.shape
-    if not s8_fits(I, O):
-        raise ValueError(f"s8_pack needs an even I and O % 16 == 0, got [{I}, {O}]")
-    return w.reshape(I // 2, 2, O // 16, 16).transpose(2, 0, 3, 1).reshape(O // 16, I // 2, 32)
-
-
-def s8_unpack(p: jax.Array) -> jax.Array:
-    """The inverse of s8_pack: [O/16, I/2, 32] -> [I, O]."""
-    NB, KP = p.shape[:2]
-    return p.reshape(NB, KP, 16, 2).transpose(1, 3, 0, 2).reshape(2 * KP, 16 * NB)
-
-
-def s8_take_columns(p: jax.Array, cols: jax.Array) -> jax.Array:
-    """Columns ``cols`` i32[n] of the packed weight's [I, O] -> int8 [I, n], reading only their
-    blocks (a quantized embedding's lookup)."""
-    blocks = jnp.take(p, cols // 16, axis=0).reshape(cols.shape[0], p.shape[1], 16, 2)  # [n, I/2, 16, 2]
-    one = jnp.take_along_axis(blocks, (cols % 16)[:, None, None, None], axis=2)[:, :, 0, :]  # [n, I/2, 2]
-    return one.reshape(cols.shape[0], -1).T
-
-
-def s8_gemm_packed(xq: jax.Array, p: jax.Array, *, threads: int | None = None) -> jax.Array:
-    """int8 [M, I] @ the packed int8 weight p (s8_pack of [I, O]) -> int32 [M, O] for any M
-    (512 rows per kernel call) through the native AVX2 kernel; call only where
-    ``s8_gemm_available()``. The same integers as XLA's s8 dot of the unpacked weight
-    (``s8_gemm_packed_reference``), at any thread count."""
-    if not s8_gemm_available():
-        raise RuntimeError("s8_gemm_packed needs AVX2 and g++ (check s8_gemm_available() first)")
-    if p.ndim != 3 or p.shape[2] != 32 or xq.ndim != 2 or xq.shape[1] != 2 * p.shape[1]:
-        raise ValueError(f"s8_gemm_packed takes xq [M, I] and p [O/16, I/2, 32], got {xq.shape} and {p.shape}")
-    if xq.shape[0] < 1:
-        raise ValueError(f"s8_gemm_packed takes at least one row, got {xq.shape[0]}")
-    if threads is None:
-        threads = default_threads()
-    O = p.shape[0] * 16
-
-    def call(rows: jax.Array) -> jax.Array:
-        out = jax.ShapeDtypeStruct((rows.shape[0], O), jnp.int32)
-        return jax.ffi.ffi_call(S8_PACKED_TARGET, out, vmap_method="sequential")(rows, p.astype(jnp.int8),
-                                                                                threads=threads)
-
-    xq = xq.astype(jnp.int8)
-    M = xq.shape[0]
-    if M <= WO8_GEMM_MAX_ROWS:
-        return call(xq)
-    return jnp.concatenate([call(xq[i : i + WO8_GEMM_MAX_ROWS]) for i in range(0, M, WO8_GEMM_MAX_ROWS)])
-
-
-def s8_gemm_packed_reference(xq: jax.Array, p: jax.Array) -> jax.Array:
-    """XLA's s8 dot of the unpacked weight: the same integers as s8_gemm_packed."""
-    return int8_gemv_reference(xq, s8_unpack(p))
 
 
 def f32_gemv(x: jax.Array, w: jax.Array, *, transposed: bool = False, threads: int | None = None,

@@ -566,72 +566,51 @@ __attribute__((target("avx2"))) void widen_pairs(const int8_t* w, int64_t I, int
   }
 }
 
-// kG = 6 rows of int16 pairs x2 (row stride ldx int16) of the block at column o over pairs of
-// weight rows [k0, k1) of the panel; the accumulators wait in `out` between panels. Inline
-// assembly: g++ 12 kept only some of the 12 accumulators of the same loop in intrinsics in
-// registers and moved the others through the stack on every k (47 G multiply-adds per second
-// out of L1, against 73 this way). The 16 ymm registers: 12 accumulators, the two weight
-// vectors of a pair of rows, the broadcast activation pair and the product, added to its
-// accumulator at once. Two statements of three rows each: one takes at most 30 operands.
-__attribute__((target("avx2"))) void s8_rows6_asm(const int16_t* x2, const int16_t* panel, int32_t* out,
-                                                  int64_t ldx, int64_t O, int64_t o, int64_t k0, int64_t k1) {
-  __m256i a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5, w0, w1, xb, t;
-  int32_t* d = out + o;
-#define LOAD(m)                                                                                        \
-  a##m = k0 == 0 ? _mm256_setzero_si256() : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + m * O)); \
-  b##m = k0 == 0 ? _mm256_setzero_si256() : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + m * O + 8));
-  LOAD(0) LOAD(1) LOAD(2) LOAD(3) LOAD(4) LOAD(5)
+// G rows of int16 pairs x2 (row stride ldx int16) of the block at column o over pairs of weight
+// rows [k0, k1); the accumulators wait in `out` between panels.
+#define JAXINFER_S8_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+template <int G>
+__attribute__((target("avx2"))) void s8_rows_avx2(const int16_t* x2, const int16_t* panel, int32_t* out, int64_t ldx,
+                                                  int64_t O, int64_t o, int64_t k0, int64_t k1) {
+  static_assert(G >= 1 && G <= 6);
+  __m256i a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5;
+#define LOAD(m)                                                                                                 \
+  if constexpr (m < G) {                                                                                        \
+    a##m = k0 == 0 ? _mm256_setzero_si256() : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + m * O + o)); \
+    b##m = k0 == 0 ? _mm256_setzero_si256()                                                                     \
+                   : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + m * O + o + 8));                 \
+  }
+  JAXINFER_S8_ROWS(LOAD)
 #undef LOAD
   const int16_t* p = panel;
-  const int16_t* xa = x2 + k0;  // rows 0-2
-  const int16_t* xc = xa + 3 * ldx;  // rows 3-5
-  const int16_t* const end = x2 + k1;
-  const int64_t ld = ldx * static_cast<int64_t>(sizeof(int16_t));
-  for (; xa < end; xa += 2, xc += 2, p += 2 * kW) {
-    w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
-    w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 16));
-#define ROWS3(A, B, C, a, b, c, xp)                                                                    \
-  asm("vpbroadcastd (%[x]), %[xb]\n\t"                                                                 \
-      "vpmaddwd %[w0], %[xb], %[t]\n\t" "vpaddd %[t], %[pa], %[pa]\n\t"                                \
-      "vpmaddwd %[w1], %[xb], %[t]\n\t" "vpaddd %[t], %[qa], %[qa]\n\t"                                \
-      "vpbroadcastd (%[x],%[ld]), %[xb]\n\t"                                                           \
-      "vpmaddwd %[w0], %[xb], %[t]\n\t" "vpaddd %[t], %[pb], %[pb]\n\t"                                \
-      "vpmaddwd %[w1], %[xb], %[t]\n\t" "vpaddd %[t], %[qb], %[qb]\n\t"                                \
-      "vpbroadcastd (%[x],%[ld],2), %[xb]\n\t"                                                         \
-      "vpmaddwd %[w0], %[xb], %[t]\n\t" "vpaddd %[t], %[pc], %[pc]\n\t"                                \
-      "vpmaddwd %[w1], %[xb], %[t]\n\t" "vpaddd %[t], %[qc], %[qc]"                                    \
-      : [pa] "+x"(A), [pb] "+x"(B), [pc] "+x"(C), [qa] "+x"(a), [qb] "+x"(b), [qc] "+x"(c),            \
-        [xb] "=&x"(xb), [t] "=&x"(t)                                                                   \
-      : [w0] "x"(w0), [w1] "x"(w1), [x] "r"(xp), [ld] "r"(ld)                                         \
-      : "memory");
-    ROWS3(a0, a1, a2, b0, b1, b2, xa)
-    ROWS3(a3, a4, a5, b3, b4, b5, xc)
-#undef ROWS3
+  const int16_t* xk = x2 + k0;
+  for (int64_t k = k0; k < k1; k += 2, p += 2 * kW, xk += 2) {
+    const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 16));
+#define MADD(m)                                                                         \
+  if constexpr (m < G) {                                                                \
+    int32_t pair;                                                                       \
+    std::memcpy(&pair, xk + m * ldx, sizeof(pair));                                     \
+    const __m256i xb = _mm256_set1_epi32(pair);                                         \
+    a##m = _mm256_add_epi32(a##m, _mm256_madd_epi16(xb, w0));                           \
+    b##m = _mm256_add_epi32(b##m, _mm256_madd_epi16(xb, w1));                           \
   }
-#define STORE(m)                                                                 \
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + m * O), a##m);              \
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + m * O + 8), b##m);
-  STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
+    JAXINFER_S8_ROWS(MADD)
+#undef MADD
+  }
+#define STORE(m)                                                                        \
+  if constexpr (m < G) {                                                                \
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * O + o), a##m);             \
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * O + o + 8), b##m);         \
+  }
+  JAXINFER_S8_ROWS(STORE)
 #undef STORE
 }
+#undef JAXINFER_S8_ROWS
 
-// Rows [m0, m1) of the block at column o over the panel's pairs of weight rows [k0, k1). x2's
-// rows go on in zeros to a multiple of kG, and a last group of fewer rows runs s8_rows6_asm
-// too, into `tail` [kG, O] (s8_tail_rows moves its rows to out): s8_rows_avx2<4> took a
-// 64-row call's last 4 rows in the time of 11 of the others.
-__attribute__((target("avx2"))) void s8_panel_rows(const int16_t* x2, const int16_t* panel, int32_t* out,
-                                                   int32_t* tail, int64_t ldx, int64_t O, int64_t o, int64_t k0,
-                                                   int64_t k1, int64_t m0, int64_t m1) {
-  int64_t m = m0;
-  for (; m + kG <= m1; m += kG) s8_rows6_asm(x2 + m * ldx, panel, out + m * O, ldx, O, o, k0, k1);
-  if (m < m1) s8_rows6_asm(x2 + m * ldx, panel, tail, ldx, O, o, k0, k1);
-}
-
-// Rows past the last whole group of kG, columns [c0, c1), from `tail` into out [M, O].
-void s8_tail_rows(const int32_t* tail, int32_t* out, int64_t M, int64_t O, int64_t c0, int64_t c1) {
-  for (int64_t m = M / kG * kG; m < M; ++m)
-    std::memcpy(out + m * O + c0, tail + (m % kG) * O + c0, (c1 - c0) * sizeof(int32_t));
-}
+using S8Rows = void (*)(const int16_t*, const int16_t*, int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t);
+constexpr S8Rows kS8Rows[kG + 1] = {nullptr,         s8_rows_avx2<1>, s8_rows_avx2<2>, s8_rows_avx2<3>,
+                                    s8_rows_avx2<4>, s8_rows_avx2<5>, s8_rows_avx2<6>};
 
 // Up to 4 rows (batch-1 decode, small batches): no panel. Each pair of weight rows is widened to
 // int16 pairs in registers (the two rows' 16 bytes interleaved: columns 0-7 and 8-15 in order),
@@ -713,10 +692,11 @@ __attribute__((target("avx2"))) void run_s8_avx2(const Job& j) {  // c0 a multip
   const int64_t M = j.M, I = j.I, O = j.O, I2 = (I + 1) & ~int64_t(1);
   const int64_t nb = (j.c1 - j.c0) / kW;
   if (nb > 0) {
-    const int64_t Mp = (M + kG - 1) / kG * kG;  // rows past M: zeros
-    std::unique_ptr<int16_t[]> x2(new int16_t[Mp * I2]());
-    for (int64_t m = 0; m < M; ++m)
+    std::unique_ptr<int16_t[]> x2(new int16_t[M * I2]);
+    for (int64_t m = 0; m < M; ++m) {
       for (int64_t k = 0; k < I; ++k) x2[m * I2 + k] = x[m * I + k];
+      if (I2 != I) x2[m * I2 + I] = 0;
+    }
     if (M <= 4 && I > 0) {
       int64_t o = j.c0;
       switch (M) {
@@ -729,7 +709,6 @@ __attribute__((target("avx2"))) void run_s8_avx2(const Job& j) {  // c0 a multip
       return;
     }
     alignas(64) int16_t panel[2 * kKc2 * kW];
-    std::unique_ptr<int32_t[]> tail(new int32_t[kG * O]);
     for (int64_t m0 = 0; m0 < M; m0 += kMc) {
       const int64_t m1 = std::min(m0 + kMc, M);
       for (int64_t k0 = 0; k0 < I2; k0 += 2 * kKc2) {
@@ -737,137 +716,15 @@ __attribute__((target("avx2"))) void run_s8_avx2(const Job& j) {  // c0 a multip
         for (int64_t b = 0; b < nb; ++b) {
           const int64_t o = j.c0 + b * kW;
           widen_pairs(w, I, O, o, k0, k1, panel);
-          s8_panel_rows(x2.get(), panel, out, tail.get(), I2, O, o, k0, k1, m0, m1);
+          for (int64_t m = m0; m < m1; m += kG) {
+            const int g = static_cast<int>(std::min<int64_t>(kG, m1 - m));
+            kS8Rows[g](x2.get() + m * I2, panel, out + m * O, I2, O, o, k0, k1);
+          }
         }
       }
     }
-    s8_tail_rows(tail.get(), out, M, O, j.c0, j.c0 + nb * kW);
   }
   if (j.c0 + nb * kW < j.c1) gemv_scalar(x, w, out, M, I, O, O, 0, j.c0 + nb * kW, j.c1);
-}
-
-// ----------------------------------------------------------------------------- w8a8, packed
-// jaxinfer_s8_gemm_packed: s8_gemm's product with the weight packed once, at load
-// (cpu_kernels.s8_pack), into the order the kernel reads it: p [O/16, I/2, 32], byte
-// (nb, kp, 2n + j) = w[2 kp + j, 16 nb + n]. A column block's pairs of weight rows are then one
-// contiguous stream of 32 bytes per pair, the two rows' 16 bytes already interleaved, and two
-// vpmovsxbw make the int16 pairs vpmaddwd takes. Unpacked, a block's panel gathers 16 bytes from
-// each of 256 rows O bytes apart (lines the row groups' activations then evict from L1 before
-// the next block reads their other 48 bytes): widening took 30% of a 64-row call that way
-// (RESULTS.md, "w8a8 on AVX2: packed weights").
-//
-// Exactness: every product is int16 x int16 in vpmaddwd (|x|, |w| <= 128, so a pair sums to at
-// most 2 x 128 x 128 = 2^15 in magnitude and its int32 lane cannot overflow), and the int32
-// accumulators hold the full sum for any I < 2^31 / 2^14 = 131072 (XLA's s8 dot wraps the same
-// way beyond). vpmaddubsw, which would take the bytes as they are at twice the products per
-// instruction, adds its pairs in saturating int16 (255 x 127 x 2 > 32767), and needs one more
-// vpmaddwd to widen its sums: on Zen 3 that mix did as many multiply-adds per cycle as vpmaddwd on
-// int16 pairs (RESULTS.md), so the kernel keeps the exact one.
-//
-// Up to 4 rows: each pair's 32 bytes are widened in registers, NV blocks at once (4 at one row:
-// 8 accumulators). More: a block's pairs of rows are widened once per row block into a panel in
-// L1, as s8_gemm's, and every kG rows run s8_rows6_asm over it.
-
-// Columns of blocks [nb0, nb0 + NV) for G rows, over pairs [kp0, kp1) (KP pairs per block).
-template <int G, int NV>
-__attribute__((target("avx2"))) void s8p_direct(const int16_t* x2, const int8_t* p, int32_t* out, int64_t ldx,
-                                                int64_t KP, int64_t O, int64_t nb0, int64_t kp0, int64_t kp1) {
-  static_assert(G >= 1 && G * NV * 2 <= 12);
-  __m256i acc[G][2 * NV];
-  const int64_t o = nb0 * kW;
-#pragma GCC unroll 8
-  for (int m = 0; m < G; ++m)
-#pragma GCC unroll 8
-    for (int j = 0; j < 2 * NV; ++j)
-      acc[m][j] = kp0 == 0 ? _mm256_setzero_si256()
-                           : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + m * O + o + 8 * j));
-  const int8_t* src = p + (nb0 * KP + kp0) * 32;
-  for (int64_t kp = kp0; kp < kp1; ++kp, src += 32) {
-    __m256i xb[G];
-#pragma GCC unroll 8
-    for (int m = 0; m < G; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x2 + m * ldx + 2 * kp, sizeof(pair));
-      xb[m] = _mm256_set1_epi32(pair);
-    }
-#pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) {
-      const int8_t* b = src + v * KP * 32;
-      _mm_prefetch(reinterpret_cast<const char*>(b + 512), _MM_HINT_T0);
-      const __m256i p0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
-      const __m256i p1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)));
-#pragma GCC unroll 8
-      for (int m = 0; m < G; ++m) {
-        acc[m][2 * v] = _mm256_add_epi32(acc[m][2 * v], _mm256_madd_epi16(xb[m], p0));
-        acc[m][2 * v + 1] = _mm256_add_epi32(acc[m][2 * v + 1], _mm256_madd_epi16(xb[m], p1));
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < G; ++m)
-#pragma GCC unroll 8
-    for (int j = 0; j < 2 * NV; ++j)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * O + o + 8 * j), acc[m][j]);
-}
-
-// Blocks [b0, b1) for G rows, NV blocks at a time (then one at a time), in passes of 64 pairs.
-template <int G>
-void s8p_direct_rows(const int16_t* x2, const int8_t* p, int32_t* out, int64_t ldx, int64_t KP, int64_t O,
-                     int64_t b0, int64_t b1) {
-  constexpr int NV = G == 1 ? 4 : G == 2 ? 2 : 1;
-  constexpr int64_t kPass = 64;
-  for (int64_t kp0 = 0; kp0 < KP; kp0 += kPass) {
-    const int64_t kp1 = std::min(kp0 + kPass, KP);
-    int64_t b = b0;
-    for (; b + NV <= b1; b += NV) s8p_direct<G, NV>(x2, p, out, ldx, KP, O, b, kp0, kp1);
-    for (; b < b1; ++b) s8p_direct<G, 1>(x2, p, out, ldx, KP, O, b, kp0, kp1);
-  }
-}
-
-__attribute__((target("avx2"))) void run_s8p_avx2(const Job& j) {  // c0, c1 multiples of kW
-  const auto* x = static_cast<const int8_t*>(j.x);
-  const auto* p = static_cast<const int8_t*>(j.w);
-  auto* out = static_cast<int32_t*>(j.out);
-  const int64_t M = j.M, I = j.I, O = j.O, KP = I / 2, b0 = j.c0 / kW, b1 = j.c1 / kW;
-  if (b1 <= b0 || KP == 0) {
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t o = j.c0; o < j.c1; ++o) out[m * O + o] = 0;
-    return;
-  }
-  const int64_t Mp = (M + kG - 1) / kG * kG;  // rows past M: zeros
-  std::unique_ptr<int16_t[]> x2(new int16_t[Mp * I]());
-  for (int64_t i = 0; i < M * I; ++i) x2[i] = x[i];
-  switch (M) {
-    case 1: return s8p_direct_rows<1>(x2.get(), p, out, I, KP, O, b0, b1);
-    case 2: return s8p_direct_rows<2>(x2.get(), p, out, I, KP, O, b0, b1);
-    case 3: return s8p_direct_rows<3>(x2.get(), p, out, I, KP, O, b0, b1);
-    case 4: return s8p_direct_rows<4>(x2.get(), p, out, I, KP, O, b0, b1);
-    default: break;
-  }
-  alignas(64) int16_t panel[2 * kKc2 * kW];
-  std::unique_ptr<int32_t[]> tail(new int32_t[kG * O]);
-  for (int64_t m0 = 0; m0 < M; m0 += kMc) {
-    const int64_t m1 = std::min(m0 + kMc, M);
-    for (int64_t kp0 = 0; kp0 < KP; kp0 += kKc2) {
-      const int64_t kp1 = std::min(kp0 + kKc2, KP);
-      for (int64_t b = b0; b < b1; ++b) {
-        const int8_t* src = p + (b * KP + kp0) * 32;
-        // the next block's pairs (or the next pass's), fetched while this block's rows run, which
-        // takes far longer than the fetch: the stream stops while they run, and so would the
-        // hardware's prefetch, which leaves each block's widening waiting on memory
-        const int8_t* next = b + 1 < b1 ? src + KP * 32 : p + (b0 * KP + kp1) * 32;
-        for (int64_t i = 0; i < kp1 - kp0; ++i) {
-          if (i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(next + 32 * i), _MM_HINT_T1);
-          const __m128i* s = reinterpret_cast<const __m128i*>(src + 32 * i);
-          _mm256_store_si256(reinterpret_cast<__m256i*>(panel + 32 * i), _mm256_cvtepi8_epi16(_mm_loadu_si128(s)));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(panel + 32 * i + 16),
-                             _mm256_cvtepi8_epi16(_mm_loadu_si128(s + 1)));
-        }
-        s8_panel_rows(x2.get(), panel, out, tail.get(), I, O, b * kW, 2 * kp0, 2 * kp1, m0, m1);
-      }
-    }
-  }
-  s8_tail_rows(tail.get(), out, M, O, j.c0, j.c1);
 }
 
 ffi::Error Wo8Gemv(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::ResultBuffer<ffi::F32> out,
@@ -898,19 +755,6 @@ ffi::Error S8Gemm(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w, ffi::ResultBuf
   if (M < 1 || M > kMaxGemmRows) return ffi::Error::InvalidArgument("s8_gemm: 1 to 512 rows");
   if (!have_avx2()) return ffi::Error::InvalidArgument("s8_gemm: needs AVX2");
   const Job all{run_s8_avx2, x.typed_data(), w.typed_data(), out->typed_data(), M, I, O, 0, O};
-  split_run(all, kW, threads, pool);
-  return ffi::Error::Success();
-}
-
-ffi::Error S8GemmPacked(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> p, ffi::ResultBuffer<ffi::S32> out,
-                        int64_t threads, ffi::ThreadPool pool) {
-  const auto xd = x.dimensions(), pd = p.dimensions();
-  if (xd.size() != 2 || pd.size() != 3 || pd[2] != 32 || xd[1] != 2 * pd[1])
-    return ffi::Error::InvalidArgument("s8_gemm_packed: x must be [M, I] and p [O/16, I/2, 32]");
-  const int64_t M = xd[0], I = xd[1], O = pd[0] * kW;
-  if (M < 1 || M > kMaxGemmRows) return ffi::Error::InvalidArgument("s8_gemm_packed: 1 to 512 rows");
-  if (!have_avx2()) return ffi::Error::InvalidArgument("s8_gemm_packed: needs AVX2");
-  const Job all{run_s8p_avx2, x.typed_data(), p.typed_data(), out->typed_data(), M, I, O, 0, O};
   split_run(all, kW, threads, pool);
   return ffi::Error::Success();
 }
@@ -946,13 +790,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_wo8_gemv, Wo8Gemv,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("threads")
-                                  .Ctx<ffi::ThreadPool>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_s8_gemm_packed, S8GemmPacked,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("threads")
                                   .Ctx<ffi::ThreadPool>());
