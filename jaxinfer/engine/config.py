@@ -50,7 +50,8 @@ class EngineConfig:
     scheduling_policy: Scheduling = Scheduling.FCFS
     windowed_kv: bool = True  # LOCAL layers keep only their window (False: every position)
     kv_cache_dtype: str = "auto"  # page pools' dtype: auto (the model's), a float type, or int8
-    kernels: str | dispatch.Kernels = "auto"  # the attention's kernels: dispatch.choose's option, or its choice
+    # the attention's kernels: dispatch.choose's option, or its choice (made once: ``engine_kernels``)
+    kernels: str | dispatch.Kernels = "auto"
     # decode steps one device call may chain when no running row needs the host between tokens
     # (``engine.chaining.chained_decode``); None: the platform's default (DEFAULT_SCHEDULER_STEPS)
     num_scheduler_steps: int | None = None
@@ -135,8 +136,7 @@ def _make_pools(cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> k
     kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
     _, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, pages_per_seq, kv_budget(config))
     device = jax.local_devices()[0]
-    transposed = dispatch.keys_transposed(dispatch.choose(config.kernels, devices=device),
-                                          dispatch.device_platform(device))
+    transposed = dispatch.keys_transposed(engine_kernels(config, devices=device), dispatch.device_platform(device))
     return kv.init_paged_cache(cfg, num_pages, config.block_size, kv_dtype, num_window_pages=num_window_pages,
                                keys_transposed=transposed)
 
@@ -152,9 +152,19 @@ def start_pools(cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> c
     return future
 
 
+def engine_kernels(config: EngineConfig, *, mesh=None, devices=None) -> dispatch.Kernels:
+    """The engine's kernels: ``config.kernels`` where it is a choice ``dispatch.choose`` made
+    already (``LLM`` chooses once, where the option enters, and passes the choice down), else
+    ``dispatch.choose``'s choice of that option for the mesh or devices (an engine made alone)."""
+    if isinstance(config.kernels, dispatch.Kernels) and config.kernels.platform is not None:
+        return config.kernels
+    return dispatch.choose(config.kernels, mesh=mesh, devices=devices)
+
+
 def check_combination(spec, mesh, *, lora: bool) -> None:
     """Refuse, in one place and with the reason, the options that do not run together: the
-    engine step composes them otherwise. spec: the parsed ``SpeculativeConfig`` or None; mesh:
+    engine step composes them otherwise. Called where the options enter (``LLM``, before the
+    download). spec: the parsed ``SpeculativeConfig`` or None; mesh:
     the (data, stage, model) mesh or None; lora: whether LoRA adapters are enabled."""
     from jaxinfer.engine.speculative import SpecMethod
 

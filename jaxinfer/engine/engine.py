@@ -12,7 +12,8 @@ speculative decoding (``engine.drafting``) a step may carry a draft block: its d
 drafts and it may emit several tokens per row (``consume.StepKind`` says which kind a dispatched
 step is); the same consume path reads both kinds. Every engine runs D replicas
 (``engine.replicas``; D = 1 without data parallelism), each with its own scheduler, slots and
-pools, and one step runs them all: the same path for any D. Options that do not run together are refused once, in ``config.check_combination``.
+pools, and one step runs them all: the same path for any D. Options that do not run together
+are refused once, where they enter (``config.check_combination``, called by ``LLM``).
 
 The interface is vLLM's LLMEngine's: ``add(row)``, ``abort(row)``, ``step()`` (returns the rows
 that finished), ``has_unfinished()``; ``run(rows)`` drives them for a batch.
@@ -38,7 +39,7 @@ from jaxinfer.engine.adapters import lora_manager
 from jaxinfer.engine.batch import build_batch, plan_shape, window_width
 from jaxinfer.engine.chaining import Chainer
 from jaxinfer.engine.compiles import CompileCounter
-from jaxinfer.engine.config import EngineConfig, check_combination, kv_budget, pool_sizes, scheduler_steps
+from jaxinfer.engine.config import EngineConfig, engine_kernels, kv_budget, pool_sizes, scheduler_steps
 from jaxinfer.engine.consume import InFlight, StepKind, consume, prompt_logprob_segments
 from jaxinfer.engine.rows import Row
 from jaxinfer.engine.scheduler import Scheduler, Seq
@@ -88,11 +89,9 @@ class Engine:
         self.max_num_seqs = config.max_num_seqs
         self.D = D = replicas.count(mesh)
         self.spec = SpeculativeConfig.parse(speculative, cfg.n_layers)
-        check_combination(self.spec, mesh, lora=config.lora is not None)
-        # which kernels run attention (the weights carry the matmuls' choice, ``dispatch.bind``)
-        # (they follow the engine's devices: its mesh, or the weights' one device)
-        self.kernels = dispatch.choose(config.kernels, mesh=mesh,
-                                       devices=None if mesh is not None else dstate.devices(weights))
+        # which kernels run attention (the weights carry the matmuls' choice, ``dispatch.bind``),
+        # as chosen for the engine's devices: its mesh, or the weights' one device
+        self.kernels = engine_kernels(config, mesh=mesh, devices=None if mesh is not None else dstate.devices(weights))
         # the keys pools' layout, for the engine's and its drafter's pools alike (cache module doc)
         self.keys_transposed = dispatch.keys_transposed(self.kernels, self.kernels.platform)
         ps = config.block_size
@@ -222,8 +221,6 @@ class Engine:
                 "or lower max_tokens")
         if row.images is not None:
             multimodal.validate(self, row.images)
-        if row.lora is not None and self.lora is None:
-            raise InvalidRequest("a LoRA request needs an engine started with enable_lora=True")
         ids = tuple(row.params.stop_token_ids) + (() if row.params.ignore_eos else tuple(self.tokenizer.eos_ids))
         if row.params.min_tokens and len(ids) > STOP_ID_WIDTH:
             raise InvalidRequest(f"min_tokens supports at most {STOP_ID_WIDTH - len(self.tokenizer.eos_ids)} stop_token_ids")
