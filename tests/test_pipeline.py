@@ -276,3 +276,47 @@ def test_rows_attention_with_own_new_keys_equals_dense_reference(window, keys_tr
     want = attention(q, dense_k, dense_v, pos, jnp.asarray(kpos), scale=H**-0.5, window=window)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_verification_rows_own_new_keys_skip_their_padding_queries():
+    """A verification row's queries under the pipeline's deferred writes: its last token and
+    drafts at consecutive positions, then padding queries that repeat the last real position
+    (their keys bound for the scratch page). Each real query sees the pages and the real own
+    keys up to its own, never a padding query's key at its position: equal to the dense
+    reference over the real keys. Unowned pages hold NaN."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxinfer.models.layers import attention
+    from jaxinfer.models.packed import paged_rows_attention
+
+    B, T, K, G, H, ps, per_row = 2, 3, 2, 2, 8, 4, 4
+    N, S = K * G, ps * per_row
+    history, real = np.array([5, 9]), np.array([2, 3])  # positions in the pages; real queries (of T)
+    r = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(r[0], (B, T, N, H))
+    keys = jax.random.normal(r[1], (B, S, K, H))
+    vals = jax.random.normal(r[2], (B, S, K, H))
+    table = 1 + np.arange(B * per_row).reshape(B, per_row)
+    kpool = np.full((1 + B * per_row, K, H, ps), np.nan, np.float32)
+    vpool = np.full((1 + B * per_row, K, ps, H), np.nan, np.float32)
+    for b in range(B):
+        for t in range(history[b]):
+            kpool[table[b, t // ps], :, :, t % ps] = keys[b, t]
+            vpool[table[b, t // ps], :, t % ps, :] = vals[b, t]
+    pos = np.minimum(history[:, None] + np.arange(T)[None], (history + real - 1)[:, None])
+    at = jnp.asarray(pos)
+    junk = jax.random.normal(r[3], (2, B, T, K, H))  # what a padding query's key and value are
+    pad = (np.arange(T)[None] >= real[:, None])[:, :, None, None]
+    own = tuple(jnp.where(pad, j, a[jnp.arange(B)[:, None], at]) for j, a in zip(junk, (keys, vals)))
+    got = paged_rows_attention(q, jnp.asarray(kpool), jnp.asarray(vpool), jnp.asarray(table), None, at, at[:, 0],
+                               scale=H**-0.5, own=own)
+    seen = np.arange(S)[None] < (history + real)[:, None]
+    kpos = np.where(seen, np.arange(S)[None], 1 << 30)
+    dense_k = jnp.where(seen[:, :, None, None], keys, 0.0).transpose(0, 2, 3, 1)
+    dense_v = jnp.where(seen[:, :, None, None], vals, 0.0).transpose(0, 2, 1, 3)
+    want = attention(q, dense_k, dense_v, at, jnp.asarray(kpos), scale=H**-0.5)
+    for b in range(B):
+        np.testing.assert_allclose(np.asarray(got[b, : real[b]]), np.asarray(want[b, : real[b]]), rtol=1e-5,
+                                   atol=1e-5)
