@@ -64,7 +64,11 @@ def folded_slots(replica: int, slots: np.ndarray, max_num_seqs: int, D: int) -> 
 
 def stack(per_replica: list):
     """Replicas' inputs of one shape (host batches, masks, draft blocks) -> one with a leading
-    replica axis; device arrays (a batch's image embeddings) stay on their device."""
+    replica axis; device arrays (a batch's image embeddings) stay on their device. One
+    replica's are views with the axis added, not copies."""
+    if len(per_replica) == 1:
+        return jax.tree.map(lambda a: a[None], per_replica[0])
+
     def one(*a):
         if all(isinstance(x, np.ndarray | np.generic) for x in a):
             return np.stack(a)
