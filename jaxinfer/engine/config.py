@@ -173,11 +173,11 @@ def check_combination(spec, mesh, *, lora: bool) -> None:
     if spec is not None:
         if data > 1:  # the drafter proposes, plans and reads one scheduler's rows
             raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")
-        if stages > 1:
-            # the pipelined step takes a draft block, but its verification rows' tokens differ
-            # from one device's (the stages' micro-batched attention over a row's several new
-            # queries is not yet proven for them)
-            raise InvalidRequest("speculative decoding with pipeline_parallel_size > 1 is not supported")
+        if stages > 1 and spec.method == SpecMethod.EARLY_EXIT:  # its draft layers are one stage's alone
+            raise InvalidRequest("speculative_config method early_exit is not supported with "
+                                 "pipeline_parallel_size > 1: the drafting layers sit on the first stage only")
+        if stages > 1 and spec.branches > 1:  # the branches' deferred writes are one pass's, not a stage's
+            raise InvalidRequest("speculative_config branches > 1 is not supported with pipeline_parallel_size > 1")
         if mesh is not None and spec.method in (SpecMethod.DRAFT_MODEL, SpecMethod.EAGLE):
             # their weights and pools live on one device
             raise InvalidRequest(f"speculative_config method {spec.method.value} does not run with "
