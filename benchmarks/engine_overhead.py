@@ -86,12 +86,13 @@ def tiny_llm(batch: int, max_model_len: int = 1024, num_scheduler_steps: int | N
 
 def bare_batch(eng, B: int, prompt: int, new: int):
     """B decode rows (no prefill row) at the mean context of the engine run (prompt + new / 2),
-    over distinct pages: the bare step's fixed input."""
+    over distinct pages: the bare step's fixed input (on the replica axis, one replica)."""
+    from jaxinfer.engine import replicas
     from jaxinfer.engine.buckets import width_bucket
 
     ps = eng.allocator.page_size
     width = width_bucket(-(-(prompt + new) // ps), eng.pages_per_seq)
-    batch = eng.idle_batch(B, width, 0)
+    batch = replicas.only(eng.idle_batch(B, width, 0))
     batch.table[:B] = np.arange(1, B * width + 1).reshape(B, width) % (eng.allocator.num_pages - 1) + 1
     batch.positions[:] = prompt + new // 2
     batch.active[:] = True
@@ -100,7 +101,7 @@ def bare_batch(eng, B: int, prompt: int, new: int):
         ww = batch.wtable.shape[1]
         batch.wtable[:B] = np.arange(1, B * ww + 1).reshape(B, ww) % (wpool - 1) + 1
         batch.wbase[:B] = max(0, prompt + new // 2 - eng.window + 1) // ps
-    return batch
+    return replicas.stack([batch])
 
 
 class HostSplit:

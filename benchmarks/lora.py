@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from jaxinfer import LLM
-from jaxinfer.engine import buckets
+from jaxinfer.engine import buckets, replicas
 from jaxinfer.engine.batch import lora_arrays
 from jaxinfer.lora import Adapter, LoRARequest, target_shapes
 from jaxinfer.models.registry import model_family
@@ -40,7 +40,7 @@ def _llm(model, lora: bool, **kw):
 def _decode_batch(eng, ctx: int, rng, slots=None, rows: int = 64):
     ps = eng.allocator.page_size
     n = -(-(ctx + 1) // ps)
-    b = eng.idle_batch(rows, buckets.width_bucket(n, eng.pages_per_seq), 0)
+    b = replicas.only(eng.idle_batch(rows, buckets.width_bucket(n, eng.pages_per_seq), 0))  # one replica's
     pages = 1 + rng.permutation(eng.allocator.num_pages - 1)[: rows * n].reshape(rows, n)
     b.table[:rows, :n] = pages
     b.positions[:] = ctx
@@ -49,7 +49,7 @@ def _decode_batch(eng, ctx: int, rng, slots=None, rows: int = 64):
     b.tokens[:] = rng.integers(100, 40000, rows)
     if slots is not None:  # the step's adapters as the engine passes them: its active slots, bucketed
         b.lora_active, b.lora_index = lora_arrays(np.asarray(slots, np.int32), eng.lora.config.max_loras)
-    return b
+    return replicas.stack([b])
 
 
 def _adapter(cfg, i: int, rank: int, rng) -> Adapter:

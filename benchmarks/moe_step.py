@@ -63,18 +63,18 @@ def write_model(path: Path, a, moe: bool) -> Path:
 
 def decode_batch(eng, rows: int, ctx: int, rng):
     """A decode step of ``rows`` rows at position ``ctx``, their pages scattered in the pool."""
-    from jaxinfer.engine import buckets
+    from jaxinfer.engine import buckets, replicas
 
     ps = eng.allocator.page_size
     n = -(-(ctx + 1) // ps)
-    b = eng.idle_batch(rows, buckets.width_bucket(n, eng.pages_per_seq), 0)
+    b = replicas.only(eng.idle_batch(rows, buckets.width_bucket(n, eng.pages_per_seq), 0))  # one replica's
     pages = 1 + rng.permutation(eng.allocator.num_pages - 1)[: rows * n].reshape(rows, n)
     b.table[:rows, :n] = pages
     b.positions[:] = ctx
     b.tokens[:] = rng.integers(4, eng.cfg.vocab_size, b.tokens.shape)
     b.write_page[:] = pages[:, ctx // ps]
     b.active[:] = True
-    return b
+    return replicas.stack([b])
 
 
 def measure(layouts: dict, paths: dict, a) -> dict:

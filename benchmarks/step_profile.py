@@ -23,7 +23,7 @@ import numpy as np
 
 import jaxinfer.models.packed as packed
 from jaxinfer import LLM, cpu_kernels, dispatch
-from jaxinfer.engine import buckets
+from jaxinfer.engine import buckets, replicas
 from timing import step_seconds
 
 REAL = (packed.paged_rows_attention, packed.prefill_row_attention)
@@ -46,18 +46,18 @@ def _engine(page_size: int, attention: bool, native: bool, opts: dict, amx: bool
 def _decode_batch(eng, ctx: int, rng, rows: int = 64):
     ps = eng.allocator.page_size
     n = -(-(ctx + 1) // ps)
-    b = eng.idle_batch(rows, buckets.width_bucket(n, eng.pages_per_seq), 0)
+    b = replicas.only(eng.idle_batch(rows, buckets.width_bucket(n, eng.pages_per_seq), 0))  # one replica's
     pages = 1 + rng.permutation(eng.allocator.num_pages - 1)[: rows * n].reshape(rows, n)
     b.table[:rows, :n] = pages
     b.positions[:] = ctx
     b.write_page[:] = pages[:, ctx // ps]
     b.active[:] = True
-    return b
+    return replicas.stack([b])
 
 
 def _prefill_batch(eng, rng, tokens: int = 512, prompts: int = 4):
     ps = eng.allocator.page_size
-    b = eng.idle_batch(0, buckets.width_bucket(1, eng.pages_per_seq), tokens)
+    b = replicas.only(eng.idle_batch(0, buckets.width_bucket(1, eng.pages_per_seq), tokens))
     n = tokens // prompts
     for k in range(prompts):
         sl = slice(k * n, (k + 1) * n)
@@ -65,7 +65,7 @@ def _prefill_batch(eng, rng, tokens: int = 512, prompts: int = 4):
         b.positions[sl] = np.arange(n)
         b.write_page[sl] = 1 + k * (-(-n // ps)) + np.arange(n) // ps
     b.tokens[:] = rng.integers(100, 40000, tokens)
-    return b
+    return replicas.stack([b])
 
 
 def main():

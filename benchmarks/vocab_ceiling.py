@@ -54,6 +54,7 @@ def machine_rows():
 
 
 def batch_rows(B: int, iters: int):
+    from jaxinfer.engine import replicas
     from jaxinfer.engine.step import StepInputs, packed_step, sample_step
     from jaxinfer.models.registry import model_family
 
@@ -95,7 +96,7 @@ def batch_rows(B: int, iters: int):
         return jax.lax.fori_loop(0, n, lambda _, st: step(w, StepInputs(batch), st)[1], state)
 
     held = {"state": dataclasses.replace(eng.state, slots=slots)}
-    jb = jax.device_put(batch)
+    jb = jax.device_put(replicas.only(batch))  # packed_step runs one replica
 
     def run_steps():
         t0 = time.perf_counter()

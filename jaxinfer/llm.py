@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxinfer import dispatch, quant, registry
-from jaxinfer.cache import KV_CACHE_DTYPES
 from jaxinfer.config import default_dtype
 from jaxinfer.engine.config import EngineConfig, Scheduling, check_combination, start_pools
 from jaxinfer.engine.engine import Engine
@@ -107,10 +106,6 @@ class LLM:
             dtype = default_dtype()
         if dtype not in _DTYPES:
             raise InvalidRequest(f"dtype must be one of {', '.join(_DTYPES)} or 'auto', got {dtype!r}")
-        if max_num_seqs < 1:
-            raise InvalidRequest(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         if generation_config not in ("auto", "vllm"):
             raise InvalidRequest(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
         qcfg = _quant_config(quantization, quant_group)  # bad options fail before the download
@@ -120,9 +115,10 @@ class LLM:
             qcfg = dataclasses.replace(qcfg, fold_smoothing=False)
         spec = SpeculativeConfig.parse(speculative_config)  # likewise (layer count checked once loaded)
         mesh = _parallel_mesh(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, mesh)
-        check_combination(spec, mesh, lora=enable_lora)  # before the download (the engine checks again)
-        # which kernel runs each attention and matmul: chosen once, carried by the weights and the steps
-        # (for the devices it runs on: the mesh, or the default device the weights are read to)
+        check_combination(spec, mesh, lora=enable_lora)  # before the download, and only here
+        # which kernel runs each attention and matmul: chosen once, carried by the weights, the
+        # engine and its steps (for the devices it runs on: the mesh, or the default device the
+        # weights are read to)
         import jax
 
         self.kernels = dispatch.choose(kernels, mesh=mesh, devices=None if mesh is not None else jax.local_devices()[:1])
@@ -644,8 +640,6 @@ def _parallel_mesh(tp: int, pp: int, dp: int, mesh):
     for name, v in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp), ("data_parallel_size", dp)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise InvalidRequest(f"{name} must be an integer >= 1, got {v!r}")
-    if dp > 1 and pp > 1:
-        raise InvalidRequest("data_parallel_size > 1 together with pipeline_parallel_size > 1 is not supported yet")
     if mesh is not None:
         if set(mesh.axis_names) != {"data", "stage", "model"}:
             raise InvalidRequest(f"mesh must have axes ('data', 'stage', 'model'), got {dict(mesh.shape)}")
@@ -653,8 +647,10 @@ def _parallel_mesh(tp: int, pp: int, dp: int, mesh):
                               ("data_parallel_size", dp, "data")):
             if v != 1 and v != mesh.shape[axis]:
                 raise InvalidRequest(f"{name}={v} does not match the mesh's {axis} axis of {mesh.shape[axis]}")
-        if mesh.shape["data"] > 1 and mesh.shape["stage"] > 1:
-            raise InvalidRequest("a mesh with data and stage axes both > 1 is not supported yet")
+        dp, pp = mesh.shape["data"], mesh.shape["stage"]
+    if dp > 1 and pp > 1:
+        raise InvalidRequest("data_parallel_size > 1 together with pipeline_parallel_size > 1 is not supported yet")
+    if mesh is not None:
         return mesh if mesh.devices.size > 1 else None
     n = tp * pp * dp
     if n == 1:

@@ -202,13 +202,11 @@ def kv_pool_sharding(mesh: Mesh, n_kv_heads: int, *, stacked: bool = False):
     return NamedSharding(mesh, PartitionSpec(None, heads))
 
 
-def kv_pool_shardings(mesh: Mesh, cfg, *, leading: tuple = ()) -> list:
+def kv_pool_shardings(mesh: Mesh, cfg) -> list:
     """``kv_pool_sharding`` of every layer's pool (a list, as the pools are), from that layer's
-    KV heads; None for a layer that has no pool (it attends over another's: ``cfg.kv_source``).
-    leading: mesh axes of extra leading dims (a data-parallel engine's replica axis)."""
+    KV heads; None for a layer that has no pool (it attends over another's: ``cfg.kv_source``)."""
     def one(i):
-        spec = kv_pool_sharding(mesh, cfg.layer_kv_heads(i)).spec
-        return NamedSharding(mesh, PartitionSpec(*leading, *spec)) if cfg.kv_source(i) == i else None
+        return kv_pool_sharding(mesh, cfg.layer_kv_heads(i)) if cfg.kv_source(i) == i else None
 
     return [one(i) for i in range(cfg.n_layers)]
 

@@ -52,9 +52,9 @@ _COMMON = textwrap.dedent("""
         rep = llm.memory_report()["parallel"]
         e = llm.engine
         spec = tuple(jax.tree.leaves(e.k_pages[0])[0].sharding.spec)
-        if dp > 1:  # pools [D, P, K, ...]: one replica's pages per data group
+        if dp > 1:  # pools folded [D * P, K, ...]: one replica's pages per data group
             assert spec[0] == "data", spec
-            spec = spec[1:]
+            spec = (None,) + spec[1:]
             used = [len(s.running()) + s.stats["decode_steps"] for s in e.scheds]
             assert all(used), ("every replica took work", used)
         k_heads = spec[1] if len(spec) > 1 else None

@@ -32,6 +32,9 @@ _COMMON = textwrap.dedent("""
     # "pallas": the pipelines under kernels="pallas", whose pools keep keys [P, K, ps, H] as on a
     # TPU (the stages' deferred writes and XLA readers take them); one device stays the CPU's
     kernels = "pallas" if "pallas" in sys.argv[4:] else "auto"
+    # "ngram": the pipelines verify n-gram drafts (the one engine step with a draft block); the
+    # reference stays one device's plain decoding
+    spec = {"method": "ngram", "num_speculative_tokens": 2} if "ngram" in sys.argv[4:] else None
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time there was", "1, 2, 3, 4,"]
     ref = None
@@ -43,7 +46,7 @@ _COMMON = textwrap.dedent("""
         pp, tp = (int(x) for x in layout.split("x"))
         llm = LLM(path, progress=False, max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=64 << 20,
                   kv_cache_dtype=kv_dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                  kernels=kernels if pp > 1 else "auto")
+                  kernels=kernels if pp > 1 else "auto", speculative_config=spec if pp > 1 else None)
         outs = llm.generate(prompts, sp, use_tqdm=False)
         toks = [o.outputs[0].token_ids for o in outs]
         lps = [first_lp(o.outputs[0].logprobs) for o in outs]
@@ -58,6 +61,8 @@ _COMMON = textwrap.dedent("""
             np.testing.assert_allclose(got, want, atol=atol)
         rep = llm.memory_report()["parallel"]
         e = llm.engine
+        if spec is not None:
+            assert e.spec_stats.drafted > 0, e.spec_stats  # some steps verified drafts
         ps = e.config.block_size
         assert e.keys_transposed == (kernels != "pallas")
         assert jax.tree.leaves(e.k_pages)[0].shape[-2:] == ((e.cfg.head_dim, ps) if e.keys_transposed
@@ -133,6 +138,13 @@ def test_tiny_tp2_x_pp2_uneven_equals_one_device(tiny_deep):
 
 
 @pytest.mark.slow
+def test_tiny_pipeline_2_verifying_ngram_drafts_equals_one_device(tiny_deep):
+    """Speculation under pipeline stages: the verification step is the pipelined step with a
+    draft block, so its greedy tokens are one device's plain ones."""
+    _run(tiny_deep[5], "1x1,2x1", "ngram")
+
+
+@pytest.mark.slow
 def test_tiny_pipeline_4_uneven_equal_one_device(tiny_deep):
     out = _run(tiny_deep[7], "1x1,4x1", "hlo")
     assert "[[0, 2], [2, 4], [4, 6], [6, 7]]" in out
@@ -180,8 +192,9 @@ _BAD = textwrap.dedent("""
          "pipeline_parallel_size=4 does not match the mesh's stage axis of 2"),
         (dict(pipeline_parallel_size=2, tensor_parallel_size=2, mesh=make_mesh(stage=2, model=4)),
          "tensor_parallel_size=2 does not match the mesh's model axis of 4"),
-        (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-         "speculative decoding with pipeline_parallel_size > 1 is not supported"),
+        (dict(pipeline_parallel_size=2, speculative_config={"method": "early_exit", "num_speculative_tokens": 2,
+                                                            "num_layers": 1}),
+         "early_exit is not supported with pipeline_parallel_size > 1"),
     ]
     for kw, msg in cases:
         try:
@@ -276,3 +289,47 @@ def test_rows_attention_with_own_new_keys_equals_dense_reference(window, keys_tr
     want = attention(q, dense_k, dense_v, pos, jnp.asarray(kpos), scale=H**-0.5, window=window)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_verification_rows_own_new_keys_skip_their_padding_queries():
+    """A verification row's queries under the pipeline's deferred writes: its last token and
+    drafts at consecutive positions, then padding queries that repeat the last real position
+    (their keys bound for the scratch page). Each real query sees the pages and the real own
+    keys up to its own, never a padding query's key at its position: equal to the dense
+    reference over the real keys. Unowned pages hold NaN."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxinfer.models.layers import attention
+    from jaxinfer.models.packed import paged_rows_attention
+
+    B, T, K, G, H, ps, per_row = 2, 3, 2, 2, 8, 4, 4
+    N, S = K * G, ps * per_row
+    history, real = np.array([5, 9]), np.array([2, 3])  # positions in the pages; real queries (of T)
+    r = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(r[0], (B, T, N, H))
+    keys = jax.random.normal(r[1], (B, S, K, H))
+    vals = jax.random.normal(r[2], (B, S, K, H))
+    table = 1 + np.arange(B * per_row).reshape(B, per_row)
+    kpool = np.full((1 + B * per_row, K, H, ps), np.nan, np.float32)
+    vpool = np.full((1 + B * per_row, K, ps, H), np.nan, np.float32)
+    for b in range(B):
+        for t in range(history[b]):
+            kpool[table[b, t // ps], :, :, t % ps] = keys[b, t]
+            vpool[table[b, t // ps], :, t % ps, :] = vals[b, t]
+    pos = np.minimum(history[:, None] + np.arange(T)[None], (history + real - 1)[:, None])
+    at = jnp.asarray(pos)
+    junk = jax.random.normal(r[3], (2, B, T, K, H))  # what a padding query's key and value are
+    pad = (np.arange(T)[None] >= real[:, None])[:, :, None, None]
+    own = tuple(jnp.where(pad, j, a[jnp.arange(B)[:, None], at]) for j, a in zip(junk, (keys, vals)))
+    got = paged_rows_attention(q, jnp.asarray(kpool), jnp.asarray(vpool), jnp.asarray(table), None, at, at[:, 0],
+                               scale=H**-0.5, own=own)
+    seen = np.arange(S)[None] < (history + real)[:, None]
+    kpos = np.where(seen, np.arange(S)[None], 1 << 30)
+    dense_k = jnp.where(seen[:, :, None, None], keys, 0.0).transpose(0, 2, 3, 1)
+    dense_v = jnp.where(seen[:, :, None, None], vals, 0.0).transpose(0, 2, 1, 3)
+    want = attention(q, dense_k, dense_v, at, jnp.asarray(kpos), scale=H**-0.5)
+    for b in range(B):
+        np.testing.assert_allclose(np.asarray(got[b, : real[b]]), np.asarray(want[b, : real[b]]), rtol=1e-5,
+                                   atol=1e-5)

@@ -256,7 +256,8 @@ _EAGLE = {"method": "eagle", "num_speculative_tokens": 2, "model": "h"}
 
 @pytest.mark.parametrize("spec,mesh,lora,msg", [
     (NGRAM, (2, 1, 1), False, "speculative decoding is not supported with data_parallel_size > 1"),
-    (NGRAM, (1, 2, 1), False, "speculative decoding with pipeline_parallel_size > 1 is not supported"),
+    (EARLY, (1, 2, 1), False, "early_exit is not supported with pipeline_parallel_size > 1"),
+    (dict(_EAGLE, branches=2), (1, 2, 1), False, "branches > 1 is not supported with pipeline_parallel_size > 1"),
     (_EAGLE, (1, 1, 2), False, "method eagle does not run with tensor parallelism yet"),
     (NGRAM, None, True, "speculative decoding with LoRA adapters"),
     (None, (2, 1, 1), True, "LoRA adapters .* data_parallel_size > 1"),
@@ -274,9 +275,9 @@ def test_options_that_do_not_compose_are_refused_in_one_place(spec, mesh, lora, 
         check_combination(None if spec is None else SpeculativeConfig.parse(spec, 30), m, lora=lora)
 
 
-@pytest.mark.parametrize("spec,mesh", [({"method": "medusa", "num_speculative_tokens": 2, "model": "h"}, (1, 1, 2)),
-                                       (NGRAM, (1, 1, 2))])
-def test_speculation_composes_with_tensor_parallelism(spec, mesh):
+@pytest.mark.parametrize("spec,mesh", [(NGRAM, (1, 2, 1)), ({"method": "medusa", "num_speculative_tokens": 2,
+                                                             "model": "h"}, (1, 2, 2)), (NGRAM, (1, 1, 2))])
+def test_speculation_composes_with_pipeline_stages_and_tensor_parallelism(spec, mesh):
     from types import SimpleNamespace
 
     from jaxinfer.engine.config import check_combination

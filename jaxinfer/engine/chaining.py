@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.dispatch import Kernels
+from jaxinfer.engine import replicas
 from jaxinfer.engine.consume import InFlight, StepKind
 from jaxinfer.engine.pages import SCRATCH_PAGE
 from jaxinfer.engine.rows import Row
@@ -196,9 +197,9 @@ class Chainer:
 
     def run(self, state, batch: PackedBatch, remaining: np.ndarray, n: int, exit_on_finish: bool, num_lp: int):
         """Run ``chained_decode`` on the engine's device state (donated) -> (ChainOutput, the new state)."""
-        eng = self.eng
-        lora = (("lora", len(batch.lora_active)),) if batch.lora_active is not None else ()
-        eng.shapes_run.add((batch.rows, batch.table.shape[1], 0, 1, num_lp, -1, *lora, ("chain", self.steps)))
+        eng, one = self.eng, replicas.only(batch)
+        lora = (("lora", len(one.lora_active)),) if one.lora_active is not None else ()
+        eng.shapes_run.add((one.rows, one.table.shape[1], 0, 1, num_lp, -1, *lora, ("chain", self.steps)))
         args, kwargs = self.args(state, batch, remaining, n, exit_on_finish, num_lp)
         return self._fn(*args, **kwargs)
 
@@ -209,8 +210,9 @@ class Chainer:
         return self._fn.lower(*args, **kwargs)
 
     def args(self, state, batch: PackedBatch, remaining: np.ndarray, n: int, exit_on_finish: bool, num_lp: int):
-        """The (args, kwargs) ``run`` calls ``chained_decode`` with."""
+        """The (args, kwargs) ``run`` calls ``chained_decode`` with. batch: the engine's, on the
+        replica axis (a chain runs the one replica of an engine without data parallelism)."""
         eng = self.eng
-        args = (eng.weights, batch, state, remaining, np.int32(n), np.bool_(exit_on_finish))
+        args = (eng.weights, replicas.only(batch), state, remaining, np.int32(n), np.bool_(exit_on_finish))
         return args, dict(**({"lora": eng.lora.stacks} if eng.lora is not None else {}), cfg=eng.cfg,
                           num_logprobs=num_lp, kernels=eng.kernels)

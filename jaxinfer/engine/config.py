@@ -55,7 +55,8 @@ class EngineConfig:
     scheduling_policy: Scheduling = Scheduling.FCFS
     windowed_kv: bool = True  # LOCAL layers keep only their window (False: every position)
     kv_cache_dtype: str = "auto"  # page pools' dtype: auto (the model's), a float type, or int8
-    kernels: str | dispatch.Kernels = "auto"  # the attention's kernels: dispatch.choose's option, or its choice
+    # the attention's kernels: dispatch.choose's option, or its choice (made once: ``engine_kernels``)
+    kernels: str | dispatch.Kernels = "auto"
     # decode steps one device call may chain when no running row needs the host between tokens
     # (``engine.chaining.chained_decode``); None: the platform's default (DEFAULT_SCHEDULER_STEPS)
     num_scheduler_steps: int | None = None
@@ -155,7 +156,7 @@ def _make_pools(cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> k
     pages_per_seq = -(-max_model_len // config.block_size)
     kv_dtype = kv.kv_storage_dtype(config.kv_cache_dtype, cfg)
     device = jax.local_devices()[0]
-    kernels = dispatch.choose(config.kernels, devices=device)
+    kernels = engine_kernels(config, devices=device)
     lanes = dispatch.pool_lanes(kernels)
     _, num_pages, num_window_pages = pool_sizes(cfg, config, kv_dtype, pages_per_seq, kv_budget(config),
                                                 lanes=lanes)
@@ -175,9 +176,19 @@ def start_pools(cfg: ModelConfig, config: EngineConfig, max_model_len: int) -> c
     return future
 
 
+def engine_kernels(config: EngineConfig, *, mesh=None, devices=None) -> dispatch.Kernels:
+    """The engine's kernels: ``config.kernels`` where it is a choice ``dispatch.choose`` made
+    already (``LLM`` chooses once, where the option enters, and passes the choice down), else
+    ``dispatch.choose``'s choice of that option for the mesh or devices (an engine made alone)."""
+    if isinstance(config.kernels, dispatch.Kernels) and config.kernels.platform is not None:
+        return config.kernels
+    return dispatch.choose(config.kernels, mesh=mesh, devices=devices)
+
+
 def check_combination(spec, mesh, *, lora: bool) -> None:
     """Refuse, in one place and with the reason, the options that do not run together: the
-    engine step composes them otherwise. spec: the parsed ``SpeculativeConfig`` or None; mesh:
+    engine step composes them otherwise. Called where the options enter (``LLM``, before the
+    download). spec: the parsed ``SpeculativeConfig`` or None; mesh:
     the (data, stage, model) mesh or None; lora: whether LoRA adapters are enabled."""
     from jaxinfer.engine.speculative import SpecMethod
 
@@ -186,11 +197,11 @@ def check_combination(spec, mesh, *, lora: bool) -> None:
     if spec is not None:
         if data > 1:  # the drafter proposes, plans and reads one scheduler's rows
             raise InvalidRequest("speculative decoding is not supported with data_parallel_size > 1")
-        if stages > 1:
-            # the pipelined step takes a draft block, but its verification rows' tokens differ
-            # from one device's (the stages' micro-batched attention over a row's several new
-            # queries is not yet proven for them)
-            raise InvalidRequest("speculative decoding with pipeline_parallel_size > 1 is not supported")
+        if stages > 1 and spec.method == SpecMethod.EARLY_EXIT:  # its draft layers are one stage's alone
+            raise InvalidRequest("speculative_config method early_exit is not supported with "
+                                 "pipeline_parallel_size > 1: the drafting layers sit on the first stage only")
+        if stages > 1 and spec.branches > 1:  # the branches' deferred writes are one pass's, not a stage's
+            raise InvalidRequest("speculative_config branches > 1 is not supported with pipeline_parallel_size > 1")
         if mesh is not None and spec.method in (SpecMethod.DRAFT_MODEL, SpecMethod.EAGLE):
             # their weights and pools live on one device
             raise InvalidRequest(f"speculative_config method {spec.method.value} does not run with "

@@ -1,5 +1,5 @@
 """Reading a dispatched step back into rows: the one path for plain and verification steps,
-one replica or several.
+over the replica axis (one replica or several: ``engine.replicas``).
 
 A plain step gives each decode row one token, a verification step its accepted drafts and
 then a new token (both ``step.StepOutput``); both are read as tokens [D, R, q]
@@ -63,20 +63,18 @@ def consume(eng, fl: InFlight) -> list[Row]:
     live = any(s.slot >= 0 and not s.row.checker.finished for dec in fl.decode for s in dec)
     if not live and not any(fl.segments):
         return []  # e.g. a chained block after its rows ended: nothing to read, no need to wait
-    out = replicas.host_readable(fl.out) if eng.D > 1 else fl.out
-    one = (lambda x: x[None]) if eng.D == 1 else (lambda x: x)  # a leading replica axis
+    out = replicas.host_readable(fl.out)  # every array [D, ...]
     if any(fl.segments):
-        plp = tuple(one(np.asarray(x)) for x in jax.device_get(out.prompt_logprobs))
+        plp = tuple(np.asarray(x) for x in jax.device_get(out.prompt_logprobs))
         for d, segs in enumerate(fl.segments):
             record_prompt_logprobs(segs, tuple(x[d] for x in plp), eng.tokenizer)
     if not live:
         return []
     spec = fl.kind.verifies
     per_query = (lambda x: x) if spec else (lambda x: x[:, :, None])  # [D, R, q, ...]
-    toks = per_query(one(np.asarray(out.tokens)))
-    accepted = one(np.asarray(out.accepted)) if spec else np.zeros(toks.shape[:2], np.int32)
-    lp = None if out.logprobs is None else tuple(per_query(one(np.asarray(x)))
-                                                 for x in jax.device_get(out.logprobs))
+    toks = per_query(np.asarray(out.tokens))
+    accepted = np.asarray(out.accepted) if spec else np.zeros(toks.shape[:2], np.int32)
+    lp = None if out.logprobs is None else tuple(per_query(np.asarray(x)) for x in jax.device_get(out.logprobs))
     nxt = np.asarray(out.next_drafts) if spec and out.next_drafts is not None else None
     carried = np.asarray(out.drafted) if spec and out.drafted is not None else None
     now = time.perf_counter()
@@ -88,8 +86,8 @@ def consume(eng, fl: InFlight) -> list[Row]:
             r, b = seq.row, seq.slot
             a = int(accepted[d, b])
             if spec:
-                eng.drafter.took(seq, fl.drafted, a, None if nxt is None else nxt[b],
-                                 None if carried is None else int(carried[b]))
+                eng.drafter.took(seq, fl.drafted, a, None if nxt is None else nxt[d, b],
+                                 None if carried is None else int(carried[d, b]))
             else:
                 seq.inflight -= 1
             finished = False

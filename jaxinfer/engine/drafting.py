@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import cache as kv
-from jaxinfer.engine import buckets
+from jaxinfer.engine import buckets, replicas
 from jaxinfer.engine.rows import Row
 from jaxinfer.engine.scheduler import Seq
 from jaxinfer.engine.speculative import SpecMethod, SpecStats, SpeculativeConfig, ngram_propose
@@ -183,8 +183,9 @@ class Drafter:
         return masks, has
 
     def block(self, R: int, k: int, rows: dict) -> DraftBlock:
-        """The draft block of a verification step whose drafts the host made (slot -> drafts)."""
-        return DraftBlock(branch_drafts=self.branch_drafts(R, k, rows))
+        """The draft block of a verification step whose drafts the host made (slot -> drafts),
+        on the replica axis (the drafter's one replica)."""
+        return replicas.stack([DraftBlock(branch_drafts=self.branch_drafts(R, k, rows))])
 
     def branch_drafts(self, R: int, k: int, rows: dict):
         """i32[R, W - 1, k]: the chains of EAGLE branches 1..W-1 of each row, cut to as many
@@ -211,8 +212,8 @@ class Drafter:
             z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
             ngram = self.spec.method == SpecMethod.NGRAM
             history = (z(R, width * self.eng.allocator.page_size), z(R), z(R, q)) if ngram else None
-            out.append((self.eng.idle_batch(R, width, 0, q=q),
-                        DraftBlock(chain=(z(R), None if ngram else z(R, K), z(R)), history=history)))
+            block = DraftBlock(chain=(z(R), None if ngram else z(R, K), z(R)), history=history)
+            out.append((self.eng.idle_batch(R, width, 0, q=q), replicas.stack([block])))
         return out
 
     # ------------------------------------------------------------------ chaining
@@ -267,27 +268,29 @@ class Drafter:
         """The draft block of the verification step chained to the unread ``fl`` (``can_chain``),
         from fl's device outputs: its rows move on by what fl accepted, within what each row's
         max_tokens leaves after fl's block; Medusa's and EAGLE's drafts are fl's next drafts,
-        n-gram's are looked up on device in each row's history."""
+        n-gram's are looked up on device in each row's history. On the replica axis, as fl's
+        outputs are (the drafter's one replica)."""
         assert decode == fl.decode[0], "a chained step runs the unread step's rows"
         budget = np.zeros(batch.rows, np.int32)  # room after the unread block's last token
         for s in decode:
             budget[s.slot] = draft_room(s.row) - 1
         history = self._history(decode, batch, fl.out.tokens) if self.spec.method == SpecMethod.NGRAM else None
         ahead = None if history is not None else fl.out.next_drafts  # n-gram: looked up on device
-        return DraftBlock(chain=(fl.out.accepted, ahead, budget), history=history)
+        return DraftBlock(chain=(fl.out.accepted, ahead, budget[None]), history=history)
 
     def _history(self, decode: list[Seq], batch: PackedBatch, block) -> tuple:
         """n-gram chaining's ``verify.DraftBlock.history``: each row's tokens as the host last
         read them (i32[R, L], L the pages the batch's tables cover: room for the unread block
-        and the next), their counts, and the unread block's tokens (block, still on device)."""
-        L = batch.table.shape[1] * self.eng.allocator.page_size
+        and the next), their counts, and the unread block's tokens (block, still on device),
+        on the replica axis."""
+        L = batch.table.shape[-1] * self.eng.allocator.page_size
         tokens, lengths = np.zeros((batch.rows, L), np.int32), np.zeros(batch.rows, np.int32)
         for s in decode:
             t = s.tokens
             assert len(t) + self.spec.num_speculative_tokens + 1 <= L, (len(t), L)  # can_chain's pages
             tokens[s.slot, : len(t)] = t
             lengths[s.slot] = len(t)
-        return tokens, lengths, block
+        return tokens[None], lengths[None], block
 
     # ------------------------------------------------------------------ reading
     def took(self, seq: Seq, drafted: dict | None, accepted: int, next_drafts, carried: int | None = None) -> None:

@@ -10,9 +10,10 @@ donated to every step and replaced by what it returns. The next step is dispatch
 host reads the current one's tokens, so detokenizing and stop checks overlap device work. With
 speculative decoding (``engine.drafting``) a step may carry a draft block: its decode rows carry
 drafts and it may emit several tokens per row (``consume.StepKind`` says which kind a dispatched
-step is); the same consume path reads both kinds. With data parallelism (``engine.replicas``)
-the engine holds D replicas, each with its own scheduler, slots and pools, and one step runs
-them all. Options that do not run together are refused once, in ``config.check_combination``.
+step is); the same consume path reads both kinds. Every engine runs D replicas
+(``engine.replicas``; D = 1 without data parallelism), each with its own scheduler, slots and
+pools, and one step runs them all: the same path for any D. Options that do not run together
+are refused once, where they enter (``config.check_combination``, called by ``LLM``).
 
 The interface is vLLM's LLMEngine's: ``add(row)``, ``abort(row)``, ``step()`` (returns the rows
 that finished), ``has_unfinished()``; ``run(rows)`` drives them for a batch.
@@ -26,7 +27,6 @@ import functools
 from collections.abc import Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import cache as kv
@@ -39,7 +39,7 @@ from jaxinfer.engine.adapters import lora_manager
 from jaxinfer.engine.batch import build_batch, plan_shape, window_width
 from jaxinfer.engine.chaining import Chainer
 from jaxinfer.engine.compiles import CompileCounter
-from jaxinfer.engine.config import (EngineConfig, check_combination, kv_budget, pool_sizes, scheduler_steps,
+from jaxinfer.engine.config import (EngineConfig, engine_kernels, kv_budget, pool_sizes, scheduler_steps,
                                     separate_sampler)
 from jaxinfer.engine.consume import InFlight, StepKind, consume, prompt_logprob_segments
 from jaxinfer.engine.rows import Row
@@ -47,7 +47,7 @@ from jaxinfer.engine.scheduler import Scheduler, Seq
 from jaxinfer.engine.slots import STOP_ID_WIDTH, SlotState, insert_step, slot_states_for, slots_with_vocab_state
 from jaxinfer.engine.speculative import SpeculativeConfig
 from jaxinfer.engine.state import EngineState
-from jaxinfer.engine.step import StepInputs, packed_step, sample_rows
+from jaxinfer.engine.step import StepInputs
 from jaxinfer.engine.verify import NO_DRAFTING, DraftBlock
 from jaxinfer.engine.warmup import warm
 from jaxinfer.errors import InvalidRequest
@@ -88,13 +88,11 @@ class Engine:
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.max_model_len, self.config, self.seed, self.mesh = max_model_len, config, seed, mesh
         self.max_num_seqs = config.max_num_seqs
-        self.D = D = mesh.shape["data"] if mesh is not None else 1
+        self.D = D = replicas.count(mesh)
         self.spec = SpeculativeConfig.parse(speculative, cfg.n_layers)
-        check_combination(self.spec, mesh, lora=config.lora is not None)
-        # which kernels run attention (the weights carry the matmuls' choice, ``dispatch.bind``)
-        # (they follow the engine's devices: its mesh, or the weights' one device)
-        self.kernels = dispatch.choose(config.kernels, mesh=mesh,
-                                       devices=None if mesh is not None else dstate.devices(weights))
+        # which kernels run attention (the weights carry the matmuls' choice, ``dispatch.bind``),
+        # as chosen for the engine's devices: its mesh, or the weights' one device
+        self.kernels = engine_kernels(config, mesh=mesh, devices=None if mesh is not None else dstate.devices(weights))
         # the keys pools' layout, for the engine's and its drafter's pools alike (cache module doc)
         self.keys_transposed = dispatch.keys_transposed(self.kernels, self.kernels.platform)
         # the pools' head dims padded to whole tiles on a TPU (cache module doc)
@@ -132,18 +130,16 @@ class Engine:
         self._compiles = CompileCounter()
         statics = dict(windowed=self.windowed, keys_transposed=self.keys_transposed, pipeline=self.pipeline,
                        drafting=self.drafter.drafting if self.drafter is not None else NO_DRAFTING)
-        fn, insert = functools.partial(packed_step, **statics), insert_step
-        if D > 1:  # the one step, per replica
-            fn, insert = functools.partial(replicas.replicas_step, mesh=mesh, **statics), replicas.insert_replica
+        fn = functools.partial(replicas.replicas_step, mesh=mesh, **statics)  # the one step, per replica
         self._step = self._compiles.counted(jax.jit(fn, static_argnames=("cfg", "num_logprobs", "prompt_logprobs",
                                                                          "kernels", "sample"), donate_argnames=("state",)))
         # plain steps' sampling apart: one executable per row bucket and sampling options, shared
         # by every step shape (``step.sample_rows``); replicas and an EAGLE head sample in the step
         self.separate_sampler = (separate_sampler(config, self.kernels.platform or jax.default_backend())
                                  and D == 1 and (self.drafter is None or self.drafter.eagle is None))
-        self._sampler = self._compiles.counted(jax.jit(functools.partial(sample_rows), static_argnames=("num_logprobs",),
-                                                       donate_argnames=("slots",)))
-        self._insert = self._compiles.counted(jax.jit(functools.partial(insert), donate_argnames=("slots",)))
+        self._sampler = self._compiles.counted(jax.jit(functools.partial(replicas.sample_rows),
+                                                       static_argnames=("num_logprobs",), donate_argnames=("slots",)))
+        self._insert = self._compiles.counted(jax.jit(functools.partial(insert_step), donate_argnames=("slots",)))
         self.chainer = Chainer(self, scheduler_steps(config),
                                "data_parallel" if D > 1 else "pipeline" if self.pipeline is not None
                                else "speculative" if self.spec is not None else None)
@@ -216,7 +212,7 @@ class Engine:
                           max_segments=min(prefill, self.max_num_seqs),
                           lora_active=z(loras) if loras else None,
                           lora_index=np.full(N, -1, np.int32) if loras else None)
-        return one if self.D == 1 else replicas.stack([one] * self.D)
+        return replicas.stack([one] * self.D)
 
     def warmup(self, max_prompt_len: int | None = None, max_len: int | None = None, *,
                compile_threads: int | None = None) -> int:
@@ -237,8 +233,6 @@ class Engine:
                 "or lower max_tokens")
         if row.images is not None:
             multimodal.validate(self, row.images)
-        if row.lora is not None and self.lora is None:
-            raise InvalidRequest("a LoRA request needs an engine started with enable_lora=True")
         ids = tuple(row.params.stop_token_ids) + (() if row.params.ignore_eos else tuple(self.tokenizer.eos_ids))
         if row.params.min_tokens and len(ids) > STOP_ID_WIDTH:
             raise InvalidRequest(f"min_tokens supports at most {STOP_ID_WIDTH - len(self.tokenizer.eos_ids)} stop_token_ids")
@@ -332,6 +326,7 @@ class Engine:
             rows = {s.slot: drafts[s] for s in decode if s in drafts}
             batch = self.build(plans, q, want_targets=bool(want_plp), drafts=rows)
             guide = self.drafter.block_guide(decode, rows, batch.rows, q)
+            guide = None if guide is None else replicas.stack([guide])
             block = self.drafter.block(batch.rows, q - 1, rows)
         else:
             batch = self.build(plans, 1, want_targets=bool(want_plp))
@@ -352,19 +347,20 @@ class Engine:
 
     def build(self, plans, q: int, *, want_targets: bool, drafts: dict | None = None) -> PackedBatch:
         """``batch.build_batch`` of every replica's plan with the engine's own sizes, padded to
-        one shape and stacked when there are several replicas (an EAGLE head needs every
-        prefill token's next token)."""
+        one shape and stacked on the replica axis (an EAGLE head needs every prefill token's
+        next token). drafts: the drafter's replica's (the first: speculation runs one)."""
         kw = {"q": q, "pages_per_seq": self.pages_per_seq, "max_num_seqs": self.max_num_seqs,
               "prefill_chunk": self.config.max_num_batched_tokens}
         eagle = self.drafter is not None and self.drafter.eagle is not None
-        if self.D == 1:
-            batch = build_batch(plans[0], self.sched, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
-                                drafts=drafts, next_tokens=eagle, chain=1 + self.chainer.window_ahead(),
-                                max_loras=self.lora.config.max_loras if self.lora is not None else 0, **kw)
-            return batch if self.images is None else self.images.attach(batch, plans[0])
         shape = tuple(int(x) for x in np.max([plan_shape(p, s, **kw) for p, s in zip(plans, self.scheds)], axis=0))
-        return replicas.stack([build_batch(p, s, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
-                                           shape=shape, **kw) for p, s in zip(plans, self.scheds)])
+        out = []
+        for d, (plan, sched) in enumerate(zip(plans, self.scheds)):
+            batch = build_batch(plan, sched, pad_id=self.tokenizer.pad_id, want_targets=want_targets,
+                                drafts=drafts if d == 0 else None, next_tokens=eagle, shape=shape,
+                                chain=1 + self.chainer.window_ahead(),
+                                max_loras=self.lora.config.max_loras if self.lora is not None else 0, **kw)
+            out.append(batch if self.images is None else self.images.attach(batch, plan))
+        return replicas.stack(out)
 
     def run_step(self, batch: PackedBatch, *, num_logprobs: int = -1, prompt_logprobs: int = -1, guide=None,
                  drafts: DraftBlock | None = None):
@@ -405,8 +401,8 @@ class Engine:
                                                         sample=not apart)
 
     def sampler_args(self, logits, batch: PackedBatch, *, num_logprobs: int = -1, guide=None):
-        """The (args, kwargs) ``run_step`` calls the sampler's executable with: logits f32[R, V]
-        (a step's, or their abstract value, which warm-up lowers the sampler on)."""
+        """The (args, kwargs) ``run_step`` calls the sampler's executable with: logits f32[1, R, V]
+        on the replica axis (a step's, or their abstract value, which warm-up lowers the sampler on)."""
         return (logits, self.state.slots, batch.active, guide), dict(num_logprobs=num_logprobs)
 
     def lower_step(self, batch: PackedBatch, **kw):
@@ -421,9 +417,9 @@ class Engine:
         return self._sampler.lower(*args, **kwargs)
 
     def _guide(self, plans, R: int):
-        """The decode rows' structured-output masks (bitmask i32[R, V/32], has_mask bool[R];
-        [D, ...] with replicas, each replica's own), or None when no row is constrained. Decode
-        row r is slot r."""
+        """The decode rows' structured-output masks (bitmask i32[D, R, V/32], has_mask
+        bool[D, R], each replica's own), or None when no row is constrained. Decode row r is
+        slot r."""
         guided = [(d, s) for d, p in enumerate(plans) for s in p.decode if s.row.guided is not None]
         if not guided:
             return None
@@ -433,8 +429,7 @@ class Engine:
         for d, s in guided:
             s.row.guided.fill_bitmask(self._bitmask[d, s.slot])
             has[d, s.slot] = True
-        bitmask = self._bitmask[:, :R].copy()
-        return (bitmask[0], has[0]) if self.D == 1 else (bitmask, has)
+        return self._bitmask[:, :R].copy(), has
 
     # ------------------------------------------------------------------ slots
     def committed(self, tree):
@@ -449,29 +444,22 @@ class Engine:
         self.state = dataclasses.replace(self.state, slots=self._fresh_slots())
 
     def _insert_rows(self, replica: int, seqs: list[Seq]) -> None:
-        """The slot state of the sequences one plan admitted: on one device in one call, padded
-        to a batch bucket (a wave of 64 new rows was 64 calls); per row across replicas."""
+        """The slot state of the sequences one plan of replica ``replica`` admitted, in one
+        call, padded to a batch bucket (a wave of 64 new rows was 64 calls)."""
         # [S, V] penalty statistics only while some running row (of any replica) has penalties
         need = any(s is not None and smp.needs_vocab_state(s.row.params) for sched in self.scheds for s in sched.slots)
         self.state = dataclasses.replace(self.state, slots=slots_with_vocab_state(self.slots, self.cfg.vocab_size,
                                                                                    need))
         state = functools.partial(slot_states_for, vocab_size=self.cfg.vocab_size, eos_ids=self.tokenizer.eos_ids,
                                   seed=self.seed, vocab_state=need)
-        if self.D > 1:
-            for seq in seqs:
-                self._insert_at(replica, seq.slot, state([seq.row]))
-            return
         n = buckets.bucket(len(seqs), buckets.BATCH_BUCKETS, self.max_num_seqs)
         at = np.full(n, self.max_num_seqs, np.int32)  # padding rows: dropped
         at[: len(seqs)] = [s.slot for s in seqs]
         self._insert_at(replica, at, state([s.row for s in seqs], batch_size=n))
 
-    def _insert_at(self, replica: int, slot, new: SlotState) -> None:
-        """slot: the slot number (several replicas; new has batch 1), or i32[n] slot numbers
-        (one device; new has batch n)."""
-        if self.D > 1:
-            slots = self._insert(self.slots, jnp.int32(replica), jnp.int32(slot), new)
-        else:
-            self.inserts_run.add(len(slot))
-            slots = self._insert(self.slots, slot, new)
-        self.state = dataclasses.replace(self.state, slots=slots)
+    def _insert_at(self, replica: int, slot: np.ndarray, new: SlotState) -> None:
+        """new (batch n) into replica ``replica``'s slots ``slot`` i32[n] (max_num_seqs: padding,
+        dropped)."""
+        self.inserts_run.add(len(slot))
+        at = replicas.folded_slots(replica, slot, self.max_num_seqs, self.D)
+        self.state = dataclasses.replace(self.state, slots=self._insert(self.slots, at, new))

@@ -1,7 +1,8 @@
 """The engine's device state as one pytree (``EngineState``: the page pools, the per-slot state
 and the drafter's pools), which every jitted step takes (donated) and returns; and making it:
-pools on one device, split over a mesh's "model" axis, stacked by pipeline stage, or with a
-leading replica axis, and every slot idle, placed as the steps' outputs will be."""
+pools on one device, split over a mesh's "model" axis, stacked by pipeline stage, or folded
+over D replicas (``engine.replicas``: replica d's pages and slots follow replica d - 1's on
+the leading axis, split over "data"), and every slot idle, placed as the steps' outputs will be."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import NamedSharding, PartitionSpec
+
 from jaxinfer import cache as kv
 from jaxinfer.engine.slots import SlotState, make_slots
 
@@ -17,7 +20,8 @@ from jaxinfer.engine.slots import SlotState, make_slots
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class EngineState:
-    """What the device keeps between steps; the engine holds the only reference."""
+    """What the device keeps between steps; the engine holds the only reference. With D
+    replicas every array is folded: [D * P, ...] pools, [D * S, ...] slots (``engine.replicas``)."""
 
     k_pages: list  # per layer, its keys page pool (None: a layer reading another's), by stage when pipelined
     v_pages: list  # per layer, its values page pool
@@ -54,7 +58,7 @@ class Pools:
 def make_pools(cfg, config, weights, mesh, replicas: int, kv_dtype, keys_transposed: bool, num_pages: int,
                num_window_pages: int | None, started=None, max_model_len: int = 0, *, lanes: int = 1) -> Pools:
     """The target's page pools: on the weights' device, split over the mesh's "model" axis
-    (KV heads, or replicated), one per pipeline stage's layers, or per replica [D, ...].
+    (KV heads, or replicated), one per pipeline stage's layers, folded over the replicas.
     started: ``config.start_pools``' future, begun while the weights were read (one device).
     lanes: the pools' head-dim padding (``dispatch.pool_lanes``; not the pipeline's pools)."""
     ps = config.block_size
@@ -82,25 +86,39 @@ def make_pools(cfg, config, weights, mesh, replicas: int, kv_dtype, keys_transpo
         return Pools(k, v, cache.windowed, weights=weights)
     from jaxinfer.sharding import kv_pool_shardings
 
-    pools = (cache.k, cache.v)
-    if replicas > 1:
-        pools = jax.tree.map(lambda a: jnp.broadcast_to(a, (replicas,) + a.shape), pools)
-    pool = kv_pool_shardings(mesh, cfg, leading=("data",) if replicas > 1 else ())
-    k, v = jax.device_put(pools, (pool, pool))
+    pool = [None if s is None else NamedSharding(mesh, replica_spec(replicas, s.spec))
+            for s in kv_pool_shardings(mesh, cfg)]
+    k, v = jax.device_put(fold((cache.k, cache.v), replicas), (pool, pool))
     return Pools(k, v, cache.windowed, weights=weights)
 
 
 def fresh_slots(vocab_size: int, max_num_seqs: int, seed: int, weights, mesh, replicas: int) -> SlotState:
-    """Every slot idle, placed as the steps' own outputs will be: split over the replicas,
-    replicated over the mesh, or committed to the weights' device."""
+    """Every slot idle, placed as the steps' own outputs will be: folded over the replicas
+    and split over them, replicated over the mesh, or committed to the weights' device."""
     slots = make_slots(vocab_size, max_num_seqs, seed, vocab_state=False)
     if mesh is None:
         return committed(slots, weights)
-    from jax.sharding import NamedSharding, PartitionSpec
+    return jax.device_put(fold(slots, replicas), NamedSharding(mesh, replica_spec(replicas)))
 
-    if replicas > 1:
-        slots = jax.tree.map(lambda a: jnp.broadcast_to(a, (replicas,) + a.shape), slots)
-    return jax.device_put(slots, NamedSharding(mesh, PartitionSpec("data" if replicas > 1 else None)))
+
+def fold(tree, replicas: int):
+    """``replicas`` copies of every array of a fresh one-replica ``tree`` concatenated along
+    its leading axis (the folded state: ``engine.replicas``); one replica: ``tree`` itself,
+    not copied."""
+    if replicas == 1:
+        return tree
+    return jax.tree.map(lambda a: jnp.concatenate([a] * replicas), tree)
+
+
+def replica_spec(replicas: int, inner: PartitionSpec = PartitionSpec()) -> PartitionSpec:
+    """The placement of a folded state array whose one-replica placement is ``inner`` (its
+    leading axis not split): that axis split over "data" where there are several replicas.
+    One replica keeps ``inner`` itself, the placement its step's outputs come back with (a
+    spec naming the size-1 "data" axis would key the step's executables apart from them)."""
+    if replicas == 1:
+        return inner
+    assert len(inner) == 0 or inner[0] is None, inner
+    return PartitionSpec("data", *tuple(inner)[1:])
 
 
 def cache_bytes(state: EngineState) -> int:

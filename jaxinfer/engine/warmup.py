@@ -121,10 +121,9 @@ def warm(eng, max_prompt_len: int | None = None, max_len: int | None = None, *, 
     for run, _, _ in runs:
         run()
     eng.reset_slots()  # warm-up sampled into idle slots
-    if eng.D == 1:  # every row bucket of _insert_rows, host state as slot_states_for's, all padding
-        for n in sorted({buckets.bucket(k, buckets.BATCH_BUCKETS, eng.max_num_seqs)
-                         for k in range(1, eng.max_num_seqs + 1)}):
-            pad = jax.tree.map(lambda a: jax.device_put(np.repeat(np.asarray(a[:1]), n, axis=0)), eng.slots)
-            eng._insert_at(0, np.full(n, eng.max_num_seqs, np.int32), pad)
+    # every row bucket of _insert_rows, host state as slot_states_for's, all padding
+    for n in sorted({buckets.bucket(k, buckets.BATCH_BUCKETS, eng.max_num_seqs) for k in range(1, eng.max_num_seqs + 1)}):
+        pad = jax.tree.map(lambda a: jax.device_put(np.repeat(np.asarray(a[:1]), n, axis=0)), eng.slots)
+        eng._insert_at(0, np.full(n, eng.max_num_seqs, np.int32), pad)
     jax.block_until_ready(eng.state)
     return eng.num_compilations() - before

@@ -434,8 +434,11 @@ def _rows_attention(q, kpool, vpool, table, base, qpos, end, *, scale, window, s
         acc.add(_scores(qm, keys, softcap, keys_transposed), ok[:, None], values)
     if own is not None:
         keys, values = (_as_stored(a, pool) for a, pool in zip(own, (vpool if kpool is None else kpool, vpool)))
-        acc.add(_scores(qm, keys.transpose(0, 2, 3, 1), softcap), _visible(qpos_m, qpos, window)[:, None],
-                values.transpose(0, 2, 1, 3))
+        # a row's queries are its positions in order, then padding that repeats the last real
+        # one (its keys bound for the scratch page): query j sees its own keys up to j only
+        idx = jnp.arange(T, dtype=jnp.int32)
+        ok = _visible(qpos_m, qpos, window) & (idx[None, None, :] <= jnp.repeat(idx, G)[None, :, None])
+        acc.add(_scores(qm, keys.transpose(0, 2, 3, 1), softcap), ok[:, None], values.transpose(0, 2, 1, 3))
     return _unfold(acc.result(None if sinks is None else sink_rows(sinks, K, T)), T, N, q.dtype)
 
 

@@ -55,7 +55,7 @@ def with_vocab_state(state: SamplingState, vocab_size: int) -> SamplingState:
     """``state`` with zeroed [B, V] statistics added when it has none (host zeros, one transfer)."""
     if state.has_vocab_state:
         return state
-    shape = state.temperature.shape + (vocab_size,)  # [B, V], or [D, B, V] over data-parallel replicas
+    shape = state.temperature.shape + (vocab_size,)  # [B, V] (B: every replica's slots, folded)
     where = state.temperature.sharding  # placed as the rest of the state: one device, replicated or split
     mask, counts = jax.device_put((np.zeros(shape, np.bool_), np.zeros(shape, np.int32)), (where, where))
     return dataclasses.replace(state, prompt_mask=mask, output_counts=counts)
