@@ -64,7 +64,7 @@ def test_the_sampler_takes_the_slots_donated_and_steps_no_longer_split_by_logpro
     batch = eng.idle_batch(1, 8, 0)
     old = eng.state.slots
     out = eng.run_step(batch)
-    assert out.logits is None and out.tokens.shape == (1,)
+    assert out.logits is None and out.tokens.shape == (1, 1)  # [replicas, rows]
     assert all(a.is_deleted() for a in jax.tree.leaves(old))
 
 

@@ -153,3 +153,26 @@ def build_batch(plan: StepPlan, sched: Scheduler, *, q: int, pad_id: int, pages_
                        active=active, use_prev=use_prev, last_q=last_q, table=table, wtable=wtable, wbase=wbase, seg=seg,
                        hist_end=np.int32(hist_end), targets=targets, rows=R, q=q,
                        max_segments=min(Tp, max_num_seqs), lora_active=lora_active, lora_index=lora_index)
+
+
+class GuideMasks:
+    """The decode rows' structured-output masks of each step, in one host buffer
+    i32[D, S, V/32] reused step to step (made on first use): ``masks(plans, R)`` ->
+    (bitmask i32[D, R, V/32], has_mask bool[D, R], each replica's own), or None when no row is
+    constrained. Decode row r is slot r."""
+
+    def __init__(self, replicas: int, max_num_seqs: int, vocab_size: int):
+        self.shape = (replicas, max_num_seqs, -(-vocab_size // 32))
+        self.bitmask: np.ndarray | None = None
+
+    def __call__(self, plans: list[StepPlan], R: int):
+        guided = [(d, s) for d, p in enumerate(plans) for s in p.decode if s.row.guided is not None]
+        if not guided:
+            return None
+        if self.bitmask is None:
+            self.bitmask = np.full(self.shape, -1, np.int32)
+        has = np.zeros((self.shape[0], R), np.bool_)
+        for d, s in guided:
+            s.row.guided.fill_bitmask(self.bitmask[d, s.slot])
+            has[d, s.slot] = True
+        return self.bitmask[:, :R].copy(), has

@@ -36,7 +36,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine import buckets, multimodal, replicas
 from jaxinfer.engine import state as dstate
 from jaxinfer.engine.adapters import lora_manager
-from jaxinfer.engine.batch import build_batch, plan_shape, window_width
+from jaxinfer.engine.batch import GuideMasks, build_batch, plan_shape, window_width
 from jaxinfer.engine.chaining import Chainer
 from jaxinfer.engine.compiles import CompileCounter
 from jaxinfer.engine.config import (EngineConfig, engine_kernels, kv_budget, pool_sizes, scheduler_steps,
@@ -146,7 +146,7 @@ class Engine:
         self.images = None  # the checkpoint's image encoder (``multimodal.ImageInputs``), where it runs one
         self._seqs: dict[int, tuple[int, Seq]] = {}  # id(row) -> (replica, its sequence), for abort
         self._inflight: InFlight | None = None
-        self._bitmask: np.ndarray | None = None  # i32[D, S, V/32] structured-output masks, made on first use
+        self._guide = GuideMasks(D, config.max_num_seqs, cfg.vocab_size)  # each step's structured-output masks
         self.shapes_run: set[tuple] = set()  # (R, width, Tp, q, logprobs, prompt logprobs) of every step run
         self.inserts_run: set[int] = set()  # the row buckets of every slot insert run (one device)
 
@@ -415,21 +415,6 @@ class Engine:
         """The sampler's executable (``separate_sampler``) lowered on ``sampler_args``."""
         args, kwargs = self.sampler_args(logits, batch, **kw)
         return self._sampler.lower(*args, **kwargs)
-
-    def _guide(self, plans, R: int):
-        """The decode rows' structured-output masks (bitmask i32[D, R, V/32], has_mask
-        bool[D, R], each replica's own), or None when no row is constrained. Decode row r is
-        slot r."""
-        guided = [(d, s) for d, p in enumerate(plans) for s in p.decode if s.row.guided is not None]
-        if not guided:
-            return None
-        if self._bitmask is None:
-            self._bitmask = np.full((self.D, self.max_num_seqs, -(-self.cfg.vocab_size // 32)), -1, np.int32)
-        has = np.zeros((self.D, R), np.bool_)
-        for d, s in guided:
-            s.row.guided.fill_bitmask(self._bitmask[d, s.slot])
-            has[d, s.slot] = True
-        return self._bitmask[:, :R].copy(), has
 
     # ------------------------------------------------------------------ slots
     def committed(self, tree):
