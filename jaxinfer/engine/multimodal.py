@@ -232,13 +232,21 @@ def load(path, tokenizer, *, dtype: str) -> ImageInputs | None:
     return ImageInputs(encoder, cfg, weights, ImageProcessor.from_dir(path), image_token=ids[1], markers=markers)
 
 
+def refusal(engine) -> str | None:
+    """Why ``engine`` runs no image request at all, or None where it runs them."""
+    if engine.images is None:
+        return "this model takes no images (its checkpoint has no image encoder jaxinfer runs)"
+    if engine.D > 1 or engine.pipeline is not None or engine.spec is not None:
+        return ("image inputs are not supported with data_parallel_size > 1, pipeline parallelism "
+                "or speculative decoding")
+    return None
+
+
 def validate(engine, images: PromptImages) -> None:
     """Raise InvalidRequest if a row with these images can never run on ``engine``."""
-    if engine.images is None:
-        raise InvalidRequest("this model takes no images (its checkpoint has no image encoder jaxinfer runs)")
-    if engine.D > 1 or engine.pipeline is not None or engine.spec is not None:
-        raise InvalidRequest("image inputs are not supported with data_parallel_size > 1, pipeline parallelism "
-                             "or speculative decoding")
+    reason = refusal(engine)
+    if reason is not None:
+        raise InvalidRequest(reason)
     engine.images.check(images, engine.config.max_num_batched_tokens)
 
 

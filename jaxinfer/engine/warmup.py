@@ -15,7 +15,7 @@ import os
 import jax
 import numpy as np
 
-from jaxinfer.engine import buckets
+from jaxinfer.engine import buckets, multimodal
 from jaxinfer.errors import InvalidRequest
 
 
@@ -60,10 +60,9 @@ def _compile(eng, lower, batch) -> None:
 
 def takes_images(eng) -> bool:
     """Whether ``eng`` runs image requests: it has an image encoder, images are allowed
-    (limit_mm_per_prompt), and nothing it runs with refuses them (``multimodal.validate``)."""
-    im = eng.images
-    return (im is not None and im.limit != 0 and eng.D == 1 and eng.pipeline is None and eng.spec is None
-            and im.mm_tokens <= eng.config.max_num_batched_tokens)
+    (limit_mm_per_prompt), and nothing it runs with refuses them (``multimodal.refusal``)."""
+    return (multimodal.refusal(eng) is None and eng.images.limit != 0
+            and eng.images.mm_tokens <= eng.config.max_num_batched_tokens)
 
 
 def image_runs(eng, shapes, loras) -> list:
