@@ -98,6 +98,31 @@ def test_every_kernel_compiles_for_tpu(kernel, target):
     assert "tpu_custom_call" in compiled.as_text()
 
 
+_THRESHOLD_SHAPES = [(target, rows, vocab) for target in ("v5e-1", "v6e-1", "v5p-8") for rows in (8, 64, 256, 320)
+                     for vocab in (128256, 262144)]
+_THRESHOLD_DEFAULT = {("v5e-1", 256, 128256), ("v6e-1", 8, 262144)}
+
+
+# two shapes in the default run (v5e at a 256-row decode step of Llama 3's vocabulary, v6e at
+# Gemma 3's); every chip, row bucket and vocabulary marked slow
+@pytest.mark.parametrize("target,rows,vocab", [s if s in _THRESHOLD_DEFAULT else pytest.param(*s, marks=pytest.mark.slow)
+                                               for s in _THRESHOLD_SHAPES])
+def test_the_sampler_threshold_kernels_compile_for_tpu(target, rows, vocab):
+    """Both bisections (top-k count, top-p mass) lower through Mosaic with their row blocks in
+    the chip's scoped VMEM (exp(z - m) stored or recomputed, by ``plan``)."""
+    from pallas_kernels import sample_threshold as st
+
+    mesh = aot.target_mesh(target, model=1)
+    x, per_row = _on(mesh, (rows, vocab), jnp.float32), _on(mesh, (rows,), jnp.float32)
+    k = _on(mesh, (rows,), jnp.int32)
+    with jax.set_mesh(mesh):
+        assert st.fits(rows, vocab)
+        for fn, args in ((st.count_threshold_kernel, (x, per_row, k)),
+                         (st.mass_threshold_kernel, (x, per_row, per_row, per_row))):
+            compiled = jax.jit(fn).lower(*args).compile()
+            assert "tpu_custom_call" in compiled.as_text()
+
+
 # 8 KV heads and rows of 16k positions: each pool (128-256 MB) is larger than a chip's VMEM, as
 # an engine's pools are, so XLA cannot stage a whole one there and every pool-sized copy is a relayout
 WIDE = dataclasses.replace(TINY, n_heads=8, n_kv_heads=8)
