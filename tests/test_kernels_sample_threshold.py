@@ -140,3 +140,77 @@ def test_row_blocks_fit_the_scoped_vmem_at_the_vocabularies_we_run(V, vmem, stor
     assert plan(256, V, mass=False, block_sizes=st.BlockSizes(), vmem_bytes=vmem) == (8, False)
     assert plan(4, V, mass=False, block_sizes=st.BlockSizes(), vmem_bytes=vmem)[0] == 4
     assert not st.fits(8, 512 * 1024, vmem_bytes=16 * MB) and not st.fits(12, 1024, vmem_bytes=16 * MB)
+
+
+# ----------------------------------------------------------------------------- wired into the sampler
+def _sampler_case(B=8, V=1500, seed=0):
+    """Rows that take the bisections (k over 64, nuclei wider than 64 tokens), temperatures
+    != 1, some logits -inf (banned), and a greedy row."""
+    from jaxinfer import sampling as S
+
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((B, V)).astype(np.float32) * 2
+    logits[:, 7::11] = -np.inf
+    params = [S.SamplingParams(temperature=tmp, top_k=k, top_p=p, seed=i) for i, (tmp, k, p) in enumerate(
+        [(0.7, 65, 1.0), (1.3, 500, 1.0), (0.5, V - 1, 1.0), (1.0, 0, 0.5), (2.0, 0, 0.9), (0.8, 0, 0.999),
+         (1.2, 300, 0.95), (0.0, 0, 1.0)][:B])]
+    state = S.make_sampling_state(params, [[0]] * B, V, default_seed=0, vocab_state=False)
+    return jnp.asarray(logits), state
+
+
+def test_the_sampler_with_the_kernel_equals_the_sampler_with_xla():
+    """The thresholds (so the kept sets) and the tokens drawn, kernel (interpret mode) against
+    XLA's bisections; the kernel is in the traced program only when asked for."""
+    from jaxinfer import sampling as S
+
+    logits, state = _sampler_case()
+    B, V = logits.shape
+    kernel = S.SamplerKernels(pallas=True, interpret=True)
+    xp = jnp.pad(logits, ((0, 0), (0, -V % S._BLOCK)), constant_values=-jnp.inf)
+    bmax = jnp.max(xp.reshape(B, -1, S._FINE), axis=2)
+    thr = jax.jit(S.filter_threshold, static_argnames=("vocab_size", "kernels"))
+    ref = thr(xp, bmax, state, vocab_size=V)[2]
+    got = thr(xp, bmax, state, vocab_size=V, kernels=kernel)[2]
+    np.testing.assert_array_equal(got, ref)
+    # every sampled row was filtered, but k = V - 1 (past the -inf logits: keeps them all)
+    assert np.all(np.isfinite(np.asarray(ref)[[0, 1, 3, 4, 5, 6]])), ref
+    sample = jax.jit(S.sample, static_argnames="kernels")
+    for step in range(3):
+        s = jnp.full((B,), step, jnp.int32)
+        np.testing.assert_array_equal(sample(logits, state, s, kernels=kernel), sample(logits, state, s))
+    assert "pallas_call" in str(jax.make_jaxpr(lambda lg: S.sample(lg, state, s, kernels=kernel))(logits))
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda lg: S.sample(lg, state, s))(logits))
+
+
+def test_the_engines_choice_decides_where_the_sampler_bisects():
+    """The Pallas kernel on a TPU under a Pallas choice, interpreted where the choice
+    interprets; XLA's passes under the XLA choice and on GPU (no Triton variant)."""
+    from jaxinfer import dispatch
+    from jaxinfer.sampling import SamplerKernels
+
+    pallas = dispatch.Kernels("pallas", "pallas")
+    assert dispatch.sampler_kernels(dispatch.Kernels(platform="tpu")) == SamplerKernels()
+    assert dispatch.sampler_kernels(pallas.__class__("pallas", "pallas", platform="tpu")) == SamplerKernels(pallas=True)
+    assert dispatch.sampler_kernels(dispatch.Kernels("pallas", "pallas", platform="gpu")) == SamplerKernels()
+    assert dispatch.sampler_kernels(dispatch.INTERPRET) == SamplerKernels(pallas=True, interpret=True)
+    assert dispatch.sampler_kernels(dispatch.XLA) == SamplerKernels()
+
+
+def test_the_engines_sampling_step_with_the_kernel_gives_the_same_tokens():
+    """``step.sample_rows``, as the engine runs it apart, under the interpreted Pallas choice
+    and under XLA's: the same tokens and the same slot state; the choice is a static argument,
+    so each gets an executable of its own."""
+    from jaxinfer import dispatch
+    from jaxinfer.engine import step as st_step
+    from jaxinfer.engine.slots import SlotState
+
+    logits, state = _sampler_case()
+    B, V = logits.shape
+    slots = SlotState(state, jnp.zeros(B, jnp.int32), jnp.full((B, 1), -1, jnp.int32), jnp.zeros(B, jnp.int32),
+                      jnp.zeros(B, jnp.int32))
+    run = jax.jit(st_step.sample_rows, static_argnames=("num_logprobs", "kernels"))
+    active = jnp.ones(B, bool)
+    a = run(logits, slots, active, num_logprobs=-1, kernels=dispatch.INTERPRET)
+    b = run(logits, slots, active, num_logprobs=-1, kernels=dispatch.XLA)
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    assert run._cache_size() == 2

@@ -227,7 +227,7 @@ def test_packed_step_compiles_for_tpu_with_the_kernels_in_place(target, kind):
 def test_the_sampler_compiles_for_tpu_apart_from_the_step_with_the_slots_in_place():
     """A step that samples apart hands its rows' logits f32[R, V] to the sampler's own
     executable (``step.sample_rows``), which takes the slot state donated and returns it
-    aliased."""
+    aliased, and bisects wide top-k / top-p thresholds in the Pallas kernel."""
     from jaxinfer.engine.slots import make_slots
 
     _, step = _step(aot.StepKind("decode", rows=8, sample=False), context=256)
@@ -240,6 +240,7 @@ def test_the_sampler_compiles_for_tpu_apart_from_the_step_with_the_slots_in_plac
     slot_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(slots))
     assert compiled.memory_analysis().alias_size_in_bytes >= slot_bytes
     assert compiled.out_info[0].shape == (8,)  # the tokens
+    assert "tpu_custom_call" in compiled.as_text()  # the top-k / top-p bisections' kernels
 
 
 def test_int8_kv_decode_step_reads_and_writes_its_pools_in_place():

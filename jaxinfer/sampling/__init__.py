@@ -29,6 +29,8 @@ from jaxinfer.sampling.device import (  # noqa: F401 (re-exported, private ones 
     _BLOCK,
     _FINE,
     FAST_TOPK,
+    XLA_SAMPLER,
+    SamplerKernels,
     SamplingState,
     _topk_topp_threshold,
     apply_penalties,
