@@ -243,6 +243,16 @@ def test_the_sampler_compiles_for_tpu_apart_from_the_step_with_the_slots_in_plac
     assert "tpu_custom_call" in compiled.as_text()  # the top-k / top-p bisections' kernels
 
 
+def test_the_sampler_on_a_tensor_parallel_mesh_splits_the_threshold_rows_over_model():
+    """On a v5e-4 mesh (model 4) the threshold kernels run inside shard_map, each chip on its
+    share of the rows: 12 rows are 3 a chip, one block smaller than a tile's 8 rows."""
+    mesh = aot.target_mesh("v5e-4", model=4)
+    with jax.set_mesh(mesh):
+        compiled = aot.lower_sampler(WIDE, mesh, 12).compile()
+    text = compiled.as_text()
+    assert text.count("tpu_custom_call") == 2 and "f32[3,2048]" in text
+
+
 def test_int8_kv_decode_step_reads_and_writes_its_pools_in_place():
     """int8 pools (XLA's readers; the Pallas kernels take float pools): the int8 values and the
     float32 scales, stored flat [P, K * ps] (128 wide here: 8 KV heads of 16-token pages), come

@@ -94,7 +94,9 @@ def _each_chunk(fn, Vp: int, C: int) -> None:
 def _load(x_hbm, z_ref, sem):
     """The program's R rows of x f32[B, Vp] (in HBM) copied into z_ref f32[R, Vp] (VMEM)."""
     R, Vp = z_ref.shape
-    copy = pltpu.make_async_copy(x_hbm.at[pl.ds(pl.program_id(0) * R, R)], z_ref, sem)
+    # one block of fewer than 8 rows is the whole array: Mosaic slices HBM at whole tiles only
+    rows = x_hbm if x_hbm.shape[0] == R else x_hbm.at[pl.ds(pl.multiple_of(pl.program_id(0) * R, R), R)]
+    copy = pltpu.make_async_copy(rows, z_ref, sem)
     copy.start()
     copy.wait()
     return R, Vp
