@@ -214,3 +214,26 @@ def test_the_engines_sampling_step_with_the_kernel_gives_the_same_tokens():
     b = run(logits, slots, active, num_logprobs=-1, kernels=dispatch.XLA)
     jax.tree.map(np.testing.assert_array_equal, a, b)
     assert run._cache_size() == 2
+
+
+def test_speculative_verification_with_the_kernel_equals_it_with_xla():
+    """verify_block's positions (B * (k + 1) = 8 rows, one kernel block) with wide top-k and
+    top-p: the same accepted drafts and tokens with the thresholds from the interpreted kernel."""
+    from jaxinfer import sampling as S
+
+    rng = np.random.default_rng(5)
+    B, k, V = 4, 1, 700
+    logits = jnp.asarray(rng.normal(size=(B, k + 1, V)) * 2, jnp.float32)
+    drafts = jnp.asarray(rng.integers(0, V, (B, k)), jnp.int32)
+    params = [S.SamplingParams(temperature=0.8, top_k=300, seed=1), S.SamplingParams(temperature=1.2, top_p=0.95, seed=2),
+              S.SamplingParams(temperature=0.6, top_k=100, top_p=0.9, seed=3), S.SamplingParams(temperature=0)]
+    state = S.make_sampling_state(params, [[]] * B, V, default_seed=0)
+    args = (logits, drafts, jnp.full(B, k, jnp.int32), state, jnp.arange(B, dtype=jnp.int32),
+            jnp.full((B, 1), -1, jnp.int32), jnp.zeros(B, jnp.int32))
+    run = jax.jit(S.verify_block, static_argnames="sampler")
+    ref = run(*args)
+    got = run(*args, sampler=S.SamplerKernels(pallas=True, interpret=True))
+    np.testing.assert_array_equal(got.accepted, ref.accepted)
+    np.testing.assert_array_equal(got.tokens, ref.tokens)
+    traced = jax.make_jaxpr(lambda *a: S.verify_block(*a, sampler=S.SamplerKernels(pallas=True, interpret=True)))
+    assert "pallas_call" in str(traced(*args))
