@@ -13,6 +13,11 @@ then one reduction; a static tail when block_v does not divide Vp, as at V = 128
   in another order than XLA's, so where the mass at some float is within rounding of the
   target the two may settle one threshold apart; elsewhere they are equal.
 
+Both are the reference's arithmetic in interpret mode (the tests hold them equal there). On a
+chip Mosaic computes x / t and exp itself; where it rounds otherwise than XLA's fusion (XLA:CPU
+already divides by an ulp otherwise inside a fusion than op by op) a threshold can move only
+where a logit lies within that ulp of it. Not checked on a chip: none was at hand.
+
 Why one copy and no double-buffered BlockSpec: a block's 32 steps take far longer than its
 copy (each step is a pass over the block in VMEM), so overlapping the copy gains little, and a
 second buffer would not fit: 8 rows of 262,144 logits are 8 MB, and two of them fill a v5e's
