@@ -178,7 +178,7 @@ def main(argv=None):
         t0, c0 = time.perf_counter(), time.process_time()
         with jax.set_mesh(mesh):
             if is_sampler(kind):
-                lowered = aot.lower_sampler(cfg, mesh, kind.rows)
+                lowered = aot.lower_sampler(cfg, mesh, kind.rows, kernels=kernels)
             else:
                 lowered, _ = aot.lower_step(cfg, weights, mesh, kernels, kind, work)
             t1 = time.perf_counter()

@@ -280,14 +280,17 @@ def lower_step(cfg: ModelConfig, weights, mesh: Mesh, kernels: dispatch.Kernels,
     return lowered, info
 
 
-def lower_sampler(cfg: ModelConfig, mesh: Mesh, rows: int, *, num_logprobs: int = -1):
+def lower_sampler(cfg: ModelConfig, mesh: Mesh, rows: int, *, num_logprobs: int = -1,
+                  kernels: dispatch.Kernels | None = None):
     """The sampler's own executable (``step.sample_rows``, the slots donated, as
     ``Engine.separate_sampler`` runs it) for ``rows`` decode rows, lowered on abstract logits
-    f32[rows, V] and slot state replicated over ``mesh``."""
+    f32[rows, V] and slot state replicated over ``mesh``; kernels: the engine's choice (None:
+    ``target_kernels(mesh)``, the Pallas kernels on a TPU)."""
     rep = NamedSharding(mesh, PartitionSpec())
     logits = jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.float32, sharding=rep)
     active = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=rep)
-    fn = jax.jit(functools.partial(sample_rows, num_logprobs=num_logprobs), donate_argnames=("slots",))
+    kernels = target_kernels(mesh) if kernels is None else kernels
+    fn = jax.jit(functools.partial(sample_rows, num_logprobs=num_logprobs, kernels=kernels), donate_argnames=("slots",))
     return fn.lower(logits, abstract_slots(cfg, mesh, rows), active)
 
 

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxinfer import cpu_kernels, kernels, quant
+from jaxinfer.sampling import SamplerKernels
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.sharding import per_model_shard
 from pallas_kernels import _common
@@ -120,6 +121,15 @@ def _ran(op: str, kernel: str) -> None:
 XLA = Kernels()
 INTERPRET = Kernels(Attention.PALLAS, Matmul.PALLAS, interpret=True)
 CHOICES = ("auto", "pallas", "native", "xla")
+
+
+def sampler_kernels(k: Kernels) -> SamplerKernels:
+    """Where the sampler's wide top-k / top-p bisections run under choice ``k``: the Pallas
+    kernel (``pallas_kernels.sample_threshold``) where the engine runs Pallas on a TPU, or
+    interprets it; XLA's passes elsewhere (on GPU XLA's fused reduction streams a row at
+    bandwidth, and there is no Triton variant)."""
+    on = k.pallas and (k.interpret or _common.resolve_platform(k.platform) == "tpu")
+    return SamplerKernels(pallas=True, interpret=k.interpret, mesh=k.mesh) if on else SamplerKernels()
 
 
 def device_platform(device) -> str:

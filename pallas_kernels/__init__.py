@@ -20,6 +20,9 @@ One small package per op:
   spec_verify       blockwise speculative verification: accepted lengths and the next token
                     per row from the target's logits at k + 1 positions (greedy prefix match
                     or rejection sampling), streamed over the vocabulary.
+  sample_threshold  the sampler's exact top-k and top-p thresholds (32-step bisections over
+                    the float ordering), a block of rows read into VMEM once for all 32
+                    steps (``count_threshold``, ``mass_threshold``; TPU only).
 
 Each package exports, for its op ``op``:
   ``op``            dispatch: the Pallas kernel on TPU/GPU (or anywhere with

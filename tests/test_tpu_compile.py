@@ -98,6 +98,31 @@ def test_every_kernel_compiles_for_tpu(kernel, target):
     assert "tpu_custom_call" in compiled.as_text()
 
 
+_THRESHOLD_SHAPES = [(target, rows, vocab) for target in ("v5e-1", "v6e-1", "v5p-8") for rows in (8, 64, 256, 320)
+                     for vocab in (128256, 262144)]
+_THRESHOLD_DEFAULT = {("v5e-1", 256, 128256), ("v6e-1", 8, 262144)}
+
+
+# two shapes in the default run (v5e at a 256-row decode step of Llama 3's vocabulary, v6e at
+# Gemma 3's); every chip, row bucket and vocabulary marked slow
+@pytest.mark.parametrize("target,rows,vocab", [s if s in _THRESHOLD_DEFAULT else pytest.param(*s, marks=pytest.mark.slow)
+                                               for s in _THRESHOLD_SHAPES])
+def test_the_sampler_threshold_kernels_compile_for_tpu(target, rows, vocab):
+    """Both bisections (top-k count, top-p mass) lower through Mosaic with their row blocks in
+    the chip's scoped VMEM (exp(z - m) stored or recomputed, by ``plan``)."""
+    from pallas_kernels import sample_threshold as st
+
+    mesh = aot.target_mesh(target, model=1)
+    x, per_row = _on(mesh, (rows, vocab), jnp.float32), _on(mesh, (rows,), jnp.float32)
+    k = _on(mesh, (rows,), jnp.int32)
+    with jax.set_mesh(mesh):
+        assert st.fits(rows, vocab)
+        for fn, args in ((st.count_threshold_kernel, (x, per_row, k)),
+                         (st.mass_threshold_kernel, (x, per_row, per_row, per_row))):
+            compiled = jax.jit(fn).lower(*args).compile()
+            assert "tpu_custom_call" in compiled.as_text()
+
+
 # 8 KV heads and rows of 16k positions: each pool (128-256 MB) is larger than a chip's VMEM, as
 # an engine's pools are, so XLA cannot stage a whole one there and every pool-sized copy is a relayout
 WIDE = dataclasses.replace(TINY, n_heads=8, n_kv_heads=8)
@@ -202,7 +227,7 @@ def test_packed_step_compiles_for_tpu_with_the_kernels_in_place(target, kind):
 def test_the_sampler_compiles_for_tpu_apart_from_the_step_with_the_slots_in_place():
     """A step that samples apart hands its rows' logits f32[R, V] to the sampler's own
     executable (``step.sample_rows``), which takes the slot state donated and returns it
-    aliased."""
+    aliased, and bisects wide top-k / top-p thresholds in the Pallas kernel."""
     from jaxinfer.engine.slots import make_slots
 
     _, step = _step(aot.StepKind("decode", rows=8, sample=False), context=256)
@@ -215,6 +240,17 @@ def test_the_sampler_compiles_for_tpu_apart_from_the_step_with_the_slots_in_plac
     slot_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(slots))
     assert compiled.memory_analysis().alias_size_in_bytes >= slot_bytes
     assert compiled.out_info[0].shape == (8,)  # the tokens
+    assert "tpu_custom_call" in compiled.as_text()  # the top-k / top-p bisections' kernels
+
+
+def test_the_sampler_on_a_tensor_parallel_mesh_splits_the_threshold_rows_over_model():
+    """On a v5e-4 mesh (model 4) the threshold kernels run inside shard_map, each chip on its
+    share of the rows: 12 rows are 3 a chip, one block smaller than a tile's 8 rows."""
+    mesh = aot.target_mesh("v5e-4", model=4)
+    with jax.set_mesh(mesh):
+        compiled = aot.lower_sampler(WIDE, mesh, 12).compile()
+    text = compiled.as_text()
+    assert text.count("tpu_custom_call") == 2 and "f32[3,2048]" in text
 
 
 def test_int8_kv_decode_step_reads_and_writes_its_pools_in_place():

@@ -138,7 +138,8 @@ class Engine:
         self.separate_sampler = (separate_sampler(config, self.kernels.platform or jax.default_backend())
                                  and D == 1 and (self.drafter is None or self.drafter.eagle is None))
         self._sampler = self._compiles.counted(jax.jit(functools.partial(replicas.sample_rows),
-                                                       static_argnames=("num_logprobs",), donate_argnames=("slots",)))
+                                                       static_argnames=("num_logprobs", "kernels"),
+                                                       donate_argnames=("slots",)))
         self._insert = self._compiles.counted(jax.jit(functools.partial(insert_step), donate_argnames=("slots",)))
         self.chainer = Chainer(self, scheduler_steps(config),
                                "data_parallel" if D > 1 else "pipeline" if self.pipeline is not None
@@ -403,7 +404,7 @@ class Engine:
     def sampler_args(self, logits, batch: PackedBatch, *, num_logprobs: int = -1, guide=None):
         """The (args, kwargs) ``run_step`` calls the sampler's executable with: logits f32[1, R, V]
         on the replica axis (a step's, or their abstract value, which warm-up lowers the sampler on)."""
-        return (logits, self.state.slots, batch.active, guide), dict(num_logprobs=num_logprobs)
+        return (logits, self.state.slots, batch.active, guide), dict(num_logprobs=num_logprobs, kernels=self.kernels)
 
     def lower_step(self, batch: PackedBatch, **kw):
         """``run_step``'s step executable lowered on the same arguments (``step_args``'s

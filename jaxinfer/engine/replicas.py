@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxinfer.dispatch import XLA, Kernels
 from jaxinfer.engine.state import EngineState
 from jaxinfer.engine import step
 from jaxinfer.engine.step import StepInputs, packed_step
@@ -56,13 +57,13 @@ def replicas_step(weights, inputs: StepInputs, state: EngineState, *, mesh, **st
                          axis_names={"data"}, check_vma=False)(weights, shared, own, state)
 
 
-def sample_rows(logits, slots, active, guide=None, *, num_logprobs: int):
+def sample_rows(logits, slots, active, guide=None, *, num_logprobs: int, kernels: Kernels = XLA):
     """``step.sample_rows`` of the one replica of an engine that samples apart
     (``Engine.separate_sampler``): logits, active and guide carry the replica axis [1, ...] as
     the step's outputs and inputs do, and the tokens and logprobs come back with it; the slot
     state is the replica's own (folded over one replica, module doc)."""
     logits, active, guide = only((logits, active, guide))
-    tokens, lp, slots = step.sample_rows(logits, slots, active, guide, num_logprobs=num_logprobs)
+    tokens, lp, slots = step.sample_rows(logits, slots, active, guide, num_logprobs=num_logprobs, kernels=kernels)
     return jax.tree.map(lambda a: a[None], tokens), jax.tree.map(lambda a: a[None], lp), slots
 
 

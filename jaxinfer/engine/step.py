@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jaxinfer import lora as lora_mod
 from jaxinfer import sampling as smp
-from jaxinfer.dispatch import Kernels
+from jaxinfer.dispatch import XLA, Kernels, sampler_kernels
 from jaxinfer.engine import branches, verify
 from jaxinfer.engine.pipeline import pipeline_forward
 from jaxinfer.engine.slots import SlotState
@@ -74,17 +74,19 @@ def sampled_logprobs(logits, tokens, num_logprobs: int):
     return chosen, rank, top_ids, top_lp
 
 
-def sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs, guide=None):
+def sample_step(logits, state, step, stop_ids, min_tokens, num_logprobs, guide=None, *, kernels: Kernels = XLA):
     """The one sampling step: logits f32[B, V] -> tokens i32[B], logprobs (or None when
     num_logprobs < 0), and the state with the new tokens counted.
 
     guide: None (no row is constrained: no mask work at all), or (bitmask i32[B, V/32],
-    has_mask bool[B]), the structured-output rows' allowed tokens."""
+    has_mask bool[B]), the structured-output rows' allowed tokens. kernels (static): the
+    engine's choice, which decides where wide top-k / top-p thresholds bisect
+    (``dispatch.sampler_kernels``: the Pallas kernel on TPU)."""
     # min_tokens bans stop ids inside the sampler (block maxima, the argmax's block), not by a
     # write of every logit
     banned = smp.banned_ids(stop_ids, step, min_tokens, logits.shape[-1])
     masked = logits if guide is None else smp.apply_token_bitmask(logits, *guide)
-    tokens = smp.sample(masked, state, step, banned)
+    tokens = smp.sample(masked, state, step, banned, kernels=sampler_kernels(kernels))
     state = smp.update_counts(state, tokens)
     if num_logprobs < 0:  # logprobs not requested by any row: skip the log-softmax
         return tokens, None, state
@@ -102,19 +104,19 @@ def advance_slots(slots: SlotState, new: SlotState, active) -> SlotState:
     return jax.tree.map(lambda a, s: a.at[:R].set(s), slots, sub)
 
 
-def sample_rows(logits, slots: SlotState, active, guide=None, *, num_logprobs: int):
+def sample_rows(logits, slots: SlotState, active, guide=None, *, num_logprobs: int, kernels: Kernels = XLA):
     """The sampling of a plain step: logits f32[R, V] of its R decode rows (slots 0..R-1) ->
     (tokens i32[R], logprobs or None, slots advanced: each active row's new token counted).
 
     ``packed_step`` runs it inside the step, or, with ``sample=False``, returns the logits for
     it to run as an executable of its own (jitted with the slots donated): its compile depends
     only on R, V and the sampling options, not on the step's table widths and prefill shapes,
-    so one per row bucket serves every step of that many rows. guide: ``sample_step``'s."""
+    so one per row bucket serves every step of that many rows. guide, kernels: ``sample_step``'s."""
     R = logits.shape[0]
     with jax.named_scope("sample"):
         sub = jax.tree.map(lambda a: a[:R], slots)
         tokens, lp, sampling = sample_step(logits, sub.sampling, sub.generated, sub.stop_ids, sub.min_tokens,
-                                           num_logprobs, guide)
+                                           num_logprobs, guide, kernels=kernels)
         new = SlotState(sampling, tokens, sub.stop_ids, sub.min_tokens, sub.generated + 1)
         return tokens, lp, advance_slots(slots, new, active)
 
@@ -210,7 +212,7 @@ def packed_step(weights, inputs: StepInputs, state: EngineState, *, cfg, windowe
                         logits = mod.unembed(weights, h[:, :R], cfg)[0]  # f32[R, V]
                 if sample:
                     tokens, lp, slots = sample_rows(logits, slots, batch.active, inputs.guide,
-                                                    num_logprobs=num_logprobs)
+                                                    num_logprobs=num_logprobs, kernels=kernels)
                 else:
                     to_sample = logits
                 if models.eagle is not None:  # query j's next token is query j + 1's, the sampled one after the last

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import sampling as smp
-from jaxinfer.dispatch import Kernels
+from jaxinfer.dispatch import Kernels, sampler_kernels
 from jaxinfer.engine import branches
 from jaxinfer.engine.pages import SCRATCH_PAGE
 from jaxinfer.engine.slots import SlotState
@@ -296,7 +296,8 @@ def verify(mod, weights, h, batch: PackedBatch, vb: PackedBatch, sub: SlotState,
                                          jnp.repeat(has, Q)).reshape(R * W, Q, V)
     ver = smp.verify_block(shaped, drafts, vb.last_q, vsub.sampling, vsub.generated, vsub.stop_ids,
                            vsub.min_tokens, draft_probs=q_draft, use_kernel=kernels.pallas,
-                           interpret=kernels.interpret, platform=kernels.platform, mesh=kernels.mesh)
+                           interpret=kernels.interpret, platform=kernels.platform, mesh=kernels.mesh,
+                           sampler=sampler_kernels(kernels))
     if W > 1:  # each row keeps one branch: its pages, features, logits and verdict
         free = sub.sampling.temperature <= 0.0
         if guide is not None:

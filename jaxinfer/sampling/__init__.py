@@ -16,9 +16,12 @@ penalties (vLLM semantics) -> temperature -> top-k -> top-p -> min-p -> categori
 Why no sort: on XLA:CPU a full sort of f32[64, 49152] takes over a second and Gumbel noise for
 every logit ~150 ms. So top-k/top-p are reduced to one threshold per row, found exactly from
 ``lax.top_k`` of a small static K (``FAST_TOPK``) and, only for rows whose nucleus or k is wider
-than that, by an exact 32-step bisection over the float ordering. Sampling is an inverse CDF in
-two levels (blocks of ``_BLOCK`` logits, then within the chosen block) that needs two uniforms per
-row and keeps float32 cumulative sums short enough that small tail probabilities are not lost.
+than that, by an exact 32-step bisection over the float ordering
+(``pallas_kernels.sample_threshold``: on TPU a Pallas kernel that reads a block of rows into
+VMEM once for all 32 steps; elsewhere XLA's 32 passes; ``SamplerKernels`` says which).
+Sampling is an inverse CDF in two levels (blocks of ``_BLOCK`` logits, then within the chosen
+block) that needs two uniforms per row and keeps float32 cumulative sums short enough that
+small tail probabilities are not lost.
 
 The package: ``params`` (SamplingParams), ``device`` (SamplingState and the jitted sampler),
 ``stop`` (StopChecker). Every name other modules use is re-exported here, so
@@ -29,6 +32,8 @@ from jaxinfer.sampling.device import (  # noqa: F401 (re-exported, private ones 
     _BLOCK,
     _FINE,
     FAST_TOPK,
+    XLA_SAMPLER,
+    SamplerKernels,
     SamplingState,
     _topk_topp_threshold,
     apply_penalties,

@@ -11,15 +11,35 @@ from collections.abc import Iterable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.sampling.params import SamplingParams
+from jaxinfer.sharding import per_model_shard
+from pallas_kernels import sample_threshold as st
 
 # Rows whose top-k, or whose top-p nucleus, fits in this many tokens get their threshold from a
 # cheap lax.top_k; the rest fall back to bisection (~32 passes over the row).
 FAST_TOPK = 64
 _FINE = 64  # logits per block for block maxima (argmax, top-k candidates)
 _BLOCK = 256  # logits per block in the two-level inverse-CDF sampler; a multiple of _FINE
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerKernels:
+    """Where the sampler's wide top-k / top-p bisections run (hashable: a static argument, so
+    part of every sampler executable's cache key). pallas: the ``sample_threshold`` kernel,
+    which reads a row block once for all 32 steps, instead of XLA's 32 passes over the logits
+    (the engine sets it on TPU, ``dispatch.sampler_kernels``); interpret: that kernel in Pallas
+    interpret mode (CPU tests); mesh: the engine's mesh, or None on one device (the kernel then
+    runs inside ``shard_map`` over "model", each device on its share of the rows)."""
+
+    pallas: bool = False
+    interpret: bool = False
+    mesh: Mesh | None = None
+
+
+XLA_SAMPLER = SamplerKernels()
 
 
 @jax.tree_util.register_dataclass
@@ -246,34 +266,6 @@ def _ban_block_maxima(xp: jax.Array, bmax: jax.Array, banned: jax.Array) -> jax.
     return bmax.at[jnp.arange(B)[:, None], blk].set(m)  # a block named twice gets one value twice
 
 
-def _to_ordered(x: jax.Array) -> jax.Array:
-    """f32 -> i32 whose signed order is the float order (the map is its own inverse)."""
-    b = jax.lax.bitcast_convert_type(x, jnp.int32)
-    return jnp.where(b >= 0, b, b ^ 0x7FFFFFFF)
-
-
-def _from_ordered(k: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(jnp.where(k >= 0, k, k ^ 0x7FFFFFFF), jnp.float32)
-
-
-def _bisect_threshold(pred, batch: int) -> jax.Array:
-    """f32[B]: the largest float t with pred(t) true, for pred non-increasing with pred(-inf).
-
-    Exact: a binary search over the ordered int image of all non-NaN floats, 32 steps.
-    """
-    lo = jnp.full((batch,), _to_ordered(jnp.float32(-jnp.inf)), jnp.int32)
-    hi = jnp.full((batch,), _to_ordered(jnp.float32(jnp.inf)), jnp.int32)
-
-    def step(_, bounds):
-        lo, hi = bounds
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
-        ok = pred(_from_ordered(mid))
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-
-    lo, _ = jax.lax.fori_loop(0, 32, step, (lo, hi))
-    return _from_ordered(lo)
-
-
 def _largest(xp: jax.Array, bmax: jax.Array, K: int) -> jax.Array:
     """f32[B, K]: the K largest values of each row of xp (f32[B, Vp]), descending.
 
@@ -298,6 +290,7 @@ def _topk_topp_threshold(
     vocab_size: int,
     *,
     fast_k: int = FAST_TOPK,
+    kernels: SamplerKernels = XLA_SAMPLER,
 ) -> jax.Array:
     """f32[B]: tokens with z = x / t >= threshold survive top-k and then top-p (HF semantics).
 
@@ -305,9 +298,10 @@ def _topk_topp_threshold(
     t f32[B] temperatures (> 0), m f32[B] the row max of z. Top-k keeps values >= the k-th
     largest; top-p then keeps the smallest set of the largest survivors whose renormalised mass
     reaches p. Ties at a threshold are all kept. Rows with top_k <= 0 and top_p >= 1 get -inf.
-    Each row's result depends on that row only, whichever path computed it.
+    Each row's result depends on that row only, whichever path computed it. Rows whose k or
+    nucleus is wider than fast_k take an exact bisection (``pallas_kernels.sample_threshold``:
+    XLA's 32 passes, or the kernel, by ``kernels``).
     """
-    B = xp.shape[0]
     V = vocab_size
     K = min(fast_k, V)
     tb, mb = t[:, None], m[:, None]
@@ -320,12 +314,7 @@ def _topk_topp_threshold(
         slow_k = (k > K) & (k < V)  # bool[B]
 
         def bisect_k():
-            zz = xp / tb  # f32[B, Vp], once rather than in each of 32 steps
-
-            def count_ok(c):
-                return jnp.sum(zz >= c[:, None], axis=1) >= k
-
-            return jnp.where(slow_k, _bisect_threshold(count_ok, B), t_k)
+            return jnp.where(slow_k, _bisected(_COUNT, kernels, xp, t, k), t_k)
 
         t_k = jax.lax.cond(jnp.any(slow_k), bisect_k, lambda: t_k)
 
@@ -339,16 +328,32 @@ def _topk_topp_threshold(
         slow_p = use_p & (j >= K)  # nucleus wider than the K largest
 
         def bisect_p():
-            zz = xp / tb
-            e = jnp.exp(zz - mb)  # f32[B, Vp], once rather than in each of 32 steps
-
-            def mass_ok(c):
-                return jnp.sum(jnp.where(zz >= c[:, None], e, 0.0), axis=1) >= target
-
-            return jnp.where(slow_p, _bisect_threshold(mass_ok, B), t_p)
+            return jnp.where(slow_p, _bisected(_MASS, kernels, xp, t, m, target), t_p)
 
         t_p = jax.lax.cond(jnp.any(slow_p), bisect_p, lambda: t_p)
         return jnp.where(use_p, jnp.maximum(t_p, t_k), t_k)
+
+
+_COUNT = (st.count_threshold_kernel, st.count_threshold_reference)
+_MASS = (st.mass_threshold_kernel, st.mass_threshold_reference)
+
+
+def _bisected(op, kernels: SamplerKernels, xp, t, *per_row) -> jax.Array:
+    """f32[B]: the threshold op (``_COUNT`` or ``_MASS``: its kernel and its reference) of xp
+    f32[B, Vp], t f32[B] and its per-row operands: the kernel where ``kernels`` says so and the
+    rows fit it (``sample_threshold.fits``), on a mesh inside shard_map (rows split over
+    "model" where that divides them), else the reference (XLA's 32 passes)."""
+    kernel, reference = op
+    B, Vp = xp.shape
+    model = 1 if kernels.mesh is None else kernels.mesh.shape["model"]
+    split = model > 1 and B % model == 0 and st.fits(B // model, Vp)
+    if not kernels.pallas or not (split or st.fits(B, Vp)):
+        return reference(xp, t, *per_row)
+    run = lambda *a: kernel(*a, interpret=kernels.interpret)  # noqa: E731
+    if kernels.mesh is not None:
+        rows = PartitionSpec("model") if split else PartitionSpec()
+        run = per_model_shard(run, kernels.mesh, (rows,) * (2 + len(per_row)), rows)
+    return run(xp, t, *per_row)
 
 
 def _pick(mass: jax.Array, r: jax.Array) -> jax.Array:
@@ -387,11 +392,13 @@ def _row_uniforms(key: jax.Array, step: jax.Array) -> jax.Array:
     return jax.vmap(one)(key, step)
 
 
-def filter_threshold(xp: jax.Array, bmax: jax.Array, state: SamplingState, vocab_size: int):
+def filter_threshold(xp: jax.Array, bmax: jax.Array, state: SamplingState, vocab_size: int, *,
+                     kernels: SamplerKernels = XLA_SAMPLER):
     """(t f32[B], m f32[B], thr f32[B]): each row's temperature (1 for greedy rows), the row
     max of z = xp / t, and the threshold that top-k, top-p and min-p leave: the sampler draws
     from softmax(z) over the entries with z >= thr. xp f32[B, Vp] penalised logits padded with
-    -inf, bmax f32[B, Vp / _FINE] their block maxima."""
+    -inf, bmax f32[B, Vp / _FINE] their block maxima; kernels: where wide top-k / top-p
+    bisect."""
     B = xp.shape[0]
     greedy = state.temperature <= 0.0
     with jax.named_scope("filter"):
@@ -400,7 +407,8 @@ def filter_threshold(xp: jax.Array, bmax: jax.Array, state: SamplingState, vocab
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         thr = jax.lax.cond(
             jnp.any(state.top_k > 0) | jnp.any(state.top_p < 1.0),
-            lambda: _topk_topp_threshold(xp, bmax, t, m, state.top_k, state.top_p, vocab_size),
+            lambda: _topk_topp_threshold(xp, bmax, t, m, state.top_k, state.top_p, vocab_size,
+                                         kernels=kernels),
             lambda: jnp.full((B,), -jnp.inf, jnp.float32),
         )
         # min-p keeps p >= min_p * p_max, i.e. z >= max + log(min_p): no sort needed, and
@@ -417,7 +425,8 @@ def penalised(logits: jax.Array, state: SamplingState) -> jax.Array:
     return jax.lax.cond(_has_penalties(state), lambda: apply_penalties(logits, state), lambda: logits)
 
 
-def sample(logits: jax.Array, state: SamplingState, step: jax.Array, banned: jax.Array | None = None) -> jax.Array:
+def sample(logits: jax.Array, state: SamplingState, step: jax.Array, banned: jax.Array | None = None, *,
+           kernels: SamplerKernels = XLA_SAMPLER) -> jax.Array:
     """i32[B] next tokens from logits f32[B, V].
 
     step: i32[B], the index of the token being generated within each request (0 for the first),
@@ -430,6 +439,8 @@ def sample(logits: jax.Array, state: SamplingState, step: jax.Array, banned: jax
     ``banned_ids`` gives for ``min_tokens``: the same tokens as ``mask_tokens_before_min``
     before sampling, but only the block maxima and the block the argmax reads see the ban; the
     logits are written out with it only when some row samples.
+
+    kernels (static): where wide top-k / top-p thresholds bisect (``SamplerKernels``).
     """
     B, V = logits.shape
     logits = logits.astype(jnp.float32)
@@ -446,7 +457,7 @@ def sample(logits: jax.Array, state: SamplingState, step: jax.Array, banned: jax
 
     def random_rows():
         xb = xp if banned is None else xp.at[jnp.arange(B)[:, None], banned].set(-jnp.inf, mode="drop")
-        t, m, thr = filter_threshold(xb, bmax, state, V)
+        t, m, thr = filter_threshold(xb, bmax, state, V, kernels=kernels)
 
         def weight(xs):  # f32[B, ..., C] slice of xb -> unnormalised probabilities
             z = xs / _rows(t, xs.ndim)

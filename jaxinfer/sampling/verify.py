@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxinfer.sampling.device import (
+    XLA_SAMPLER,
+    SamplerKernels,
     _BLOCK,
     _FINE,
     SamplingState,
@@ -110,10 +112,10 @@ def _penalised_block(logits, drafts, state, step, stop_ids, min_tokens):
     return xp, jnp.max(xp.reshape(B * J, -1, _FINE), axis=2), flat_state
 
 
-def _filtered(xp, bmax, flat_state, B: int, J: int, V: int):
+def _filtered(xp, bmax, flat_state, B: int, J: int, V: int, sampler: SamplerKernels = XLA_SAMPLER):
     """(z f32[B, J, Vp], thr f32[B, J]): temperature applied, and the top-k / top-p / min-p
-    threshold of each position."""
-    t, _, thr = filter_threshold(xp, bmax, flat_state, V)
+    threshold of each position (wide ones bisected where ``sampler`` says)."""
+    t, _, thr = filter_threshold(xp, bmax, flat_state, V, kernels=sampler)
     return (xp / t[:, None]).reshape(B, J, -1), thr.reshape(B, J)
 
 
@@ -168,7 +170,7 @@ def draft_sample(logits, drafts, state: SamplingState, step, stop_ids, min_token
 
 def verify_block(logits, drafts, num_drafts, state: SamplingState, step, stop_ids, min_tokens, *,
                  draft_probs=None, use_kernel: bool = False, interpret: bool = False, platform: str | None = None,
-                 mesh=None) -> Verified:
+                 mesh=None, sampler: SamplerKernels = XLA_SAMPLER) -> Verified:
     """Verify a block of drafts. logits f32[B, k+1, V] (the target's raw logits at the block's
     positions), drafts i32[B, k], num_drafts i32[B] (rows may carry fewer, even 0), step i32[B]
     tokens the row has generated before the block, stop_ids i32[B, W] / min_tokens i32[B] as in
@@ -177,7 +179,8 @@ def verify_block(logits, drafts, num_drafts, state: SamplingState, step, stop_id
     interpreted anywhere; the reference elsewhere) instead of always the reference; platform:
     where it runs ("cpu", "gpu", "tpu"; None: the default backend's); mesh: the engine's mesh,
     or None. On a mesh the kernel runs inside ``shard_map`` over "model" with the logits whole
-    on every device (it streams the whole vocabulary of a row: XLA cannot partition it)."""
+    on every device (it streams the whole vocabulary of a row: XLA cannot partition it).
+    sampler (static): where the positions' wide top-k / top-p thresholds bisect."""
     B, J, V = logits.shape
     drafts = jnp.clip(drafts, 0, V - 1).astype(jnp.int32)
     xp, bmax, flat_state = _penalised_block(logits, drafts, state, step, stop_ids, min_tokens)
@@ -191,7 +194,7 @@ def verify_block(logits, drafts, num_drafts, state: SamplingState, step, stop_id
         return a, jnp.take_along_axis(amax, a[:, None], axis=1)[:, 0]
 
     def any_rows():
-        z, thr = _filtered(xp, bmax, flat_state, B, J, V)
+        z, thr = _filtered(xp, bmax, flat_state, B, J, V, sampler)
         Vp = z.shape[-1]
         q = None
         if draft_probs is not None:
@@ -213,7 +216,7 @@ def verify_block(logits, drafts, num_drafts, state: SamplingState, step, stop_id
         # uniforms), so whether its step ran with speculation, which depends on the other rows,
         # never changes its seeded output
         plain = sample(mask_tokens_before_min(logits[:, 0].astype(jnp.float32), stop_ids, step, min_tokens),
-                       state, step)
+                       state, step, kernels=sampler)
         return a, jnp.where(num_drafts == 0, plain, nxt)
 
     # an all-greedy block (the usual batch-1 chat) takes the argmaxes alone: no temperature,
