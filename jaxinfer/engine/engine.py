@@ -137,9 +137,8 @@ class Engine:
         # by every step shape (``step.sample_rows``); replicas and an EAGLE head sample in the step
         self.separate_sampler = (separate_sampler(config, self.kernels.platform or jax.default_backend())
                                  and D == 1 and (self.drafter is None or self.drafter.eagle is None))
-        self._sampler = self._compiles.counted(jax.jit(functools.partial(replicas.sample_rows),
-                                                       static_argnames=("num_logprobs", "kernels"),
-                                                       donate_argnames=("slots",)))
+        self._sampler = self._compiles.counted(jax.jit(
+            functools.partial(replicas.sample_rows), static_argnames=("num_logprobs", "kernels"), donate_argnames="slots"))
         self._insert = self._compiles.counted(jax.jit(functools.partial(insert_step), donate_argnames=("slots",)))
         self.chainer = Chainer(self, scheduler_steps(config),
                                "data_parallel" if D > 1 else "pipeline" if self.pipeline is not None
