@@ -28,8 +28,9 @@ layer-dependent figures to the model's depth (``scaled``). Figures per chip:
   async copy's read, its result tuple, the done, the fusion's read), once here. Like XLA's,
   it counts a ``conditional``'s dearest branch (the sampler's, with top-k/top-p) and a loop's
   body once; ``hbm_traffic_loops_extra`` is what the loops' further trips add (the sampler's
-  32-step bisections over the logits: real traffic for rows that sample with them; none for a
-  chain, whose steps are a loop too);
+  32-step bisections over the logits: real traffic for rows that sample with them). A chain's
+  steps are a loop too, whose trips the HLO does not fix: its body, and the loops' extra, are
+  scaled by the chain's length;
 * ``ideal_bytes``: the weights on the chip + the KV the rows read (the same pages) + the KV
   they write + the logits;
 * ``compile_s`` at the first depth, ``compile_s_scaled`` the two depths' times scaled to the
@@ -313,9 +314,11 @@ def main(argv=None):
                               if rec_full["pallas_attention_calls"] else 0.0)
         hbm_traffic = rec_full["hbm_op_bytes"] + rec_full["pallas_hbm_operand_bytes"] + hbm_kv
         # loops at their trip counts: the sampler's bisections over the logits, where a row asks
-        # for top-k past the cheap path or top-p (None for a chain, whose steps are a loop too)
-        loops_extra = None if kind.chain else rec_full["hbm_op_bytes_trips"] - rec_full["hbm_op_bytes"]
+        # for top-k past the cheap path or top-p. A chain's own loop has no trip count in the HLO
+        # (it stops when every row is done) and counts once there: what its steps' inner loops add
+        # counts once per step, like the rest of the step
         steps = max(kind.chain, 1)
+        loops_extra = (rec_full["hbm_op_bytes_trips"] - rec_full["hbm_op_bytes"]) * steps
         if kind.chain:  # XLA counts a while loop's body once
             bytes_accessed = (bytes_accessed - pallas_kv) * steps + pallas_kv
             hbm_traffic = (hbm_traffic - hbm_kv) * steps + hbm_kv

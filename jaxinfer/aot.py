@@ -344,8 +344,9 @@ def analyse(compiled, info: dict, *, hbm_bytes: int | None = None, hbm_bw: float
     op from the HLO (``hlo_bytes``), ``bytes_by_op`` its largest ops and ``bytes_by_scope`` its
     bytes per JAX op (``hlo_bytes.scope_of``), to set beside ``xla_bytes_accessed``;
     ``hbm_op_bytes`` and ``hbm_bytes_by_scope`` the same counting only what moves through HBM,
-    ``hbm_op_bytes_trips`` that with each loop's body counted once per trip (the sampler's
-    bisections; a chain's steps)."""
+    ``hbm_op_bytes_trips`` that with each loop's body counted once per trip where the HLO fixes
+    the trips (the sampler's bisections; not a chain's loop, which stops when every row is done
+    and counts once)."""
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else (cost or {})

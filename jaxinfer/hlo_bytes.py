@@ -316,7 +316,8 @@ def computation_bytes(comps: dict[str, list[Instr]], name: str, *, hbm: bool = F
                       trips: bool = False) -> list[tuple[Instr, float]]:
     """(instruction, bytes accessed) of each top-level instruction of computation ``name``;
     ``trips``: a loop's body counted once per trip where ``trip_count`` reads it (XLA counts it
-    once)."""
+    once); a loop whose bound is no constant (a chain's, which also stops when its rows are
+    done) counts once, its inner loops at their trips."""
     return _Counter(comps, hbm, trips).rows(name)
 
 

@@ -148,3 +148,16 @@ def test_loops_at_their_trip_counts():
     trips = dict((i.name, b) for i, b in hlo_bytes.computation_bytes(comps, entry, trips=True))
     assert trips["loop"] == 4 * once["loop"]
     assert trips["which"] == once["which"]
+
+
+def test_a_loop_whose_bound_is_no_constant_counts_once_with_trips():
+    """A loop that stops on a runtime value (a chain of decode steps that ends when its rows are
+    done) has no trip count in the HLO: ``trips`` counts it once, as XLA does, so that a caller
+    scales it by the trips it knows."""
+    module = MODULE.replace("%n = s32[] constant(4)", "%n = s32[] get-tuple-element(%t), index=0")
+    comps, entry = hlo_bytes.parse(module)
+    loop = next(i for i in comps[entry] if i.opcode == "while")
+    assert hlo_bytes.trip_count(comps, comps[entry], loop) is None
+    once = dict((i.name, b) for i, b in hlo_bytes.computation_bytes(comps, entry))
+    trips = dict((i.name, b) for i, b in hlo_bytes.computation_bytes(comps, entry, trips=True))
+    assert trips["loop"] == once["loop"]
