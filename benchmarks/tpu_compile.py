@@ -29,8 +29,9 @@ layer-dependent figures to the model's depth (``scaled``). Figures per chip:
   it counts a ``conditional``'s dearest branch (the sampler's, with top-k/top-p) and a loop's
   body once; ``hbm_traffic_loops_extra`` is what the loops' further trips add (the sampler's
   32-step bisections over the logits: real traffic for rows that sample with them). A chain's
-  steps are a loop too, whose trips the HLO does not fix: its body, and the loops' extra, are
-  scaled by the chain's length;
+  steps are a loop too, whose trips the HLO does not fix: its body (``loop_op_bytes``,
+  ``hbm_loop_op_bytes``), and the loops' extra, are scaled by the chain's length, and what
+  runs once around it (attention weights relaid out before the loop) counts once;
 * ``ideal_bytes``: the weights on the chip + the KV the rows read (the same pages) + the KV
   they write + the logits;
 * ``compile_s`` at the first depth, ``compile_s_scaled`` the two depths' times scaled to the
@@ -289,7 +290,8 @@ def main(argv=None):
         rec_full = {}
         for key in ("xla_bytes_accessed", "pallas_operand_bytes", "flops", "argument_bytes", "alias_bytes",
                     "pool_bytes", "output_bytes", "hbm_op_bytes", "pallas_hbm_operand_bytes",
-                    "pallas_attention_calls", "pallas_attention_hbm_calls", "hbm_op_bytes_trips"):
+                    "pallas_attention_calls", "pallas_attention_hbm_calls", "hbm_op_bytes_trips",
+                    "loop_op_bytes", "hbm_loop_op_bytes"):
             rec_full[key] = scale(a[key], b[key])
         rec_full["pool_copies"] = scale(len(a["pool_copies"]), len(b["pool_copies"]))
         rec_full["pool_vmem_moves"] = scale(a["pool_vmem_moves"], b["pool_vmem_moves"])
@@ -319,9 +321,12 @@ def main(argv=None):
         # counts once per step, like the rest of the step
         steps = max(kind.chain, 1)
         loops_extra = (rec_full["hbm_op_bytes_trips"] - rec_full["hbm_op_bytes"]) * steps
-        if kind.chain:  # XLA counts a while loop's body once
-            bytes_accessed = (bytes_accessed - pallas_kv) * steps + pallas_kv
-            hbm_traffic = (hbm_traffic - hbm_kv) * steps + hbm_kv
+        if kind.chain:
+            # XLA counts a while loop's body once: each further step adds the loop's bytes and
+            # its Pallas calls' operands (the pages read are already every step's). What runs
+            # once around the loop (weights relaid out before it) counts once
+            bytes_accessed += (steps - 1) * (rec_full["loop_op_bytes"] + rec_full["pallas_operand_bytes"])
+            hbm_traffic += (steps - 1) * (rec_full["hbm_loop_op_bytes"] + rec_full["pallas_hbm_operand_bytes"])
         hbm_scopes = set(a["hbm_bytes_by_scope"]) | set(b["hbm_bytes_by_scope"])
         hbm_by_scope = {k: scale(a["hbm_bytes_by_scope"].get(k, 0.0), b["hbm_bytes_by_scope"].get(k, 0.0))
                         for k in hbm_scopes}

@@ -350,3 +350,12 @@ def bytes_by_op(text: str, *, top: int = 10, hbm: bool = False, trips: bool = Fa
     return dict(total=sum(b for _, b in rows),
                 top=[dict(name=i.name, scope=scope_of(i), bytes=b, type=i.type[:120]) for i, b in rows[:top]],
                 by_scope=by_scope)
+
+
+def loop_bytes(text: str, *, hbm: bool = False) -> float:
+    """Bytes of the entry computation's dearest top-level ``while`` (its body and condition
+    once, as ``bytes_by_op`` counts it): a chain of steps' loop, whose further trips a caller
+    scales apart from what runs once around it (the weights a chain relays out before its
+    loop). 0 where the entry has no loop."""
+    comps, entry = parse(text)
+    return max((b for i, b in computation_bytes(comps, entry, hbm=hbm) if i.opcode == "while"), default=0.0)

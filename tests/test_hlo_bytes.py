@@ -161,3 +161,11 @@ def test_a_loop_whose_bound_is_no_constant_counts_once_with_trips():
     once = dict((i.name, b) for i, b in hlo_bytes.computation_bytes(comps, entry))
     trips = dict((i.name, b) for i, b in hlo_bytes.computation_bytes(comps, entry, trips=True))
     assert trips["loop"] == once["loop"]
+
+
+def test_loop_bytes_is_the_entry_loops_body_once():
+    """``loop_bytes``: what the entry's loop counts (its body and condition once), apart from
+    the ops around it, so that a chain's further steps scale the loop alone."""
+    assert hlo_bytes.loop_bytes(MODULE) == _bytes()["loop"]
+    assert hlo_bytes.loop_bytes(MODULE, hbm=True) == _bytes(hbm=True)["loop"]
+    assert hlo_bytes.loop_bytes(MODULE.replace(" while(", " copy(")) == 0.0
