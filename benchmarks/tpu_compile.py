@@ -20,7 +20,8 @@ layer-dependent figures to the model's depth (``scaled``). Figures per chip:
 * ``op_bytes``, ``bytes_by_op``, ``bytes_by_op_per_layer``: XLA's count (``xla_bytes_accessed``)
   redone op by op from the optimized HLO (``jaxinfer.hlo_bytes``: operands and results by their
   shapes, a fusion's parameters by what its fused ops read), scaled like the rest; the top 10
-  JAX ops by bytes in the whole step and in one layer (``OUT/<name>.<L2>layers.hlo.txt`` holds the
+  JAX ops by bytes in the whole step and in one layer (a chain's: one step's, its loop's
+  body listed op by op; ``OUT/<name>.<L2>layers.hlo.txt`` holds the
   second depth's HLO), and ``op_bytes_over_xla`` how close the sum comes to XLA's figure;
 * ``hbm_traffic_bytes``, ``hbm_traffic_over_ideal``, ``hbm_bytes_by_op``: a corrected figure, not
   XLA's, beside it: the same op by op count, but only of arrays that lie in HBM. XLA's figure

@@ -394,7 +394,8 @@ def analyse(compiled, info: dict, *, hbm_bytes: int | None = None, hbm_bw: float
             pallas_bytes += _bytes_of(typ)
             pallas_hbm_bytes += hlo_bytes.type_bytes(typ, hbm=True)
             attention_hbm_calls += "attention" in name and pools_in_hbm
-    ops, hbm = hlo_bytes.bytes_by_op(text), hlo_bytes.bytes_by_op(text, hbm=True)
+    # (a chain's steps are one loop: its ops are listed from the loop's body)
+    ops, hbm = hlo_bytes.bytes_by_op(text, loops=True), hlo_bytes.bytes_by_op(text, hbm=True, loops=True)
     rec = dict(
         op_bytes=ops["total"], bytes_by_op=ops["top"], bytes_by_scope=ops["by_scope"],
         hbm_op_bytes=hbm["total"], hbm_bytes_by_scope=hbm["by_scope"],

@@ -335,13 +335,23 @@ def scope_of(instr: Instr) -> str:
     return f"{name} [{kind}]" if name else f"[{kind}]"
 
 
-def bytes_by_op(text: str, *, top: int = 10, hbm: bool = False, trips: bool = False) -> dict:
+def bytes_by_op(text: str, *, top: int = 10, hbm: bool = False, trips: bool = False, loops: bool = False) -> dict:
     """The entry computation's bytes accessed: ``total`` (the sum over its instructions),
     ``top`` (the ``top`` largest instructions: name, ``scope_of``, bytes, result type) and
     ``by_scope`` (bytes per ``scope_of`` key: what compiles of different depths share, so that
-    their difference is one layer's)."""
+    their difference is one layer's). ``loops``: an entry's loop is listed as the instructions
+    of its body and condition (times its trips where counted), so that a chain of steps, all
+    in one loop, shows its ops; the total is the same."""
     comps, entry = parse(text)
-    rows = [(i, b) for i, b in computation_bytes(comps, entry, hbm=hbm, trips=trips) if b]
+    rows = []
+    for instr, b in computation_bytes(comps, entry, hbm=hbm, trips=trips):
+        if loops and instr.opcode == "while":
+            n = (trip_count(comps, comps[entry], instr) if trips else None) or 1
+            rows += [(i, c * n) for comp in instr.called("body") + instr.called("condition")
+                     for i, c in computation_bytes(comps, comp, hbm=hbm, trips=trips)]
+        else:
+            rows.append((instr, b))
+    rows = [(i, b) for i, b in rows if b]
     by_scope: dict[str, float] = {}
     for instr, b in rows:
         key = scope_of(instr)

@@ -169,3 +169,14 @@ def test_loop_bytes_is_the_entry_loops_body_once():
     assert hlo_bytes.loop_bytes(MODULE) == _bytes()["loop"]
     assert hlo_bytes.loop_bytes(MODULE, hbm=True) == _bytes(hbm=True)["loop"]
     assert hlo_bytes.loop_bytes(MODULE.replace(" while(", " copy(")) == 0.0
+
+
+def test_bytes_by_op_can_list_a_loop_by_the_ops_of_its_body():
+    """``loops``: the entry's loop is listed as its body's and condition's ops (a chain of
+    steps shows its layers' ops, not one ``while``), and the total stays the same."""
+    whole, listed = hlo_bytes.bytes_by_op(MODULE), hlo_bytes.bytes_by_op(MODULE, loops=True)
+    assert listed["total"] == whole["total"]
+    assert "[while]" in whole["by_scope"] and "[while]" not in listed["by_scope"]
+    assert listed["by_scope"]["[exponential]"] == 2 * 2 * KiB
+    trips = hlo_bytes.bytes_by_op(MODULE, loops=True, trips=True)
+    assert trips["total"] == hlo_bytes.bytes_by_op(MODULE, trips=True)["total"]
