@@ -20,7 +20,8 @@ layer-dependent figures to the model's depth (``scaled``). Figures per chip:
 * ``op_bytes``, ``bytes_by_op``, ``bytes_by_op_per_layer``: XLA's count (``xla_bytes_accessed``)
   redone op by op from the optimized HLO (``jaxinfer.hlo_bytes``: operands and results by their
   shapes, a fusion's parameters by what its fused ops read), scaled like the rest; the top 10
-  JAX ops by bytes in the whole step and in one layer (``OUT/<name>.<L2>layers.hlo.txt`` holds the
+  JAX ops by bytes in the whole step and in one layer (a chain's: one step's, its loop's
+  body listed op by op; ``OUT/<name>.<L2>layers.hlo.txt`` holds the
   second depth's HLO), and ``op_bytes_over_xla`` how close the sum comes to XLA's figure;
 * ``hbm_traffic_bytes``, ``hbm_traffic_over_ideal``, ``hbm_bytes_by_op``: a corrected figure, not
   XLA's, beside it: the same op by op count, but only of arrays that lie in HBM. XLA's figure
@@ -28,8 +29,10 @@ layer-dependent figures to the model's depth (``scaled``). Figures per chip:
   async copy's read, its result tuple, the done, the fusion's read), once here. Like XLA's,
   it counts a ``conditional``'s dearest branch (the sampler's, with top-k/top-p) and a loop's
   body once; ``hbm_traffic_loops_extra`` is what the loops' further trips add (the sampler's
-  32-step bisections over the logits: real traffic for rows that sample with them; none for a
-  chain, whose steps are a loop too);
+  32-step bisections over the logits: real traffic for rows that sample with them). A chain's
+  steps are a loop too, whose trips the HLO does not fix: its body (``loop_op_bytes``,
+  ``hbm_loop_op_bytes``), and the loops' extra, are scaled by the chain's length, and what
+  runs once around it (attention weights relaid out before the loop) counts once;
 * ``ideal_bytes``: the weights on the chip + the KV the rows read (the same pages) + the KV
   they write + the logits;
 * ``compile_s`` at the first depth, ``compile_s_scaled`` the two depths' times scaled to the
@@ -288,7 +291,8 @@ def main(argv=None):
         rec_full = {}
         for key in ("xla_bytes_accessed", "pallas_operand_bytes", "flops", "argument_bytes", "alias_bytes",
                     "pool_bytes", "output_bytes", "hbm_op_bytes", "pallas_hbm_operand_bytes",
-                    "pallas_attention_calls", "pallas_attention_hbm_calls", "hbm_op_bytes_trips"):
+                    "pallas_attention_calls", "pallas_attention_hbm_calls", "hbm_op_bytes_trips",
+                    "loop_op_bytes", "hbm_loop_op_bytes"):
             rec_full[key] = scale(a[key], b[key])
         rec_full["pool_copies"] = scale(len(a["pool_copies"]), len(b["pool_copies"]))
         rec_full["pool_vmem_moves"] = scale(a["pool_vmem_moves"], b["pool_vmem_moves"])
@@ -313,12 +317,17 @@ def main(argv=None):
                               if rec_full["pallas_attention_calls"] else 0.0)
         hbm_traffic = rec_full["hbm_op_bytes"] + rec_full["pallas_hbm_operand_bytes"] + hbm_kv
         # loops at their trip counts: the sampler's bisections over the logits, where a row asks
-        # for top-k past the cheap path or top-p (None for a chain, whose steps are a loop too)
-        loops_extra = None if kind.chain else rec_full["hbm_op_bytes_trips"] - rec_full["hbm_op_bytes"]
+        # for top-k past the cheap path or top-p. A chain's own loop has no trip count in the HLO
+        # (it stops when every row is done) and counts once there: what its steps' inner loops add
+        # counts once per step, like the rest of the step
         steps = max(kind.chain, 1)
-        if kind.chain:  # XLA counts a while loop's body once
-            bytes_accessed = (bytes_accessed - pallas_kv) * steps + pallas_kv
-            hbm_traffic = (hbm_traffic - hbm_kv) * steps + hbm_kv
+        loops_extra = (rec_full["hbm_op_bytes_trips"] - rec_full["hbm_op_bytes"]) * steps
+        if kind.chain:
+            # XLA counts a while loop's body once: each further step adds the loop's bytes and
+            # its Pallas calls' operands (the pages read are already every step's). What runs
+            # once around the loop (weights relaid out before it) counts once
+            bytes_accessed += (steps - 1) * (rec_full["loop_op_bytes"] + rec_full["pallas_operand_bytes"])
+            hbm_traffic += (steps - 1) * (rec_full["hbm_loop_op_bytes"] + rec_full["pallas_hbm_operand_bytes"])
         hbm_scopes = set(a["hbm_bytes_by_scope"]) | set(b["hbm_bytes_by_scope"])
         hbm_by_scope = {k: scale(a["hbm_bytes_by_scope"].get(k, 0.0), b["hbm_bytes_by_scope"].get(k, 0.0))
                         for k in hbm_scopes}

@@ -347,8 +347,10 @@ def analyse(compiled, info: dict, *, hbm_bytes: int | None = None, hbm_bw: float
     op from the HLO (``hlo_bytes``), ``bytes_by_op`` its largest ops and ``bytes_by_scope`` its
     bytes per JAX op (``hlo_bytes.scope_of``), to set beside ``xla_bytes_accessed``;
     ``hbm_op_bytes`` and ``hbm_bytes_by_scope`` the same counting only what moves through HBM,
-    ``hbm_op_bytes_trips`` that with each loop's body counted once per trip (the sampler's
-    bisections; a chain's steps)."""
+    ``hbm_op_bytes_trips`` that with each loop's body counted once per trip where the HLO fixes
+    the trips (the sampler's bisections; not a chain's loop, which stops when every row is done
+    and counts once); ``loop_op_bytes`` and ``hbm_loop_op_bytes`` the two counts of the entry's
+    dearest loop alone (a chain's: what each further step adds)."""
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else (cost or {})
@@ -395,11 +397,13 @@ def analyse(compiled, info: dict, *, hbm_bytes: int | None = None, hbm_bw: float
             pallas_bytes += _bytes_of(typ)
             pallas_hbm_bytes += hlo_bytes.type_bytes(typ, hbm=True)
             attention_hbm_calls += "attention" in name and pools_in_hbm
-    ops, hbm = hlo_bytes.bytes_by_op(text), hlo_bytes.bytes_by_op(text, hbm=True)
+    # (a chain's steps are one loop: its ops are listed from the loop's body)
+    ops, hbm = hlo_bytes.bytes_by_op(text, loops=True), hlo_bytes.bytes_by_op(text, hbm=True, loops=True)
     rec = dict(
         op_bytes=ops["total"], bytes_by_op=ops["top"], bytes_by_scope=ops["by_scope"],
         hbm_op_bytes=hbm["total"], hbm_bytes_by_scope=hbm["by_scope"],
         hbm_op_bytes_trips=hlo_bytes.bytes_by_op(text, hbm=True, trips=True)["total"],
+        loop_op_bytes=hlo_bytes.loop_bytes(text), hbm_loop_op_bytes=hlo_bytes.loop_bytes(text, hbm=True),
         argument_bytes=int(mem.argument_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
         output_bytes=int(mem.output_size_in_bytes), alias_bytes=int(mem.alias_size_in_bytes),
         pool_bytes=int(pool_bytes), flops=float(cost.get("flops", 0.0)),

@@ -316,7 +316,8 @@ def computation_bytes(comps: dict[str, list[Instr]], name: str, *, hbm: bool = F
                       trips: bool = False) -> list[tuple[Instr, float]]:
     """(instruction, bytes accessed) of each top-level instruction of computation ``name``;
     ``trips``: a loop's body counted once per trip where ``trip_count`` reads it (XLA counts it
-    once)."""
+    once); a loop whose bound is no constant (a chain's, which also stops when its rows are
+    done) counts once, its inner loops at their trips."""
     return _Counter(comps, hbm, trips).rows(name)
 
 
@@ -334,13 +335,23 @@ def scope_of(instr: Instr) -> str:
     return f"{name} [{kind}]" if name else f"[{kind}]"
 
 
-def bytes_by_op(text: str, *, top: int = 10, hbm: bool = False, trips: bool = False) -> dict:
+def bytes_by_op(text: str, *, top: int = 10, hbm: bool = False, trips: bool = False, loops: bool = False) -> dict:
     """The entry computation's bytes accessed: ``total`` (the sum over its instructions),
     ``top`` (the ``top`` largest instructions: name, ``scope_of``, bytes, result type) and
     ``by_scope`` (bytes per ``scope_of`` key: what compiles of different depths share, so that
-    their difference is one layer's)."""
+    their difference is one layer's). ``loops``: an entry's loop is listed as the instructions
+    of its body and condition (times its trips where counted), so that a chain of steps, all
+    in one loop, shows its ops; the total is the same."""
     comps, entry = parse(text)
-    rows = [(i, b) for i, b in computation_bytes(comps, entry, hbm=hbm, trips=trips) if b]
+    rows = []
+    for instr, b in computation_bytes(comps, entry, hbm=hbm, trips=trips):
+        if loops and instr.opcode == "while":
+            n = (trip_count(comps, comps[entry], instr) if trips else None) or 1
+            rows += [(i, c * n) for comp in instr.called("body") + instr.called("condition")
+                     for i, c in computation_bytes(comps, comp, hbm=hbm, trips=trips)]
+        else:
+            rows.append((instr, b))
+    rows = [(i, b) for i, b in rows if b]
     by_scope: dict[str, float] = {}
     for instr, b in rows:
         key = scope_of(instr)
@@ -349,3 +360,12 @@ def bytes_by_op(text: str, *, top: int = 10, hbm: bool = False, trips: bool = Fa
     return dict(total=sum(b for _, b in rows),
                 top=[dict(name=i.name, scope=scope_of(i), bytes=b, type=i.type[:120]) for i, b in rows[:top]],
                 by_scope=by_scope)
+
+
+def loop_bytes(text: str, *, hbm: bool = False) -> float:
+    """Bytes of the entry computation's dearest top-level ``while`` (its body and condition
+    once, as ``bytes_by_op`` counts it): a chain of steps' loop, whose further trips a caller
+    scales apart from what runs once around it (the weights a chain relays out before its
+    loop). 0 where the entry has no loop."""
+    comps, entry = parse(text)
+    return max((b for i, b in computation_bytes(comps, entry, hbm=hbm) if i.opcode == "while"), default=0.0)

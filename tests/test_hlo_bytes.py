@@ -148,3 +148,35 @@ def test_loops_at_their_trip_counts():
     trips = dict((i.name, b) for i, b in hlo_bytes.computation_bytes(comps, entry, trips=True))
     assert trips["loop"] == 4 * once["loop"]
     assert trips["which"] == once["which"]
+
+
+def test_a_loop_whose_bound_is_no_constant_counts_once_with_trips():
+    """A loop that stops on a runtime value (a chain of decode steps that ends when its rows are
+    done) has no trip count in the HLO: ``trips`` counts it once, as XLA does, so that a caller
+    scales it by the trips it knows."""
+    module = MODULE.replace("%n = s32[] constant(4)", "%n = s32[] get-tuple-element(%t), index=0")
+    comps, entry = hlo_bytes.parse(module)
+    loop = next(i for i in comps[entry] if i.opcode == "while")
+    assert hlo_bytes.trip_count(comps, comps[entry], loop) is None
+    once = dict((i.name, b) for i, b in hlo_bytes.computation_bytes(comps, entry))
+    trips = dict((i.name, b) for i, b in hlo_bytes.computation_bytes(comps, entry, trips=True))
+    assert trips["loop"] == once["loop"]
+
+
+def test_loop_bytes_is_the_entry_loops_body_once():
+    """``loop_bytes``: what the entry's loop counts (its body and condition once), apart from
+    the ops around it, so that a chain's further steps scale the loop alone."""
+    assert hlo_bytes.loop_bytes(MODULE) == _bytes()["loop"]
+    assert hlo_bytes.loop_bytes(MODULE, hbm=True) == _bytes(hbm=True)["loop"]
+    assert hlo_bytes.loop_bytes(MODULE.replace(" while(", " copy(")) == 0.0
+
+
+def test_bytes_by_op_can_list_a_loop_by_the_ops_of_its_body():
+    """``loops``: the entry's loop is listed as its body's and condition's ops (a chain of
+    steps shows its layers' ops, not one ``while``), and the total stays the same."""
+    whole, listed = hlo_bytes.bytes_by_op(MODULE), hlo_bytes.bytes_by_op(MODULE, loops=True)
+    assert listed["total"] == whole["total"]
+    assert "[while]" in whole["by_scope"] and "[while]" not in listed["by_scope"]
+    assert listed["by_scope"]["[exponential]"] == 2 * 2 * KiB
+    trips = hlo_bytes.bytes_by_op(MODULE, loops=True, trips=True)
+    assert trips["total"] == hlo_bytes.bytes_by_op(MODULE, trips=True)["total"]

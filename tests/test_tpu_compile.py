@@ -284,11 +284,11 @@ def test_tpu_compile_script_writes_a_report(tmp_path):
     out = tmp_path / "tpu"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tpu_compile.py"), "--target", "v5e-1",
-                           "--model", "llama-tiny", "--kinds", "decode-1", "verify-4", "--context", "256",
+                           "--model", "llama-tiny", "--kinds", "decode-1", "verify-4", "chain-8", "--context", "256",
                            "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
-    assert [r["name"] for r in report] == ["decode-1", "verify-4"]
+    assert [r["name"] for r in report] == ["decode-1", "verify-4", "chain-8"]
     for r in report:
         assert (out / f"{r['name']}.hlo.txt").is_file()
         assert (out / f"{r['name']}.{r['layers_compiled'][1]}layers.hlo.txt").is_file()
@@ -299,7 +299,14 @@ def test_tpu_compile_script_writes_a_report(tmp_path):
         assert r["ideal_bytes"] > r["weights_bytes"] > 0
         assert r["pool_copies"] == 0
         assert 0 < r["hbm_traffic_bytes"] <= r["bytes_accessed"]
-        assert len(r["bytes_by_op"]) == 10 and all(isinstance(b, float) for _, b in r["bytes_by_op"])
+        assert r["hbm_traffic_loops_extra"] >= 0
+        # (a chain's entry holds few ops: its loop counts as one)
+        assert 0 < len(r["bytes_by_op"]) <= 10 and all(isinstance(b, float) for _, b in r["bytes_by_op"])
+    # a chain's 8 steps are its loop's 8 trips, what runs around the loop once
+    chain = report[2]
+    per_depth = chain["per_depth"][str(chain["layers_compiled"][0])]
+    assert 0 < per_depth["hbm_loop_op_bytes"] <= per_depth["hbm_op_bytes"]
+    assert chain["hbm_traffic_bytes"] > 7 * per_depth["hbm_loop_op_bytes"]
 
 
 def _tpu_compile_script():
