@@ -6,6 +6,7 @@ nothing here sorts."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 
 import jax
@@ -18,7 +19,9 @@ from jaxinfer.sampling.params import SamplingParams
 # Rows whose top-k, or whose top-p nucleus, fits in this many tokens get their threshold from a
 # cheap lax.top_k; the rest fall back to bisection (~32 passes over the row).
 FAST_TOPK = 64
-_FINE = 64  # logits per block for block maxima (argmax, top-k candidates)
+# logits per block for block maxima (argmax, top-k candidates): one 128-lane tile of a TPU's
+# (8, 128) tiling, so that blocks are read in the logits' own layout (``_block_view``)
+_FINE = 128
 _BLOCK = 256  # logits per block in the two-level inverse-CDF sampler; a multiple of _FINE
 
 
@@ -212,6 +215,38 @@ def argmax_first(x: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.min(jnp.where(x == m, jnp.arange(n, dtype=jnp.int32), n), axis=-1), n - 1)
 
 
+def _row_group(B: int) -> int:
+    """Rows ``_block_view`` keeps together: a TPU lays f32[B, V] out in tiles of 8 rows by 128
+    lanes, which [B / 8, 8, V / 128, 128] (rows minor to blocks) covers tile for tile."""
+    return B if B < 8 else math.gcd(B, 8)
+
+
+def _block_view(xp: jax.Array, size: int = _FINE) -> jax.Array:
+    """xp f32[B, Vp] as f32[B / g, g, Vp / size, size] (g = ``_row_group(B)``): its blocks of
+    ``size`` logits (a multiple of 128). On a TPU this is the logits' own memory; [B, Vp / size,
+    size] is not, and XLA copies the whole array into that layout (twice, for a reduction and
+    a gather)."""
+    B, Vp = xp.shape
+    g = _row_group(B)
+    return xp.reshape(B // g, g, Vp // size, size)
+
+
+def block_maxima(xp: jax.Array) -> jax.Array:
+    """f32[B, Vp / _FINE]: the maximum of each block of _FINE logits of xp f32[B, Vp]. Held
+    apart by an optimization barrier: XLA would otherwise fold a row maximum taken over them
+    into a second pass over the logits."""
+    return jax.lax.optimization_barrier(jnp.max(_block_view(xp), axis=3).reshape(xp.shape[0], -1))
+
+
+def _blocks(xp: jax.Array, blk: jax.Array, size: int = _FINE) -> jax.Array:
+    """f32[B, n, size]: blocks blk i32[B, n] of ``size`` logits of each row of xp f32[B, Vp],
+    gathered from ``_block_view`` (no copy of the logits on a TPU)."""
+    B = xp.shape[0]
+    g = _row_group(B)
+    picked = jnp.take_along_axis(_block_view(xp, size), blk.reshape(B // g, g, -1, 1), axis=2)
+    return picked.reshape(B, -1, size)
+
+
 def _argmax(xp: jax.Array, bmax: jax.Array, vocab_size: int, banned: jax.Array | None = None) -> jax.Array:
     """i32[B]: first index of the row maximum, as jnp.argmax, from the block maxima.
 
@@ -220,12 +255,11 @@ def _argmax(xp: jax.Array, bmax: jax.Array, vocab_size: int, banned: jax.Array |
     anyway, and only one block per row is searched. banned: None, or i32[B, S] ids read as -inf
     (``banned_ids``; bmax must already leave them out, as ``_ban_block_maxima`` does).
     """
-    B = xp.shape[0]
     m = jnp.max(bmax, axis=1, keepdims=True)  # f32[B, 1]
     NB = bmax.shape[1]
     blk = jnp.min(jnp.where(bmax == m, jnp.arange(NB), NB), axis=1)  # i32[B]
     blk = jnp.minimum(blk, NB - 1)
-    inside = jnp.take_along_axis(xp.reshape(B, NB, _FINE), blk[:, None, None], axis=1)[:, 0]
+    inside = _blocks(xp, blk[:, None])[:, 0]
     if banned is not None:
         idx = blk[:, None] * _FINE + jnp.arange(_FINE)  # i32[B, _FINE]
         inside = jnp.where(jnp.any(idx[:, :, None] == banned[:, None, :], axis=2), -jnp.inf, inside)
@@ -239,7 +273,7 @@ def _ban_block_maxima(xp: jax.Array, bmax: jax.Array, banned: jax.Array) -> jax.
     Ids >= V (none) land in a real block, whose maximum is then rewritten unchanged."""
     B, NB = bmax.shape
     blk = jnp.minimum(banned // _FINE, NB - 1)  # i32[B, S]
-    blocks = jnp.take_along_axis(xp.reshape(B, NB, _FINE), blk[:, :, None], axis=1)  # f32[B, S, _FINE]
+    blocks = _blocks(xp, blk)  # f32[B, S, _FINE]
     idx = blk[:, :, None] * _FINE + jnp.arange(_FINE)  # i32[B, S, _FINE]
     hit = jnp.any(idx[:, :, :, None] == banned[:, None, None, :], axis=3)  # bool[B, S, _FINE]
     m = jnp.max(jnp.where(hit, -jnp.inf, blocks), axis=2)  # f32[B, S]
@@ -284,7 +318,7 @@ def _largest(xp: jax.Array, bmax: jax.Array, K: int) -> jax.Array:
     NB = bmax.shape[1]
     nb = min(K, NB)
     _, blocks = jax.lax.top_k(bmax, nb)  # i32[B, nb]
-    cand = jnp.take_along_axis(xp.reshape(B, NB, _FINE), blocks[:, :, None], axis=1)
+    cand = _blocks(xp, blocks)
     return jax.lax.top_k(cand.reshape(B, nb * _FINE), K)[0]
 
 
@@ -439,7 +473,7 @@ def sample(logits: jax.Array, state: SamplingState, step: jax.Array, banned: jax
     x = penalised(logits, state)  # f32[B, V]
     pad = -V % _BLOCK
     xp = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x  # f32[B, Vp]
-    bmax = jnp.max(xp.reshape(B, -1, _FINE), axis=2)  # f32[B, Vp / _FINE]
+    bmax = block_maxima(xp)  # f32[B, Vp / _FINE]
     if banned is not None:
         bmax = _ban_block_maxima(xp, bmax, banned)
     greedy = state.temperature <= 0.0  # bool[B]
