@@ -216,35 +216,42 @@ def argmax_first(x: jax.Array) -> jax.Array:
 
 
 def _row_group(B: int) -> int:
-    """Rows ``_block_view`` keeps together: a TPU lays f32[B, V] out in tiles of 8 rows by 128
-    lanes, which [B / 8, 8, V / 128, 128] (rows minor to blocks) covers tile for tile."""
+    """Rows of one tile in ``_block_view``: a TPU lays f32[B, V] out in tiles of 8 rows by 128
+    lanes."""
     return B if B < 8 else math.gcd(B, 8)
 
 
 def _block_view(xp: jax.Array, size: int = _FINE) -> jax.Array:
-    """xp f32[B, Vp] as f32[B / g, g, Vp / size, size] (g = ``_row_group(B)``): its blocks of
-    ``size`` logits (a multiple of 128). On a TPU this is the logits' own memory; [B, Vp / size,
-    size] is not, and XLA copies the whole array into that layout (twice, for a reduction and
-    a gather)."""
+    """xp f32[B, Vp] as f32[B / g, Vp / size, g, size] (g = ``_row_group(B)``): block j of
+    ``size`` logits (a multiple of 128) of row r at [r // g, j, r % g]. That is the order a
+    TPU keeps the logits in (tile by tile, each 8 rows by 128 lanes), so reading blocks through
+    it copies nothing; through [B, Vp / size, size] XLA copied all the logits into that
+    layout first, once for the block maxima and once for the gathers."""
     B, Vp = xp.shape
     g = _row_group(B)
-    return xp.reshape(B // g, g, Vp // size, size)
+    return xp.reshape(B // g, g, Vp // size, size).transpose(0, 2, 1, 3)
+
+
+def _block_sums(x: jax.Array, reduce, size: int = _FINE) -> jax.Array:
+    """f32[B, Vp / size]: ``reduce`` (jnp.max, jnp.sum) over each block of x f32[B, Vp]."""
+    return reduce(_block_view(x, size), axis=3).transpose(0, 2, 1).reshape(x.shape[0], -1)
 
 
 def block_maxima(xp: jax.Array) -> jax.Array:
     """f32[B, Vp / _FINE]: the maximum of each block of _FINE logits of xp f32[B, Vp]. Held
     apart by an optimization barrier: XLA would otherwise fold a row maximum taken over them
     into a second pass over the logits."""
-    return jax.lax.optimization_barrier(jnp.max(_block_view(xp), axis=3).reshape(xp.shape[0], -1))
+    return jax.lax.optimization_barrier(_block_sums(xp, jnp.max))
 
 
 def _blocks(xp: jax.Array, blk: jax.Array, size: int = _FINE) -> jax.Array:
     """f32[B, n, size]: blocks blk i32[B, n] of ``size`` logits of each row of xp f32[B, Vp],
-    gathered from ``_block_view`` (no copy of the logits on a TPU)."""
+    gathered through ``_block_view``."""
     B = xp.shape[0]
     g = _row_group(B)
-    picked = jnp.take_along_axis(_block_view(xp, size), blk.reshape(B // g, g, -1, 1), axis=2)
-    return picked.reshape(B, -1, size)
+    at = blk.reshape(B // g, g, -1).transpose(0, 2, 1)[..., None]  # i32[B / g, n, g, 1]
+    picked = jnp.take_along_axis(_block_view(xp, size), at, axis=1)  # f32[B / g, n, g, size]
+    return picked.transpose(0, 2, 1, 3).reshape(B, -1, size)
 
 
 def _argmax(xp: jax.Array, bmax: jax.Array, vocab_size: int, banned: jax.Array | None = None) -> jax.Array:
@@ -404,10 +411,8 @@ def _categorical(xp: jax.Array, weight, u: jax.Array) -> jax.Array:
     written; and short cumulative sums keep small probabilities from being rounded away, which
     one float32 cumsum over 262144 entries would do.
     """
-    B, Vp = xp.shape
-    xb = xp.reshape(B, Vp // _BLOCK, _BLOCK)
-    block = _pick(jnp.sum(weight(xb), axis=2), u[:, 0])  # i32[B]
-    inside = jnp.take_along_axis(xb, block[:, None, None], axis=1)[:, 0]  # f32[B, _BLOCK]
+    block = _pick(_block_sums(weight(xp), jnp.sum, _BLOCK), u[:, 0])  # i32[B]
+    inside = _blocks(xp, block[:, None], _BLOCK)[:, 0]  # f32[B, _BLOCK]
     return block * _BLOCK + _pick(weight(inside), u[:, 1])
 
 
