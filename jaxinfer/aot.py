@@ -32,7 +32,7 @@ from jaxinfer.engine.chaining import chained_decode
 from jaxinfer.engine.slots import make_slots
 from jaxinfer.engine.state import EngineState
 from jaxinfer.engine.step import StepInputs, packed_step, sample_rows
-from jaxinfer.engine.verify import DraftBlock
+from jaxinfer.engine.verify import DraftBlock, verify
 from jaxinfer.models.packed import PackedBatch
 from jaxinfer.models.registry import model_family
 from jaxinfer.specs import is_spec, spec_dtype
@@ -292,6 +292,25 @@ def lower_sampler(cfg: ModelConfig, mesh: Mesh, rows: int, *, num_logprobs: int 
     kernels = target_kernels(mesh) if kernels is None else kernels
     fn = jax.jit(functools.partial(sample_rows, num_logprobs=num_logprobs, kernels=kernels), donate_argnames=("slots",))
     return fn.lower(logits, abstract_slots(cfg, mesh, rows), active)
+
+
+def lower_verification(cfg: ModelConfig, weights, mesh: Mesh, kernels: dispatch.Kernels, rows: int, q: int):
+    """What a verification step runs past its layers, alone: ``engine.verify.verify`` (the LM
+    head over ``rows`` decode rows of ``q`` positions each, then ``sampling.verify_block``) on
+    abstract hidden states bf16[1, rows * q, D] and slot state replicated over ``mesh``,
+    lowered. Compiled in a minute at 8B's vocabulary where the whole step takes minutes a
+    layer; returns the verdict (accepted drafts, tokens, sampling state)."""
+    rep = NamedSharding(mesh, PartitionSpec())
+    mod = model_family(cfg.family)
+    h = jax.ShapeDtypeStruct((1, rows * q, cfg.d_model), jnp.dtype(cfg.dtype), sharding=rep)
+    batch = batch_for(mesh, rows=rows, width=1, q=q)
+
+    def run(weights, h, batch, slots):
+        ver, *_ = verify(mod, weights, h, batch, batch, slots, None, heads=None, guide=None, q_draft=None, W=1,
+                         cfg=cfg, kernels=kernels)
+        return ver
+
+    return jax.jit(run).lower(weights, h, batch, abstract_slots(cfg, mesh, rows))
 
 
 def lower_image_encoder(encoder, cfg, mesh: Mesh, images: int):

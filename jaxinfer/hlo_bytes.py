@@ -34,6 +34,7 @@ bounds; XLA's figure adds every VMEM read and write beside it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 _ITEM = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s16": 2, "u16": 2, "s8": 1, "u8": 1,
@@ -333,6 +334,30 @@ def scope_of(instr: Instr) -> str:
     name = re.sub(r"layer\d+", "layer*", name)
     kind = instr.opcode if instr.opcode != "fusion" else f"fusion:{_fusion_kind(instr)}"
     return f"{name} [{kind}]" if name else f"[{kind}]"
+
+
+def _elements(type_text: str) -> int:
+    """Elements of the largest array in an HLO type (its logical shape, no tile padding)."""
+    return max([1] + [math.prod(int(x) for x in dims.split(",") if x) for _, dims, _ in _ARRAY.findall(type_text)])
+
+
+def relayouts(text: str, elems: int) -> list[dict]:
+    """Every op of the module (the entry, a conditional's branches, a loop's body) that writes
+    an array of at least ``elems`` elements into another layout: a copy, a transpose, a copy or
+    transpose fusion, a reshape XLA did not make a bitcast. On a TPU each one reads and
+    rewrites the whole array. -> [{computation, name, scope, type}]."""
+    comps, _ = parse(text)
+    fused = {c for instrs in comps.values() for i in instrs if i.opcode == "fusion" for c in i.called("calls")}
+    found = []
+    for comp, instrs in comps.items():
+        if comp in fused:  # inside a fusion: nothing is written out
+            continue
+        for i in instrs:
+            if i.opcode in ("copy", "transpose", "reshape") or (
+                    i.opcode == "fusion" and re.match(r"(copy|transpose)", i.name)):
+                if _elements(i.type) >= elems:
+                    found.append(dict(computation=comp, name=i.name, scope=scope_of(i), type=i.type[:120]))
+    return found
 
 
 def bytes_by_op(text: str, *, top: int = 10, hbm: bool = False, trips: bool = False, loops: bool = False) -> dict:

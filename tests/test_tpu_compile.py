@@ -424,3 +424,26 @@ def test_gemma3_step_with_an_image_compiles_for_v5e_with_the_pools_in_place():
     assert rec["pallas_attention_calls"] == cfg.n_layers
     assert rec["temp_bytes"] < rec["pool_bytes"] / 10, rec
     assert "bf16[128,256]" in compiled.as_text()
+
+
+def test_the_verification_sampler_relays_no_logits_out_before_its_sampled_branch():
+    """A verification step past its layers (``aot.lower_verification``: the LM head, then
+    ``verify_block``), 16 rows of 5 positions: the LM head writes the logits as f32[80, V], one
+    row per position, and the block maxima and the argmax's blocks read them in that layout
+    (blocks of 128 logits: a lane tile each). As f32[16, 5, V] a TPU pads the 5 positions to 8
+    rows; the min_tokens ban written by a scatter flattened them; and blocks of 64 logits (half
+    a lane tile) took layouts of their own: XLA copied the logits five times before the branch
+    of sampled rows. Inside that branch one copy is left, the verify kernel's [B, J, V] operand."""
+    from jaxinfer import hlo_bytes
+
+    R, Q, V = 16, 5, 32768
+    cfg = dataclasses.replace(WIDE, vocab_size=V)
+    mesh = aot.target_mesh("v5e-1", model=1)
+    kernels = aot.target_kernels(mesh, "pallas")
+    weights, _ = aot.abstract_weights(cfg, mesh, kernels)
+    with jax.set_mesh(mesh):
+        text = aot.lower_verification(cfg, weights, mesh, kernels, R, Q).compile().as_text()
+    _, entry = hlo_bytes.parse(text)
+    copies = hlo_bytes.relayouts(text, R * Q * V)
+    assert [c for c in copies if c["computation"] == entry] == [], copies
+    assert [c["type"].split("{")[0] for c in copies] == [f"f32[{R},{Q},{V}]"], copies

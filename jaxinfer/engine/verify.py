@@ -279,7 +279,10 @@ def verify(mod, weights, h, batch: PackedBatch, vb: PackedBatch, sub: SlotState,
     R, Q = batch.rows, batch.q
     hd = h[0, : R * W * Q].reshape(R * W, Q, -1)
     if heads is None:
-        row_logits = mod.unembed(weights, hd, cfg)  # f32[R, Q, V]
+        # unembedded as one sequence of R * Q rows: as [R, Q, D] a TPU's dot writes f32[R, Q, V]
+        # with Q (5 at 4 drafts) padded to 8 rows and copies it twice before the sampler
+        # reads it as [R * Q, V]; this reshape costs nothing
+        row_logits = mod.unembed(weights, h[:, : R * W * Q], cfg)[0].reshape(R * W, Q, -1)  # f32[R, Q, V]
     else:  # one matmul for the verification logits and every head at every position
         hk = medusa.head_hidden(heads, hd).astype(hd.dtype)  # [R, Q, K, D]
         x = jnp.concatenate([hd[:, :, None], hk], axis=2)  # [R, Q, 1 + K, D]

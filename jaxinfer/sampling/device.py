@@ -6,6 +6,7 @@ nothing here sorts."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 
 import jax
@@ -21,7 +22,9 @@ from pallas_kernels import sample_threshold as st
 # Rows whose top-k, or whose top-p nucleus, fits in this many tokens get their threshold from a
 # cheap lax.top_k; the rest fall back to bisection (~32 passes over the row).
 FAST_TOPK = 64
-_FINE = 64  # logits per block for block maxima (argmax, top-k candidates)
+# logits per block for block maxima (argmax, top-k candidates): one 128-lane tile of a TPU's
+# (8, 128) tiling, so that blocks are read in the logits' own layout (``_block_view``)
+_FINE = 128
 _BLOCK = 256  # logits per block in the two-level inverse-CDF sampler; a multiple of _FINE
 
 
@@ -232,6 +235,45 @@ def argmax_first(x: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.min(jnp.where(x == m, jnp.arange(n, dtype=jnp.int32), n), axis=-1), n - 1)
 
 
+def _row_group(B: int) -> int:
+    """Rows of one tile in ``_block_view``: a TPU lays f32[B, V] out in tiles of 8 rows by 128
+    lanes."""
+    return B if B < 8 else math.gcd(B, 8)
+
+
+def _block_view(xp: jax.Array, size: int = _FINE) -> jax.Array:
+    """xp f32[B, Vp] as f32[B / g, Vp / size, g, size] (g = ``_row_group(B)``): block j of
+    ``size`` logits (a multiple of 128) of row r at [r // g, j, r % g]. That is the order a
+    TPU keeps the logits in (tile by tile, each 8 rows by 128 lanes), so reading blocks through
+    it copies nothing; through [B, Vp / size, size] XLA copied all the logits into that
+    layout first, once for the block maxima and once for the gathers."""
+    B, Vp = xp.shape
+    g = _row_group(B)
+    return xp.reshape(B // g, g, Vp // size, size).transpose(0, 2, 1, 3)
+
+
+def _block_sums(x: jax.Array, reduce, size: int = _FINE) -> jax.Array:
+    """f32[B, Vp / size]: ``reduce`` (jnp.max, jnp.sum) over each block of x f32[B, Vp]."""
+    return reduce(_block_view(x, size), axis=3).transpose(0, 2, 1).reshape(x.shape[0], -1)
+
+
+def block_maxima(xp: jax.Array) -> jax.Array:
+    """f32[B, Vp / _FINE]: the maximum of each block of _FINE logits of xp f32[B, Vp]. Held
+    apart by an optimization barrier: XLA would otherwise fold a row maximum taken over them
+    into a second pass over the logits."""
+    return jax.lax.optimization_barrier(_block_sums(xp, jnp.max))
+
+
+def _blocks(xp: jax.Array, blk: jax.Array, size: int = _FINE) -> jax.Array:
+    """f32[B, n, size]: blocks blk i32[B, n] of ``size`` logits of each row of xp f32[B, Vp],
+    gathered through ``_block_view``."""
+    B = xp.shape[0]
+    g = _row_group(B)
+    at = blk.reshape(B // g, g, -1).transpose(0, 2, 1)[..., None]  # i32[B / g, n, g, 1]
+    picked = jnp.take_along_axis(_block_view(xp, size), at, axis=1)  # f32[B / g, n, g, size]
+    return picked.transpose(0, 2, 1, 3).reshape(B, -1, size)
+
+
 def _argmax(xp: jax.Array, bmax: jax.Array, vocab_size: int, banned: jax.Array | None = None) -> jax.Array:
     """i32[B]: first index of the row maximum, as jnp.argmax, from the block maxima.
 
@@ -240,12 +282,11 @@ def _argmax(xp: jax.Array, bmax: jax.Array, vocab_size: int, banned: jax.Array |
     anyway, and only one block per row is searched. banned: None, or i32[B, S] ids read as -inf
     (``banned_ids``; bmax must already leave them out, as ``_ban_block_maxima`` does).
     """
-    B = xp.shape[0]
     m = jnp.max(bmax, axis=1, keepdims=True)  # f32[B, 1]
     NB = bmax.shape[1]
     blk = jnp.min(jnp.where(bmax == m, jnp.arange(NB), NB), axis=1)  # i32[B]
     blk = jnp.minimum(blk, NB - 1)
-    inside = jnp.take_along_axis(xp.reshape(B, NB, _FINE), blk[:, None, None], axis=1)[:, 0]
+    inside = _blocks(xp, blk[:, None])[:, 0]
     if banned is not None:
         idx = blk[:, None] * _FINE + jnp.arange(_FINE)  # i32[B, _FINE]
         inside = jnp.where(jnp.any(idx[:, :, None] == banned[:, None, :], axis=2), -jnp.inf, inside)
@@ -259,7 +300,7 @@ def _ban_block_maxima(xp: jax.Array, bmax: jax.Array, banned: jax.Array) -> jax.
     Ids >= V (none) land in a real block, whose maximum is then rewritten unchanged."""
     B, NB = bmax.shape
     blk = jnp.minimum(banned // _FINE, NB - 1)  # i32[B, S]
-    blocks = jnp.take_along_axis(xp.reshape(B, NB, _FINE), blk[:, :, None], axis=1)  # f32[B, S, _FINE]
+    blocks = _blocks(xp, blk)  # f32[B, S, _FINE]
     idx = blk[:, :, None] * _FINE + jnp.arange(_FINE)  # i32[B, S, _FINE]
     hit = jnp.any(idx[:, :, :, None] == banned[:, None, None, :], axis=3)  # bool[B, S, _FINE]
     m = jnp.max(jnp.where(hit, -jnp.inf, blocks), axis=2)  # f32[B, S]
@@ -276,7 +317,7 @@ def _largest(xp: jax.Array, bmax: jax.Array, K: int) -> jax.Array:
     NB = bmax.shape[1]
     nb = min(K, NB)
     _, blocks = jax.lax.top_k(bmax, nb)  # i32[B, nb]
-    cand = jnp.take_along_axis(xp.reshape(B, NB, _FINE), blocks[:, :, None], axis=1)
+    cand = _blocks(xp, blocks)
     return jax.lax.top_k(cand.reshape(B, nb * _FINE), K)[0]
 
 
@@ -375,10 +416,8 @@ def _categorical(xp: jax.Array, weight, u: jax.Array) -> jax.Array:
     written; and short cumulative sums keep small probabilities from being rounded away, which
     one float32 cumsum over 262144 entries would do.
     """
-    B, Vp = xp.shape
-    xb = xp.reshape(B, Vp // _BLOCK, _BLOCK)
-    block = _pick(jnp.sum(weight(xb), axis=2), u[:, 0])  # i32[B]
-    inside = jnp.take_along_axis(xb, block[:, None, None], axis=1)[:, 0]  # f32[B, _BLOCK]
+    block = _pick(_block_sums(weight(xp), jnp.sum, _BLOCK), u[:, 0])  # i32[B]
+    inside = _blocks(xp, block[:, None], _BLOCK)[:, 0]  # f32[B, _BLOCK]
     return block * _BLOCK + _pick(weight(inside), u[:, 1])
 
 
@@ -450,7 +489,7 @@ def sample(logits: jax.Array, state: SamplingState, step: jax.Array, banned: jax
     x = penalised(logits, state)  # f32[B, V]
     pad = -V % _BLOCK
     xp = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x  # f32[B, Vp]
-    bmax = jnp.max(xp.reshape(B, -1, _FINE), axis=2)  # f32[B, Vp / _FINE]
+    bmax = block_maxima(xp)  # f32[B, Vp / _FINE]
     if banned is not None:
         bmax = _ban_block_maxima(xp, bmax, banned)
     greedy = state.temperature <= 0.0  # bool[B]

@@ -33,11 +33,13 @@ from jaxinfer.sampling.device import (
     _FINE,
     SamplingState,
     _argmax,
+    _ban_block_maxima,
     _categorical,
     _has_penalties,
     apply_penalties,
+    banned_ids,
+    block_maxima,
     filter_threshold,
-    mask_tokens_before_min,
     sample,
 )
 from jaxinfer.sharding import per_model_shard
@@ -94,22 +96,36 @@ def _positions(state: SamplingState, drafts: jax.Array, J: int, with_counts: boo
 
 
 def _penalised_block(logits, drafts, state, step, stop_ids, min_tokens):
-    """(xp f32[B * J, Vp], bmax f32[B * J, Vp / _FINE], flat_state): each block position's
-    logits with the min_tokens mask and the penalties applied, padded with -inf to a multiple
-    of 128, their block maxima, and the state of every position (its counts left out)."""
+    """(xp f32[B * J, Vp], bmax f32[B * J, Vp / _FINE], banned i32[B * J, S], flat_state): each
+    block position's logits with the penalties applied, padded with -inf to a multiple of 128;
+    their block maxima with the position's min_tokens ban applied (``banned_ids``: the ids that
+    read as -inf, which only ``_banned`` writes into the logits); and the state of every
+    position (its counts left out). The positions are rows of one [B * J, Vp] array from the
+    start: on a TPU [B, J, V] pads J to a tile's 8 rows, and every reshape between the two
+    forms is a copy of all the logits."""
     B, J, V = logits.shape
     flat_state = _positions(state, drafts, J, with_counts=False)
     rep = lambda a: jnp.repeat(a, J, axis=0)
     flat_step = (step[:, None] + jnp.arange(J)[None]).reshape(B * J)
-    x = mask_tokens_before_min(logits.reshape(B * J, V).astype(jnp.float32), rep(stop_ids), flat_step,
-                               rep(min_tokens))
+    x = logits.reshape(B * J, V).astype(jnp.float32)
+    banned = banned_ids(rep(stop_ids), flat_step, rep(min_tokens), V)
     # the per-position counts (a one-hot of the drafts over V) are built only when a row has
     # penalties: in the cond, not as its operand
     if state.has_vocab_state:
         x = jax.lax.cond(_has_penalties(state), lambda: apply_penalties(x, _positions(state, drafts, J)), lambda: x)
     pad = -V % max(_LANES, _FINE)
     xp = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x
-    return xp, jnp.max(xp.reshape(B * J, -1, _FINE), axis=2), flat_state
+    return xp, _ban_block_maxima(xp, block_maxima(xp), banned), banned, flat_state
+
+
+def _banned(xp, banned):
+    """xp f32[B, Vp] with the ids banned i32[B, S] (>= V: none) set to -inf, by comparison: a
+    scatter into the logits flattens them on a TPU, a copy there and back."""
+    ids = jnp.arange(xp.shape[1], dtype=jnp.int32)[None]
+    hit = ids == banned[:, :1]
+    for s in range(1, banned.shape[1]):
+        hit = hit | (ids == banned[:, s : s + 1])
+    return jnp.where(hit, -jnp.inf, xp)
 
 
 def _filtered(xp, bmax, flat_state, B: int, J: int, V: int, sampler: SamplerKernels = XLA_SAMPLER):
@@ -123,9 +139,9 @@ def shape_block(logits, drafts, state, step, stop_ids, min_tokens):
     """(z f32[B, J, Vp], thr f32[B, J], greedy bool[B], argmax i32[B, J]): the sampler's view of
     each block position, the vocabulary padded with -inf to a multiple of 128."""
     B, J, V = logits.shape
-    xp, bmax, flat_state = _penalised_block(logits, drafts, state, step, stop_ids, min_tokens)
-    z, thr = _filtered(xp, bmax, flat_state, B, J, V)
-    return z, thr, state.temperature <= 0.0, _argmax(xp, bmax, V).reshape(B, J)
+    xp, bmax, banned, flat_state = _penalised_block(logits, drafts, state, step, stop_ids, min_tokens)
+    z, thr = _filtered(_banned(xp, banned), bmax, flat_state, B, J, V)
+    return z, thr, state.temperature <= 0.0, _argmax(xp, bmax, V, banned).reshape(B, J)
 
 
 def draft_sample(logits, drafts, state: SamplingState, step, stop_ids, min_tokens):
@@ -183,8 +199,8 @@ def verify_block(logits, drafts, num_drafts, state: SamplingState, step, stop_id
     sampler (static): where the positions' wide top-k / top-p thresholds bisect."""
     B, J, V = logits.shape
     drafts = jnp.clip(drafts, 0, V - 1).astype(jnp.int32)
-    xp, bmax, flat_state = _penalised_block(logits, drafts, state, step, stop_ids, min_tokens)
-    amax = _argmax(xp, bmax, V).reshape(B, J)
+    xp, bmax, banned, flat_state = _penalised_block(logits, drafts, state, step, stop_ids, min_tokens)
+    amax = _argmax(xp, bmax, V, banned).reshape(B, J)
     greedy = state.temperature <= 0.0
     num_drafts = num_drafts.astype(jnp.int32)
 
@@ -194,7 +210,7 @@ def verify_block(logits, drafts, num_drafts, state: SamplingState, step, stop_id
         return a, jnp.take_along_axis(amax, a[:, None], axis=1)[:, 0]
 
     def any_rows():
-        z, thr = _filtered(xp, bmax, flat_state, B, J, V, sampler)
+        z, thr = _filtered(_banned(xp, banned), bmax, flat_state, B, J, V, sampler)
         Vp = z.shape[-1]
         q = None
         if draft_probs is not None:
@@ -215,8 +231,10 @@ def verify_block(logits, drafts, num_drafts, state: SamplingState, step, stop_id
         # a row without drafts draws exactly the token a plain step would (the sampler's own
         # uniforms), so whether its step ran with speculation, which depends on the other rows,
         # never changes its seeded output
-        plain = sample(mask_tokens_before_min(logits[:, 0].astype(jnp.float32), stop_ids, step, min_tokens),
-                       state, step, kernels=sampler)
+        # position 0 of each row as a strided slice of the rows: logits[:, 0] of [B, J, V]
+        # relays all of them out on a TPU first
+        first = logits.reshape(B * J, V)[::J]
+        plain = sample(first, state, step, banned_ids(stop_ids, step, min_tokens, V), kernels=sampler)
         return a, jnp.where(num_drafts == 0, plain, nxt)
 
     # an all-greedy block (the usual batch-1 chat) takes the argmaxes alone: no temperature,
