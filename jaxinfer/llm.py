@@ -189,7 +189,7 @@ class LLM:
                 f"max_model_len must be in [2, {self.cfg.max_position}] (the model's context), got {max_model_len}"
             )
         self.max_model_len = max_model_len
-        _enable_compilation_cache()
+        enable_compilation_cache()
         self.seed = seed
         self.progress = progress
         self._grammar_compiler = None  # guided.GrammarCompiler, made on the first structured-output request
@@ -712,7 +712,7 @@ def _architecture_check(model):
     return lambda config: family_for(config, model)
 
 
-def _enable_compilation_cache() -> None:
+def enable_compilation_cache() -> None:
     """JAX's persistent compilation cache, on by default under $JAXINFER_HOME/xla-cache
     (a directory the user configured for JAX is left alone). Executables that took 0.1 s or
     more to compile are kept: a step whose projections are native calls (packed float32

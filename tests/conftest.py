@@ -13,6 +13,14 @@ import pytest  # noqa: E402
 # the object stores on 127.0.0.1 (object_stores, store), for the tests that read and write buckets
 pytest_plugins = ["tests.storage_servers"]
 
+# Every test process keeps its executables in JAX's persistent compilation cache, where an
+# ``LLM`` keeps them: tests build the same tiny models' steps again and again, in both workers
+# and from one run to the next, and loading one back costs a fraction of compiling it. The
+# counts tests make of an engine's executables are of lowerings, which a cache hit still does.
+from jaxinfer.llm import enable_compilation_cache  # noqa: E402
+
+enable_compilation_cache()
+
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if os.name == "posix" else None
 
 

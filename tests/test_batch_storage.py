@@ -22,6 +22,13 @@ from jaxinfer.batch.parts import list_parts, parts_prefix
 from tests.batch_testing import batch_cmd, by_id, chat, completion, read_jsonl, subprocess_env, write_jsonl
 
 
+# Each of these runs the job in a subprocess that loads the model, half a minute a store: the
+# default suite runs them on S3, and on GCS with the slow tests (the stores' own code is
+# covered on both by the tests above them).
+ONE_STORE_BY_DEFAULT = pytest.mark.parametrize("store", ["s3", pytest.param("gs", marks=pytest.mark.slow)],
+                                               indirect=True)
+
+
 def _requests(n: int, seed: int = 0):
     rng = random.Random(seed)
     lines = []
@@ -179,6 +186,7 @@ def _check_exactly_once(rows, n):
     assert sorted(r["error"]["code"] for r in rows if r["error"]) == ["duplicate_custom_id", "invalid_json"]
 
 
+@ONE_STORE_BY_DEFAULT
 def test_a_second_run_is_refused_and_sigterm_writes_the_last_part(store, tmp_path, tiny_gguf, env):
     n = 20
     inp = _upload(store, tmp_path, _requests(n))
@@ -246,6 +254,7 @@ def _kill_and_resume(store, tmp_path, tiny_gguf, env, seed: int):
             assert line in final
 
 
+@ONE_STORE_BY_DEFAULT
 def test_killed_then_resumed_answers_every_id_once(store, tmp_path, tiny_gguf, env):
     _kill_and_resume(store, tmp_path, tiny_gguf, env, seed=1)
 

@@ -300,6 +300,7 @@ def test_warmup_compiles_on_threads_the_executables_its_steps_run(tiny_gguf):
     assert counts[1] == counts[3]
 
 
+@pytest.mark.slow  # two whole warm-ups into a cache of its own: over a minute
 def test_a_second_start_loads_every_warmup_executable_from_the_cache(tiny_gguf, tmp_path):
     """With JAX's persistent compilation cache (LLM keeps one under $JAXINFER_HOME), a second
     engine's warm-up compiles nothing: every executable it builds is loaded from the cache the

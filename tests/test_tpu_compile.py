@@ -162,7 +162,7 @@ DEEPSEEK_TOY = dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=2048, hi
                     tie_word_embeddings=False, hidden_act="silu")
 
 
-@pytest.mark.parametrize("name", ["gpt-oss", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["gpt-oss", pytest.param("deepseek-v3", marks=pytest.mark.slow)])  # one default
 def test_pools_of_narrow_heads_and_latents_are_padded_to_whole_tiles_on_tpu(name):
     """A pool whose minor dimension is 64 (gpt-oss's heads) or 576 (DeepSeek-V3's latent) fills
     its (8, 128) tiles only in part: stored so, XLA laid it out with the pages minor and copied
@@ -253,6 +253,7 @@ def test_the_sampler_on_a_tensor_parallel_mesh_splits_the_threshold_rows_over_mo
     assert text.count("tpu_custom_call") == 2 and "f32[3,2048]" in text
 
 
+@pytest.mark.slow  # the default suite compiles int8 pools under tensor parallelism, above
 def test_int8_kv_decode_step_reads_and_writes_its_pools_in_place():
     """int8 pools (XLA's readers; the Pallas kernels take float pools): the int8 values and the
     float32 scales, stored flat [P, K * ps] (128 wide here: 8 KV heads of 16-token pages), come
@@ -278,6 +279,7 @@ def test_the_transposed_keys_layout_copies_a_pool_per_layer():
     assert len(rec["pool_copies"]) >= WIDE.n_layers, rec["pool_copies"]
 
 
+@pytest.mark.slow  # six compiles in a subprocess: minutes; the steps' own compiles above are the default
 def test_tpu_compile_script_writes_a_report(tmp_path):
     """benchmarks/tpu_compile.py at a toy size: a record per executable with the figures the
     page documents, and the HLO beside it."""
@@ -362,6 +364,7 @@ def test_tpu_startup_script_compiles_a_sample_of_the_warmup_set_and_finds_it_cac
     assert all(r["compile_s"] > 0 for r in first["executables"])
 
 
+@pytest.mark.slow  # half a minute; the encoder runs on CPU in tests/test_gemma3_vision.py
 def test_gemma3_image_encoder_compiles_for_v5e():
     """Gemma 3's SigLIP tower and projector at the published width (1152, 16 heads, 896 x 896
     pixels in 4,096 patches pooled to 256 soft tokens of the 4B's 2560), two of its 27 layers,
@@ -404,6 +407,7 @@ def test_bytes_by_op_adds_up_to_xla_bytes_accessed_and_finds_what_is_staged_in_v
     assert abs(hlo_bytes.bytes_by_op(text, hbm=True)["total"] / weights - 1) < 0.01
 
 
+@pytest.mark.slow  # a minute: pools of 16k positions beside a prefill row
 def test_gemma3_step_with_an_image_compiles_for_v5e_with_the_pools_in_place():
     """A toy Gemma 3 (one local and one global layer, heads of 128, pools larger than VMEM)
     whose packed step carries an image: 8 decode rows beside a prefill row of 128 tokens, 64 of
