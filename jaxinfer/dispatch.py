@@ -125,10 +125,12 @@ CHOICES = ("auto", "pallas", "native", "xla")
 
 def sampler_kernels(k: Kernels) -> SamplerKernels:
     """Where the sampler's wide top-k / top-p bisections run under choice ``k``: the Pallas
-    kernel (``pallas_kernels.sample_threshold``) where the engine runs Pallas on a TPU, or
-    interprets it; XLA's passes elsewhere (on GPU XLA's fused reduction streams a row at
-    bandwidth, and there is no Triton variant)."""
-    on = k.pallas and (k.interpret or _common.resolve_platform(k.platform) == "tpu")
+    kernel (``pallas_kernels.sample_threshold``) where the engine runs Pallas on a TPU
+    (interpreted if ``k`` interprets); XLA's passes elsewhere: on GPU XLA's fused reduction
+    streams a row at bandwidth and there is no Triton variant, and an engine interpreting the
+    TPU kernels on a CPU keeps its sampler out of interpret mode, whose 32-step loops over the
+    vocabulary compile for minutes (the kernel's own tests interpret it by name)."""
+    on = k.pallas and _common.resolve_platform(k.platform) == "tpu"
     return SamplerKernels(pallas=True, interpret=k.interpret, mesh=k.mesh) if on else SamplerKernels()
 
 

@@ -203,6 +203,10 @@ def _lower_step(devices, kind: str, *, decode_only: bool, quantization: str | No
     return lowered.compile().as_text(), info["pools"][0][0][0]
 
 
+# the sampler's two threshold kernels (wide top-k, wide top-p), beside a step's layers' calls
+SAMPLER_CALLS = 2
+
+
 def _gathered_pools(hlo: str, pool_shape) -> list[str]:
     """The all-gathers whose result holds a whole pool's pages (a pool moving between devices)."""
     lead = f"[{pool_shape[0]},"
@@ -214,7 +218,7 @@ def test_llama_step_compiles_for_a_v5e_2x2_mesh_with_tensor_parallel_4(decode_on
     """The decode step (paged decode kernel) and a step with a prefill row (ragged kernel):
     Mosaic calls, one per layer, each device on its KV head of the four; no pool gathered."""
     hlo, pool = _lower_step(tpu_devices("v5e:2x2", (2, 2, 1)), "llama", decode_only=decode_only)
-    assert hlo.count("custom_call_target=\"tpu_custom_call\"") == 2
+    assert hlo.count("custom_call_target=\"tpu_custom_call\"") == 2 + SAMPLER_CALLS
     decode = bool(re.search(r"(?<!ragged_)paged_attention_tpu", hlo))
     assert decode == decode_only and ("ragged_paged_attention_tpu" in hlo) != decode_only
     assert not _gathered_pools(hlo, pool)
@@ -222,20 +226,20 @@ def test_llama_step_compiles_for_a_v5e_2x2_mesh_with_tensor_parallel_4(decode_on
 
 def test_llama_step_compiles_for_one_v5e_chip():
     hlo, _ = _lower_step(tpu_devices("v5e:1x1", (1, 1, 1)), "llama", decode_only=True)
-    assert hlo.count("custom_call_target=\"tpu_custom_call\"") == 2
+    assert hlo.count("custom_call_target=\"tpu_custom_call\"") == 2 + SAMPLER_CALLS
     assert not re.search(r" (all-gather|all-reduce)(-start)?\(", hlo)
 
 
 def test_int8_step_compiles_for_a_v5e_2x2_mesh():
     """Every projection and the LM head through the quantized matmul kernel, per weight shard."""
     hlo, pool = _lower_step(tpu_devices("v5e:2x2", (2, 2, 1)), "llama", decode_only=True, quantization="int8")
-    assert hlo.count("custom_call_target=\"tpu_custom_call\"") == 2 + 2 * 7 + 1
+    assert hlo.count("custom_call_target=\"tpu_custom_call\"") == 2 + 2 * 7 + 1 + SAMPLER_CALLS
     assert not _gathered_pools(hlo, pool)
 
 
 def test_moe_step_compiles_for_a_v5e_2x2_mesh():
     """The experts' three grouped matmuls per layer as Mosaic calls inside the block's shard_map."""
     hlo, pool = _lower_step(tpu_devices("v5e:2x2", (2, 2, 1)), "moe", decode_only=True)
-    assert hlo.count("custom_call_target=\"tpu_custom_call\"") == 2 * (1 + 3)
+    assert hlo.count("custom_call_target=\"tpu_custom_call\"") == 2 * (1 + 3) + SAMPLER_CALLS
     assert "grouped_matmul_tpu" in hlo
     assert not _gathered_pools(hlo, pool)

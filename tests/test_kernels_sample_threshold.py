@@ -184,7 +184,7 @@ def test_the_sampler_with_the_kernel_equals_the_sampler_with_xla():
 
 def test_the_engines_choice_decides_where_the_sampler_bisects():
     """The Pallas kernel on a TPU under a Pallas choice, interpreted where the choice
-    interprets; XLA's passes under the XLA choice and on GPU (no Triton variant)."""
+    interprets; XLA's passes under the XLA choice, on GPU (no Triton variant) and on a CPU."""
     from jaxinfer import dispatch
     from jaxinfer.sampling import SamplerKernels
 
@@ -192,7 +192,9 @@ def test_the_engines_choice_decides_where_the_sampler_bisects():
     assert dispatch.sampler_kernels(dispatch.Kernels(platform="tpu")) == SamplerKernels()
     assert dispatch.sampler_kernels(pallas.__class__("pallas", "pallas", platform="tpu")) == SamplerKernels(pallas=True)
     assert dispatch.sampler_kernels(dispatch.Kernels("pallas", "pallas", platform="gpu")) == SamplerKernels()
-    assert dispatch.sampler_kernels(dispatch.INTERPRET) == SamplerKernels(pallas=True, interpret=True)
+    assert dispatch.sampler_kernels(dispatch.INTERPRET) == SamplerKernels()  # the TPU kernels, on a CPU
+    tpu_interpreted = dispatch.Kernels("pallas", "pallas", interpret=True, platform="tpu")
+    assert dispatch.sampler_kernels(tpu_interpreted) == SamplerKernels(pallas=True, interpret=True)
     assert dispatch.sampler_kernels(dispatch.XLA) == SamplerKernels()
 
 
@@ -210,7 +212,8 @@ def test_the_engines_sampling_step_with_the_kernel_gives_the_same_tokens():
                       jnp.zeros(B, jnp.int32))
     run = jax.jit(st_step.sample_rows, static_argnames=("num_logprobs", "kernels"))
     active = jnp.ones(B, bool)
-    a = run(logits, slots, active, num_logprobs=-1, kernels=dispatch.INTERPRET)
+    a = run(logits, slots, active, num_logprobs=-1, kernels=dispatch.Kernels("pallas", "pallas", interpret=True,
+                                                                             platform="tpu"))
     b = run(logits, slots, active, num_logprobs=-1, kernels=dispatch.XLA)
     jax.tree.map(np.testing.assert_array_equal, a, b)
     assert run._cache_size() == 2
