@@ -109,6 +109,7 @@ def _two_processes(inputs, out, model, *extra, env):
     return [(p.returncode, err) for p, err in zip(procs, errs)]
 
 
+@pytest.mark.slow  # 30 s: three two-process runs; the global-mesh LLM test and tests/test_batch_resume.py cover its parts
 def test_batch_on_one_global_mesh_resumes_and_equals_one_device(tiny_gguf, tmp_path, tmp_path_factory):
     lines = [completion(f"id-{i}", f"Say {i}", max_tokens=4, temperature=0) for i in range(8)]
     lines[3:3] = ["{broken"]

@@ -64,6 +64,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 20 s in a subprocess; the engine under TP, DP x TP and PP runs in tests/test_parallel.py
 def test_sharded_forward_equals_single_device():
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     p = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)

@@ -51,12 +51,16 @@ def test_ngram_lookup_by_hand():
     assert ngram_propose([3, 1, 2, 8, 3, 1, 2], 1, 2, 2) == [8]
 
 
+# EAGLE's default-suite goldens are tests/test_eagle.py's engine tests (greedy output kept)
 @pytest.mark.parametrize("spec", [NGRAM, pytest.param(EARLY, marks=pytest.mark.slow),
-                                  pytest.param(MEDUSA, marks=pytest.mark.slow), EAGLE,
+                                  pytest.param(MEDUSA, marks=pytest.mark.slow), pytest.param(EAGLE, marks=pytest.mark.slow),
                                   pytest.param({**EAGLE, "branches": 3}, marks=pytest.mark.slow)],
                          ids=["ngram", "early_exit", "medusa", "eagle", "eagle_branches"])
-def test_greedy_equals_transformers_goldens(smollm2_gguf, spec):
-    llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=spec, kv_cache_memory_bytes=KV_BYTES)
+def test_greedy_equals_transformers_goldens(smollm2_gguf, spec, request):
+    if spec is NGRAM:  # the module's n-gram engine, built with these very settings
+        llm = request.getfixturevalue("ngram_llm")
+    else:
+        llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=spec, kv_cache_memory_bytes=KV_BYTES)
     sp = SamplingParams(temperature=0.0, max_tokens=len(GOLDEN[0]["greedy_ids"]), ignore_eos=True,
                         skip_special_tokens=False)
     outs = llm.generate([c["prompt_ids"] for c in GOLDEN], sp, use_tqdm=False)
