@@ -63,10 +63,12 @@ def test_greedy_equals_transformers_goldens(smollm2_gguf, spec, request):
         llm = LLM(str(smollm2_gguf), max_model_len=1024, progress=False, speculative_config=spec, kv_cache_memory_bytes=KV_BYTES)
     sp = SamplingParams(temperature=0.0, max_tokens=len(GOLDEN[0]["greedy_ids"]), ignore_eos=True,
                         skip_special_tokens=False)
+    before = llm.engine.spec_stats.summary()  # the shared n-gram engine may have run already
     outs = llm.generate([c["prompt_ids"] for c in GOLDEN], sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [c["greedy_ids"] for c in GOLDEN]
-    st = llm.engine.spec_stats
-    assert st.steps > 0 and st.drafted > 0 and st.accepted > 0  # speculation really ran
+    st = llm.engine.spec_stats  # speculation really ran, in this test
+    assert st.steps > before["spec_steps"] and st.drafted > before["spec_drafted_tokens"]
+    assert st.accepted > before["spec_accepted_tokens"]
 
 
 @pytest.mark.slow  # 30 s: a second real model loaded and compiled with speculation
