@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxinfer import cpu_kernels, kernels, quant
+from jaxinfer import einsum as einsums
 from jaxinfer.sampling import SamplerKernels
 from jaxinfer.errors import InvalidRequest
 from jaxinfer.sharding import per_model_shard
@@ -263,7 +264,7 @@ def einsum(eq: str, x: jax.Array, w) -> jax.Array:
 
 
 def xla_einsum(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """The reference: XLA's einsum, in x's dtype."""
+    """The reference: XLA's einsum (``jnp.einsum``'s program), in x's dtype."""
     w = w.astype(x.dtype) if w.dtype != x.dtype else w
     lhs, out = eq.split("->")
     xs, ws = lhs.split(",")
@@ -274,8 +275,8 @@ def xla_einsum(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
         n = len(c)
         x2 = x.reshape(*x.shape[:-n], -1)
         w2 = w.reshape(-1, *w.shape[n:])
-        return jnp.einsum(f"{xs[:-n]}Z,Z{ws[n:]}->{out}", x2, w2)
-    return jnp.einsum(eq, x, w)
+        return einsums.einsum(f"{xs[:-n]}Z,Z{ws[n:]}->{out}", x2, w2)
+    return einsums.einsum(eq, x, w)
 
 
 def _few_rows_f32(eq: str, x: jax.Array, w: jax.Array) -> jax.Array | None:

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig, RopeKind, yarn_mscale, yarn_or_default_rope
+from jaxinfer.einsum import einsum
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models import moe
 from jaxinfer.models.family import LayerAt, ModelFamily, decoder, layer_loop
@@ -170,11 +171,11 @@ def attention_block(w: dict, x: jax.Array, cache, j: int, positions, start, rope
     k_rope = ckv[:, :, None, C:]  # [B, T, 1, R]
     q_rope, k_rope = apply_rope(_pairs_split(q_rope), rope), apply_rope(_pairs_split(k_rope), rope)
     w_uk, w_uv = w["wkv_b"][..., :Dn], w["wkv_b"][..., Dn:]  # [C, N, Dn], [C, N, Dv]
-    q_latent = jnp.einsum("BTNd,CNd->BTNC", q_nope, w_uk.astype(q_nope.dtype))
+    q_latent = einsum("BTNd,CNd->BTNC", q_nope, w_uk.astype(q_nope.dtype))
     qa = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)  # [B, T, N, C + R]
     latent = jnp.concatenate([c[:, :, None, :], k_rope.astype(c.dtype)], axis=-1)  # [B, T, 1, C + R]
     o, cache = attend_latent(cache, j, qa, latent, positions, start, read_cache=read_cache, scale=cfg.attn_scale)
-    o = jnp.einsum("BTNC,CNv->BTNv", o[..., :C], w_uv.astype(o.dtype))  # [B, T, N, Dv]
+    o = einsum("BTNC,CNv->BTNv", o[..., :C], w_uv.astype(o.dtype))  # [B, T, N, Dv]
     return x + dot("BTNv,NvD->BTD", o, w["wo"]), cache
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxinfer import dispatch
 from jaxinfer.config import RopeConfig, RopeKind
+from jaxinfer.einsum import einsum
 
 # The weight declarations live in jaxinfer.specs; re-exported for existing importers.
 from jaxinfer.specs import WeightSpec, init_weights, is_spec, spec_dtype, weight_key  # noqa: F401
@@ -177,7 +178,7 @@ def attention(
     # (T, G) fold into one row axis M so both contractions are plain batched matmuls over
     # (B, K); with T and G apart XLA CPU fell back to a slow generic dot.
     qm = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
-    s = jnp.einsum("BKMH,BKHS->BKMS", qm.astype(jnp.float32) * scale, k.astype(jnp.float32))
+    s = einsum("BKMH,BKHS->BKMS", qm.astype(jnp.float32) * scale, k.astype(jnp.float32))
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     kpos = kpos if kpos.ndim == 2 else kpos[None, :]  # i32[B or 1, S]
@@ -191,7 +192,7 @@ def attention(
     # A masked score's weight is exactly 0, but 0 * NaN is NaN: values in slots no query may
     # see must be finite. The caches' read_layer zeroes them inside the copy they make anyway
     # (zeroing here copied V once more: 4x the cost of the whole decode attention).
-    out = jnp.einsum("BKMS,BKSH->BKMH", p, v.astype(jnp.float32))
+    out = einsum("BKMS,BKSH->BKMH", p, v.astype(jnp.float32))
     return out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H).astype(q.dtype)
 
 

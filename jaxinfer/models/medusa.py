@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.einsum import einsum
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models.registry import model_family
 from jaxinfer.specs import WeightSpec, init_weights
@@ -52,7 +53,7 @@ def init_heads(cfg, num_heads: int, key=None, scale: float = 0.0) -> dict:
 def head_hidden(heads: dict, h: jax.Array) -> jax.Array:
     """h f32[..., D] (the model's hidden state before its final norm) -> f32[..., K, D]."""
     h = h.astype(jnp.float32)
-    z = jnp.einsum("...d,kde->...ke", h, heads["w"]) + heads["b"]
+    z = einsum("...d,kde->...ke", h, heads["w"]) + heads["b"]
     return h[..., None, :] + jax.nn.silu(z)
 
 

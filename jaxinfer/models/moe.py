@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxinfer import dispatch
+from jaxinfer.einsum import einsum
 from jaxinfer.models.layers import dot, silu
 from jaxinfer.quant import QuantArray, QuantScheme
 from jaxinfer.sharding import Placed, per_model_shard
@@ -183,7 +184,7 @@ def _expert_rows(x, weights, experts, w: dict, *, glu, n_experts: int, axis: str
         y = y + jnp.where((mine & owner)[:, None], b, jnp.zeros((), y.dtype))
     back = jnp.zeros_like(order).at[order].set(jnp.arange(M * k, dtype=order.dtype))  # (token, slot) -> sorted row
     y = jnp.take(y, back, axis=0).reshape(M, k, -1)
-    out = jnp.einsum("MKD,MK->MD", y.astype(jnp.float32), weights.astype(jnp.float32))
+    out = einsum("MKD,MK->MD", y.astype(jnp.float32), weights.astype(jnp.float32))
     if axis is not None:
         out = jax.lax.psum(out, axis)
     return out.astype(x.dtype)

@@ -74,6 +74,7 @@ import jax.numpy as jnp
 from jaxinfer import cpu_kernels, dispatch
 from jaxinfer import kernels as ops
 from jaxinfer.cache import QuantKV, _load, write_pages
+from jaxinfer.einsum import einsum
 from jaxinfer.models.layers import sink_rows
 from jaxinfer.quant import dequantize_kv, quantize_kv
 
@@ -277,7 +278,7 @@ class _RunningSoftmax:
         m_blk = s.max(axis=-1, keepdims=True)
         m = m_blk if self.m is None else jnp.maximum(self.m, m_blk)
         p = jnp.where(valid, jnp.exp(s - m), 0.0)  # exactly 0 where masked: 0 * finite values
-        pv = jnp.einsum("BKMS,BKSH->BKMH", p, values)
+        pv = einsum("BKMS,BKSH->BKMH", p, values)
         if self.m is None:
             self.l, self.o = p.sum(axis=-1, keepdims=True), pv
         else:
@@ -319,14 +320,14 @@ def _scores(qm, keys, softcap, keys_transposed: bool = True):
     keys = keys.astype(jnp.float32)
     M, H = qm.shape[2], qm.shape[3]
     if not keys_transposed:  # (the unrolled form wants rows of keys along S: the CPU layout)
-        s = jnp.einsum("BKMH,BKSH->BKMS", qm, keys)
+        s = einsum("BKMH,BKSH->BKMS", qm, keys)
     elif M <= UNROLL_QUERIES and H <= UNROLL_HEAD_DIM:
         # one fused pass over the keys (XLA CPU's batched dot at M = 3 is 2x slower)
         s = qm[:, :, :, 0, None] * keys[:, :, None, 0, :]
         for h in range(1, H):
             s = s + qm[:, :, :, h, None] * keys[:, :, None, h, :]
     else:
-        s = jnp.einsum("BKMH,BKHS->BKMS", qm, keys)
+        s = einsum("BKMH,BKHS->BKMS", qm, keys)
     return s if softcap is None else softcap * jnp.tanh(s / softcap)
 
 

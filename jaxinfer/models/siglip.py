@@ -23,6 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.einsum import einsum
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models.family import ImageEncoder
 from jaxinfer.specs import WeightSpec
@@ -163,8 +164,8 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Ar
     kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
 
     def block(qb):  # [B, T, N, H]
-        s = jnp.einsum("BTNH,BSNH->BNTS", qb.astype(jnp.float32) * scale, kf)
-        return jnp.einsum("BNTS,BSNH->BTNH", jax.nn.softmax(s, -1), vf)
+        s = einsum("BTNH,BSNH->BNTS", qb.astype(jnp.float32) * scale, kf)
+        return einsum("BNTS,BSNH->BTNH", jax.nn.softmax(s, -1), vf)
 
     if P <= QUERY_BLOCK or P % QUERY_BLOCK:
         return block(q)
@@ -176,15 +177,15 @@ def _layer(w: dict, x: jax.Array, cfg: VisionConfig) -> jax.Array:
     """One pre-LayerNorm encoder layer: every patch attends to every patch of its image."""
     with jax.named_scope("vision_attention"):
         h = _layer_norm(x, w["attn_norm"], w["attn_norm_bias"], cfg.norm_eps)
-        q = jnp.einsum("BPD,DNH->BPNH", h, w["wq"]) + w["bq"]
-        k = jnp.einsum("BPD,DNH->BPNH", h, w["wk"]) + w["bk"]
-        v = jnp.einsum("BPD,DNH->BPNH", h, w["wv"]) + w["bv"]
+        q = einsum("BPD,DNH->BPNH", h, w["wq"]) + w["bq"]
+        k = einsum("BPD,DNH->BPNH", h, w["wk"]) + w["bk"]
+        v = einsum("BPD,DNH->BPNH", h, w["wv"]) + w["bv"]
         a = _attention(q, k, v, cfg.head_dim ** -0.5).astype(x.dtype)
-        x = x + jnp.einsum("BPNH,NHD->BPD", a, w["wo"]) + w["bo"]
+        x = x + einsum("BPNH,NHD->BPD", a, w["wo"]) + w["bo"]
     with jax.named_scope("vision_mlp"):
         h = _layer_norm(x, w["mlp_norm"], w["mlp_norm_bias"], cfg.norm_eps)
-        h = jax.nn.gelu(jnp.einsum("BPD,DF->BPF", h, w["w_up"]) + w["b_up"], approximate=True)
-        return x + jnp.einsum("BPF,FD->BPD", h, w["w_down"]) + w["b_down"]
+        h = jax.nn.gelu(einsum("BPD,DF->BPF", h, w["w_up"]) + w["b_up"], approximate=True)
+        return x + einsum("BPF,FD->BPD", h, w["w_down"]) + w["b_down"]
 
 
 def encode(weights: dict, pixels: jax.Array, *, cfg: VisionConfig) -> jax.Array:
@@ -195,7 +196,7 @@ def encode(weights: dict, pixels: jax.Array, *, cfg: VisionConfig) -> jax.Array:
         # [B, C, side, p, side, p] -> [B, side * side, C, p, p], patches in row-major order
         patches = pixels.astype(dt).reshape(B, C, side, p, side, p).transpose(0, 2, 4, 1, 3, 5)
         patches = patches.reshape(B, side * side, C, p, p)
-        x = jnp.einsum("BPCHW,DCHW->BPD", patches, weights["patch"]) + weights["patch_bias"] + weights["positions"]
+        x = einsum("BPCHW,DCHW->BPD", patches, weights["patch"]) + weights["patch_bias"] + weights["positions"]
     for w in weights["layers"]:
         x = _layer(w, x, cfg)
     x = _layer_norm(x, weights["final_norm"], weights["final_norm_bias"], cfg.norm_eps)
@@ -205,7 +206,7 @@ def encode(weights: dict, pixels: jax.Array, *, cfg: VisionConfig) -> jax.Array:
         pooled = x.astype(jnp.float32).reshape(B, t, k, t, k, cfg.d_model).mean((2, 4)).reshape(B, t * t, cfg.d_model)
         pooled = pooled * jax.lax.rsqrt(jnp.mean(pooled * pooled, -1, keepdims=True) + cfg.norm_eps)
         pooled = (pooled * (1.0 + weights["mm_norm"].astype(jnp.float32))).astype(dt)
-        return jnp.einsum("BMD,DE->BME", pooled, weights["mm_proj"])
+        return einsum("BMD,DE->BME", pooled, weights["mm_proj"])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
