@@ -8,6 +8,7 @@ Shape glossary (used in einsum strings and comments everywhere):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -46,6 +47,10 @@ def take(w, tokens: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- norms
+# rms_norm and apply_rope are traced once per shape and inlined (jax.jit(inline=True)): a step
+# calls each twice or more per layer, and tracing jnp's ops anew costs ~10x a cached trace; the
+# program is the same, op for op
+@functools.partial(jax.jit, static_argnames=("eps", "plus_one"), inline=True)
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, *, plus_one: bool = False) -> jax.Array:
     """RMSNorm in float32 (Gemma 2/3 scale by 1 + w; w None: no scale, Gemma 4's value norm)."""
     xf = x.astype(jnp.float32)
@@ -133,6 +138,7 @@ def rope_table(positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) ->
     return jax.lax.cond(jnp.min(positions, initial=0) >= -(1 << 30), table, shifted, positions)
 
 
+@functools.partial(jax.jit, inline=True)
 def apply_rope(x: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
     """Rotary embedding in the half-split layout. x: [B, T, n, H], table: ``rope_table``
     with R/2 angles: the first R dims of each head rotate (dim i with i + R/2), the last
