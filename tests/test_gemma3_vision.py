@@ -282,7 +282,8 @@ def test_prompt_text_as_the_processor_writes_it():
 def test_prefill_with_images_into_a_cache_then_decode_equals_the_full_forward(mm):
     """A prompt with two images prefilled into a dense KV cache (the image tokens' bidirectional
     attention written to it), then decoded a token at a time with the plain forward: each step
-    equals the full forward of the sequence so far, images included."""
+    equals the full forward of the sequence so far, images included (read off one full forward
+    of the whole sequence: causal, so each position sees what it saw then)."""
     import jax
     import jax.numpy as jnp
 
@@ -295,17 +296,18 @@ def test_prefill_with_images_into_a_cache_then_decode_equals_the_full_forward(mm
     proc = ImageProcessor.from_dir(mm[0])
     ids = _prompt(np.random.default_rng(11), 2)
     soft = siglip.encode_images(vweights, np.stack([proc(i) for i in _images(2, seed=4)]), cfg=vcfg)
-    full = lambda seq: np.asarray(gemma3.unembed(w, gemma3.forward_with_images(  # noqa: E731
-        w, jnp.asarray([seq]), soft, jnp.zeros(1, jnp.int32), None, cfg=cfg, image_token=IMG)[0], cfg))[0]
+    full = jax.jit(lambda w, seq, soft: gemma3.unembed(w, gemma3.forward_with_images(
+        w, seq, soft, jnp.zeros(1, jnp.int32), None, cfg=cfg, image_token=IMG)[0], cfg))
     cache = kv.init_cache(cfg, 1, T_PAD)
-    h, cache = gemma3.forward_with_images(w, jnp.asarray([ids]), soft, jnp.zeros(1, jnp.int32), cache, cfg=cfg,
-                                          image_token=IMG, read_cache=False)
-    logits = np.asarray(gemma3.unembed(w, h, cfg))[0]
-    np.testing.assert_allclose(logits, full(ids), rtol=0, atol=1e-4)
+    h, cache = jax.jit(lambda w, t, soft, c: gemma3.forward_with_images(
+        w, t, soft, jnp.zeros(1, jnp.int32), c, cfg=cfg, image_token=IMG, read_cache=False))(
+        w, jnp.asarray([ids]), soft, cache)
+    logits = [np.asarray(gemma3.unembed(w, h, cfg))[0]]
     seq = list(ids)
     step = jax.jit(lambda w, t, s, c: gemma3.forward(w, t, s, c, cfg=cfg))
     for _ in range(4):
-        seq.append(int(np.argmax(logits[-1])))
+        seq.append(int(np.argmax(logits[-1][-1])))
         h, cache = step(w, jnp.asarray([[seq[-1]]]), jnp.asarray([len(seq) - 1], jnp.int32), cache)
-        logits = np.asarray(gemma3.unembed(w, h, cfg))[0]
-        np.testing.assert_allclose(logits[-1], full(seq)[-1], rtol=0, atol=1e-4)
+        logits.append(np.asarray(gemma3.unembed(w, h, cfg))[0])
+    np.testing.assert_allclose(np.concatenate(logits), np.asarray(full(w, jnp.asarray([seq]), soft))[0],
+                               rtol=0, atol=1e-4)
