@@ -205,10 +205,11 @@ class LLM:
         from jaxinfer.media import MediaConfig
 
         self.media = MediaConfig(allowed_local_media_path=allowed_local_media_path)
-        if not isinstance(model, checkpoint.Loaded):  # a multimodal checkpoint's image encoder
-            from jaxinfer.engine import multimodal
+        from jaxinfer.engine import multimodal
 
-            self.engine.images = multimodal.load(self.model_path, self.tokenizer, dtype=dtype)
+        self._no_images = multimodal.NO_ENCODER  # why image inputs are refused, where they are
+        if not isinstance(model, checkpoint.Loaded):  # a multimodal checkpoint's image encoder
+            self.engine.images, self._no_images = multimodal.load(self.model_path, self.tokenizer, dtype=dtype)
             if self.engine.images is not None:
                 self.engine.images.limit = (self.limit_mm_per_prompt or {}).get("image")
         if self.engine.pipeline is not None:  # the weights now live stacked by stage
@@ -321,7 +322,7 @@ class LLM:
         carry the images (``multimodal.ImagePrompt``)."""
         images = self.engine.images
         conv, sources = _plain_conversation(conv, i, None if images is None else images.boi,
-                                            parts=self.tokenizer.renders_content_parts)
+                                            parts=self.tokenizer.renders_content_parts, no_images=self._no_images)
         if sources:
             self._check_images(len(sources), f"conversation {i}")
         text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
@@ -340,8 +341,7 @@ class LLM:
         from jaxinfer.engine import multimodal
 
         if self.engine.images is None:
-            raise InvalidRequest(f"{what}: this model takes no images (its checkpoint has no image encoder "
-                                 "jaxinfer runs); send text content")
+            raise InvalidRequest(f"{what}: this model takes no images ({self._no_images}); send text content")
         multimodal.limit_images(n, self.limit_mm_per_prompt, what)
 
     def _read_image(self, source, what: str):
@@ -775,13 +775,15 @@ def _image_source(p: dict, i):
     return url
 
 
-def _plain_conversation(conv, i, boi: str | None = None, *, parts: bool = False) -> tuple[list[dict], list]:
+def _plain_conversation(conv, i, boi: str | None = None, *, parts: bool = False,
+                        no_images: str = "") -> tuple[list[dict], list]:
     """The conversation as the chat template takes it, and the images its parts name (URLs or
     images), in order. parts (the template loops over content parts, as multimodal ones do): a
     list of content parts stays a list, in transformers' form ({"type": "text", "text": ...},
     {"type": "image"}), and the template places each image's marker. Otherwise each message's
     content becomes one string: text parts joined with newlines, as vLLM joins them; with image
-    parts (boi: the model's image marker; None: the model takes no images), the parts joined in
+    parts (boi: the model's image marker; None: the model takes no images, for the reason
+    ``no_images``), the parts joined in
     order as Gemma 3's chat template joins them: each image as its marker, each text stripped."""
     if not isinstance(conv, list) or not conv:
         raise InvalidRequest(f"conversation {i} must be a non-empty list of messages")
@@ -799,8 +801,8 @@ def _plain_conversation(conv, i, boi: str | None = None, *, parts: bool = False)
                                      f"{sorted(map(str, kinds))}")
             if kinds & _IMAGE_PARTS:
                 if boi is None:
-                    raise InvalidRequest(f"conversation {i}: this model takes no images (its checkpoint has no "
-                                         "image encoder jaxinfer runs); send text content")
+                    raise InvalidRequest(f"conversation {i}: this model takes no images ({no_images}); "
+                                         "send text content")
                 sources += [_image_source(p, i) for p in content if p["type"] in _IMAGE_PARTS]
             if parts:
                 m = {**m, "content": [{"type": "text", "text": p["text"]} if p["type"] == "text" else {"type": "image"}

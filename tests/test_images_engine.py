@@ -212,6 +212,26 @@ def test_images_with_speculative_decoding_are_refused(ckpt):
         _run(llm, [_prompt(np.random.default_rng(1), 1)], [_images(1)])
 
 
+def test_without_its_preprocessor_config_images_are_refused_saying_so(ckpt, tmp_path):
+    """A multimodal checkpoint copied without preprocessor_config.json still serves text; an
+    image, in a prompt or a chat, is refused with the file it lacks, not "no image encoder"."""
+    import shutil
+
+    from jaxinfer.errors import InvalidRequest
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(ckpt[0], path, ignore=shutil.ignore_patterns("preprocessor_config.json"))
+    llm = _llm(path)
+    assert llm.engine.images is None
+    with pytest.raises(InvalidRequest, match="prompt 0: this model takes no images .*no preprocessor_config.json"):
+        _run(llm, [_prompt(np.random.default_rng(1), 1)], [_images(1)])
+    chat = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]
+    with pytest.raises(InvalidRequest, match="conversation 0: .*no preprocessor_config.json") as e:
+        llm.chat(chat, use_tqdm=False)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.slow
 def test_after_warm_up_image_requests_compile_nothing(ckpt):
     """Warm-up builds the encoder for each image bucket and each prefill step's image variant:

@@ -210,32 +210,39 @@ class ImageInputs:
         return dataclasses.replace(batch, image_embeds=rows, image_index=index, attend_to=attend_to)
 
 
-def load(path, tokenizer, *, dtype: str) -> ImageInputs | None:
-    """The ImageInputs of a Hugging Face checkpoint directory whose family encodes its images
-    (and which has a ``preprocessor_config.json``), else None: its images are then refused."""
+NO_ENCODER = "its checkpoint has no image encoder jaxinfer runs"
+
+
+def load(path, tokenizer, *, dtype: str) -> tuple[ImageInputs | None, str | None]:
+    """(the ImageInputs, None) of a Hugging Face checkpoint directory whose family encodes its
+    images, or (None, why its images are refused: ``NO_ENCODER``, or what the checkpoint lacks)."""
     from pathlib import Path
 
     from jaxinfer.images import ImageProcessor
     from jaxinfer.loaders.hf import image_encoder_of, load_image_encoder
 
     path = Path(path)
-    if not (path / "config.json").is_file() or not (path / "preprocessor_config.json").is_file():
-        return None
+    if not (path / "config.json").is_file():
+        return None, NO_ENCODER
     encoder, hf = image_encoder_of(path)
     if encoder is None or encoder.expand is None:
-        return None
-    cfg, weights = load_image_encoder(path, dtype=dtype)
+        return None, NO_ENCODER
+    if not (path / "preprocessor_config.json").is_file():
+        return None, (f"its checkpoint has an image encoder but no preprocessor_config.json, which says how its "
+                      f"images are resized and normalised: copy that file from the model's repository into {path}")
     ids = [hf.get(k) for k in encoder.markers]
     if any(not isinstance(i, int) for i in ids):
-        return None
+        return None, f"its config.json does not give the image marker token ids {', '.join(encoder.markers)}"
+    cfg, weights = load_image_encoder(path, dtype=dtype)
     markers = tuple(tokenizer.id_to_piece(i) for i in ids)
-    return ImageInputs(encoder, cfg, weights, ImageProcessor.from_dir(path), image_token=ids[1], markers=markers)
+    return ImageInputs(encoder, cfg, weights, ImageProcessor.from_dir(path), image_token=ids[1],
+                       markers=markers), None
 
 
 def refusal(engine) -> str | None:
     """Why ``engine`` runs no image request at all, or None where it runs them."""
     if engine.images is None:
-        return "this model takes no images (its checkpoint has no image encoder jaxinfer runs)"
+        return f"this model takes no images ({NO_ENCODER})"
     if engine.D > 1 or engine.pipeline is not None or engine.spec is not None:
         return ("image inputs are not supported with data_parallel_size > 1, pipeline parallelism "
                 "or speculative decoding")
