@@ -22,7 +22,8 @@ from jax import lax
 
 @functools.lru_cache(maxsize=None)
 def _plan(eq: str):
-    """eq -> (swap, dimension numbers, transpose or None), or None where jnp.einsum keeps it."""
+    """eq -> (swap: w is the dot's lhs, dimension numbers, transpose or None, x's names, w's
+    names), or None where jnp.einsum keeps it."""
     if "->" not in eq or "." in eq:
         return None
     ins, out = eq.replace(" ", "").split("->")

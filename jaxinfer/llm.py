@@ -783,8 +783,8 @@ def _plain_conversation(conv, i, boi: str | None = None, *, parts: bool = False,
     {"type": "image"}), and the template places each image's marker. Otherwise each message's
     content becomes one string: text parts joined with newlines, as vLLM joins them; with image
     parts (boi: the model's image marker; None: the model takes no images, for the reason
-    ``no_images``), the parts joined in
-    order as Gemma 3's chat template joins them: each image as its marker, each text stripped."""
+    ``no_images``), the parts joined in order as Gemma 3's chat template joins them: each image
+    as its marker, each text stripped."""
     if not isinstance(conv, list) or not conv:
         raise InvalidRequest(f"conversation {i} must be a non-empty list of messages")
     out, sources = [], []
