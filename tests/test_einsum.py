@@ -21,6 +21,7 @@ CASES = [  # (equation, x shape, w shape, dtype)
     ("BKMH,BKHS->BKMS", (2, 3, 4, 5), (2, 3, 5, 6), F32),
     ("BKMH,BKSH->BKMS", (2, 3, 4, 5), (2, 3, 6, 5), F32),
     ("TKGH,TKLH->TKGL", (2, 3, 4, 5), (2, 3, 6, 5), F32),  # batch names in the output's order
+    ("TKGH,KTLH->KTGL", (2, 3, 4, 5), (3, 2, 6, 5), F32),  # ... which is neither operand's
     ("XKGL,XKLH->XKGH", (2, 3, 4, 6), (2, 3, 6, 5), F32),
     ("MKD,MK->MD", (3, 4, 8), (3, 4), F32),
     ("MK,MKD->MD", (3, 4), (3, 4, 8), F32),  # swapped operands spare the transpose
