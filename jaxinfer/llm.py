@@ -775,8 +775,8 @@ def _image_source(p: dict, i):
     return url
 
 
-def _plain_conversation(conv, i, boi: str | None = None, *, parts: bool = False,
-                        no_images: str = "") -> tuple[list[dict], list]:
+def _plain_conversation(conv, i, boi: str | None, *, parts: bool = False,
+                        no_images: str) -> tuple[list[dict], list]:
     """The conversation as the chat template takes it, and the images its parts name (URLs or
     images), in order. parts (the template loops over content parts, as multimodal ones do): a
     list of content parts stays a list, in transformers' form ({"type": "text", "text": ...},

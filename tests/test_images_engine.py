@@ -213,8 +213,8 @@ def test_images_with_speculative_decoding_are_refused(ckpt):
 
 
 def test_without_its_preprocessor_config_images_are_refused_saying_so(ckpt, tmp_path):
-    """A multimodal checkpoint copied without preprocessor_config.json still serves text; an
-    image, in a prompt or a chat, is refused with the file it lacks, not "no image encoder"."""
+    """A multimodal checkpoint copied without preprocessor_config.json loads; an image, in a
+    prompt or a chat, is refused with the file it lacks, not "no image encoder"."""
     import shutil
 
     from jaxinfer.errors import InvalidRequest
